@@ -1,0 +1,1 @@
+"""perfectschedctl: the command-line client of perfectschedd."""

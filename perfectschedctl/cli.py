@@ -1,0 +1,178 @@
+"""perfectschedctl: parse arguments, send one request, print the answer.
+
+Exit status: 0 success, 1 a refused request (one line on stderr), 2 usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from perfectschedd import ConfigError, ScheduleError, protocol
+from perfectschedd.config import DEFAULT_SOCKET
+
+from .client import DaemonUnavailable, SocketClient
+from .output import print_result
+
+EXIT_OK, EXIT_REFUSED, EXIT_USAGE = 0, 1, 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _unix_time(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a Unix time in seconds: {text!r}") from None
+
+
+def _seconds(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number of seconds: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative: {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="perfectschedctl", description="Control PerfectSched schedules.")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--socket", metavar="PATH",
+                       help=f"daemon control socket (default $PERFECTSCHED_SOCKET or "
+                            f"{DEFAULT_SOCKET})")
+    where.add_argument("-c", "--config", metavar="CONFIG",
+                       help="open the database of this config directly, without the daemon")
+    p.add_argument("-e", "--environment", metavar="ENV", help="section of a multi-env config")
+    p.add_argument("--json", action="store_true", help="print JSON for programs")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    def key_cmd(name: str, help_: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help_)
+        sp.add_argument("key")
+        sp.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
+        return sp
+
+    add = sub.add_parser("add", help="register a schedule")
+    add.add_argument("key")
+    add.add_argument("type")
+    add.add_argument("cron", help="five cron fields or @hourly-style alias")
+    add.add_argument("data", nargs="?", default=None, help="JSON object (default {})")
+    add.add_argument("-d", "--delay", type=_seconds, default=0)
+    add.add_argument("-t", "--timezone")
+    add.add_argument("-s", "--start", type=_unix_time)
+    add.add_argument("-a", "--at", type=_unix_time)
+    add.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
+
+    ls = sub.add_parser("list", help="list schedules")
+    ls.add_argument("--prefix", help="only keys starting with this")
+    ls.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
+
+    key_cmd("show", "show one schedule in full")
+    key_cmd("delete", "remove a schedule")
+    key_cmd("pause", "stop a schedule from firing")
+    key_cmd("resume", "let a paused schedule fire again (missed occurrences run)")
+    key_cmd("run", "run one occurrence now without moving the schedule")
+
+    mod = key_cmd("modify", "change a schedule (new cron/timezone recompute its next time)")
+    mod.add_argument("--type")
+    mod.add_argument("--cron")
+    mod.add_argument("-d", "--delay", type=_seconds)
+    mod.add_argument("-t", "--timezone")
+    mod.add_argument("--data", help="JSON object replacing the data")
+
+    hist = key_cmd("history", "recent runs of a schedule")
+    hist.add_argument("-n", "--limit", type=int, default=20)
+
+    st = sub.add_parser("status", help="daemon status: workers, running tasks, backlog")
+    st.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
+    sub.add_parser("reload", help="reload the daemon's configuration (like SIGHUP)")
+    sub.add_parser("init", help="create the table (with -c)")
+    return p
+
+
+def request_of(ns: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    cmd = ns.command
+    if cmd == "add":
+        args = {"key": ns.key, "type": ns.type, "cron": ns.cron, "delay": ns.delay}
+        if ns.data is not None:
+            args["data"] = _json_arg("DATA", ns.data)
+        for opt in ("timezone", "start", "at"):
+            if getattr(ns, opt) is not None:
+                args[opt] = getattr(ns, opt)
+        return cmd, args
+    if cmd == "list":
+        return cmd, {"prefix": ns.prefix} if ns.prefix else {}
+    if cmd == "modify":
+        args = {"key": ns.key}
+        for opt in ("type", "cron", "delay", "timezone"):
+            if getattr(ns, opt) is not None:
+                args[opt] = getattr(ns, opt)
+        if ns.data is not None:
+            args["data"] = _json_arg("--data", ns.data)
+        return cmd, args
+    if cmd == "history":
+        return cmd, {"key": ns.key, "limit": ns.limit}
+    if cmd in ("show", "delete", "pause", "resume", "run"):
+        return cmd, {"key": ns.key}
+    return cmd, {}
+
+
+class _BadArgument(Exception):
+    pass
+
+
+def _json_arg(name: str, text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise _BadArgument(f"{name}: not valid JSON: {exc.msg}") from None
+
+
+def _direct(ns: argparse.Namespace, cmd: str, args: dict[str, Any]) -> Any:
+    from perfectschedd import commands, schedules
+
+    if cmd in ("status", "reload"):
+        raise _BadArgument(f"{cmd} needs the daemon: use --socket, not -c")
+    with schedules.open(ns.config, ns.environment) as sc:
+        return commands.execute(sc, cmd, args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        cmd, args = request_of(ns)
+        if ns.config:
+            result = _direct(ns, cmd, args)
+        else:
+            if cmd == "init":
+                raise _BadArgument("init opens the database directly: give -c CONFIG")
+            if ns.environment:
+                raise _BadArgument("-e needs -c CONFIG")
+            path = ns.socket or os.environ.get("PERFECTSCHED_SOCKET") or DEFAULT_SOCKET
+            result = SocketClient(path).call(cmd, args)
+    except (_BadArgument, ScheduleError, ConfigError, DaemonUnavailable,
+            protocol.ProtocolError, protocol.RemoteError) as exc:
+        print(f"perfectschedctl: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    except Exception as exc:  # noqa: BLE001 - database errors in direct mode, one line
+        print(f"perfectschedctl: {type(exc).__name__}: {str(exc).splitlines()[0]}",
+              file=sys.stderr)
+        return EXIT_REFUSED
+    print_result(cmd, result, as_json=ns.json)
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

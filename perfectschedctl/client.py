@@ -1,0 +1,51 @@
+"""Talk to a running perfectschedd over its Unix socket: send one request, read one answer."""
+
+from __future__ import annotations
+
+import errno
+import socket
+from typing import Any
+
+from perfectschedd import protocol
+
+
+class DaemonUnavailable(Exception):
+    """The daemon cannot be reached (not running, wrong path, no permission)."""
+
+
+class SocketClient:
+    def __init__(self, path: str, timeout: float = 30.0) -> None:
+        self.path = path
+        self.timeout = timeout
+
+    def call(self, cmd: str, args: dict[str, Any] | None = None) -> Any:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            try:
+                sock.connect(self.path)
+            except FileNotFoundError:
+                raise DaemonUnavailable(
+                    f"perfectschedd is not running (no socket at {self.path})") from None
+            except PermissionError:
+                raise DaemonUnavailable(
+                    f"permission denied on {self.path}: run as root or as a member of the "
+                    "daemon's group") from None
+            except OSError as exc:
+                if exc.errno in (errno.ECONNREFUSED, errno.ENOTSOCK):
+                    raise DaemonUnavailable(
+                        f"perfectschedd is not running (nothing listens on {self.path})"
+                    ) from None
+                raise DaemonUnavailable(f"cannot connect to {self.path}: {exc.strerror}") from None
+            sock.sendall(protocol.request(cmd, args))
+            buf = bytearray()
+            while not buf.endswith(b"\n"):
+                chunk = sock.recv(65536)
+                if not chunk:
+                    raise DaemonUnavailable("perfectschedd closed the connection without answering")
+                buf += chunk
+            return protocol.parse_response(bytes(buf))
+        except TimeoutError:
+            raise DaemonUnavailable(f"perfectschedd did not answer within {self.timeout:g}s") from None
+        finally:
+            sock.close()

@@ -1,0 +1,92 @@
+"""Print results: tables for people, JSON for programs."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+from zoneinfo import ZoneInfo
+
+LIST_COLUMNS = ("key", "type", "cron", "delay", "timezone", "next_time", "next_run_time", "data")
+HISTORY_COLUMNS = ("scheduled_time", "started_at", "finished_at", "outcome", "attempt", "worker")
+
+
+def format_time(ts: float | None, tz: str = "UTC") -> str:
+    if ts is None:
+        return "-"
+    try:
+        zone = ZoneInfo(tz)
+    except Exception:  # noqa: BLE001 - a bad zone never stops printing
+        zone = ZoneInfo("UTC")
+    return datetime.fromtimestamp(ts, UTC).astimezone(zone).strftime("%Y-%m-%d %H:%M:%S %z")
+
+
+def _cell(column: str, row: dict[str, Any]) -> str:
+    value = row.get(column)
+    if column in ("next_time", "next_run_time", "scheduled_time", "claimed_at"):
+        return format_time(value, row.get("timezone", "UTC"))
+    if column in ("started_at", "finished_at"):
+        return format_time(value)
+    if column == "data":
+        return json.dumps(value, separators=(",", ":"), sort_keys=True)
+    if value is None:
+        return "-"
+    return str(value)
+
+
+def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    cells = [[_cell(c, r) for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
+    lines = [" ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip()]
+    for r in cells:
+        lines.append(" ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
+    return "\n".join(lines)
+
+
+def _status(result: dict[str, Any]) -> str:
+    lines = [
+        f"perfectschedd {result.get('version', '?')} on {result.get('host', '?')}, "
+        f"pid {result.get('pid', '?')}, up {int(result.get('uptime', 0))}s",
+        f"state: {result.get('state', '?')}",
+        f"workers: {result.get('workers_alive', 0)}/{result.get('workers_configured', 0)} alive",
+        f"schedules: {result.get('schedules', 0)} ({result.get('paused', 0)} paused), "
+        f"due now: {result.get('due', 0)}",
+    ]
+    if result.get("last_error"):
+        lines.append(f"last error: {result['last_error']}")
+    running = result.get("running") or []
+    lines.append(f"running: {len(running)}")
+    if running:
+        lines.append(table(running, ("key", "type", "scheduled_time", "age", "owner")))
+    return "\n".join(lines)
+
+
+def print_result(cmd: str, result: Any, *, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result, indent=None if cmd == "list" else 2, sort_keys=False))
+        return
+    if cmd == "list":
+        print(table(result, LIST_COLUMNS))
+        print(f"{len(result)} entries.")
+    elif cmd == "history":
+        print(table(result, HISTORY_COLUMNS))
+        print(f"{len(result)} runs.")
+    elif cmd == "status":
+        print(_status(result))
+    elif cmd in ("show", "modify", "pause", "resume"):
+        width = max(len(k) for k in result)
+        for k, v in result.items():
+            print(f"{k.ljust(width)}  {_cell(k, result)}")
+    elif cmd == "add":
+        print(f"added {result['key']}: next run {format_time(result['next_run_time'], result['timezone'])}")
+    elif cmd == "delete":
+        print(f"deleted {result['key']}")
+    elif cmd == "run":
+        print(f"queued a run of {result['key']} now (as {result['run_key']})")
+    elif cmd == "init":
+        print(f"table {result['table']} ready")
+    elif cmd == "reload":
+        print("reload requested")
+    else:
+        print(json.dumps(result, indent=2))

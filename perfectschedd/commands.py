@@ -1,0 +1,142 @@
+"""One request (a JSON-able dict) -> one schedules.py call -> a JSON-able result.
+
+Shared by the control socket, D-Bus and `perfectschedctl -c` (direct mode), so the three
+accept the same arguments and refuse the same bad input with the same messages.
+Daemon-only commands (status, reload) are answered by the daemon itself.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .errors import InvalidInputError
+from .schedules import ScheduleCollection, ScheduleInfo
+
+# Fields of `list --json` (SPEC) and of `show`, in this order.
+LIST_FIELDS = ("key", "type", "cron", "delay", "timezone", "next_time", "next_run_time", "data")
+SHOW_FIELDS = LIST_FIELDS + ("paused", "attempt", "owner", "claimed_at")
+HISTORY_MAX = 1000
+
+
+def _info(info: ScheduleInfo, fields: tuple[str, ...]) -> dict[str, Any]:
+    d = info.as_dict()
+    return {f: d[f] for f in fields}
+
+
+def _arg(args: Mapping[str, Any], name: str, required: bool = True) -> Any:
+    if name not in args:
+        if required:
+            raise InvalidInputError(name, "required")
+        return None
+    return args[name]
+
+
+def _add(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[str, Any]:
+    options = {k: a[k] for k in ("delay", "timezone", "start", "at", "data") if a.get(k) is not None}
+    sc.add(_arg(a, "key"), _arg(a, "type"), _arg(a, "cron"), now=now, **options)
+    return _info(sc[a["key"]].info(), LIST_FIELDS)
+
+
+def _add_many(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[str, Any]:
+    items = _arg(a, "schedules")
+    if not isinstance(items, list) or not all(isinstance(i, Mapping) for i in items):
+        raise InvalidInputError("schedules", "must be a list of objects")
+    allowed = {"key", "type", "cron", "delay", "timezone", "start", "at", "data"}
+    for item in items:
+        unknown = set(item) - allowed
+        if unknown:
+            raise InvalidInputError("schedules", f"unknown field(s) {', '.join(sorted(unknown))}")
+    return {"added": sc.add_many([{**i, "now": now} for i in items])}
+
+
+def _list(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> list[dict[str, Any]]:
+    prefix = a.get("prefix")
+    if prefix is not None and not isinstance(prefix, str):
+        raise InvalidInputError("prefix", "must be a string")
+    limit = a.get("limit")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        raise InvalidInputError("limit", "must be a whole number >= 0")
+    fields = SHOW_FIELDS if a.get("verbose") else LIST_FIELDS
+    return [_info(i, fields) for i in sc.list(prefix=prefix, limit=limit)]
+
+
+def _show(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[str, Any]:
+    return _info(sc[_arg(a, "key")].info(), SHOW_FIELDS)
+
+
+def _delete(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[str, Any]:
+    sc[_arg(a, "key")].delete()
+    return {"key": a["key"], "deleted": True}
+
+
+def _modify(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[str, Any]:
+    changes = {k: a[k] for k in ("type", "cron", "delay", "timezone", "data") if k in a}
+    sc[_arg(a, "key")].modify(now=now, **changes)
+    return _info(sc[a["key"]].info(), SHOW_FIELDS)
+
+
+def _pause(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[str, Any]:
+    sc[_arg(a, "key")].pause()
+    return _info(sc[a["key"]].info(), SHOW_FIELDS)
+
+
+def _resume(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[str, Any]:
+    sc[_arg(a, "key")].resume()
+    return _info(sc[a["key"]].info(), SHOW_FIELDS)
+
+
+def _run(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[str, Any]:
+    run_key = sc[_arg(a, "key")].run_now(now=now)
+    return {"key": a["key"], "run_key": run_key, "run_at": int(now)}
+
+
+def _history(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> list[dict[str, Any]]:
+    key = _arg(a, "key")
+    limit = a.get("limit", 20)
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= HISTORY_MAX:
+        raise InvalidInputError("limit", f"must be a whole number from 1 to {HISTORY_MAX}")
+    runs = sc.store.history(key, limit)
+    if not runs and not sc[key].exists():
+        sc[key].info()  # raises NotFoundError with the usual message
+    for r in runs:
+        r.pop("id", None)
+    return runs
+
+
+def _init(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[str, Any]:
+    sc.init()
+    return {"table": sc.config.table, "initialized": True}
+
+
+Handler = Callable[[ScheduleCollection, Mapping[str, Any], float], Any]
+
+COMMANDS: dict[str, Handler] = {
+    "add": _add,
+    "add_many": _add_many,
+    "list": _list,
+    "show": _show,
+    "delete": _delete,
+    "modify": _modify,
+    "pause": _pause,
+    "resume": _resume,
+    "run": _run,
+    "history": _history,
+    "init": _init,
+}
+# Commands that change what workers should do next: the daemon wakes its workers after them.
+WAKING = frozenset({"add", "add_many", "modify", "resume", "run"})
+
+
+def execute(sc: ScheduleCollection, command: str, args: Mapping[str, Any] | None = None,
+            now: float | None = None) -> Any:
+    """Run one command; raises ScheduleError subclasses for refused requests."""
+    handler = COMMANDS.get(command)
+    if handler is None:
+        raise InvalidInputError("command", f"unknown command {command!r}")
+    if args is None:
+        args = {}
+    if not isinstance(args, Mapping):
+        raise InvalidInputError("args", "must be an object")
+    return handler(sc, args, time.time() if now is None else now)

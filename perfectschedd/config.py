@@ -1,0 +1,242 @@
+"""YAML -> validated, immutable Config."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+import yaml
+
+from .errors import ConfigError, NotSupportedError
+
+DEFAULT_CONFIG_PATH = "/etc/perfectsched/perfectsched.yml"
+DEFAULT_SOCKET = "/run/perfectsched/perfectschedd.sock"
+# Documented default port of /metrics (README, perfectschedd(8)); not registered with IANA.
+DEFAULT_METRICS_PORT = 9839
+DEFAULT_METRICS_LISTEN = f"127.0.0.1:{DEFAULT_METRICS_PORT}"
+
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+
+
+@dataclass(frozen=True)
+class RouteConfig:
+    """One entry of `routes`: which task types go to which handler."""
+
+    pattern: str  # as written: an exact type, or /regexp/
+    exec: tuple[str, ...] | None = None
+    python: str | None = None
+    timeout: float | None = None
+
+    @property
+    def regexp(self) -> re.Pattern[str] | None:
+        if len(self.pattern) >= 2 and self.pattern.startswith("/") and self.pattern.endswith("/"):
+            return re.compile(self.pattern[1:-1])
+        return None
+
+    def matches(self, task_type: str) -> bool:
+        rx = self.regexp
+        if rx is None:
+            return task_type == self.pattern
+        return rx.search(task_type) is not None
+
+
+@dataclass(frozen=True)
+class Config:
+    url: str
+    type: str = "rdb_compat"
+    table: str = "perfectsched"
+    log: str | None = None
+    poll_interval: float = 1.0
+    timezone: str = "UTC"
+    alive_time: int = 300
+    retry_wait: int = 300
+    workers: int = 2
+    # Tasks one worker process runs at once (threads); a long job must not block a worker.
+    concurrency: int = 8
+    control_socket: str = DEFAULT_SOCKET
+    # Group whose members may use the control socket (besides root and the daemon's user).
+    control_group: str | None = None
+    metrics_listen: tuple[str, int] | None = ("127.0.0.1", DEFAULT_METRICS_PORT)
+    dbus: bool = False
+    # How long a graceful stop waits for running tasks before releasing them.
+    shutdown_timeout: float = 30.0
+    # Grace between TERM and KILL when a handler times out or the daemon stops.
+    kill_grace: float = 5.0
+    routes: tuple[RouteConfig, ...] = ()
+    history_limit: int = 100
+    source: str | None = field(default=None, compare=False)
+
+
+_KNOWN_KEYS = {
+    "type", "url", "table", "log", "poll_interval", "timezone", "alive_time", "retry_wait",
+    "workers", "concurrency", "control_socket", "control_group", "metrics_listen", "dbus",
+    "shutdown_timeout", "kill_grace", "routes", "history_limit",
+}
+
+
+def _number(raw: Mapping[str, Any], key: str, default: float, *, minimum: float,
+            integer: bool = False) -> Any:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{key}: must be a number, got {value!r}")
+    if integer and int(value) != value:
+        raise ConfigError(f"{key}: must be a whole number, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{key}: must be at least {minimum}, got {value!r}")
+    return int(value) if integer else float(value)
+
+
+def parse_listen(value: Any) -> tuple[str, int] | None:
+    if value is None or value is False or value == "off":
+        return None
+    if not isinstance(value, str) or ":" not in value:
+        raise ConfigError(f"metrics_listen: expected host:port or off, got {value!r}")
+    host, _, port = value.rpartition(":")
+    host = host.strip("[]")
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"metrics_listen: bad port in {value!r}")
+    return host, int(port)
+
+
+def _routes(raw: Any) -> tuple[RouteConfig, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise ConfigError("routes: must be a list")
+    out = []
+    for i, entry in enumerate(raw):
+        where = f"routes[{i}]"
+        if not isinstance(entry, Mapping):
+            raise ConfigError(f"{where}: must be a mapping")
+        unknown = set(entry) - {"type", "exec", "python", "timeout"}
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
+        pattern = entry.get("type")
+        if not isinstance(pattern, str) or not pattern:
+            raise ConfigError(f"{where}.type: must be a non-empty string")
+        route_exec, python = entry.get("exec"), entry.get("python")
+        if (route_exec is None) == (python is None):
+            raise ConfigError(f"{where}: needs exactly one of exec or python")
+        if route_exec is not None and (
+            not isinstance(route_exec, list) or not route_exec
+            or not all(isinstance(a, str) for a in route_exec)
+        ):
+            raise ConfigError(f"{where}.exec: must be a non-empty list of strings")
+        if python is not None and (not isinstance(python, str) or ":" not in python):
+            raise ConfigError(f"{where}.python: must be 'module:Class', got {python!r}")
+        timeout = entry.get("timeout")
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0
+        ):
+            raise ConfigError(f"{where}.timeout: must be a positive number of seconds")
+        route = RouteConfig(
+            pattern=pattern,
+            exec=tuple(route_exec) if route_exec is not None else None,
+            python=python,
+            timeout=float(timeout) if timeout is not None else None,
+        )
+        try:
+            route.regexp  # noqa: B018 - compile now so a bad regexp is a config error
+        except re.error as exc:
+            raise ConfigError(f"{where}.type: bad regular expression: {exc}") from None
+        out.append(route)
+    return tuple(out)
+
+
+def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
+    """Validate a mapping (one environment's section) into a Config."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError("configuration must be a mapping of keys to values")
+    unknown = set(raw) - _KNOWN_KEYS
+    if unknown:
+        raise ConfigError(f"unknown configuration key(s): {', '.join(sorted(unknown))}")
+    backend = raw.get("type")
+    if backend is None:
+        raise ConfigError("type: required (rdb_compat)")
+    if backend == "rdb":
+        raise NotSupportedError("type: 'rdb' is not supported; use rdb_compat")
+    if backend != "rdb_compat":
+        raise ConfigError(f"type: unknown backend {backend!r}; use rdb_compat")
+    url = raw.get("url")
+    if not isinstance(url, str) or not url:
+        raise ConfigError("url: required (a SQLAlchemy URL such as sqlite:///path.db)")
+    if not url.split(":", 1)[0].split("+", 1)[0] in ("sqlite", "postgresql", "postgres", "mysql"):
+        raise ConfigError(f"url: unsupported database {url.split(':', 1)[0]!r}")
+    table = raw.get("table", "perfectsched")
+    if not isinstance(table, str) or not _IDENTIFIER.match(table):
+        raise ConfigError(f"table: must be an SQL identifier, got {table!r}")
+    tz = raw.get("timezone", "UTC")
+    try:
+        ZoneInfo(str(tz))
+    except (ZoneInfoNotFoundError, ValueError):
+        raise ConfigError(f"timezone: unknown time zone {tz!r}") from None
+    log = raw.get("log")
+    if log is not None and not isinstance(log, str):
+        raise ConfigError("log: must be a file path")
+    sock = raw.get("control_socket", DEFAULT_SOCKET)
+    if not isinstance(sock, str) or not sock:
+        raise ConfigError("control_socket: must be a path")
+    group = raw.get("control_group")
+    if group is not None and not isinstance(group, str):
+        raise ConfigError("control_group: must be a group name")
+    dbus = raw.get("dbus", False)
+    if not isinstance(dbus, bool):
+        raise ConfigError("dbus: must be true or false")
+    return Config(
+        type=backend,
+        url=url,
+        table=table,
+        log=log,
+        poll_interval=_number(raw, "poll_interval", 1.0, minimum=0.01),
+        timezone=str(tz),
+        alive_time=_number(raw, "alive_time", 300, minimum=1, integer=True),
+        retry_wait=_number(raw, "retry_wait", 300, minimum=0, integer=True),
+        workers=_number(raw, "workers", 2, minimum=1, integer=True),
+        concurrency=_number(raw, "concurrency", 8, minimum=1, integer=True),
+        control_socket=sock,
+        control_group=group,
+        metrics_listen=parse_listen(raw.get("metrics_listen", DEFAULT_METRICS_LISTEN)),
+        dbus=dbus,
+        shutdown_timeout=_number(raw, "shutdown_timeout", 30.0, minimum=0),
+        kill_grace=_number(raw, "kill_grace", 5.0, minimum=0),
+        routes=_routes(raw.get("routes")),
+        history_limit=_number(raw, "history_limit", 100, minimum=0, integer=True),
+        source=source,
+    )
+
+
+def load(config: Mapping[str, Any] | str | os.PathLike[str] | Config | None = None,
+         environment: str | None = None) -> Config:
+    """Load a Config from a mapping, a YAML path, or the default path."""
+    if isinstance(config, Config):
+        return config
+    source = None
+    if config is None:
+        config = os.environ.get("PERFECTSCHED_CONFIG") or DEFAULT_CONFIG_PATH
+    if isinstance(config, str | os.PathLike):
+        source = str(config)
+        try:
+            text = Path(config).read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read {source}: {exc.strerror}") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{source}: not valid YAML: {str(exc).splitlines()[0]}") from None
+    else:
+        data = config
+    if data is None:
+        raise ConfigError(f"{source or 'configuration'}: empty")
+    if environment is not None:
+        if not isinstance(data, Mapping) or environment not in data:
+            raise ConfigError(f"environment {environment!r} not found in {source or 'config'}")
+        data = data[environment]
+    try:
+        return from_mapping(data, source)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}" if source else str(exc)) from None

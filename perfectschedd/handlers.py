@@ -1,0 +1,750 @@
+"""Route a task type to an exec or python handler; run it, time it out, kill it.
+
+The worker asks a :class:`Router` for the handler of a task's type and calls
+:func:`run_task`, which performs the task and ends it itself (``finish``,
+``retry`` or ``release``) and returns a :class:`RunResult`.
+
+* exec routes run a command per task in its own session (process group). On
+  timeout, or when the caller's ``stop_event`` is set, the whole group gets
+  SIGTERM, then SIGKILL after ``kill_grace``. Each live group is recorded in a
+  module registry so that :func:`kill_all_groups` can leave no orphans behind
+  when the worker exits.
+* python routes run an :class:`Application` in the calling thread: no thread
+  and no process per task. A timeout (or a stop) is delivered by one shared
+  watchdog thread as an asynchronous exception (see :class:`_Watchdog`).
+
+Starting and ending lines of a task are logged by the worker; this module logs
+only the handler's own output and its failures, each prefixed by the task key.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import heapq
+import importlib
+import itertools
+import json
+import logging
+import os
+import re
+import selectors
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .config import RouteConfig
+from .errors import PreemptedError, ProcessStopError
+
+__all__ = [
+    "Application",
+    "ExecHandler",
+    "Handler",
+    "HandlerTimeout",
+    "Outcome",
+    "PythonHandler",
+    "Router",
+    "RunResult",
+    "TaskLike",
+    "kill_all_groups",
+    "run_task",
+    "running_groups",
+]
+
+logger = logging.getLogger(__name__)
+
+# A read chunk, and the longest line kept before it is logged in pieces.
+_CHUNK = 65536
+_MAX_LINE = 65536
+# How often a waiting exec run or the watchdog looks at a stop_event.
+_STOP_POLL = 0.1
+# After the command exited and its group was killed, how long to keep reading
+# pipes that a process outside the group (one that called setsid) still holds.
+_DRAIN_AFTER_KILL = 1.0
+_SCHED_LATER = re.compile(r"SCHED_LATER\s+(\d+(?:\.\d*)?|\.\d+)")
+_ROUTE_CACHE_MAX = 4096
+
+
+class TaskLike(Protocol):
+    """What handlers need of a task (``schedules.Task`` in the daemon)."""
+
+    key: str
+    type: str
+    data: dict[str, Any]
+    scheduled_time: int
+    attempt: int
+
+    @property
+    def done(self) -> bool: ...
+
+    def finish(self) -> None: ...
+
+    def retry(self, wait: float | None = None) -> None: ...
+
+    def release(self) -> None: ...
+
+
+Log = logging.Logger | logging.LoggerAdapter  # type: ignore[type-arg]
+
+
+class Outcome(str, enum.Enum):
+    """How a run ended; also the ``outcome`` label of the task counters."""
+
+    SUCCESS = "success"      # finished
+    FAILED = "failed"        # retried after retry_wait (non-zero exit, exception)
+    TIMEOUT = "timeout"      # killed or interrupted at the route's timeout, retried
+    LATER = "later"          # retried after an explicit wait (SCHED_LATER N, retry(wait=N))
+    PREEMPTED = "preempted"  # the lease was lost; nothing was written
+    RELEASED = "released"    # the application released the task
+    STOPPED = "stopped"      # ended because the daemon stops; task released
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    outcome: Outcome
+    duration: float              # seconds, monotonic
+    exit_code: int | None = None  # exec only: the exit status, or -signal if killed
+
+
+class HandlerTimeout(BaseException):  # noqa: N818 - named like the builtin TimeoutError
+    """Raised inside a python handler when its route's timeout has passed.
+
+    A BaseException (like KeyboardInterrupt) so that an application's
+    ``except Exception:`` does not swallow it.
+    """
+
+
+class Application:
+    """Base class of python handlers (``python: "module:Class"`` routes).
+
+    ``run()`` does the work and ends the task with ``self.task.finish()``,
+    ``self.task.retry(wait=None)`` or ``self.task.release()``. Returning
+    without any of them finishes the task; an exception retries it.
+    """
+
+    def __init__(self, task: TaskLike) -> None:
+        self.task = task
+
+    def run(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__}.run() is not implemented")
+
+
+# --------------------------------------------------------------------------- handlers
+
+
+@dataclass(frozen=True, slots=True)
+class ExecHandler:
+    route: RouteConfig
+    argv: tuple[str, ...]
+    timeout: float | None
+
+    def __str__(self) -> str:
+        return f"exec {' '.join(self.argv)}"
+
+
+@dataclass(frozen=True, slots=True)
+class PythonHandler:
+    route: RouteConfig
+    app_class: type[Any]
+    timeout: float | None
+
+    def __str__(self) -> str:
+        return f"python {self.route.python}"
+
+
+Handler = ExecHandler | PythonHandler
+
+
+class Router:
+    """Maps task types to handlers: the first matching route wins.
+
+    Python classes are imported on first use, once per route. A route whose
+    class cannot be imported is broken: ``match`` returns None for the types it
+    would serve, and the problem is logged once per type.
+    """
+
+    def __init__(self, routes: tuple[RouteConfig, ...], *, log: Log | None = None) -> None:
+        self.routes = tuple(routes)
+        self._log = log or logger
+        self._by_type: dict[str, Handler | None] = {}
+        # Per route index: its handler, or the reason it is broken.
+        self._resolved: dict[int, Handler | str] = {}
+        self._lock = threading.Lock()
+
+    def match(self, task_type: str) -> Handler | None:
+        try:
+            return self._by_type[task_type]
+        except KeyError:
+            pass
+        with self._lock:
+            if task_type in self._by_type:
+                return self._by_type[task_type]
+            handler = self._lookup(task_type)
+            if len(self._by_type) >= _ROUTE_CACHE_MAX:
+                self._by_type.clear()
+            self._by_type[task_type] = handler
+            return handler
+
+    def _lookup(self, task_type: str) -> Handler | None:
+        for index, route in enumerate(self.routes):
+            if route.matches(task_type):
+                break
+        else:
+            return None
+        resolved = self._resolved.get(index)
+        if resolved is None:
+            resolved = self._resolved[index] = self._resolve(route)
+        if isinstance(resolved, str):
+            self._log.error("route %s (python %s) is broken, tasks of type %r are not run: %s",
+                            route.pattern, route.python, task_type, resolved)
+            return None
+        return resolved
+
+    @staticmethod
+    def _resolve(route: RouteConfig) -> Handler | str:
+        if route.exec is not None:
+            return ExecHandler(route, tuple(route.exec), route.timeout)
+        assert route.python is not None
+        module_name, _, attr = route.python.partition(":")
+        try:
+            obj: Any = importlib.import_module(module_name)
+            for part in attr.split("."):
+                obj = getattr(obj, part)
+        except Exception as exc:  # SyntaxError, ImportError, errors raised by the module
+            return f"cannot import {route.python}: {type(exc).__name__}: {exc}"
+        if not isinstance(obj, type) or not callable(getattr(obj, "run", None)):
+            return f"{route.python} is not a class with a run() method (subclass Application)"
+        return PythonHandler(route, obj, route.timeout)
+
+
+# --------------------------------------------------------------------------- run_task
+
+
+def run_task(task: TaskLike, handler: Handler, *, log: Log = logger,
+             stop_event: threading.Event | None = None, kill_grace: float = 5.0) -> RunResult:
+    """Run ``task`` with ``handler`` and end it; never raises for handler failures.
+
+    ``stop_event`` means "end now": set it when the daemon stops and running
+    tasks must not go on (graceful-shutdown bound elapsed). An exec command
+    then gets SIGTERM, SIGKILL after ``kill_grace``; a python application gets
+    ``ProcessStopError``; the task is released and the outcome is ``stopped``.
+
+    Errors of the store other than ``PreemptedError`` (a database that is
+    down) propagate to the caller.
+    """
+    start = time.monotonic()
+    try:
+        if stop_event is not None and stop_event.is_set():
+            task.release()
+            return RunResult(Outcome.STOPPED, time.monotonic() - start)
+        if isinstance(handler, ExecHandler):
+            outcome, code = _run_exec(task, handler, log, stop_event, kill_grace)
+        else:
+            outcome, code = _run_python(task, handler, log, stop_event), None
+    except PreemptedError:
+        log.warning("%s: lease lost while running; the result was discarded", task.key)
+        outcome, code = Outcome.PREEMPTED, None
+    return RunResult(outcome, time.monotonic() - start, code)
+
+
+# --------------------------------------------------------------------------- exec
+
+# pgid -> task key of every exec group alive in this process. An entry is
+# removed before its leader is reaped, so a pgid here can never be reused.
+_groups: dict[int, str] = {}
+_groups_lock = threading.Lock()
+
+
+def running_groups() -> dict[int, str]:
+    """Process groups of running exec handlers: ``{pgid: task key}``."""
+    with _groups_lock:
+        return dict(_groups)
+
+
+def kill_all_groups(sig: int = signal.SIGKILL) -> int:
+    """Send ``sig`` to every running exec group; returns how many were signalled.
+
+    For the worker's last moments (exit path, atexit): the runs themselves
+    notice their command died and end their tasks as usual if they still can.
+    """
+    count = 0
+    with _groups_lock:
+        for pgid in _groups:
+            try:
+                os.killpg(pgid, sig)
+                count += 1
+            except ProcessLookupError:
+                pass
+    return count
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+class _Lines:
+    """Splits a pipe's bytes into lines and logs them; keeps only the last one."""
+
+    __slots__ = ("emit", "key", "buf", "last")
+
+    def __init__(self, emit: Any, key: str) -> None:
+        self.emit = emit
+        self.key = key
+        self.buf = b""
+        self.last = ""  # last non-empty line (stdout: SCHED_LATER)
+
+    def feed(self, chunk: bytes) -> None:
+        data = self.buf + chunk if self.buf else chunk
+        *lines, self.buf = data.split(b"\n")
+        for line in lines:
+            self._line(line)
+        while len(self.buf) > _MAX_LINE:  # a very long line is logged in pieces
+            self._line(self.buf[:_MAX_LINE])
+            self.buf = self.buf[_MAX_LINE:]
+
+    def close(self) -> None:
+        if self.buf:
+            self._line(self.buf)
+            self.buf = b""
+
+    def _line(self, raw: bytes) -> None:
+        text = raw.decode("utf-8", "replace").rstrip("\r")
+        if text.strip():
+            self.last = text
+        self.emit("%s: %s", self.key, text)
+
+
+def _exec_env(task: TaskLike) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PERFECTSCHED_KEY"] = task.key
+    env["PERFECTSCHED_TYPE"] = task.type
+    env["PERFECTSCHED_SCHEDULED_TIME"] = str(int(task.scheduled_time))
+    env["PERFECTSCHED_ATTEMPT"] = str(int(task.attempt))
+    return env
+
+
+def _later(line: str) -> float | None:
+    m = _SCHED_LATER.fullmatch(line.strip())
+    if m is None:
+        return None
+    text = m.group(1)
+    return int(text) if text.isdigit() else float(text)
+
+
+def _run_exec(task: TaskLike, handler: ExecHandler, log: Log,
+              stop_event: threading.Event | None, kill_grace: float) -> tuple[Outcome, int | None]:
+    key = task.key
+    argv = [*handler.argv, key]
+    try:
+        payload = json.dumps(task.data).encode()
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env=_exec_env(task), start_new_session=True, close_fds=True,
+        )
+    except OSError as exc:
+        log.error("%s: cannot run %s: %s", key, argv[0], exc.strerror or exc)
+        task.retry()
+        return Outcome.FAILED, None
+    pgid = proc.pid  # a session leader leads its own process group
+    with _groups_lock:
+        _groups[pgid] = key
+    try:
+        reason = _supervise(proc, key, payload, handler.timeout, log, stop_event, kill_grace)
+        last_line = reason[1]
+    finally:
+        with _groups_lock:
+            _groups.pop(pgid, None)
+        code = proc.wait()  # the leader is a zombie by now (or dies of SIGKILL at once)
+    why = reason[0]
+    if why == "stop":
+        task.release()
+        return Outcome.STOPPED, code
+    if why == "timeout":
+        task.retry()
+        return Outcome.TIMEOUT, code
+    # An explicit SCHED_LATER outranks the exit status: a command that says
+    # "again in N seconds" and then exits non-zero (as `set -e` scripts may)
+    # gets what it asked for rather than retry_wait.
+    wait = _later(last_line) if last_line else None
+    if wait is not None:
+        task.retry(wait=wait)
+        return Outcome.LATER, code
+    if last_line.lstrip().startswith("SCHED_LATER"):
+        log.warning("%s: ignoring malformed %r (expected SCHED_LATER <seconds>)", key, last_line)
+    if code == 0:
+        task.finish()
+        return Outcome.SUCCESS, code
+    task.retry()
+    return Outcome.FAILED, code
+
+
+def _supervise(proc: subprocess.Popen[bytes], key: str, payload: bytes, timeout: float | None,
+               log: Log, stop_event: threading.Event | None,
+               kill_grace: float) -> tuple[str | None, str]:
+    """Feed stdin, log output, enforce timeout/stop; return (reason, last stdout line).
+
+    Returns once the leader has exited (not reaped: its zombie keeps the pgid
+    reserved, so signalling the group stays safe) and the pipes are drained.
+    """
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    pgid = proc.pid
+    start = time.monotonic()
+    deadline = start + timeout if timeout is not None else None
+    out = _Lines(log.info, key)
+    err = _Lines(log.warning, key)
+    sel = selectors.DefaultSelector()
+    readers: dict[int, _Lines] = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
+    for fd in readers:
+        os.set_blocking(fd, False)
+        sel.register(fd, selectors.EVENT_READ)
+    in_fd = proc.stdin.fileno()
+    os.set_blocking(in_fd, False)
+    sel.register(in_fd, selectors.EVENT_WRITE)
+    pending = memoryview(payload)
+    try:
+        pidfd: int | None = os.pidfd_open(proc.pid)
+        sel.register(pidfd, selectors.EVENT_READ)
+    except (AttributeError, OSError):  # no pidfd (old kernel): poll with waitid
+        pidfd = None
+
+    reason: str | None = None
+    exited = False
+    term_sent = False
+    kill_at: float | None = None   # when SIGKILL is due after SIGTERM
+    killed = False
+    give_up: float | None = None   # stop reading pipes held outside the group
+
+    def terminate(now: float) -> None:
+        nonlocal term_sent, kill_at
+        _signal_group(pgid, signal.SIGTERM)
+        term_sent = True
+        kill_at = now + kill_grace
+
+    try:
+        while readers or not exited:
+            now = time.monotonic()
+            if reason is None and not exited:
+                if deadline is not None and now >= deadline:
+                    reason = "timeout"
+                    log.warning("%s: timed out after %gs; sending SIGTERM to process group %d",
+                                key, timeout, pgid)
+                    terminate(now)
+                elif stop_event is not None and stop_event.is_set():
+                    reason = "stop"
+                    log.warning("%s: daemon stopping; sending SIGTERM to process group %d",
+                                key, pgid)
+                    terminate(now)
+            if kill_at is not None and not killed and now >= kill_at:
+                log.warning("%s: process group %d still running %gs after SIGTERM; "
+                            "sending SIGKILL", key, pgid, kill_grace)
+                _signal_group(pgid, signal.SIGKILL)
+                killed = True
+                give_up = now + _DRAIN_AFTER_KILL
+            if exited and give_up is not None and now >= give_up:
+                break
+            waits = [t - now for t in (deadline, kill_at, give_up) if t is not None]
+            if reason is None and stop_event is not None:
+                waits.append(_STOP_POLL)
+            if pidfd is None and not exited:
+                waits.append(0.02)
+            wait = max(0.0, min(waits)) if waits else None
+            for sk, _ in sel.select(wait):
+                fd = sk.fd
+                if fd == pidfd:
+                    sel.unregister(fd)
+                    exited = True
+                elif fd == in_fd:
+                    try:
+                        pending = pending[os.write(fd, pending):]
+                    except BlockingIOError:
+                        continue
+                    except OSError:  # EPIPE: the command does not read its input
+                        pending = pending[:0]
+                    if not pending:
+                        sel.unregister(fd)
+                        proc.stdin.close()
+                else:
+                    try:
+                        chunk = os.read(fd, _CHUNK)
+                    except BlockingIOError:
+                        continue
+                    if chunk:
+                        readers[fd].feed(chunk)
+                    else:
+                        sel.unregister(fd)
+                        readers.pop(fd).close()
+            if not payload and in_fd in sel.get_map():  # nothing to send: close at once
+                sel.unregister(in_fd)
+                proc.stdin.close()
+            if pidfd is None and not exited:
+                exited = os.waitid(os.P_PID, proc.pid,
+                                   os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+            if exited and not term_sent:
+                # The command is done; what it left running in its group goes too.
+                # Leftovers holding our pipes get SIGKILL after kill_grace.
+                terminate(time.monotonic())
+    finally:
+        sel.close()
+        if pidfd is not None:
+            os.close(pidfd)
+        for f in (proc.stdin, proc.stdout, proc.stderr):
+            try:
+                f.close()
+            except OSError:
+                pass
+        for lines in readers.values():
+            lines.close()
+    return reason, out.last
+
+
+# --------------------------------------------------------------------------- python
+
+
+_set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
+_set_async_exc.argtypes = (ctypes.c_ulong, ctypes.py_object)
+_set_async_exc.restype = ctypes.c_int
+
+
+def _raise_in_thread(thread_id: int, exc: type[BaseException] | None) -> None:
+    _set_async_exc(thread_id, exc)  # None clears a pending one
+
+
+class _Watch:
+    """One armed python run: its thread, deadline and stop event."""
+
+    __slots__ = ("thread_id", "deadline", "stop_event", "fired", "suspended", "done")
+
+    def __init__(self, thread_id: int, deadline: float | None,
+                 stop_event: threading.Event | None) -> None:
+        self.thread_id = thread_id
+        self.deadline = deadline
+        self.stop_event = stop_event
+        self.fired: type[BaseException] | None = None
+        self.suspended = False
+        self.done = False
+
+
+class _Watchdog:
+    """One thread per process interrupting python runs past their deadline.
+
+    A thread cannot be killed. PyThreadState_SetAsyncExc makes the target
+    thread raise an exception the next time it executes Python bytecode: a
+    handler stuck in a blocking C call (a socket read without timeout, a
+    long C computation, time.sleep) is only interrupted once that call
+    returns. Handlers should use timeouts on their own I/O.
+
+    The exception is never raised while the run talks to the store (see
+    ``_ObservedTask``), so a finish() is not cut in half. Each watch fires at
+    most once.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._heap: list[tuple[float, int, _Watch]] = []
+        self._stoppable: set[_Watch] = set()
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._wake_at: float | None = None  # None: sleeping without a timeout
+
+    def arm(self, deadline: float | None, stop_event: threading.Event | None) -> _Watch:
+        watch = _Watch(threading.get_ident(), deadline, stop_event)
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="perfectsched-watchdog",
+                                                daemon=True)
+                self._thread.start()
+            notify = False
+            if deadline is not None:
+                heapq.heappush(self._heap, (deadline, next(self._seq), watch))
+                notify = self._wake_at is None or deadline < self._wake_at
+            if stop_event is not None:
+                self._stoppable.add(watch)
+                notify = notify or self._wake_at is None
+            if notify:
+                self._cond.notify()
+        return watch
+
+    def disarm(self, watch: _Watch) -> None:
+        """Called by the watched thread; clears an exception not yet raised."""
+        with self._cond:
+            watch.done = True
+            self._stoppable.discard(watch)
+            if watch.fired is not None:
+                _raise_in_thread(watch.thread_id, None)
+
+    @contextmanager
+    def suspended(self, watch: _Watch) -> Iterator[None]:
+        """No exception is raised in the watched thread inside this block."""
+        with self._cond:
+            watch.suspended = True
+            if watch.fired is not None:  # fired but maybe not raised yet: let the call run
+                _raise_in_thread(watch.thread_id, None)
+        try:
+            yield
+        finally:
+            with self._cond:
+                watch.suspended = False
+                self._cond.notify()
+
+    def _fire(self, watch: _Watch, exc: type[BaseException]) -> None:
+        watch.fired = exc
+        self._stoppable.discard(watch)
+        _raise_in_thread(watch.thread_id, exc)
+
+    def _loop(self) -> None:
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                retry_soon = False
+                while self._heap and self._heap[0][0] <= now:
+                    watch = self._heap[0][2]
+                    if watch.done or watch.fired is not None:
+                        heapq.heappop(self._heap)
+                    elif watch.suspended:
+                        retry_soon = True
+                        break
+                    else:
+                        heapq.heappop(self._heap)
+                        self._fire(watch, HandlerTimeout)
+                for watch in list(self._stoppable):
+                    if watch.stop_event is not None and watch.stop_event.is_set():
+                        if watch.suspended:
+                            retry_soon = True
+                        else:
+                            self._fire(watch, ProcessStopError)
+                wake: float | None = None
+                if self._heap:
+                    wake = self._heap[0][0]
+                if retry_soon:
+                    wake = now + 0.01
+                elif self._stoppable:
+                    wake = min(wake, now + _STOP_POLL) if wake is not None else now + _STOP_POLL
+                self._wake_at = wake
+                self._cond.wait(None if wake is None else max(0.0, wake - now))
+
+
+_watchdog = _Watchdog()
+
+
+def _after_fork_in_child() -> None:
+    global _watchdog, _groups_lock
+    _watchdog = _Watchdog()
+    _groups.clear()
+    _groups_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class _ObservedTask:
+    """The task as an Application sees it: records how the run ended it.
+
+    Attribute reads go to the real task. Store calls run with the watchdog
+    suspended, so a timeout never interrupts a half-done finish().
+    """
+
+    __slots__ = ("_task", "_watch", "action", "wait")
+
+    def __init__(self, task: TaskLike, watch: _Watch | None) -> None:
+        self._task = task
+        self._watch = watch
+        self.action: str | None = None
+        self.wait: float | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._task, name)
+
+    def __repr__(self) -> str:
+        return f"<task {self._task.key!r} via {type(self).__name__}>"
+
+    @contextmanager
+    def _store_call(self) -> Iterator[None]:
+        if self._watch is None:
+            yield
+        else:
+            with _watchdog.suspended(self._watch):
+                yield
+
+    def finish(self) -> None:
+        with self._store_call():
+            self._task.finish()
+            self.action = "finish"
+
+    def retry(self, wait: float | None = None) -> None:
+        with self._store_call():
+            if wait is None:
+                self._task.retry()
+            else:
+                self._task.retry(wait=wait)
+            self.action, self.wait = "retry", wait
+
+    def release(self) -> None:
+        with self._store_call():
+            self._task.release()
+            self.action = "release"
+
+
+_ACTION_OUTCOME = {"finish": Outcome.SUCCESS, "release": Outcome.RELEASED}
+
+
+def _run_python(task: TaskLike, handler: PythonHandler, log: Log,
+                stop_event: threading.Event | None) -> Outcome:
+    timeout = handler.timeout
+    watch = None
+    if timeout is not None or stop_event is not None:
+        deadline = time.monotonic() + timeout if timeout is not None else None
+        watch = _watchdog.arm(deadline, stop_event)
+    observed = _ObservedTask(task, watch)
+    error: BaseException | None = None
+    try:
+        try:
+            try:
+                handler.app_class(observed).run()
+            except BaseException as exc:  # noqa: BLE001 - includes HandlerTimeout
+                error = exc
+            finally:
+                if watch is not None:
+                    _watchdog.disarm(watch)
+        except (HandlerTimeout, ProcessStopError) as late:  # delivered just before disarm
+            error = error or late
+    except (HandlerTimeout, ProcessStopError) as late:  # ... or inside the except clause
+        error = error or late
+    fired = watch.fired if watch is not None else None
+
+    if observed.action is not None:
+        if error is not None and not isinstance(error, HandlerTimeout | ProcessStopError):
+            log.error("%s: %s raised after ending the task", task.key, handler.route.python,
+                      exc_info=error)
+        if observed.action == "retry":
+            return Outcome.LATER if observed.wait is not None else Outcome.FAILED
+        return _ACTION_OUTCOME[observed.action]
+    if isinstance(error, PreemptedError):
+        raise error
+    if isinstance(error, ProcessStopError) or fired is ProcessStopError:
+        log.warning("%s: daemon stopping; %s interrupted", task.key, handler.route.python)
+        task.release()
+        return Outcome.STOPPED
+    if isinstance(error, HandlerTimeout) or fired is HandlerTimeout:
+        log.warning("%s: %s timed out after %gs; interrupted", task.key, handler.route.python,
+                    timeout)
+        task.retry()
+        return Outcome.TIMEOUT
+    if isinstance(error, KeyboardInterrupt | SystemExit):
+        raise error
+    if error is not None:
+        log.error("%s: %s failed", task.key, handler.route.python, exc_info=error)
+        task.retry()
+        return Outcome.FAILED
+    task.finish()
+    return Outcome.SUCCESS

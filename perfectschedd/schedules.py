@@ -1,0 +1,389 @@
+"""Public API: open(), ScheduleCollection, Schedule, Task.
+
+Validation of user input happens here, before anything reaches the store, so a refused
+request never changes what is stored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from . import cron
+from .config import Config, load
+from .errors import (
+    AlreadyExistsError,
+    AlreadyFinishedError,
+    InvalidInputError,
+    NotFoundError,
+    PreemptedError,
+)
+from .store import CRON_MAX, DATA_MAX, KEY_MAX, TYPE_MAX, Advance, Claimed, Row, Store, dumps_data
+
+_UNSET: Any = object()
+
+
+@dataclass(frozen=True)
+class ScheduleInfo:
+    key: str
+    type: str
+    cron: str | None
+    delay: int
+    timezone: str
+    next_time: int
+    next_run_time: int
+    data: dict[str, Any]
+    paused: bool = False
+    attempt: int = 0
+    owner: str | None = None
+    claimed_at: float | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.owner is not None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_row(cls, row: Row) -> ScheduleInfo:
+        return cls(
+            key=row.key, type=row.type, cron=row.cron, delay=row.delay, timezone=row.timezone,
+            next_time=row.next_time, next_run_time=row.next_run_time,
+            data=json.loads(row.data), paused=row.paused, attempt=row.attempt,
+            owner=row.owner, claimed_at=row.claimed_at,
+        )
+
+
+# -- validation of user input -------------------------------------------------------------
+
+def _check_text(field: str, value: Any, limit: int) -> str:
+    if not isinstance(value, str) or not value:
+        raise InvalidInputError(field, "must be a non-empty string")
+    if len(value) > limit:
+        raise InvalidInputError(field, f"longer than {limit} characters")
+    if any(ord(c) < 32 for c in value):
+        raise InvalidInputError(field, "contains control characters")
+    return value
+
+
+def check_key(key: Any) -> str:
+    return _check_text("key", key, KEY_MAX)
+
+
+def check_data(data: Any) -> str:
+    if data is None:
+        data = {}
+    if isinstance(data, str):
+        try:
+            data = json.loads(data)
+        except json.JSONDecodeError as exc:
+            raise InvalidInputError("data", f"not valid JSON: {exc.msg}") from None
+    if not isinstance(data, Mapping):
+        raise InvalidInputError("data", "must be a JSON object")
+    try:
+        text = dumps_data(dict(data))
+    except (TypeError, ValueError) as exc:
+        raise InvalidInputError("data", f"not serialisable as JSON: {exc}") from None
+    if len(text.encode()) > DATA_MAX:
+        raise InvalidInputError("data", f"larger than {DATA_MAX} bytes")
+    return text
+
+
+def check_int(field: str, value: Any, *, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidInputError(field, f"must be a whole number, got {value!r}")
+    if int(value) != value or value < minimum:
+        raise InvalidInputError(field, f"must be a whole number >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def check_timezone(name: Any) -> str:
+    if not isinstance(name, str) or not name:
+        raise InvalidInputError("timezone", "must be a time zone name such as Asia/Tokyo")
+    cron.zone(name)
+    return name
+
+
+def check_cron(expr: Any) -> str:
+    if not isinstance(expr, str):
+        raise InvalidInputError("cron", "must be a string")
+    if len(expr) > CRON_MAX:
+        raise InvalidInputError("cron", f"longer than {CRON_MAX} characters")
+    cron.normalize(expr)
+    return expr.strip()
+
+
+# -- tasks --------------------------------------------------------------------------------
+
+class Task:
+    """One leased occurrence of a schedule.  Exactly one of finish/retry/release ends it."""
+
+    __slots__ = ("_collection", "key", "type", "cron", "delay", "timezone", "scheduled_time",
+                 "attempt", "fence", "_data_text", "_data", "done", "claimed_at")
+
+    def __init__(self, collection: ScheduleCollection, claimed: Claimed, claimed_at: float):
+        self._collection = collection
+        self.key = claimed.key
+        self.type = claimed.type
+        self.cron = claimed.cron
+        self.delay = claimed.delay
+        self.timezone = claimed.timezone
+        self.scheduled_time = claimed.next_time
+        self.attempt = claimed.attempt
+        self.fence = claimed.fence
+        self._data_text = claimed.data
+        self._data: dict[str, Any] | None = None
+        self.done = False
+        self.claimed_at = claimed_at
+
+    @property
+    def data(self) -> dict[str, Any]:
+        if self._data is None:
+            self._data = json.loads(self._data_text)
+        return self._data
+
+    def __repr__(self) -> str:
+        return (f"Task(key={self.key!r}, type={self.type!r}, "
+                f"scheduled_time={self.scheduled_time}, attempt={self.attempt})")
+
+    def _end(self) -> None:
+        if self.done:
+            raise AlreadyFinishedError(f"task {self.key!r} was already finished")
+        self.done = True
+
+    def next_advance(self) -> Advance:
+        """The holder-side write that finishing this occurrence means."""
+        if self.cron is None:
+            return Advance(self.key, self.fence, None, None)
+        nxt = cron.next_after(self.cron, self.timezone, self.scheduled_time)
+        return Advance(self.key, self.fence, nxt, nxt + self.delay)
+
+    def finish(self) -> None:
+        """Mark the occurrence done; the schedule moves to its next cron time."""
+        self._end()
+        if self._collection.store.advance([self.next_advance()]):
+            raise PreemptedError(f"task {self.key!r} lost its lease before finish")
+
+    def retry(self, wait: float | None = None, now: float | None = None) -> None:
+        """Run the same occurrence again after `wait` seconds (default: retry_wait)."""
+        self._end()
+        if wait is None:
+            wait = self._collection.config.retry_wait
+        now = time.time() if now is None else now
+        if not self._collection.store.reschedule(self.key, self.fence, math.ceil(now + wait),
+                                                 count_attempt=True):
+            raise PreemptedError(f"task {self.key!r} lost its lease before retry")
+
+    def release(self, now: float | None = None) -> None:
+        """Give the occurrence back untried, to run again now (on any worker)."""
+        self._end()
+        now = time.time() if now is None else now
+        if not self._collection.store.reschedule(self.key, self.fence, int(now),
+                                                 count_attempt=False):
+            raise PreemptedError(f"task {self.key!r} lost its lease before release")
+
+    def heartbeat(self, now: float | None = None) -> None:
+        """Renew the lease for another alive_time seconds."""
+        if self.done:
+            raise AlreadyFinishedError(f"task {self.key!r} was already finished")
+        now = time.time() if now is None else now
+        lease = int(now) + self._collection.config.alive_time
+        if self._collection.store.heartbeat([(self.key, self.fence)], lease):
+            raise PreemptedError(f"task {self.key!r} lost its lease")
+
+
+# -- schedules ----------------------------------------------------------------------------
+
+class Schedule:
+    """A handle on one schedule by key; it reads the store on every call."""
+
+    def __init__(self, collection: ScheduleCollection, key: str) -> None:
+        self._collection = collection
+        self.key = key
+
+    def __repr__(self) -> str:
+        return f"Schedule({self.key!r})"
+
+    def exists(self) -> bool:
+        return self._collection.store.exists(self.key)
+
+    def info(self) -> ScheduleInfo:
+        row = self._collection.store.get(self.key)
+        if row is None:
+            raise NotFoundError(f"schedule {self.key!r} not found")
+        return ScheduleInfo.from_row(row)
+
+    def delete(self) -> None:
+        if not self._collection.store.delete(self.key):
+            raise NotFoundError(f"schedule {self.key!r} not found")
+
+    def modify(self, *, type: str = _UNSET, cron: str = _UNSET, delay: int = _UNSET,
+               timezone: str = _UNSET, data: Any = _UNSET, now: float | None = None) -> None:
+        """Change fields; new cron/timezone/delay recompute next_time/next_run_time.
+
+        A task of this schedule running now loses its lease (PreemptedError on finish).
+        """
+        values: dict[str, Any] = {}
+        if type is not _UNSET:
+            values["type"] = _check_text("type", type, TYPE_MAX)
+        if cron is not _UNSET:
+            values["cron"] = check_cron(cron)
+        if delay is not _UNSET:
+            values["delay"] = check_int("delay", delay)
+        if timezone is not _UNSET:
+            values["timezone"] = check_timezone(timezone)
+        if data is not _UNSET:
+            values["data"] = check_data(data)
+        if not values:
+            raise InvalidInputError("modify", "nothing to change")
+        current = self.info()
+        new_cron = values.get("cron", current.cron)
+        new_tz = values.get("timezone", current.timezone)
+        new_delay = values.get("delay", current.delay)
+        next_time = current.next_time
+        if ("cron" in values or "timezone" in values) and new_cron is not None:
+            now_s = int(time.time() if now is None else now)
+            next_time = cron_first(new_cron, new_tz, now_s)
+        values.update(next_time=next_time, next_run_time=next_time + new_delay, attempt=0)
+        if not self._collection.store.update(self.key, values, take_lease=True):
+            raise NotFoundError(f"schedule {self.key!r} not found")
+
+    def pause(self) -> None:
+        if not self._collection.store.update(self.key, {"paused": 1}, take_lease=False):
+            raise NotFoundError(f"schedule {self.key!r} not found")
+
+    def resume(self) -> None:
+        if not self._collection.store.update(self.key, {"paused": 0}, take_lease=False):
+            raise NotFoundError(f"schedule {self.key!r} not found")
+
+    def run_now(self, now: float | None = None) -> str:
+        """Run one extra occurrence now, without moving the schedule; returns its key."""
+        info = self.info()
+        now_s = int(time.time() if now is None else now)
+        run_key = f"{self.key}@run-{now_s}-{os.urandom(3).hex()}"
+        if len(run_key) > KEY_MAX:
+            run_key = f"{self.key[:KEY_MAX - 30]}@run-{now_s}-{os.urandom(3).hex()}"
+        self._collection.store.insert(Row(
+            key=run_key, type=info.type, cron=None, delay=0, timezone=info.timezone,
+            data=dumps_data(info.data), next_time=now_s, next_run_time=now_s, paused=False,
+            fence=0, attempt=0, owner=None, claimed_at=None))
+        return run_key
+
+
+def cron_first(expr: str, tz: str, start: int) -> int:
+    try:
+        return cron.first_at_or_after(expr, tz, start)
+    except OverflowError:
+        raise InvalidInputError("start", f"out of range: {start}") from None
+
+
+class ScheduleCollection:
+    """All schedules of one table.  Use one per process (create it after fork)."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.store = Store(config.url, config.table)
+        self.owner = f"{socket.gethostname()}:{os.getpid()}"
+        self.store.ensure_initialized()
+
+    def __enter__(self) -> ScheduleCollection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.store.close()
+
+    def init(self) -> None:
+        self.store.init()
+
+    def __getitem__(self, key: str) -> Schedule:
+        return Schedule(self, check_key(key))
+
+    def build_row(self, key: str, type: str, cron: str | None = None, *, delay: int = 0,
+                  timezone: str | None = None, next_time: int | None = None,
+                  next_run_time: int | None = None, data: Any = None,
+                  now: float | None = None, start: int | None = None,
+                  at: int | None = None) -> Row:
+        """Validate an `add` request into a row (no I/O)."""
+        check_key(key)
+        _check_text("type", type, TYPE_MAX)
+        tz = check_timezone(timezone if timezone is not None else self.config.timezone)
+        delay = check_int("delay", delay)
+        data_text = check_data(data)
+        start = start if start is not None else next_time
+        at = at if at is not None else next_run_time
+        now_s = int(time.time() if now is None else now)
+        start = check_int("start", start) if start is not None else now_s
+        if cron is None:
+            raise InvalidInputError("cron", "required")
+        expr = check_cron(cron)
+        first = cron_first(expr, tz, start)
+        run_at = check_int("at", at) if at is not None else first + delay
+        return Row(key=key, type=type, cron=expr, delay=delay, timezone=tz, data=data_text,
+                   next_time=first, next_run_time=run_at, paused=False, fence=0, attempt=0,
+                   owner=None, claimed_at=None)
+
+    def add(self, key: str, type: str, cron: str | None = None, **options: Any) -> Schedule:
+        """Register a schedule (SPEC `add`); AlreadyExistsError if the key is taken."""
+        row = self.build_row(key, type, cron, **options)
+        if not self.store.insert(row):
+            raise AlreadyExistsError(f"schedule {key!r} already exists")
+        return Schedule(self, key)
+
+    def add_many(self, requests: list[dict[str, Any]]) -> int:
+        """Register many schedules in one transaction; all or nothing."""
+        from sqlalchemy.exc import IntegrityError
+
+        rows = [self.build_row(**r) for r in requests]
+        keys = [r.key for r in rows]
+        if len(set(keys)) != len(keys):
+            raise InvalidInputError("key", "duplicate keys in one request")
+        try:
+            self.store.insert_many(rows)
+        except IntegrityError:
+            raise AlreadyExistsError("one of the keys already exists; nothing added") from None
+        return len(rows)
+
+    def list(self, *, prefix: str | None = None, limit: int | None = None,
+             after_key: str | None = None) -> list[ScheduleInfo]:
+        return [ScheduleInfo.from_row(r)
+                for r in self.store.rows(prefix=prefix, limit=limit, after_key=after_key)]
+
+    def poll(self, now: float | None = None) -> Task | None:
+        tasks = self.poll_many(1, now)
+        return tasks[0] if tasks else None
+
+    def poll_many(self, limit: int, now: float | None = None) -> list[Task]:
+        """Lease up to `limit` due occurrences (oldest first) to this process."""
+        now = time.time() if now is None else now
+        claimed = self.store.claim(now, self.config.alive_time, self.owner, limit)
+        return [Task(self, c, now) for c in claimed]
+
+    def finish_many(self, tasks: list[Task]) -> set[str]:
+        """Finish several tasks in one transaction; returns the keys that were preempted."""
+        for t in tasks:
+            t._end()
+        return self.store.advance([t.next_advance() for t in tasks])
+
+    def heartbeat_many(self, tasks: list[Task], now: float | None = None) -> set[str]:
+        now = time.time() if now is None else now
+        lease = int(now) + self.config.alive_time
+        return self.store.heartbeat([(t.key, t.fence) for t in tasks if not t.done], lease)
+
+    def earliest_due(self) -> int | None:
+        return self.store.earliest_due()
+
+
+def open(config: Mapping[str, Any] | str | os.PathLike[str] | Config | None = None,
+         environment: str | None = None) -> ScheduleCollection:
+    """Open the schedules named by a config (dict, YAML path, or Config)."""
+    return ScheduleCollection(load(config, environment))

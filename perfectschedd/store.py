@@ -1,0 +1,471 @@
+"""The only module that speaks SQL (SQLAlchemy Core).
+
+One row per schedule.  `next_run_time` is both "when it may run" and, while a worker
+holds the row, the lease expiry; `fence` grows on every claim and every write that takes
+the row away from its holder, and every holder-side write names the fence it was given,
+so a worker that lost its lease changes nothing (PreemptedError upstream).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine.url import URL, make_url
+from sqlalchemy.exc import IntegrityError, OperationalError
+
+from .errors import ConfigError
+
+SA_MAJOR = int(sa.__version__.split(".")[0])
+KEY_MAX = 256
+TYPE_MAX = 256
+CRON_MAX = 256
+TZ_MAX = 64
+DATA_MAX = 65536
+# How long a SQLite writer waits for the lock before giving up (busy_timeout + our retries).
+SQLITE_LOCK_WAIT = 60.0
+
+
+@dataclass(frozen=True)
+class Row:
+    """One schedule as stored."""
+
+    key: str
+    type: str
+    cron: str | None
+    delay: int
+    timezone: str
+    data: str
+    next_time: int
+    next_run_time: int
+    paused: bool
+    fence: int
+    attempt: int
+    owner: str | None
+    claimed_at: float | None
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """A row just leased to the caller, as it is after the claim."""
+
+    key: str
+    type: str
+    cron: str | None
+    delay: int
+    timezone: str
+    data: str
+    next_time: int
+    fence: int
+    attempt: int
+
+
+@dataclass(frozen=True)
+class Advance:
+    """A holder-side write: the new times of a schedule whose occurrence finished."""
+
+    key: str
+    fence: int
+    next_time: int | None  # None: a one-off row, delete it
+    next_run_time: int | None
+
+
+def engine_url(url: str) -> URL:
+    """Map a user's URL to a SQLAlchemy URL with the driver this installation has."""
+    try:
+        u = make_url(url)
+    except Exception as exc:  # noqa: BLE001 - any parse failure is a bad url
+        raise ConfigError(f"url: cannot parse {url!r}: {exc}") from None
+    backend, _, driver = u.drivername.partition("+")
+    if backend == "postgres":
+        backend = "postgresql"
+    if backend == "postgresql" and not driver:
+        # SQLAlchemy 1.4 (Debian 12) has no psycopg 3 dialect; 2.x does.
+        driver = "psycopg" if SA_MAJOR >= 2 else "psycopg2"
+    if backend == "mysql" and not driver:
+        driver = "pymysql"
+    if backend not in ("sqlite", "postgresql", "mysql"):
+        raise ConfigError(f"url: unsupported database {backend!r}")
+    return u.set(drivername=f"{backend}+{driver}" if driver else backend)
+
+
+def _schedules_table(metadata: sa.MetaData, name: str) -> sa.Table:
+    t = sa.Table(
+        name, metadata,
+        sa.Column("key", sa.String(KEY_MAX), primary_key=True),
+        sa.Column("type", sa.String(TYPE_MAX), nullable=False),
+        sa.Column("cron", sa.String(CRON_MAX), nullable=True),  # NULL: a one-off run
+        sa.Column("delay", sa.Integer, nullable=False, default=0),
+        sa.Column("timezone", sa.String(TZ_MAX), nullable=False),
+        sa.Column("data", sa.Text, nullable=False),
+        sa.Column("next_time", sa.BigInteger, nullable=False),
+        sa.Column("next_run_time", sa.BigInteger, nullable=False),
+        sa.Column("paused", sa.SmallInteger, nullable=False, default=0),
+        sa.Column("fence", sa.BigInteger, nullable=False, default=0),
+        sa.Column("attempt", sa.Integer, nullable=False, default=0),
+        sa.Column("owner", sa.String(128), nullable=True),
+        sa.Column("claimed_at", sa.Float, nullable=True),
+    )
+    # The claim reads "unpaused rows, smallest next_run_time first": O(log n) on this index.
+    sa.Index(f"{name}_due", t.c.paused, t.c.next_run_time)
+    return t
+
+
+def _history_table(metadata: sa.MetaData, name: str) -> sa.Table:
+    t = sa.Table(
+        f"{name}_history", metadata,
+        sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"),
+                  primary_key=True, autoincrement=True),
+        sa.Column("key", sa.String(KEY_MAX), nullable=False),
+        sa.Column("type", sa.String(TYPE_MAX), nullable=False),
+        sa.Column("scheduled_time", sa.BigInteger, nullable=False),
+        sa.Column("attempt", sa.Integer, nullable=False),
+        sa.Column("started_at", sa.Float, nullable=False),
+        sa.Column("finished_at", sa.Float, nullable=False),
+        sa.Column("outcome", sa.String(32), nullable=False),
+        sa.Column("worker", sa.String(128), nullable=False),
+    )
+    sa.Index(f"{name}_history_key", t.c.key, t.c.id)
+    return t
+
+
+def _is_sqlite_busy(exc: OperationalError) -> bool:
+    text = str(exc.orig).lower()
+    return "locked" in text or "busy" in text
+
+
+class Store:
+    """Schedules and run history in one database; safe for many threads of one process.
+
+    Create one per process, after fork (connections must not cross a fork).
+    """
+
+    def __init__(self, url: str, table: str = "perfectsched") -> None:
+        self.url = engine_url(url)
+        self.dialect = self.url.get_backend_name()
+        self.engine = self._create_engine()
+        self.metadata = sa.MetaData()
+        self.t = _schedules_table(self.metadata, table)
+        self.h = _history_table(self.metadata, table)
+        self._returning = self.dialect == "postgresql" or (
+            self.dialect == "sqlite" and SA_MAJOR >= 2
+            and bool(getattr(self.engine.dialect, "update_returning", False))
+        )
+        self._lock_for_sqlite = threading.Lock()
+        self._initialized = False
+
+    # -- engine ---------------------------------------------------------------------------
+
+    def _create_engine(self) -> Engine:
+        if self.dialect == "sqlite":
+            db = self.url.database or ""
+            if db in ("", ":memory:"):
+                raise ConfigError("url: the SQLite database must be a file (sqlite:///path)")
+            engine = sa.create_engine(
+                self.url,
+                poolclass=sa.pool.QueuePool, pool_size=4, max_overflow=16,
+                connect_args={"timeout": SQLITE_LOCK_WAIT, "check_same_thread": False,
+                              "isolation_level": None},
+            )
+
+            @event.listens_for(engine, "connect")
+            def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+                cur = dbapi_conn.cursor()
+                cur.execute("PRAGMA journal_mode=WAL")
+                cur.execute(f"PRAGMA busy_timeout={int(SQLITE_LOCK_WAIT * 1000)}")
+                cur.execute("PRAGMA synchronous=NORMAL")
+                cur.close()
+
+            @event.listens_for(engine, "begin")
+            def _on_begin(conn: Connection) -> None:
+                # Writers take the lock up front: a deferred transaction that upgrades to a
+                # writer can fail with "database is locked" without waiting for busy_timeout.
+                mode = "BEGIN" if conn.get_execution_options().get("readonly") else (
+                    "BEGIN IMMEDIATE")
+                conn.exec_driver_sql(mode)
+
+            return engine
+        kwargs: dict[str, Any] = {"pool_pre_ping": True, "pool_size": 4, "max_overflow": 16,
+                                  "pool_recycle": 3600}
+        if self.dialect == "mysql":
+            kwargs["isolation_level"] = "READ COMMITTED"
+        return sa.create_engine(self.url, **kwargs)
+
+    @contextmanager
+    def _tx(self, readonly: bool = False) -> Iterator[Connection]:
+        """A transaction, retried while SQLite reports a lock (never shown to users)."""
+        if self.dialect != "sqlite":
+            with self.engine.begin() as conn:
+                yield conn
+            return
+        deadline = time.monotonic() + SQLITE_LOCK_WAIT
+        delay = 0.005
+        while True:
+            try:
+                conn = self.engine.connect()
+                if readonly:
+                    conn = conn.execution_options(readonly=True)
+                with conn, conn.begin():
+                    yield conn
+                return
+            except OperationalError as exc:
+                if not _is_sqlite_busy(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 0.2)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # -- schema ---------------------------------------------------------------------------
+
+    def init(self) -> None:
+        """Create the tables and indexes if missing (idempotent, safe to race)."""
+        try:
+            self.metadata.create_all(self.engine, checkfirst=True)
+        except (IntegrityError, OperationalError, sa.exc.ProgrammingError):
+            # Another process created them between the check and the CREATE.
+            self.metadata.create_all(self.engine, checkfirst=True)
+        self._initialized = True
+
+    def ensure_initialized(self) -> None:
+        if not self._initialized:
+            self.init()
+
+    # -- user-side writes -----------------------------------------------------------------
+
+    def insert(self, row: Row) -> bool:
+        """Insert a schedule; False if the key exists."""
+        values = {
+            "key": row.key, "type": row.type, "cron": row.cron, "delay": row.delay,
+            "timezone": row.timezone, "data": row.data, "next_time": row.next_time,
+            "next_run_time": row.next_run_time, "paused": int(row.paused),
+            "fence": 0, "attempt": 0, "owner": None, "claimed_at": None,
+        }
+        try:
+            with self._tx() as conn:
+                conn.execute(self.t.insert().values(**values))
+        except IntegrityError:
+            return False
+        return True
+
+    def insert_many(self, rows: Sequence[Row]) -> None:
+        """Bulk insert; raises IntegrityError (nothing stored) if any key exists."""
+        payload = [
+            {"key": r.key, "type": r.type, "cron": r.cron, "delay": r.delay,
+             "timezone": r.timezone, "data": r.data, "next_time": r.next_time,
+             "next_run_time": r.next_run_time, "paused": int(r.paused), "fence": 0,
+             "attempt": 0, "owner": None, "claimed_at": None}
+            for r in rows
+        ]
+        with self._tx() as conn:
+            conn.execute(self.t.insert(), payload)
+
+    def delete(self, key: str) -> bool:
+        with self._tx() as conn:
+            return conn.execute(self.t.delete().where(self.t.c.key == key)).rowcount > 0
+
+    def update(self, key: str, values: dict[str, Any], *, take_lease: bool) -> bool:
+        """Change a schedule's fields; `take_lease` preempts a current holder."""
+        if take_lease:
+            values = {**values, "fence": self.t.c.fence + 1, "owner": None, "claimed_at": None}
+        with self._tx() as conn:
+            res = conn.execute(self.t.update().where(self.t.c.key == key).values(**values))
+            return res.rowcount > 0
+
+    # -- reads ----------------------------------------------------------------------------
+
+    def get(self, key: str) -> Row | None:
+        with self._tx(readonly=True) as conn:
+            r = conn.execute(sa.select(self.t).where(self.t.c.key == key)).first()
+        return self._row(r) if r is not None else None
+
+    def exists(self, key: str) -> bool:
+        with self._tx(readonly=True) as conn:
+            return conn.execute(
+                sa.select(self.t.c.key).where(self.t.c.key == key)).first() is not None
+
+    def rows(self, *, prefix: str | None = None, limit: int | None = None,
+             after_key: str | None = None) -> list[Row]:
+        q = sa.select(self.t).order_by(self.t.c.key)
+        if prefix:
+            q = q.where(self.t.c.key.startswith(prefix, autoescape=True))
+        if after_key is not None:
+            q = q.where(self.t.c.key > after_key)
+        if limit is not None:
+            q = q.limit(limit)
+        with self._tx(readonly=True) as conn:
+            return [self._row(r) for r in conn.execute(q)]
+
+    def running(self) -> list[Row]:
+        with self._tx(readonly=True) as conn:
+            res = conn.execute(sa.select(self.t).where(self.t.c.owner.isnot(None))
+                               .order_by(self.t.c.claimed_at))
+            return [self._row(r) for r in res]
+
+    def earliest_due(self) -> int | None:
+        """Smallest next_run_time of an unpaused row: one index probe."""
+        q = (sa.select(self.t.c.next_run_time).where(self.t.c.paused == 0)
+             .order_by(self.t.c.next_run_time).limit(1))
+        with self._tx(readonly=True) as conn:
+            return conn.execute(q).scalar()
+
+    def counts(self, now: int) -> dict[str, int]:
+        """Totals for status and metrics; `overdue` counts through the due index only."""
+        t = self.t
+        with self._tx(readonly=True) as conn:
+            total = conn.execute(sa.select(sa.func.count()).select_from(t)).scalar() or 0
+            paused = conn.execute(sa.select(sa.func.count()).select_from(t)
+                                  .where(t.c.paused == 1)).scalar() or 0
+            due = conn.execute(sa.select(sa.func.count()).select_from(t).where(
+                t.c.paused == 0, t.c.next_run_time <= now, t.c.owner.is_(None))).scalar() or 0
+            running = conn.execute(sa.select(sa.func.count()).select_from(t).where(
+                t.c.paused == 0, t.c.next_run_time > now, t.c.owner.isnot(None))).scalar() or 0
+        return {"schedules": total, "paused": paused, "due": due, "running": running}
+
+    def _row(self, r: Any) -> Row:
+        m = r._mapping
+        return Row(
+            key=m["key"], type=m["type"], cron=m["cron"], delay=int(m["delay"]),
+            timezone=m["timezone"], data=m["data"], next_time=int(m["next_time"]),
+            next_run_time=int(m["next_run_time"]), paused=bool(m["paused"]),
+            fence=int(m["fence"]), attempt=int(m["attempt"]), owner=m["owner"],
+            claimed_at=m["claimed_at"],
+        )
+
+    # -- holder-side: claim, heartbeat, finish, retry, release ----------------------------
+
+    def claim(self, now: float, lease_seconds: int, owner: str, limit: int = 1) -> list[Claimed]:
+        """Lease up to `limit` due rows, oldest first; one winner per row across all hosts."""
+        t = self.t
+        ts = int(now)
+        lease = ts + lease_seconds
+        due = (sa.select(t.c.key).where(t.c.paused == 0, t.c.next_run_time <= ts)
+               .order_by(t.c.next_run_time).limit(limit))
+        changes = {"next_run_time": lease, "fence": t.c.fence + 1, "attempt": t.c.attempt + 1,
+                   "owner": owner, "claimed_at": now}
+        cols = (t.c.key, t.c.type, t.c.cron, t.c.delay, t.c.timezone, t.c.data, t.c.next_time,
+                t.c.fence, t.c.attempt)
+        if self._returning:
+            if self.dialect == "postgresql":
+                due = due.with_for_update(skip_locked=True)
+            stmt = (t.update().where(t.c.key.in_(due.scalar_subquery()))
+                    .values(**changes).returning(*cols))
+            with self._tx() as conn:
+                rows = conn.execute(stmt).all()
+            out = [Claimed(*r) for r in rows]
+            out.sort(key=lambda c: c.next_time)
+            return out
+        # SQLite without RETURNING (SQLAlchemy 1.4), MySQL/MariaDB: read and write in one
+        # transaction that holds the rows (SQLite: the write lock; MySQL: SKIP LOCKED).
+        select_rows = (sa.select(*cols).where(t.c.paused == 0, t.c.next_run_time <= ts)
+                       .order_by(t.c.next_run_time).limit(limit))
+        if self.dialect == "mysql":
+            select_rows = select_rows.with_for_update(skip_locked=True)
+        with self._tx() as conn:
+            found = conn.execute(select_rows).all()
+            if not found:
+                return []
+            conn.execute(t.update().where(t.c.key.in_([r[0] for r in found])).values(**changes))
+        return [Claimed(*r[:7], fence=r[7] + 1, attempt=r[8] + 1) for r in found]
+
+    def heartbeat(self, held: Sequence[tuple[str, int]], lease_until: int) -> set[str]:
+        """Extend leases; returns the keys whose lease was lost."""
+        if not held:
+            return set()
+        t = self.t
+        lost: set[str] = set()
+        with self._tx() as conn:
+            for key, fence in held:
+                res = conn.execute(t.update().where(t.c.key == key, t.c.fence == fence)
+                                   .values(next_run_time=lease_until))
+                if res.rowcount == 0:
+                    lost.add(key)
+        return lost
+
+    def advance(self, items: Sequence[Advance]) -> set[str]:
+        """Finish occurrences (move to the next time, or delete one-offs).
+
+        Returns the keys that were preempted (nothing written for them).
+        """
+        t = self.t
+        lost: set[str] = set()
+        with self._tx() as conn:
+            for a in items:
+                where = sa.and_(t.c.key == a.key, t.c.fence == a.fence)
+                if a.next_time is None:
+                    res = conn.execute(t.delete().where(where))
+                else:
+                    res = conn.execute(t.update().where(where).values(
+                        next_time=a.next_time, next_run_time=a.next_run_time, attempt=0,
+                        owner=None, claimed_at=None, fence=t.c.fence + 1))
+                if res.rowcount == 0:
+                    lost.add(a.key)
+        return lost
+
+    def reschedule(self, key: str, fence: int, run_at: int, *, count_attempt: bool) -> bool:
+        """Give the occurrence back to run again at `run_at` (retry, release, SCHED_LATER)."""
+        t = self.t
+        values: dict[str, Any] = {"next_run_time": run_at, "owner": None, "claimed_at": None,
+                                  "fence": t.c.fence + 1}
+        if not count_attempt:
+            values["attempt"] = t.c.attempt - 1
+        with self._tx() as conn:
+            res = conn.execute(t.update().where(t.c.key == key, t.c.fence == fence)
+                               .values(**values))
+        return res.rowcount > 0
+
+    def release_owner(self, owner: str, now: int) -> int:
+        """Hand back every lease of a dead/stopping process at once."""
+        t = self.t
+        with self._tx() as conn:
+            return conn.execute(t.update().where(t.c.owner == owner).values(
+                next_run_time=now, owner=None, claimed_at=None, fence=t.c.fence + 1,
+                attempt=t.c.attempt - 1)).rowcount
+
+    # -- run history ----------------------------------------------------------------------
+
+    def record_runs(self, runs: Iterable[dict[str, Any]]) -> None:
+        payload = list(runs)
+        if payload:
+            with self._tx() as conn:
+                conn.execute(self.h.insert(), payload)
+
+    def history(self, key: str, limit: int) -> list[dict[str, Any]]:
+        h = self.h
+        q = sa.select(h).where(h.c.key == key).order_by(h.c.id.desc()).limit(limit)
+        with self._tx(readonly=True) as conn:
+            return [dict(r._mapping) for r in conn.execute(q)]
+
+    def prune_history(self, keep_per_key: int) -> int:
+        """Keep only the newest `keep_per_key` runs of each key (bounded history)."""
+        h = self.h
+        removed = 0
+        over = (sa.select(h.c.key).group_by(h.c.key)
+                .having(sa.func.count() > keep_per_key))
+        with self._tx(readonly=True) as conn:
+            keys = [r[0] for r in conn.execute(over)]
+        for key in keys:
+            with self._tx() as conn:
+                oldest_kept = conn.execute(
+                    sa.select(h.c.id).where(h.c.key == key).order_by(h.c.id.desc())
+                    .limit(1).offset(max(keep_per_key - 1, 0))).scalar()
+                if oldest_kept is None:
+                    continue
+                if keep_per_key == 0:
+                    oldest_kept += 1
+                removed += conn.execute(
+                    h.delete().where(h.c.key == key, h.c.id < oldest_kept)).rowcount
+        return removed
+
+
+def dumps_data(data: Any) -> str:
+    return json.dumps(data, separators=(",", ":"), sort_keys=True)
