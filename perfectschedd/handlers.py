@@ -92,7 +92,7 @@ class TaskLike(Protocol):
 Log = logging.Logger | logging.LoggerAdapter  # type: ignore[type-arg]
 
 
-class Outcome(str, enum.Enum):
+class Outcome(enum.StrEnum):
     """How a run ended; also the ``outcome`` label of the task counters."""
 
     SUCCESS = "success"      # finished
@@ -102,9 +102,6 @@ class Outcome(str, enum.Enum):
     PREEMPTED = "preempted"  # the lease was lost; nothing was written
     RELEASED = "released"    # the application released the task
     STOPPED = "stopped"      # ended because the daemon stops; task released
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,11 +191,10 @@ class Router:
             return handler
 
     def _lookup(self, task_type: str) -> Handler | None:
-        for index, route in enumerate(self.routes):
-            if route.matches(task_type):
-                break
-        else:
+        index = next((i for i, r in enumerate(self.routes) if r.matches(task_type)), None)
+        if index is None:
             return None
+        route = self.routes[index]
         resolved = self._resolved.get(index)
         if resolved is None:
             resolved = self._resolved[index] = self._resolve(route)
@@ -359,14 +355,17 @@ def _run_exec(task: TaskLike, handler: ExecHandler, log: Log,
     pgid = proc.pid  # a session leader leads its own process group
     with _groups_lock:
         _groups[pgid] = key
+    completed = False
     try:
-        reason = _supervise(proc, key, payload, handler.timeout, log, stop_event, kill_grace)
-        last_line = reason[1]
+        why, last_line = _supervise(proc, key, payload, handler.timeout, log, stop_event,
+                                    kill_grace)
+        completed = True
     finally:
+        if not completed:  # an error of our own: no orphan, no wait on a live command
+            _signal_group(pgid, signal.SIGKILL)
         with _groups_lock:
             _groups.pop(pgid, None)
         code = proc.wait()  # the leader is a zombie by now (or dies of SIGKILL at once)
-    why = reason[0]
     if why == "stop":
         task.release()
         return Outcome.STOPPED, code
@@ -453,9 +452,16 @@ def _supervise(proc: subprocess.Popen[bytes], key: str, payload: bytes, timeout:
                 give_up = now + _DRAIN_AFTER_KILL
             if exited and give_up is not None and now >= give_up:
                 break
-            waits = [t - now for t in (deadline, kill_at, give_up) if t is not None]
-            if reason is None and stop_event is not None:
-                waits.append(_STOP_POLL)
+            waits = []
+            if reason is None and not exited:
+                if deadline is not None:
+                    waits.append(deadline - now)
+                if stop_event is not None:
+                    waits.append(_STOP_POLL)
+            if kill_at is not None and not killed:
+                waits.append(kill_at - now)
+            if give_up is not None:
+                waits.append(give_up - now)
             if pidfd is None and not exited:
                 waits.append(0.02)
             wait = max(0.0, min(waits)) if waits else None
@@ -484,9 +490,6 @@ def _supervise(proc: subprocess.Popen[bytes], key: str, payload: bytes, timeout:
                     else:
                         sel.unregister(fd)
                         readers.pop(fd).close()
-            if not payload and in_fd in sel.get_map():  # nothing to send: close at once
-                sel.unregister(in_fd)
-                proc.stdin.close()
             if pidfd is None and not exited:
                 exited = os.waitid(os.P_PID, proc.pid,
                                    os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
@@ -511,13 +514,10 @@ def _supervise(proc: subprocess.Popen[bytes], key: str, payload: bytes, timeout:
 # --------------------------------------------------------------------------- python
 
 
-_set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
-_set_async_exc.argtypes = (ctypes.c_ulong, ctypes.py_object)
-_set_async_exc.restype = ctypes.c_int
-
-
 def _raise_in_thread(thread_id: int, exc: type[BaseException] | None) -> None:
-    _set_async_exc(thread_id, exc)  # None clears a pending one
+    """Make ``thread_id`` raise ``exc`` at its next bytecode; None clears a pending one."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(thread_id), None if exc is None else ctypes.py_object(exc))
 
 
 class _Watch:
@@ -556,6 +556,7 @@ class _Watchdog:
         self._seq = itertools.count()
         self._thread: threading.Thread | None = None
         self._wake_at: float | None = None  # None: sleeping without a timeout
+        self._stale = 0  # heap entries of watches already disarmed
 
     def arm(self, deadline: float | None, stop_event: threading.Event | None) -> _Watch:
         watch = _Watch(threading.get_ident(), deadline, stop_event)
@@ -570,7 +571,8 @@ class _Watchdog:
                 notify = self._wake_at is None or deadline < self._wake_at
             if stop_event is not None:
                 self._stoppable.add(watch)
-                notify = notify or self._wake_at is None
+                notify = notify or self._wake_at is None or (
+                    self._wake_at > time.monotonic() + _STOP_POLL)
             if notify:
                 self._cond.notify()
         return watch
@@ -582,6 +584,13 @@ class _Watchdog:
             self._stoppable.discard(watch)
             if watch.fired is not None:
                 _raise_in_thread(watch.thread_id, None)
+            elif watch.deadline is not None:
+                # Long timeouts and many short runs: drop dead entries now and then.
+                self._stale += 1
+                if self._stale > 1024 and self._stale * 2 > len(self._heap):
+                    self._heap = [e for e in self._heap if not e[2].done and e[2].fired is None]
+                    heapq.heapify(self._heap)
+                    self._stale = 0
 
     @contextmanager
     def suspended(self, watch: _Watch) -> Iterator[None]:
@@ -611,6 +620,7 @@ class _Watchdog:
                     watch = self._heap[0][2]
                     if watch.done or watch.fired is not None:
                         heapq.heappop(self._heap)
+                        self._stale = max(0, self._stale - 1)
                     elif watch.suspended:
                         retry_soon = True
                         break
@@ -709,16 +719,13 @@ def _run_python(task: TaskLike, handler: PythonHandler, log: Log,
     error: BaseException | None = None
     try:
         try:
-            try:
-                handler.app_class(observed).run()
-            except BaseException as exc:  # noqa: BLE001 - includes HandlerTimeout
-                error = exc
-            finally:
-                if watch is not None:
-                    _watchdog.disarm(watch)
-        except (HandlerTimeout, ProcessStopError) as late:  # delivered just before disarm
-            error = error or late
-    except (HandlerTimeout, ProcessStopError) as late:  # ... or inside the except clause
+            handler.app_class(observed).run()
+        except BaseException as exc:  # includes HandlerTimeout
+            error = exc
+        finally:
+            if watch is not None:
+                _watchdog.disarm(watch)
+    except (HandlerTimeout, ProcessStopError) as late:  # fired just as run() returned
         error = error or late
     fired = watch.fired if watch is not None else None
 
@@ -740,11 +747,13 @@ def _run_python(task: TaskLike, handler: PythonHandler, log: Log,
                     timeout)
         task.retry()
         return Outcome.TIMEOUT
-    if isinstance(error, KeyboardInterrupt | SystemExit):
+    if isinstance(error, KeyboardInterrupt):
+        task.release()
         raise error
     if error is not None:
         log.error("%s: %s failed", task.key, handler.route.python, exc_info=error)
         task.retry()
         return Outcome.FAILED
-    task.finish()
+    if not task.done:  # a run that ended the task behind our back keeps its word
+        task.finish()
     return Outcome.SUCCESS
