@@ -46,6 +46,7 @@ class SocketClient:
                 buf += chunk
             return protocol.parse_response(bytes(buf))
         except TimeoutError:
-            raise DaemonUnavailable(f"perfectschedd did not answer within {self.timeout:g}s") from None
+            raise DaemonUnavailable(
+                f"perfectschedd did not answer within {self.timeout:g}s") from None
         finally:
             sock.close()

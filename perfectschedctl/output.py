@@ -76,10 +76,11 @@ def print_result(cmd: str, result: Any, *, as_json: bool) -> None:
         print(_status(result))
     elif cmd in ("show", "modify", "pause", "resume"):
         width = max(len(k) for k in result)
-        for k, v in result.items():
+        for k in result:
             print(f"{k.ljust(width)}  {_cell(k, result)}")
     elif cmd == "add":
-        print(f"added {result['key']}: next run {format_time(result['next_run_time'], result['timezone'])}")
+        when = format_time(result["next_run_time"], result["timezone"])
+        print(f"added {result['key']}: next run {when}")
     elif cmd == "delete":
         print(f"deleted {result['key']}")
     elif cmd == "run":

@@ -34,7 +34,8 @@ def _arg(args: Mapping[str, Any], name: str, required: bool = True) -> Any:
 
 
 def _add(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[str, Any]:
-    options = {k: a[k] for k in ("delay", "timezone", "start", "at", "data") if a.get(k) is not None}
+    options = {k: a[k] for k in ("delay", "timezone", "start", "at", "data")
+               if a.get(k) is not None}
     sc.add(_arg(a, "key"), _arg(a, "type"), _arg(a, "cron"), now=now, **options)
     return _info(sc[a["key"]].info(), LIST_FIELDS)
 

@@ -67,6 +67,8 @@ class Config:
     shutdown_timeout: float = 30.0
     # Grace between TERM and KILL when a handler times out or the daemon stops.
     kill_grace: float = 5.0
+    # A worker that sends no liveness ping for this long is killed and replaced.
+    worker_timeout: float = 30.0
     routes: tuple[RouteConfig, ...] = ()
     history_limit: int = 100
     source: str | None = field(default=None, compare=False)
@@ -75,7 +77,7 @@ class Config:
 _KNOWN_KEYS = {
     "type", "url", "table", "log", "poll_interval", "timezone", "alive_time", "retry_wait",
     "workers", "concurrency", "control_socket", "control_group", "metrics_listen", "dbus",
-    "shutdown_timeout", "kill_grace", "routes", "history_limit",
+    "shutdown_timeout", "kill_grace", "worker_timeout", "routes", "history_limit",
 }
 
 
@@ -165,7 +167,7 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
     url = raw.get("url")
     if not isinstance(url, str) or not url:
         raise ConfigError("url: required (a SQLAlchemy URL such as sqlite:///path.db)")
-    if not url.split(":", 1)[0].split("+", 1)[0] in ("sqlite", "postgresql", "postgres", "mysql"):
+    if url.split(":", 1)[0].split("+", 1)[0] not in ("sqlite", "postgresql", "postgres", "mysql"):
         raise ConfigError(f"url: unsupported database {url.split(':', 1)[0]!r}")
     table = raw.get("table", "perfectsched")
     if not isinstance(table, str) or not _IDENTIFIER.match(table):
@@ -204,6 +206,7 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
         dbus=dbus,
         shutdown_timeout=_number(raw, "shutdown_timeout", 30.0, minimum=0),
         kill_grace=_number(raw, "kill_grace", 5.0, minimum=0),
+        worker_timeout=_number(raw, "worker_timeout", 30.0, minimum=2),
         routes=_routes(raw.get("routes")),
         history_limit=_number(raw, "history_limit", 100, minimum=0, integer=True),
         source=source,

@@ -1,0 +1,88 @@
+"""Logging for the daemon: journald priority prefixes on stderr, or a reopenable file."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+
+# syslog priorities of sd-daemon(3), as journald reads them from a "<N>" line prefix.
+_PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3,
+             logging.CRITICAL: 2}
+
+
+def under_journald() -> bool:
+    """True when stderr is connected to the journal (systemd sets JOURNAL_STREAM)."""
+    stream = os.environ.get("JOURNAL_STREAM", "")
+    if not stream:
+        return False
+    try:
+        st = os.fstat(sys.stderr.fileno())
+    except (OSError, ValueError):
+        return False
+    return stream == f"{st.st_dev}:{st.st_ino}"
+
+
+class JournalFormatter(logging.Formatter):
+    """`<6>message`: journald adds time, host and unit itself."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        prio = _PRIORITY.get(record.levelno, 6)
+        text = super().format(record)
+        return "\n".join(f"<{prio}>{line}" for line in text.splitlines() or [""])
+
+
+class ReopenableFileHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """A log file that `reopen()` (SIGUSR2, after logrotate) opens again by name."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._reopen_lock = threading.Lock()
+        super().__init__(self._open())
+
+    def _open(self):  # type: ignore[no-untyped-def]
+        return open(self.path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+
+    def reopen(self) -> None:
+        with self._reopen_lock:
+            new = self._open()
+            old, self.stream = self.stream, new
+            old.close()
+
+
+_PLAIN = "%(asctime)s %(levelname)s %(processName)s[%(process)d]: %(message)s"
+_JOURNAL = "%(processName)s[%(process)d]: %(message)s"
+
+
+def setup(log_path: str | None, level: int = logging.INFO) -> None:
+    """(Re)configure the root logger; called by the master and again on reload."""
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+        h.close()
+    handler: logging.Handler
+    if log_path:
+        handler = ReopenableFileHandler(log_path)
+        handler.setFormatter(logging.Formatter(_PLAIN))
+    elif under_journald():
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(JournalFormatter(_JOURNAL))
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(_PLAIN))
+    root.addHandler(handler)
+    root.setLevel(level)
+
+
+def reopen() -> None:
+    """Reopen every log file (SIGUSR2)."""
+    for h in logging.getLogger().handlers:
+        if isinstance(h, ReopenableFileHandler):
+            h.reopen()
+
+
+def set_process_name(name: str) -> None:
+    import multiprocessing
+
+    multiprocessing.current_process().name = name

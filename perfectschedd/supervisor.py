@@ -1,0 +1,662 @@
+"""The master: fork/reap workers, signals, sd_notify, reload (gunicorn's arbiter, smaller).
+
+One class owns the worker table.  Signal handlers only queue the signal and write to a
+self-pipe; the main loop acts.  Workers prove liveness by writing to a pipe; a silent
+one is killed and replaced, and a worker that keeps dying is replaced with a back-off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import errno
+import importlib
+import logging
+import os
+import selectors
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import sdnotify
+from sqlalchemy.exc import DBAPIError
+
+from . import __version__, commands, logsetup, metrics
+from . import config as config_mod
+from .config import Config
+from .errors import ConfigError, InvalidInputError, NotSupportedError
+from .schedules import ScheduleCollection
+
+log = logging.getLogger("perfectschedd")
+
+_PR_SET_CHILD_SUBREAPER = 36
+STATUS_EVERY = 2.0
+COUNTS_EVERY = 15.0
+PRUNE_EVERY = 60.0
+QUICK_DEATH = 10.0  # a worker that dies sooner than this counts towards the back-off
+BACKOFF_MAX = 30.0
+
+
+@dataclass
+class WorkerProc:
+    pid: int
+    index: int
+    generation: int
+    wake_w: int
+    alive_r: int
+    started: float
+    last_seen: float
+    pinged: bool = False
+    retiring: bool = False
+    running: int = 0
+    db_ok: bool = True
+    buf: bytearray = field(default_factory=bytearray)
+
+
+class Supervisor:
+    def __init__(self, config: Config, config_source: str | None, environment: str | None
+                 ) -> None:
+        self.config = config
+        self.config_source = config_source
+        self.environment = environment
+        self.workers: dict[int, WorkerProc] = {}
+        self.generation = 0
+        self.signals: list[int] = []
+        self.selfpipe_r, self.selfpipe_w = os.pipe()
+        for fd in (self.selfpipe_r, self.selfpipe_w):
+            os.set_blocking(fd, False)
+        self.sel = selectors.DefaultSelector()
+        self.notifier = sdnotify.SystemdNotifier()
+        self.watchdog_interval = self._watchdog_interval()
+        self.last_watchdog = 0.0
+        self.state = "starting"
+        self.started = time.time()
+        self.ready = False
+        self.sc: ScheduleCollection | None = None
+        self.spawn_failures = 0
+        self.next_spawn = 0.0
+        self.last_status = 0.0
+        self.status_line = ""
+        self.counts: dict[str, int] = {}
+        self.last_counts = 0.0
+        self.last_prune = time.monotonic()
+        self.last_error: str | None = None
+        self.reload_pending_since: float | None = None
+        self.restarts = 0
+        self.control: Any = None
+        self.dbus: Any = None
+        self.metrics_server: Any = None
+        # For child processes: fds of the master that a worker must close after fork.
+        self.listener_fds: Callable[[], list[int]] = lambda: []
+
+    # -- systemd --------------------------------------------------------------------------
+
+    @staticmethod
+    def _watchdog_interval() -> float | None:
+        usec = os.environ.pop("WATCHDOG_USEC", None)
+        wpid = os.environ.pop("WATCHDOG_PID", None)
+        if not usec or (wpid and wpid.isdigit() and int(wpid) != os.getpid()):
+            return None
+        try:
+            return int(usec) / 1e6 / 2
+        except ValueError:
+            return None
+
+    def notify(self, *lines: str) -> None:
+        self.notifier.notify("\n".join(lines))
+
+    # -- signals --------------------------------------------------------------------------
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.signals.append(signum)
+        try:
+            os.write(self.selfpipe_w, b"s")
+        except OSError:
+            pass
+
+    def _install_signals(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP,
+                    signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
+            signal.signal(sig, self._on_signal)
+        self.sel.register(self.selfpipe_r, selectors.EVENT_READ, "signal")
+
+    # -- workers --------------------------------------------------------------------------
+
+    def spawn_worker(self, index: int) -> None:
+        from . import worker
+
+        wake_r, wake_w = os.pipe()
+        alive_r, alive_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # child
+            code = 1
+            try:
+                os.close(wake_w)
+                os.close(alive_r)
+                self._child_cleanup()
+                code = worker.run(self.config, index, wake_r, alive_w, self.master_pid)
+            except BaseException:  # noqa: BLE001 - never return into the master's code
+                log.exception("worker %d crashed", index)
+            finally:
+                logging.shutdown()
+                os._exit(code)
+        os.close(wake_r)
+        os.close(alive_w)
+        os.set_blocking(wake_w, False)
+        os.set_blocking(alive_r, False)
+        now = time.monotonic()
+        proc = WorkerProc(pid, index, self.generation, wake_w, alive_r, now, now)
+        self.workers[pid] = proc
+        self.sel.register(alive_r, selectors.EVENT_READ, pid)
+        log.info("worker %d spawned (pid %d, generation %d)", index, pid, self.generation)
+
+    def _child_cleanup(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP,
+                    signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
+            signal.signal(sig, signal.SIG_DFL)
+        self.sel.close()
+        for fd in [self.selfpipe_r, self.selfpipe_w, *self.listener_fds()]:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        for w in self.workers.values():
+            for fd in (w.wake_w, w.alive_r):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        if self.sc is not None:
+            # The master's pooled connections must not be used or closed by the child.
+            self.sc.store.engine.dispose(close=False)
+        metrics.after_fork_in_worker()
+
+    def _forget(self, proc: WorkerProc) -> None:
+        try:
+            self.sel.unregister(proc.alive_r)
+        except (KeyError, ValueError):
+            pass
+        for fd in (proc.wake_w, proc.alive_r):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            proc = self.workers.pop(pid, None)
+            if proc is None:
+                continue  # an orphaned job process re-parented to us (child subreaper)
+            self._forget(proc)
+            metrics.worker_exited(pid)
+            code = os.waitstatus_to_exitcode(status)
+            lived = time.monotonic() - proc.started
+            if proc.retiring or self.state == "stopping":
+                log.info("worker %d (pid %d) exited", proc.index, pid)
+                continue
+            self.restarts += 1
+            metrics.worker_restarted()
+            how = f"signal {-code}" if code < 0 else f"status {code}"
+            log.error("worker %d (pid %d) died (%s) after %.1fs; replacing it",
+                      proc.index, pid, how, lived)
+            if lived < QUICK_DEATH:
+                self.spawn_failures += 1
+                delay = min(0.5 * 2 ** (self.spawn_failures - 1), BACKOFF_MAX)
+                self.next_spawn = time.monotonic() + delay
+                if self.spawn_failures > 1:
+                    log.warning("workers keep dying; next start in %.1fs", delay)
+            else:
+                self.spawn_failures = 0
+
+    def manage_workers(self) -> None:
+        """Converge the current generation to `workers` processes; kill silent ones."""
+        now = time.monotonic()
+        for proc in list(self.workers.values()):
+            if now - proc.last_seen > self.config.worker_timeout:
+                log.error("worker %d (pid %d) silent for %.0fs; killing it",
+                          proc.index, proc.pid, now - proc.last_seen)
+                proc.last_seen = now  # one kill per timeout period
+                self._kill(proc.pid, signal.SIGKILL)
+        if self.state == "stopping":
+            return
+        current = {p.index for p in self.workers.values()
+                   if p.generation == self.generation and not p.retiring}
+        for index in range(self.config.workers):
+            if index not in current and now >= self.next_spawn:
+                self.spawn_worker(index)
+        # A reload that lowered `workers` retires the surplus.
+        for p in self.workers.values():
+            if p.generation == self.generation and p.index >= self.config.workers \
+                    and not p.retiring:
+                self._retire(p)
+
+    def _retire(self, proc: WorkerProc) -> None:
+        proc.retiring = True
+        self._kill(proc.pid, signal.SIGTERM)
+
+    @staticmethod
+    def _kill(pid: int, sig: int) -> None:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def read_alive(self, pid: int) -> None:
+        proc = self.workers.get(pid)
+        if proc is None:
+            return
+        try:
+            data = os.read(proc.alive_r, 4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            try:
+                self.sel.unregister(proc.alive_r)
+            except (KeyError, ValueError):
+                pass
+            return
+        proc.last_seen = time.monotonic()
+        proc.pinged = True
+        proc.buf += data
+        *lines, rest = proc.buf.split(b"\n")
+        proc.buf = bytearray(rest)
+        if lines:
+            try:
+                running, db_ok = lines[-1].split()
+                proc.running, proc.db_ok = int(running), db_ok == b"1"
+            except ValueError:
+                pass
+
+    def wake_workers(self) -> None:
+        """A schedule changed: every worker looks for due work now (thread-safe)."""
+        for proc in list(self.workers.values()):
+            try:
+                os.write(proc.wake_w, b"w")
+            except OSError:
+                pass
+
+    # -- control requests (from the control socket and D-Bus threads) ---------------------
+
+    def dispatch(self, cmd: str, args: dict[str, Any]) -> Any:
+        if cmd == "status":
+            return self.status()
+        if cmd == "reload":
+            self._on_signal(signal.SIGHUP, None)
+            return {"reload": "requested"}
+        if cmd == "init":
+            raise InvalidInputError("command", "init is done with perfectschedctl -c CONFIG")
+        if cmd not in commands.COMMANDS:
+            raise InvalidInputError("command", f"unknown command {cmd!r}")
+        if self.sc is None:
+            raise NotSupportedError("the database is not open yet")
+        result = commands.execute(self.sc, cmd, args)
+        if cmd in commands.WAKING:
+            self.wake_workers()
+        return result
+
+    def status(self) -> dict[str, Any]:
+        now = time.time()
+        running: list[dict[str, Any]] = []
+        if self.sc is not None:
+            try:
+                self._refresh_counts(force=True)
+                for r in self.sc.store.running():
+                    running.append({"key": r.key, "type": r.type,
+                                    "scheduled_time": r.next_time, "timezone": r.timezone,
+                                    "owner": r.owner,
+                                    "age": round(now - r.claimed_at, 3) if r.claimed_at else None,
+                                    "attempt": r.attempt})
+            except DBAPIError as exc:
+                self.last_error = f"database: {str(exc).splitlines()[0]}"
+        mono = time.monotonic()
+        workers = [{"pid": p.pid, "index": p.index, "generation": p.generation,
+                    "age": round(mono - p.started, 1), "last_seen": round(mono - p.last_seen, 1),
+                    "running": p.running, "retiring": p.retiring, "db_ok": p.db_ok}
+                   for p in sorted(self.workers.values(), key=lambda p: (p.generation, p.index))]
+        return {
+            "version": __version__, "host": socket.gethostname(), "pid": os.getpid(),
+            "uptime": round(now - self.started, 1), "state": self.state,
+            "workers_configured": self.config.workers,
+            "workers_alive": sum(1 for p in self.workers.values() if not p.retiring),
+            "workers": workers, "running": running, "last_error": self.last_error,
+            "database_ok": all(p.db_ok for p in self.workers.values()),
+            **{k: self.counts.get(k, 0) for k in ("schedules", "paused", "due")},
+        }
+
+    # -- periodic duties ------------------------------------------------------------------
+
+    def _refresh_counts(self, force: bool = False) -> None:
+        if self.sc is None:
+            return
+        now = time.monotonic()
+        if not force and now - self.last_counts < COUNTS_EVERY:
+            return
+        self.last_counts = now
+        try:
+            self.counts = self.sc.store.counts(int(time.time()))
+            metrics.set_schedule_counts(self.counts)
+        except DBAPIError as exc:
+            self.last_error = f"database: {str(exc).splitlines()[0]}"
+
+    def _prune_history(self) -> None:
+        now = time.monotonic()
+        if self.sc is None or now - self.last_prune < PRUNE_EVERY:
+            return
+        self.last_prune = now
+        try:
+            self.sc.store.prune_history(self.config.history_limit)
+        except DBAPIError as exc:
+            self.last_error = f"database: {str(exc).splitlines()[0]}"
+
+    def _update_status(self) -> None:
+        now = time.monotonic()
+        if now - self.last_status < STATUS_EVERY:
+            return
+        self.last_status = now
+        alive = [p for p in self.workers.values() if not p.retiring]
+        running = sum(p.running for p in self.workers.values())
+        db_ok = all(p.db_ok for p in self.workers.values())
+        line = (f"{len(alive)} workers, {running} running, "
+                f"{self.counts.get('due', 0)} due, {self.counts.get('schedules', 0)} schedules")
+        if not db_ok:
+            line += "; database unreachable"
+        metrics.set_workers(self.config.workers, len(alive))
+        if line != self.status_line:
+            self.status_line = line
+            self.notify(f"STATUS={line}")
+
+    def _watchdog(self) -> None:
+        if self.watchdog_interval is None:
+            return
+        now = time.monotonic()
+        if now - self.last_watchdog < self.watchdog_interval:
+            return
+        # Healthy: the loop runs and at least one worker proved liveness recently.
+        healthy = any(now - p.last_seen < self.config.worker_timeout
+                      for p in self.workers.values()) or self.state == "starting"
+        if healthy:
+            self.last_watchdog = now
+            self.notify("WATCHDOG=1")
+
+    # -- reload / stop --------------------------------------------------------------------
+
+    def reload(self) -> None:
+        mono_usec = int(time.clock_gettime(time.CLOCK_MONOTONIC) * 1e6)
+        self.notify("RELOADING=1", f"MONOTONIC_USEC={mono_usec}", "STATUS=reloading")
+        try:
+            new = config_mod.load(self.config_source, self.environment)
+            if self.config_source is None and self.config.source is None:
+                new = self.config
+        except (ConfigError, NotSupportedError) as exc:
+            log.error("reload failed, keeping the running configuration: %s", exc)
+            self.last_error = f"reload: {exc}"
+            self.notify("READY=1", f"STATUS={self.status_line} (reload failed)")
+            return
+        old = self.config
+        self.config = new
+        logsetup.setup(new.log)
+        if (new.url, new.table) != (old.url, old.table):
+            self._open_store()
+        if new.control_socket != old.control_socket and self.control is not None:
+            self.control.stop()
+            self._start_control()
+        if new.metrics_listen != old.metrics_listen:
+            self._start_metrics_server()
+        self.generation += 1
+        for p in self.workers.values():
+            if p.generation < self.generation:
+                p.retiring = p.retiring  # retired once the new generation is up
+        self.reload_pending_since = time.monotonic()
+        self.next_spawn = 0.0
+        log.info("reloading: starting %d new worker(s)", new.workers)
+
+    def _finish_reload(self) -> None:
+        if self.reload_pending_since is None:
+            return
+        new = [p for p in self.workers.values() if p.generation == self.generation]
+        up = len(new) >= self.config.workers and all(p.pinged for p in new)
+        timed_out = time.monotonic() - self.reload_pending_since > self.config.worker_timeout
+        if not (up or timed_out):
+            return
+        for p in list(self.workers.values()):
+            if p.generation < self.generation and not p.retiring:
+                self._retire(p)
+        self.reload_pending_since = None
+        self.last_status = 0.0
+        log.info("reloaded")
+        self.notify("READY=1")
+
+    def stop(self) -> None:
+        self.state = "stopping"
+        log.info("stopping")
+        self.notify("STOPPING=1", "STATUS=stopping")
+        self._stop_listeners()
+        for p in self.workers.values():
+            self._kill(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.config.shutdown_timeout + self.config.kill_grace + 5
+        while self.workers and time.monotonic() < deadline:
+            self.reap()
+            time.sleep(0.05)
+        for p in list(self.workers.values()):
+            log.error("worker %d (pid %d) did not stop; killing it", p.index, p.pid)
+            self._kill(p.pid, signal.SIGKILL)
+            if self.sc is not None:
+                try:
+                    self.sc.store.release_owner(f"{socket.gethostname()}:{p.pid}",
+                                                int(time.time()))
+                except DBAPIError:
+                    pass
+        while self.workers:
+            self.reap()
+            time.sleep(0.02)
+        self._kill_orphans()
+        if self.sc is not None:
+            self.sc.close()
+        log.info("stopped")
+
+    def _kill_orphans(self) -> None:
+        """Job processes re-parented to us (their worker died) must not outlive us."""
+        me = str(os.getpid())
+        pids = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if stat.rsplit(")", 1)[1].split()[1] == me:
+                pids.append(int(entry))
+        for pid in pids:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                self._kill(pid, signal.SIGKILL)
+        for pid in pids:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+
+    # -- listeners ------------------------------------------------------------------------
+
+    def _open_store(self) -> None:
+        if self.sc is not None:
+            self.sc.close()
+            self.sc = None
+        try:
+            self.sc = ScheduleCollection(self.config)
+        except DBAPIError as exc:
+            self.last_error = f"database: {str(exc).splitlines()[0]}"
+            log.error("database unreachable at start: %s (workers keep retrying)",
+                      str(exc).splitlines()[0])
+
+    def _start_control(self) -> None:
+        from . import control
+
+        self.control = control.ControlServer(self.config, self.dispatch, log=log)
+        self.control.start()
+
+    def _start_metrics_server(self) -> None:
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
+            self.metrics_server = None
+        if self.config.metrics_listen is not None:
+            self.metrics_server = metrics.serve(self.config.metrics_listen, self._healthy)
+            log.info("metrics on http://%s:%d/metrics", *self.config.metrics_listen)
+
+    def _start_dbus(self) -> None:
+        if not self.config.dbus:
+            return
+        try:
+            from . import dbus_service
+
+            self.dbus = dbus_service.DBusService(self.dispatch, log=log)
+            self.dbus.start()
+        except Exception as exc:  # noqa: BLE001 - D-Bus is optional; the daemon runs on
+            log.error("D-Bus interface not available: %s", exc)
+            self.dbus = None
+
+    def _healthy(self) -> bool:
+        now = time.monotonic()
+        return self.state in ("running", "reloading") and any(
+            now - p.last_seen < self.config.worker_timeout for p in self.workers.values())
+
+    def _listener_fds(self) -> list[int]:
+        fds: list[int] = []
+        for obj in (self.control, self.metrics_server, self.dbus):
+            if obj is not None and hasattr(obj, "fds"):
+                fds.extend(obj.fds())
+        return fds
+
+    def _stop_listeners(self) -> None:
+        for obj in (self.control, self.dbus, self.metrics_server):
+            if obj is not None:
+                try:
+                    obj.stop()
+                except Exception:  # noqa: BLE001 - stopping must go on
+                    log.exception("error while stopping a listener")
+
+    # -- main loop ------------------------------------------------------------------------
+
+    def run(self) -> int:
+        self.master_pid = os.getpid()
+        logsetup.set_process_name("master")
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        except OSError:
+            pass
+        self._install_signals()
+        self.listener_fds = self._listener_fds
+        metrics.setup_master(self.config)
+        self._open_store()
+        self._start_control()
+        self._start_metrics_server()
+        self._start_dbus()
+        log.info("perfectschedd %s starting: %d worker(s), database %s", __version__,
+                 self.config.workers, self.sc.store.url.render_as_string(hide_password=True)
+                 if self.sc else self.config.url)
+        self.manage_workers()
+        try:
+            while True:
+                if self._loop_once():
+                    break
+        finally:
+            self.stop()
+        return 0
+
+    def _loop_once(self) -> bool:
+        """One turn of the main loop; True when the daemon must stop."""
+        for key, _ in self.sel.select(timeout=0.5):
+            if key.data == "signal":
+                try:
+                    os.read(self.selfpipe_r, 4096)
+                except BlockingIOError:
+                    pass
+            else:
+                self.read_alive(key.data)
+        while self.signals:
+            sig = self.signals.pop(0)
+            if sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
+                log.info("got %s", signal.Signals(sig).name)
+                return True
+            if sig in (signal.SIGHUP, signal.SIGUSR1):
+                log.info("got %s: reloading", signal.Signals(sig).name)
+                self.reload()
+            elif sig == signal.SIGUSR2:
+                logsetup.reopen()
+                for p in self.workers.values():
+                    self._kill(p.pid, signal.SIGUSR2)
+            elif sig == signal.SIGCHLD:
+                self.reap()
+        self.reap()
+        self.manage_workers()
+        self._finish_reload()
+        if not self.ready and self.workers and all(p.pinged for p in self.workers.values()):
+            self.ready = True
+            self.state = "running"
+            log.info("ready")
+            self._refresh_counts(force=True)
+            self.notify("READY=1", f"MAINPID={os.getpid()}")
+        self._refresh_counts()
+        self._prune_history()
+        self._update_status()
+        self._watchdog()
+        return False
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="perfectschedd",
+                                description="PerfectSched daemon (runs in the foreground).")
+    p.add_argument("-c", "--config", metavar="CONFIG",
+                   help=f"configuration file (default $PERFECTSCHED_CONFIG or "
+                        f"{config_mod.DEFAULT_CONFIG_PATH})")
+    p.add_argument("-e", "--environment", metavar="ENV", help="section of a multi-env config")
+    p.add_argument("-I", dest="include", metavar="PATH", action="append", default=[],
+                   help="add PATH to the module search path (for python routes)")
+    p.add_argument("-r", dest="require", metavar="MODULE", action="append", default=[],
+                   help="import MODULE at start (for python routes)")
+    p.add_argument("--version", action="version", version=f"perfectschedd {__version__}")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    source = ns.config or os.environ.get("PERFECTSCHED_CONFIG") or \
+        config_mod.DEFAULT_CONFIG_PATH
+    logsetup.setup(None)
+    try:
+        cfg = config_mod.load(source, ns.environment)
+    except (ConfigError, NotSupportedError) as exc:
+        log.error("%s", exc)
+        return 1
+    logsetup.setup(cfg.log)
+    for path in reversed(ns.include):
+        sys.path.insert(0, os.path.abspath(path))
+    for module in ns.require:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # noqa: BLE001 - report any import failure in one line
+            log.error("cannot import %s: %s", module, exc)
+            return 1
+    try:
+        return Supervisor(cfg, source, ns.environment).run()
+    except OSError as exc:
+        if exc.errno in (errno.EADDRINUSE, errno.EACCES, errno.EPERM):
+            log.error("%s", exc)
+            return 1
+        raise

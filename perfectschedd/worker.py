@@ -1,0 +1,304 @@
+"""One forked worker: claim -> run with heartbeat -> finish/retry.
+
+The worker talks to its master through two pipes: it reads `wake` (a byte means "look
+for due work now"; EOF means the master died) and writes `alive` (one short line per
+loop: liveness, running count and database state).  It sleeps until the earliest
+`next_run_time` in the table, bounded by `poll_interval`, so a due occurrence starts
+within milliseconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import selectors
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+
+from . import handlers, logsetup, metrics
+from .config import Config
+from .errors import PreemptedError
+from .schedules import ScheduleCollection, Task
+
+log = logging.getLogger("perfectschedd.worker")
+
+# Most occurrences one claim takes at once: big enough for bursts, small enough that one
+# worker does not hoard a backlog another worker could start.
+CLAIM_BATCH = 64
+PING_INTERVAL = 1.0
+HISTORY_FLUSH = 0.5
+DB_BACKOFF_MAX = 30.0
+
+
+class Worker:
+    def __init__(self, config: Config, index: int, wake_fd: int, alive_fd: int,
+                 master_pid: int) -> None:
+        self.config = config
+        self.index = index
+        self.wake_fd = wake_fd
+        self.alive_fd = alive_fd
+        self.master_pid = master_pid
+        self.stopping = threading.Event()  # no new claims
+        self.kill_event = threading.Event()  # running handlers must end now
+        self.sc: ScheduleCollection | None = None
+        self.router = handlers.Router(config.routes, log=log)
+        self.running: dict[str, Task] = {}
+        self.lock = threading.Lock()
+        self.history: list[dict[str, Any]] = []
+        self.no_route_logged: set[str] = set()
+        self.db_ok = True
+        self.db_backoff = 0.5
+        self.last_ping = 0.0
+        self.last_flush = time.monotonic()
+        self.selfpipe_r, self.selfpipe_w = os.pipe()
+        os.set_blocking(self.selfpipe_w, False)
+        os.set_blocking(alive_fd, False)
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def _nudge(self) -> None:
+        try:
+            os.write(self.selfpipe_w, b"x")
+        except OSError:
+            pass  # pipe full: the loop is awake anyway
+
+    def _on_term(self, signum: int, frame: Any) -> None:
+        self.stopping.set()
+        self._nudge()
+
+    def _on_usr2(self, signum: int, frame: Any) -> None:
+        logsetup.reopen()
+
+    def _ping(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self.last_ping < PING_INTERVAL:
+            return
+        self.last_ping = now
+        with self.lock:
+            n = len(self.running)
+        try:
+            os.write(self.alive_fd, f"{n} {int(self.db_ok)}\n".encode())
+        except BlockingIOError:
+            pass
+        except OSError:
+            self.stopping.set()  # master gone
+
+    def _set_db(self, ok: bool, exc: BaseException | None = None) -> None:
+        if ok and not self.db_ok:
+            log.info("database reachable again")
+            self.db_backoff = 0.5
+        elif not ok:
+            if self.db_ok:
+                log.error("database unreachable: %s; retrying with back-off",
+                          str(exc).splitlines()[0] if exc else "?")
+            metrics.db_error()
+        if ok != self.db_ok:
+            metrics.set_db_up(ok)
+        self.db_ok = ok
+
+    # -- main loop ------------------------------------------------------------------------
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_term)
+        signal.signal(signal.SIGQUIT, self._on_term)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the master, who decides
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        signal.signal(signal.SIGUSR2, self._on_usr2)
+        log.info("worker %d started", self.index)
+        sel = selectors.DefaultSelector()
+        sel.register(self.wake_fd, selectors.EVENT_READ)
+        sel.register(self.selfpipe_r, selectors.EVENT_READ)
+        pool = ThreadPoolExecutor(self.config.concurrency, thread_name_prefix="task")
+        beat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        beat.start()
+        try:
+            while not self.stopping.is_set():
+                self._ping()
+                timeout = self._step(pool)
+                if self.stopping.is_set():
+                    break
+                for key, _ in sel.select(min(timeout, PING_INTERVAL)):
+                    data = os.read(key.fd, 4096)
+                    if key.fd == self.wake_fd and not data:
+                        log.warning("master process gone; worker stops")
+                        self.stopping.set()
+                if os.getppid() != self.master_pid:
+                    log.warning("master process gone; worker stops")
+                    self.stopping.set()
+        finally:
+            self._shutdown(pool)
+        return 0
+
+    def _step(self, pool: ThreadPoolExecutor) -> float:
+        """Claim and start what is due; return how long to sleep."""
+        self._flush_history()
+        if self.sc is None:
+            try:
+                self.sc = ScheduleCollection(self.config)
+                self._set_db(True)
+            except (SQLAlchemyError, OSError) as exc:
+                self._set_db(False, exc)
+                return self._backoff()
+        sc = self.sc
+        with self.lock:
+            free = self.config.concurrency - len(self.running)
+        claimed: list[Task] = []
+        want = min(free, CLAIM_BATCH)
+        try:
+            if want > 0:
+                claimed = sc.poll_many(want)
+                for task in claimed:
+                    with self.lock:
+                        self.running[task.key] = task
+                    pool.submit(self._run_one, task)
+                if len(claimed) == want:
+                    self._set_db(True)
+                    return 0.0  # there may be more due right now
+            earliest = sc.earliest_due()
+            self._set_db(True)
+        except DBAPIError as exc:
+            self._set_db(False, exc)
+            return self._backoff()
+        if free <= 0 or earliest is None:
+            return self.config.poll_interval
+        wait = earliest - time.time()
+        if wait <= 0 and not claimed:
+            wait = 0.005  # due rows held by another claimer this instant
+        return max(0.0, min(wait, self.config.poll_interval))
+
+    def _backoff(self) -> float:
+        wait = self.db_backoff
+        self.db_backoff = min(self.db_backoff * 2, DB_BACKOFF_MAX)
+        return wait
+
+    # -- one task ---------------------------------------------------------------------------
+
+    def _run_one(self, task: Task) -> None:
+        started = time.time()
+        due = task.scheduled_time + task.delay
+        outcome = "failed"
+        duration = 0.0
+        try:
+            handler = self.router.match(task.type)
+            if handler is None:
+                if task.type not in self.no_route_logged:
+                    self.no_route_logged.add(task.type)
+                    log.error("no route for type %r (key %s); retrying its tasks every "
+                              "retry_wait=%ds until a route is configured",
+                              task.type, task.key, self.config.retry_wait)
+                task.retry()
+                outcome = "no_route"
+                return
+            metrics.task_started(task.type, max(0.0, started - due))
+            log.info("start key=%s type=%s scheduled=%d attempt=%d late=%.3fs",
+                     task.key, task.type, task.scheduled_time, task.attempt, started - due)
+            result = handlers.run_task(task, handler, log=log, stop_event=self.kill_event,
+                                       kill_grace=self.config.kill_grace)
+            outcome, duration = str(result.outcome), result.duration
+            log.info("end key=%s scheduled=%d attempt=%d duration=%.3fs outcome=%s%s",
+                     task.key, task.scheduled_time, task.attempt, duration, outcome,
+                     f" exit={result.exit_code}" if result.exit_code is not None else "")
+            metrics.task_finished(task.type, outcome, duration)
+            if outcome == "preempted":
+                metrics.lease_lost(task.type)
+        except PreemptedError:
+            outcome = "preempted"
+            metrics.lease_lost(task.type)
+        except DBAPIError as exc:
+            outcome = "db_error"
+            self._set_db(False, exc)
+            log.error("key=%s: could not record the result (database error); the "
+                      "occurrence runs again when its lease expires", task.key)
+        except Exception:  # noqa: BLE001 - a worker never dies of one task
+            log.exception("key=%s: internal error while running the task", task.key)
+        finally:
+            with self.lock:
+                self.running.pop(task.key, None)
+                self.history.append({
+                    "key": task.key, "type": task.type, "scheduled_time": task.scheduled_time,
+                    "attempt": task.attempt, "started_at": started,
+                    "finished_at": started + duration if duration else time.time(),
+                    "outcome": outcome, "worker": self.sc.owner if self.sc else "?",
+                })
+            self._nudge()
+
+    def _flush_history(self, force: bool = False) -> None:
+        if self.sc is None or self.config.history_limit == 0:
+            return
+        now = time.monotonic()
+        if not force and now - self.last_flush < HISTORY_FLUSH:
+            return
+        self.last_flush = now
+        with self.lock:
+            batch, self.history = self.history, []
+        if not batch:
+            return
+        try:
+            self.sc.store.record_runs(batch)
+        except DBAPIError:
+            with self.lock:  # keep them for the next flush, bounded
+                self.history[:0] = batch[-10_000:]
+
+    # -- heartbeat --------------------------------------------------------------------------
+
+    def _heartbeat_loop(self) -> None:
+        interval = max(0.2, self.config.alive_time / 3)
+        while not self.kill_event.wait(interval):
+            with self.lock:
+                tasks = list(self.running.values())
+            if not tasks or self.sc is None:
+                continue
+            try:
+                lost = self.sc.heartbeat_many(tasks)
+            except DBAPIError as exc:
+                self._set_db(False, exc)
+                continue
+            for key in lost:
+                log.warning("key=%s: lease lost (expired, deleted or modified)", key)
+
+    # -- stop -------------------------------------------------------------------------------
+
+    def _shutdown(self, pool: ThreadPoolExecutor) -> None:
+        deadline = time.monotonic() + self.config.shutdown_timeout
+        with self.lock:
+            n = len(self.running)
+        if n:
+            log.info("stopping: waiting up to %.0fs for %d running task(s)",
+                     self.config.shutdown_timeout, n)
+        while time.monotonic() < deadline:
+            with self.lock:
+                if not self.running:
+                    break
+            self._ping(force=True)
+            time.sleep(0.05)
+        self.kill_event.set()  # exec groups get TERM/KILL, tasks are released
+        pool.shutdown(wait=False, cancel_futures=True)
+        end = time.monotonic() + self.config.kill_grace + 2
+        while time.monotonic() < end:
+            with self.lock:
+                if not self.running:
+                    break
+            time.sleep(0.05)
+        handlers.kill_all_groups()
+        with self.lock:
+            leftover = list(self.running.values())
+        for task in leftover:  # python handlers stuck in C code: give their tasks back
+            try:
+                task.release()
+            except Exception:  # noqa: BLE001 - best effort at exit; the lease expires anyway
+                pass
+        self._flush_history(force=True)
+        if self.sc is not None:
+            self.sc.close()
+        log.info("worker %d stopped", self.index)
+
+
+def run(config: Config, index: int, wake_fd: int, alive_fd: int, master_pid: int) -> int:
+    logsetup.set_process_name(f"worker-{index}")
+    return Worker(config, index, wake_fd, alive_fd, master_pid).run()
