@@ -1,0 +1,3 @@
+from .supervisor import main
+
+raise SystemExit(main())

@@ -1,0 +1,267 @@
+"""Start a real perfectschedd for tests: temp config, its own NOTIFY_SOCKET, real signals.
+
+    d = Daemon(tmp_path, {"routes": [...]}).start()    # returns after READY=1
+    d.ctl("add", "k", "t", "* * * * *")                  # perfectschedctl --socket ...
+    d.wait_notify(lambda m: "WATCHDOG=1" in m)
+    d.stop()                                             # SIGTERM, wait, returns exit code
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DAEMON = [sys.executable, "-m", "perfectschedd"]
+CTL = [sys.executable, "-m", "perfectschedctl"]
+
+
+def wait_until(pred: Callable[[], Any], timeout: float = 20.0, interval: float = 0.05,
+               what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class NotifyListener:
+    """The systemd side of sd_notify: a datagram socket collecting messages."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.path)
+        self.sock.settimeout(0.2)
+        self.messages: list[tuple[float, str]] = []
+        self.lock = threading.Lock()
+        self.closed = False
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while not self.closed:
+            try:
+                data = self.sock.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with self.lock:
+                self.messages.append((time.monotonic(), data.decode(errors="replace")))
+
+    def all(self) -> list[str]:
+        with self.lock:
+            return [m for _, m in self.messages]
+
+    def timed(self) -> list[tuple[float, str]]:
+        with self.lock:
+            return list(self.messages)
+
+    def close(self) -> None:
+        self.closed = True
+        self.sock.close()
+
+
+class Daemon:
+    def __init__(self, tmp_path: Path, overrides: dict[str, Any] | None = None, *,
+                 url: str | None = None, name: str = "d", watchdog_usec: int | None = None,
+                 extra_args: list[str] | None = None, env: dict[str, str] | None = None
+                 ) -> None:
+        self.dir = Path(tmp_path) / name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.socket_path = str(self.dir / "ctl.sock")
+        self.metrics_port = free_port()
+        self.config: dict[str, Any] = {
+            "type": "rdb_compat",
+            "url": url or f"sqlite:///{self.dir / 'sched.db'}",
+            "control_socket": self.socket_path,
+            "metrics_listen": f"127.0.0.1:{self.metrics_port}",
+            "poll_interval": 0.5,
+            "alive_time": 10,
+            "retry_wait": 5,
+            "workers": 2,
+            "shutdown_timeout": 5,
+            "kill_grace": 1,
+            "worker_timeout": 10,
+            "routes": [],
+        }
+        self.config.update(overrides or {})
+        self.config_path = self.dir / "perfectsched.yml"
+        self.write_config()
+        self.log_path = self.dir / "daemon.log"
+        self.watchdog_usec = watchdog_usec
+        self.extra_args = extra_args or []
+        self.extra_env = env or {}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.notify: NotifyListener | None = None
+
+    # -- config ---------------------------------------------------------------------------
+
+    def write_config(self, config: dict[str, Any] | None = None, raw: str | None = None) -> None:
+        text = raw if raw is not None else yaml.safe_dump(config or self.config)
+        tmp = self.config_path.with_suffix(".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, self.config_path)
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def start(self, wait_ready: bool = True, timeout: float = 30.0) -> Daemon:
+        notify_path = self.dir / "notify.sock"
+        if notify_path.exists():
+            notify_path.unlink()
+        self.notify = NotifyListener(notify_path)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PERFECTSCHED_")}
+        env.update(self.extra_env)
+        env["NOTIFY_SOCKET"] = self.notify.path
+        env["PYTHONUNBUFFERED"] = "1"
+        if self.watchdog_usec:
+            env["WATCHDOG_USEC"] = str(self.watchdog_usec)
+        self.proc = subprocess.Popen(
+            [*DAEMON, "-c", str(self.config_path), *self.extra_args],
+            stdin=subprocess.DEVNULL, stdout=self.log_path.open("ab"),
+            stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            cwd=str(self.dir))
+        if wait_ready:
+            self.wait_notify(lambda m: "READY=1" in m, timeout=timeout, what="READY=1")
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def send_signal(self, sig: int) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, sig)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.send_signal(sig)
+        try:
+            code = self.proc.wait(timeout)
+        finally:
+            self.kill()
+        return code
+
+    def kill(self) -> None:
+        """Last resort cleanup: nothing of this daemon may outlive the test."""
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        for pid in self.descendants():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.notify is not None:
+            self.notify.close()
+            self.notify = None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    # -- observation ----------------------------------------------------------------------
+
+    def messages(self) -> list[str]:
+        return self.notify.all() if self.notify else []
+
+    def wait_notify(self, pred: Callable[[str], bool], timeout: float = 20.0,
+                    what: str = "notify message", after: int = 0) -> str:
+        def found() -> str | None:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise AssertionError(f"daemon exited ({self.proc.returncode}) while waiting "
+                                     f"for {what}; log:\n{self.log()[-3000:]}")
+            for m in self.messages()[after:]:
+                if pred(m):
+                    return m
+            return None
+        return wait_until(found, timeout, what=what)
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def wait_log(self, text: str, timeout: float = 20.0, count: int = 1) -> None:
+        wait_until(lambda: self.log().count(text) >= count, timeout, what=f"log {text!r}")
+
+    def children(self) -> list[int]:
+        """Direct children of the master (the workers)."""
+        return _children(self.pid)
+
+    def descendants(self) -> list[int]:
+        if self.proc is None:
+            return []
+        out, todo = [], [self.proc.pid]
+        while todo:
+            kids = _children(todo.pop())
+            out.extend(kids)
+            todo.extend(kids)
+        return out
+
+    # -- perfectschedctl ------------------------------------------------------------------
+
+    def ctl(self, *args: str, check: bool = True, as_user: str | None = None,
+            timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+        cmd = [*CTL, "--socket", self.socket_path, *args]
+        if as_user:
+            cmd = ["setpriv", f"--reuid={as_user}", f"--regid={as_user}", "--clear-groups",
+                   *cmd]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PERFECTSCHED_")}
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        if check and res.returncode != 0:
+            raise AssertionError(f"perfectschedctl {' '.join(args)} -> {res.returncode}\n"
+                                 f"{res.stdout}{res.stderr}")
+        return res
+
+    def ctl_json(self, *args: str) -> Any:
+        return json.loads(self.ctl("--json", *args).stdout)
+
+    def status(self) -> dict[str, Any]:
+        return dict(self.ctl_json("status"))
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    except OSError:
+        return False
