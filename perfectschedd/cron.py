@@ -8,6 +8,7 @@ to real instants in the schedule's zone:
 
 from __future__ import annotations
 
+import threading
 from datetime import UTC, datetime, timedelta
 from functools import lru_cache
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -73,6 +74,28 @@ def _instants(wall: datetime, tz: ZoneInfo) -> list[int]:
     return out
 
 
+_local = threading.local()
+
+
+def _iterator(fields: str, start: datetime) -> croniter:
+    """A croniter positioned at `start`; one per expression and thread, because building
+    one costs twice as much as stepping it."""
+    cache: dict[str, croniter] | None = getattr(_local, "iters", None)
+    if cache is None:
+        cache = _local.iters = {}
+    it = cache.get(fields)
+    if it is None:
+        if len(cache) > 256:
+            cache.clear()
+        it = cache[fields] = croniter(fields, start)
+    else:
+        it.set_current(start)
+    return it
+
+
+# Pure function of its arguments; a burst of schedules sharing a cron line and an
+# occurrence computes the next one once.
+@lru_cache(maxsize=16384)
 def next_after(expr: str, tz_name: str, after: int) -> int:
     """First occurrence strictly after Unix time `after`."""
     fields = normalize(expr)
@@ -82,7 +105,7 @@ def next_after(expr: str, tz_name: str, after: int) -> int:
     # Wall times before `wall` can still lie ahead only when the clock steps back soon.
     if (t + _MAX_SHIFT).astimezone(tz).utcoffset() != t.astimezone(tz).utcoffset():
         wall = wall - _MAX_SHIFT
-    it = croniter(fields, wall)
+    it = _iterator(fields, wall)
     best: int | None = None
     for _ in range(100_000):
         candidate = it.get_next(datetime)
