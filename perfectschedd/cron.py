@@ -13,7 +13,7 @@ from datetime import UTC, datetime, timedelta
 from functools import lru_cache
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from croniter import croniter
+from croniter import CroniterBadDateError, croniter
 
 from .errors import InvalidInputError
 
@@ -108,7 +108,10 @@ def next_after(expr: str, tz_name: str, after: int) -> int:
     it = _iterator(fields, wall)
     best: int | None = None
     for _ in range(100_000):
-        candidate = it.get_next(datetime)
+        try:
+            candidate = it.get_next(datetime)
+        except CroniterBadDateError:  # no such date within croniter's search, e.g. 30 Feb
+            break
         instants = _instants(candidate, tz)
         if best is not None and instants and instants[0] > best:
             return best
