@@ -1,0 +1,119 @@
+"""config.py: YAML -> validated, immutable Config; bad values name their key."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import pytest
+
+from perfectschedd import ConfigError, NotSupportedError
+from perfectschedd.config import DEFAULT_METRICS_PORT, Config, from_mapping, load
+
+BASE = {"type": "rdb_compat", "url": "sqlite:////tmp/x.db"}
+
+
+def test_defaults_match_the_spec() -> None:
+    c = from_mapping(BASE)
+    assert (c.table, c.poll_interval, c.timezone, c.alive_time, c.retry_wait, c.workers) == (
+        "perfectsched", 1.0, "UTC", 300, 300, 2)
+    assert c.control_socket == "/run/perfectsched/perfectschedd.sock"
+    assert c.log is None and c.routes == ()
+    assert c.metrics_listen == ("127.0.0.1", DEFAULT_METRICS_PORT)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.url = "other"  # type: ignore[misc]
+
+
+def test_yaml_file_and_environment_sections(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "p.yml"
+    path.write_text(
+        "production:\n  type: rdb_compat\n  url: postgresql://u:p@db/prod\n  workers: 8\n"
+        "  timezone: Asia/Tokyo\n  metrics_listen: 'off'\n"
+        "  routes:\n    - type: backup\n      exec: [/bin/true, --full]\n      timeout: 60\n"
+        "    - type: /^report-.*$/\n      python: myapp.jobs:Report\n"
+        "development:\n  type: rdb_compat\n  url: sqlite:///dev.db\n")
+    prod = load(str(path), "production")
+    assert prod.url == "postgresql://u:p@db/prod" and prod.workers == 8
+    assert prod.timezone == "Asia/Tokyo" and prod.metrics_listen is None
+    assert prod.source == str(path)
+    backup, report = prod.routes
+    assert backup.exec == ("/bin/true", "--full") and backup.timeout == 60.0
+    assert backup.matches("backup") and not backup.matches("backup2")
+    assert report.python == "myapp.jobs:Report"
+    assert report.matches("report-daily") and not report.matches("daily-report")
+    assert load(path, "development").url == "sqlite:///dev.db"
+    with pytest.raises(ConfigError, match="environment 'staging' not found"):
+        load(str(path), "staging")
+
+
+def test_config_env_var_names_the_default_file(tmp_path: pathlib.Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "c.yml"
+    path.write_text("type: rdb_compat\nurl: sqlite:///a.db\ntable: jobs\n")
+    monkeypatch.setenv("PERFECTSCHED_CONFIG", str(path))
+    assert load().table == "jobs"
+
+
+def test_a_config_object_passes_through() -> None:
+    c = Config(url="sqlite:////tmp/a.db")
+    assert load(c) is c
+
+
+def test_rdb_backend_is_not_supported() -> None:
+    with pytest.raises(NotSupportedError, match="^type: "):
+        from_mapping({**BASE, "type": "rdb"})
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"type": "redis"}, "type"),
+    ({"type": None}, "type"),
+    ({"url": None}, "url"),
+    ({"url": "oracle://x/y"}, "url"),
+    ({"table": "x; DROP TABLE y"}, "table"),
+    ({"table": "1abc"}, "table"),
+    ({"timezone": "Mars/Olympus"}, "timezone"),
+    ({"alive_time": 0}, "alive_time"),
+    ({"alive_time": "long"}, "alive_time"),
+    ({"workers": 1.5}, "workers"),
+    ({"workers": True}, "workers"),
+    ({"retry_wait": -1}, "retry_wait"),
+    ({"poll_interval": 0}, "poll_interval"),
+    ({"metrics_listen": "localhost"}, "metrics_listen"),
+    ({"metrics_listen": "127.0.0.1:99999"}, "metrics_listen"),
+    ({"routes": {"type": "x"}}, "routes"),
+    ({"routes": [{"type": "x"}]}, "routes[0]"),
+    ({"routes": [{"type": "x", "exec": "/bin/true"}]}, "routes[0].exec"),
+    ({"routes": [{"type": "x", "exec": ["a"], "python": "m:C"}]}, "routes[0]"),
+    ({"routes": [{"type": "x", "python": "nocolon"}]}, "routes[0].python"),
+    ({"routes": [{"type": "/[/", "exec": ["a"]}]}, "routes[0].type"),
+    ({"routes": [{"type": "x", "exec": ["a"], "timeout": 0}]}, "routes[0].timeout"),
+    ({"wokers": 2}, "wokers"),
+])
+def test_bad_values_name_the_key(change: dict[str, object], field: str) -> None:
+    raw = {**BASE, **change}
+    raw = {k: v for k, v in raw.items() if v is not None}
+    with pytest.raises(ConfigError) as info:
+        from_mapping(raw)
+    assert field in str(info.value)
+
+
+def test_file_errors_name_the_file(tmp_path: pathlib.Path) -> None:
+    missing = tmp_path / "missing.yml"
+    with pytest.raises(ConfigError, match="cannot read .*missing.yml"):
+        load(str(missing))
+    bad = tmp_path / "bad.yml"
+    bad.write_text("type: [unclosed\n")
+    with pytest.raises(ConfigError, match="bad.yml: not valid YAML"):
+        load(str(bad))
+    empty = tmp_path / "empty.yml"
+    empty.write_text("")
+    with pytest.raises(ConfigError, match="empty"):
+        load(str(empty))
+    wrong = tmp_path / "wrong.yml"
+    wrong.write_text("type: rdb_compat\nurl: sqlite:///a.db\ntimezone: Nowhere/City\n")
+    with pytest.raises(ConfigError, match=r"wrong.yml: timezone: unknown time zone"):
+        load(str(wrong))
+    listy = tmp_path / "list.yml"
+    listy.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load(str(listy))
