@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ DEFAULT_METRICS_PORT = 9839
 DEFAULT_METRICS_LISTEN = f"127.0.0.1:{DEFAULT_METRICS_PORT}"
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+_NODE_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 
 @dataclass(frozen=True)
@@ -71,13 +73,20 @@ class Config:
     worker_timeout: float = 30.0
     routes: tuple[RouteConfig, ...] = ()
     history_limit: int = 100
+    # This host's name in lease owners ("node:pid") and status; default: the hostname.
+    node_name: str | None = None
     source: str | None = field(default=None, compare=False)
+
+    @property
+    def node(self) -> str:
+        return self.node_name or socket.gethostname()
 
 
 _KNOWN_KEYS = {
     "type", "url", "table", "log", "poll_interval", "timezone", "alive_time", "retry_wait",
     "workers", "concurrency", "control_socket", "control_group", "metrics_listen", "dbus",
     "shutdown_timeout", "kill_grace", "worker_timeout", "routes", "history_limit",
+    "node_name",
 }
 
 
@@ -186,6 +195,11 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
     group = raw.get("control_group")
     if group is not None and not isinstance(group, str):
         raise ConfigError("control_group: must be a group name")
+    node_name = raw.get("node_name")
+    if node_name is not None and (not isinstance(node_name, str)
+                                  or not _NODE_NAME.match(node_name)):
+        raise ConfigError(f"node_name: must be 1-64 letters, digits, '.', '_' or '-', "
+                          f"got {node_name!r}")
     dbus = raw.get("dbus", False)
     if not isinstance(dbus, bool):
         raise ConfigError("dbus: must be true or false")
@@ -209,6 +223,7 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
         worker_timeout=_number(raw, "worker_timeout", 30.0, minimum=2),
         routes=_routes(raw.get("routes")),
         history_limit=_number(raw, "history_limit", 100, minimum=0, integer=True),
+        node_name=node_name,
         source=source,
     )
 

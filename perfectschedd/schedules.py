@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -290,7 +289,7 @@ class ScheduleCollection:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.store = Store(config.url, config.table)
-        self.owner = f"{socket.gethostname()}:{os.getpid()}"
+        self.owner = f"{config.node}:{os.getpid()}"
         self.store.ensure_initialized()
 
     def __enter__(self) -> ScheduleCollection:

@@ -15,7 +15,6 @@ import logging
 import os
 import selectors
 import signal
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -326,7 +325,7 @@ class Supervisor:
                     "running": p.running, "retiring": p.retiring, "db_ok": p.db_ok}
                    for p in sorted(self.workers.values(), key=lambda p: (p.generation, p.index))]
         return {
-            "version": __version__, "host": socket.gethostname(), "pid": os.getpid(),
+            "version": __version__, "host": self.config.node, "pid": os.getpid(),
             "uptime": round(now - self.started, 1), "state": self.state,
             "workers_configured": self.config.workers,
             "workers_alive": sum(1 for p in self.workers.values() if not p.retiring),
@@ -454,7 +453,7 @@ class Supervisor:
             self._kill(p.pid, signal.SIGKILL)
             if self.sc is not None:
                 try:
-                    self.sc.store.release_owner(f"{socket.gethostname()}:{p.pid}",
+                    self.sc.store.release_owner(f"{self.config.node}:{p.pid}",
                                                 int(time.time()))
                 except DBAPIError:
                     pass
