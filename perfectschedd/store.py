@@ -8,22 +8,24 @@ so a worker that lost its lease changes nothing (PreemptedError upstream).
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.engine.url import URL, make_url
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
 from .errors import ConfigError
 
+F = TypeVar("F", bound=Callable[..., Any])
 SA_MAJOR = int(sa.__version__.split(".")[0])
 KEY_MAX = 256
 TYPE_MAX = 256
@@ -97,6 +99,11 @@ def engine_url(url: str) -> URL:
     return u.set(drivername=f"{backend}+{driver}" if driver else backend)
 
 
+# Unix seconds with a fraction: double precision everywhere (MySQL's plain FLOAT is 4 bytes
+# and would round today's times to ~2 minutes).
+_SECONDS = sa.Float(precision=53)
+
+
 def _schedules_table(metadata: sa.MetaData, name: str) -> sa.Table:
     t = sa.Table(
         name, metadata,
@@ -112,7 +119,7 @@ def _schedules_table(metadata: sa.MetaData, name: str) -> sa.Table:
         sa.Column("fence", sa.BigInteger, nullable=False, default=0),
         sa.Column("attempt", sa.Integer, nullable=False, default=0),
         sa.Column("owner", sa.String(128), nullable=True),
-        sa.Column("claimed_at", sa.Float, nullable=True),
+        sa.Column("claimed_at", _SECONDS, nullable=True),
     )
     # The claim reads "unpaused rows, smallest next_run_time first": O(log n) on this index.
     sa.Index(f"{name}_due", t.c.paused, t.c.next_run_time)
@@ -128,8 +135,8 @@ def _history_table(metadata: sa.MetaData, name: str) -> sa.Table:
         sa.Column("type", sa.String(TYPE_MAX), nullable=False),
         sa.Column("scheduled_time", sa.BigInteger, nullable=False),
         sa.Column("attempt", sa.Integer, nullable=False),
-        sa.Column("started_at", sa.Float, nullable=False),
-        sa.Column("finished_at", sa.Float, nullable=False),
+        sa.Column("started_at", _SECONDS, nullable=False),
+        sa.Column("finished_at", _SECONDS, nullable=False),
         sa.Column("outcome", sa.String(32), nullable=False),
         sa.Column("worker", sa.String(128), nullable=False),
     )
@@ -140,6 +147,33 @@ def _history_table(metadata: sa.MetaData, name: str) -> sa.Table:
 def _is_sqlite_busy(exc: OperationalError) -> bool:
     text = str(exc.orig).lower()
     return "locked" in text or "busy" in text
+
+
+def _retried(method: F) -> F:
+    """Re-run a whole store operation when the database says "try again":
+    SQLite busy/locked (never shown to users), or a connection found dead (a server
+    restart: the pool was invalidated; one retry on a fresh connection)."""
+
+    @functools.wraps(method)
+    def wrapper(self: Store, *args: Any, **kwargs: Any) -> Any:
+        deadline = time.monotonic() + SQLITE_LOCK_WAIT
+        delay = 0.005
+        reconnected = False
+        while True:
+            try:
+                return method(self, *args, **kwargs)
+            except DBAPIError as exc:
+                if (self.dialect == "sqlite" and isinstance(exc, OperationalError)
+                        and _is_sqlite_busy(exc) and time.monotonic() < deadline):
+                    time.sleep(delay)
+                    delay = min(delay * 2, 0.2)
+                    continue
+                if exc.connection_invalidated and not reconnected:
+                    reconnected = True
+                    continue
+                raise
+
+    return wrapper  # type: ignore[return-value]
 
 
 class Store:
@@ -193,34 +227,21 @@ class Store:
                 conn.exec_driver_sql(mode)
 
             return engine
-        kwargs: dict[str, Any] = {"pool_pre_ping": True, "pool_size": 4, "max_overflow": 16,
-                                  "pool_recycle": 3600}
+        # No pre-ping: it costs a round trip per transaction; a dead connection is caught
+        # by _retried instead (the pool is invalidated and the operation re-run once).
+        kwargs: dict[str, Any] = {"pool_size": 4, "max_overflow": 16, "pool_recycle": 3600}
         if self.dialect == "mysql":
             kwargs["isolation_level"] = "READ COMMITTED"
         return sa.create_engine(self.url, **kwargs)
 
     @contextmanager
     def _tx(self, readonly: bool = False) -> Iterator[Connection]:
-        """A transaction, retried while SQLite reports a lock (never shown to users)."""
-        if self.dialect != "sqlite":
-            with self.engine.begin() as conn:
-                yield conn
-            return
-        deadline = time.monotonic() + SQLITE_LOCK_WAIT
-        delay = 0.005
-        while True:
-            try:
-                conn = self.engine.connect()
-                if readonly:
-                    conn = conn.execution_options(readonly=True)
-                with conn, conn.begin():
-                    yield conn
-                return
-            except OperationalError as exc:
-                if not _is_sqlite_busy(exc) or time.monotonic() > deadline:
-                    raise
-                time.sleep(delay)
-                delay = min(delay * 2, 0.2)
+        """One transaction (SQLite: BEGIN IMMEDIATE unless readonly)."""
+        conn = self.engine.connect()
+        if readonly and self.dialect == "sqlite":
+            conn = conn.execution_options(readonly=True)
+        with conn, conn.begin():
+            yield conn
 
     def close(self) -> None:
         self.engine.dispose()
@@ -242,6 +263,7 @@ class Store:
 
     # -- user-side writes -----------------------------------------------------------------
 
+    @_retried
     def insert(self, row: Row) -> bool:
         """Insert a schedule; False if the key exists."""
         values = {
@@ -257,6 +279,7 @@ class Store:
             return False
         return True
 
+    @_retried
     def insert_many(self, rows: Sequence[Row]) -> None:
         """Bulk insert; raises IntegrityError (nothing stored) if any key exists."""
         payload = [
@@ -269,10 +292,12 @@ class Store:
         with self._tx() as conn:
             conn.execute(self.t.insert(), payload)
 
+    @_retried
     def delete(self, key: str) -> bool:
         with self._tx() as conn:
             return conn.execute(self.t.delete().where(self.t.c.key == key)).rowcount > 0
 
+    @_retried
     def update(self, key: str, values: dict[str, Any], *, take_lease: bool) -> bool:
         """Change a schedule's fields; `take_lease` preempts a current holder."""
         if take_lease:
@@ -283,16 +308,19 @@ class Store:
 
     # -- reads ----------------------------------------------------------------------------
 
+    @_retried
     def get(self, key: str) -> Row | None:
         with self._tx(readonly=True) as conn:
             r = conn.execute(sa.select(self.t).where(self.t.c.key == key)).first()
         return self._row(r) if r is not None else None
 
+    @_retried
     def exists(self, key: str) -> bool:
         with self._tx(readonly=True) as conn:
             return conn.execute(
                 sa.select(self.t.c.key).where(self.t.c.key == key)).first() is not None
 
+    @_retried
     def rows(self, *, prefix: str | None = None, limit: int | None = None,
              after_key: str | None = None) -> list[Row]:
         q = sa.select(self.t).order_by(self.t.c.key)
@@ -305,12 +333,14 @@ class Store:
         with self._tx(readonly=True) as conn:
             return [self._row(r) for r in conn.execute(q)]
 
+    @_retried
     def running(self) -> list[Row]:
         with self._tx(readonly=True) as conn:
             res = conn.execute(sa.select(self.t).where(self.t.c.owner.isnot(None))
                                .order_by(self.t.c.claimed_at))
             return [self._row(r) for r in res]
 
+    @_retried
     def earliest_due(self) -> int | None:
         """Smallest next_run_time of an unpaused row: one index probe."""
         q = (sa.select(self.t.c.next_run_time).where(self.t.c.paused == 0)
@@ -318,6 +348,7 @@ class Store:
         with self._tx(readonly=True) as conn:
             return conn.execute(q).scalar()
 
+    @_retried
     def counts(self, now: int) -> dict[str, int]:
         """Totals for status and metrics; `overdue` counts through the due index only."""
         t = self.t
@@ -343,8 +374,26 @@ class Store:
 
     # -- holder-side: claim, heartbeat, finish, retry, release ----------------------------
 
+    @_retried
     def claim(self, now: float, lease_seconds: int, owner: str, limit: int = 1) -> list[Claimed]:
         """Lease up to `limit` due rows, oldest first; one winner per row across all hosts."""
+        with self._tx() as conn:
+            return self._claim_in(conn, now, lease_seconds, owner, limit)
+
+    @_retried
+    def finish_and_claim(self, finished: Sequence[Advance], now: float, lease_seconds: int,
+                         owner: str, limit: int) -> tuple[set[str], list[Claimed]]:
+        """advance() and claim() in one transaction: the worker's hot path.
+
+        Returns the preempted keys of `finished` and the newly claimed rows.
+        """
+        with self._tx() as conn:
+            lost = self._advance_in(conn, finished) if finished else set()
+            claimed = self._claim_in(conn, now, lease_seconds, owner, limit) if limit > 0 else []
+        return lost, claimed
+
+    def _claim_in(self, conn: Connection, now: float, lease_seconds: int, owner: str,
+                  limit: int) -> list[Claimed]:
         t = self.t
         ts = int(now)
         lease = ts + lease_seconds
@@ -359,9 +408,7 @@ class Store:
                 due = due.with_for_update(skip_locked=True)
             stmt = (t.update().where(t.c.key.in_(due.scalar_subquery()))
                     .values(**changes).returning(*cols))
-            with self._tx() as conn:
-                rows = conn.execute(stmt).all()
-            out = [Claimed(*r) for r in rows]
+            out = [Claimed(*r) for r in conn.execute(stmt).all()]
             out.sort(key=lambda c: c.next_time)
             return out
         # SQLite without RETURNING (SQLAlchemy 1.4), MySQL/MariaDB: read and write in one
@@ -370,13 +417,13 @@ class Store:
                        .order_by(t.c.next_run_time).limit(limit))
         if self.dialect == "mysql":
             select_rows = select_rows.with_for_update(skip_locked=True)
-        with self._tx() as conn:
-            found = conn.execute(select_rows).all()
-            if not found:
-                return []
-            conn.execute(t.update().where(t.c.key.in_([r[0] for r in found])).values(**changes))
+        found = conn.execute(select_rows).all()
+        if not found:
+            return []
+        conn.execute(t.update().where(t.c.key.in_([r[0] for r in found])).values(**changes))
         return [Claimed(*r[:7], fence=r[7] + 1, attempt=r[8] + 1) for r in found]
 
+    @_retried
     def heartbeat(self, held: Sequence[tuple[str, int]], lease_until: int) -> set[str]:
         """Extend leases; returns the keys whose lease was lost."""
         if not held:
@@ -391,26 +438,58 @@ class Store:
                     lost.add(key)
         return lost
 
+    @_retried
     def advance(self, items: Sequence[Advance]) -> set[str]:
         """Finish occurrences (move to the next time, or delete one-offs).
 
         Returns the keys that were preempted (nothing written for them).
         """
-        t = self.t
-        lost: set[str] = set()
+        if not items:
+            return set()
         with self._tx() as conn:
-            for a in items:
-                where = sa.and_(t.c.key == a.key, t.c.fence == a.fence)
-                if a.next_time is None:
-                    res = conn.execute(t.delete().where(where))
-                else:
-                    res = conn.execute(t.update().where(where).values(
-                        next_time=a.next_time, next_run_time=a.next_run_time, attempt=0,
-                        owner=None, claimed_at=None, fence=t.c.fence + 1))
-                if res.rowcount == 0:
-                    lost.add(a.key)
+            return self._advance_in(conn, items)
+
+    def _advance_in(self, conn: Connection, items: Sequence[Advance]) -> set[str]:
+        t = self.t
+        if self.dialect == "postgresql":
+            return self._advance_pg(conn, items)
+        lost: set[str] = set()
+        for a in items:
+            where = sa.and_(t.c.key == a.key, t.c.fence == a.fence)
+            if a.next_time is None:
+                res = conn.execute(t.delete().where(where))
+            else:
+                res = conn.execute(t.update().where(where).values(
+                    next_time=a.next_time, next_run_time=a.next_run_time, attempt=0,
+                    owner=None, claimed_at=None, fence=t.c.fence + 1))
+            if res.rowcount == 0:
+                lost.add(a.key)
         return lost
 
+    def _advance_pg(self, conn: Connection, items: Sequence[Advance]) -> set[str]:
+        """One statement for all advances (UPDATE .. FROM VALUES .. RETURNING): one round
+        trip however large the batch."""
+        t = self.t
+        done: set[str] = set()
+        moves = [(a.key, a.fence, a.next_time, a.next_run_time) for a in items
+                 if a.next_time is not None]
+        if moves:
+            v = sa.values(sa.column("k", sa.String), sa.column("f", sa.BigInteger),
+                          sa.column("nt", sa.BigInteger), sa.column("nrt", sa.BigInteger),
+                          name="adv").data(moves)
+            stmt = (t.update().where(t.c.key == v.c.k, t.c.fence == v.c.f)
+                    .values(next_time=v.c.nt, next_run_time=v.c.nrt, attempt=0, owner=None,
+                            claimed_at=None, fence=t.c.fence + 1)
+                    .returning(t.c.key))
+            done.update(r[0] for r in conn.execute(stmt))
+        oneoffs = [(a.key, a.fence) for a in items if a.next_time is None]
+        if oneoffs:
+            stmt = (t.delete().where(sa.tuple_(t.c.key, t.c.fence).in_(oneoffs))
+                    .returning(t.c.key))
+            done.update(r[0] for r in conn.execute(stmt))
+        return {a.key for a in items} - done
+
+    @_retried
     def reschedule(self, key: str, fence: int, run_at: int, *, count_attempt: bool) -> bool:
         """Give the occurrence back to run again at `run_at` (retry, release, SCHED_LATER)."""
         t = self.t
@@ -423,6 +502,7 @@ class Store:
                                .values(**values))
         return res.rowcount > 0
 
+    @_retried
     def release_owner(self, owner: str, now: int) -> int:
         """Hand back every lease of a dead/stopping process at once."""
         t = self.t
@@ -433,18 +513,21 @@ class Store:
 
     # -- run history ----------------------------------------------------------------------
 
+    @_retried
     def record_runs(self, runs: Iterable[dict[str, Any]]) -> None:
         payload = list(runs)
         if payload:
             with self._tx() as conn:
                 conn.execute(self.h.insert(), payload)
 
+    @_retried
     def history(self, key: str, limit: int) -> list[dict[str, Any]]:
         h = self.h
         q = sa.select(h).where(h.c.key == key).order_by(h.c.id.desc()).limit(limit)
         with self._tx(readonly=True) as conn:
             return [dict(r._mapping) for r in conn.execute(q)]
 
+    @_retried
     def prune_history(self, keep_per_key: int) -> int:
         """Keep only the newest `keep_per_key` runs of each key (bounded history)."""
         h = self.h

@@ -30,9 +30,43 @@ log = logging.getLogger("perfectschedd.worker")
 # Most occurrences one claim takes at once: big enough for bursts, small enough that one
 # worker does not hoard a backlog another worker could start.
 CLAIM_BATCH = 64
+# While tasks take less than FAST_TASK seconds on average, a worker leases up to PREFETCH
+# times `concurrency` occurrences at once, so the pool never waits for the database; slow
+# tasks never queue behind each other (another worker or host can take them).
+FAST_TASK = 0.05
+PREFETCH = 8
 PING_INTERVAL = 1.0
 HISTORY_FLUSH = 0.5
 DB_BACKOFF_MAX = 30.0
+
+
+class BatchedTask:
+    """The task as a handler sees it: `finish()` is queued and written with the other
+    finishes of this worker in one transaction (the daemon's hot path).  A lease lost
+    meanwhile is logged and counted when the batch is written, not raised in the handler.
+    """
+
+    __slots__ = ("_task", "_queue")
+
+    def __init__(self, task: Task, queue: list[Task]) -> None:
+        self._task = task
+        self._queue = queue
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._task, name)
+
+    def finish(self) -> None:
+        self._task._end()
+        self._queue.append(self._task)  # list.append is atomic under the GIL
+
+    def retry(self, wait: float | None = None) -> None:
+        self._task.retry(wait)
+
+    def release(self) -> None:
+        self._task.release()
+
+    def heartbeat(self) -> None:
+        self._task.heartbeat()
 
 
 class Worker:
@@ -50,6 +84,8 @@ class Worker:
         self.running: dict[str, Task] = {}
         self.lock = threading.Lock()
         self.history: list[dict[str, Any]] = []
+        self.finished: list[Task] = []  # finished by handlers, not yet written
+        self.avg_duration = 1.0  # seconds, moving average; starts "slow"
         self.no_route_logged: set[str] = set()
         self.db_ok = True
         self.db_backoff = 0.5
@@ -146,20 +182,29 @@ class Worker:
                 self._set_db(False, exc)
                 return self._backoff()
         sc = self.sc
+        capacity = self.config.concurrency
+        if self.avg_duration < FAST_TASK:
+            capacity *= PREFETCH
         with self.lock:
-            free = self.config.concurrency - len(self.running)
+            free = capacity - len(self.running)
         claimed: list[Task] = []
-        want = min(free, CLAIM_BATCH)
+        want = max(0, min(free, CLAIM_BATCH))
+        batch = self.finished[:]
+        del self.finished[:len(batch)]
         try:
-            if want > 0:
-                claimed = sc.poll_many(want)
-                for task in claimed:
-                    with self.lock:
-                        self.running[task.key] = task
-                    pool.submit(self._run_one, task)
-                if len(claimed) == want:
-                    self._set_db(True)
-                    return 0.0  # there may be more due right now
+            try:
+                lost, claimed = sc.finish_and_poll(batch, want)
+            except DBAPIError:
+                self.finished[:0] = batch  # the leases still protect them; try again
+                raise
+            self._report_lost(batch, lost)
+            for task in claimed:
+                with self.lock:
+                    self.running[task.key] = task
+                pool.submit(self._run_one, task)
+            if want > 0 and len(claimed) == want:
+                self._set_db(True)
+                return 0.0  # there may be more due right now
             earliest = sc.earliest_due()
             self._set_db(True)
         except DBAPIError as exc:
@@ -198,13 +243,14 @@ class Worker:
             metrics.task_started(task.type, max(0.0, started - due))
             log.info("start key=%s type=%s scheduled=%d attempt=%d late=%.3fs",
                      task.key, task.type, task.scheduled_time, task.attempt, started - due)
-            result = handlers.run_task(task, handler, log=log, stop_event=self.kill_event,
+            result = handlers.run_task(BatchedTask(task, self.finished), handler, log=log,
+                                       stop_event=self.kill_event,
                                        kill_grace=self.config.kill_grace)
             outcome, duration = str(result.outcome), result.duration
+            self.avg_duration = 0.9 * self.avg_duration + 0.1 * duration
             log.info("end key=%s scheduled=%d attempt=%d duration=%.3fs outcome=%s%s",
                      task.key, task.scheduled_time, task.attempt, duration, outcome,
                      f" exit={result.exit_code}" if result.exit_code is not None else "")
-            metrics.task_finished(task.type, outcome, duration)
             if outcome == "preempted":
                 metrics.lease_lost(task.type)
         except PreemptedError:
@@ -218,6 +264,7 @@ class Worker:
         except Exception:  # noqa: BLE001 - a worker never dies of one task
             log.exception("key=%s: internal error while running the task", task.key)
         finally:
+            metrics.task_finished(task.type, outcome, duration)
             with self.lock:
                 self.running.pop(task.key, None)
                 self.history.append({
@@ -227,6 +274,26 @@ class Worker:
                     "outcome": outcome, "worker": self.sc.owner if self.sc else "?",
                 })
             self._nudge()
+
+    def _flush_finished(self) -> None:
+        """Write the queued finishes in one transaction; keep them if the database fails."""
+        if not self.finished or self.sc is None:
+            return
+        batch = self.finished[:]
+        del self.finished[:len(batch)]
+        try:
+            lost = self.sc.store.advance([t.next_advance() for t in batch])
+        except DBAPIError:
+            self.finished[:0] = batch  # the leases still protect them; try again
+            raise
+        self._report_lost(batch, lost)
+
+    def _report_lost(self, batch: list[Task], lost: set[str]) -> None:
+        for task in batch:
+            if task.key in lost:
+                log.warning("key=%s: lease lost before its finish was written; the "
+                            "occurrence may run again elsewhere", task.key)
+                metrics.lease_lost(task.type)
 
     def _flush_history(self, force: bool = False) -> None:
         if self.sc is None or self.config.history_limit == 0:
@@ -293,6 +360,11 @@ class Worker:
                 task.release()
             except Exception:  # noqa: BLE001 - best effort at exit; the lease expires anyway
                 pass
+        try:
+            self._flush_finished()
+        except DBAPIError:
+            log.error("could not write %d finished task(s); they run again when their "
+                      "leases expire", len(self.finished))
         self._flush_history(force=True)
         if self.sc is not None:
             self.sc.close()
