@@ -65,6 +65,8 @@ class Config:
     control_group: str | None = None
     metrics_listen: tuple[str, int] | None = ("127.0.0.1", DEFAULT_METRICS_PORT)
     dbus: bool = False
+    # D-Bus address (e.g. unix:path=/run/x.sock) instead of the system bus; for tests.
+    dbus_address: str | None = None
     # How long a graceful stop waits for running tasks before releasing them.
     shutdown_timeout: float = 30.0
     # Grace between TERM and KILL when a handler times out or the daemon stops.
@@ -85,6 +87,7 @@ class Config:
 _KNOWN_KEYS = {
     "type", "url", "table", "log", "poll_interval", "timezone", "alive_time", "retry_wait",
     "workers", "concurrency", "control_socket", "control_group", "metrics_listen", "dbus",
+    "dbus_address",
     "shutdown_timeout", "kill_grace", "worker_timeout", "routes", "history_limit",
     "node_name",
 }
@@ -203,6 +206,9 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
     dbus = raw.get("dbus", False)
     if not isinstance(dbus, bool):
         raise ConfigError("dbus: must be true or false")
+    dbus_address = raw.get("dbus_address")
+    if dbus_address is not None and (not isinstance(dbus_address, str) or ":" not in dbus_address):
+        raise ConfigError("dbus_address: must be a D-Bus address such as unix:path=/run/bus.sock")
     return Config(
         type=backend,
         url=url,
@@ -218,6 +224,7 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
         control_group=group,
         metrics_listen=parse_listen(raw.get("metrics_listen", DEFAULT_METRICS_LISTEN)),
         dbus=dbus,
+        dbus_address=dbus_address,
         shutdown_timeout=_number(raw, "shutdown_timeout", 30.0, minimum=0),
         kill_grace=_number(raw, "kill_grace", 5.0, minimum=0),
         worker_timeout=_number(raw, "worker_timeout", 30.0, minimum=2),
