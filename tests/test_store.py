@@ -1,0 +1,345 @@
+"""Store + schedules API lifecycle on every backend (SQLite file, PostgreSQL, MariaDB).
+
+Times are passed in (`now=`); nothing sleeps.  T0 is a round hour, so "0 * * * *" is due
+at T0, T0+3600, ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+import perfectschedd
+from perfectschedd import (
+    AlreadyExistsError,
+    AlreadyFinishedError,
+    NotFoundError,
+    PreemptedError,
+    ScheduleCollection,
+)
+from perfectschedd.store import Store
+
+T0 = 1_700_002_800  # 2023-11-14 23:00:00 UTC, a round hour
+H = 3600
+ALIVE = 300
+RETRY = 120
+
+
+def utc(text: str) -> int:
+    return int(datetime.fromisoformat(text).replace(tzinfo=UTC).timestamp())
+
+
+def open_sc(url: str, **extra: Any) -> ScheduleCollection:
+    return perfectschedd.open({"type": "rdb_compat", "url": url, "alive_time": ALIVE,
+                               "retry_wait": RETRY, **extra})
+
+
+@pytest.fixture
+def sc(db_url: str) -> Iterator[ScheduleCollection]:
+    with open_sc(db_url) as c:
+        yield c
+
+
+def row(sc: ScheduleCollection, key: str) -> dict[str, Any]:
+    return sc[key].info().as_dict()
+
+
+def test_add_list_exists_delete(sc: ScheduleCollection) -> None:
+    sc.add("b-job", "type1", cron="0 * * * *", delay=30, timezone="Asia/Tokyo",
+           next_time=T0 - 10, data={"k": "v", "n": [1, 2], "ü": "☃"}, now=T0)
+    sc.add("a-job", "type2", cron="@daily", now=T0)
+    assert sc["b-job"].exists() and not sc["nope"].exists()
+    listed = sc.list()
+    assert [s.key for s in listed] == ["a-job", "b-job"]
+    b = listed[1]
+    assert (b.type, b.cron, b.delay, b.timezone) == ("type1", "0 * * * *", 30, "Asia/Tokyo")
+    assert b.next_time == T0 and b.next_run_time == T0 + 30  # first cron time >= start
+    assert b.data == {"k": "v", "n": [1, 2], "ü": "☃"}
+    a = listed[0]
+    assert a.timezone == "UTC" and a.data == {}
+    assert a.next_time == T0 + H and a.next_run_time == T0 + H  # next midnight UTC
+    assert [s.key for s in sc.list(prefix="a-")] == ["a-job"]
+    with pytest.raises(AlreadyExistsError):
+        sc.add("a-job", "other", cron="* * * * *", now=T0)
+    assert row(sc, "a-job")["type"] == "type2"  # the refused add changed nothing
+    sc["a-job"].delete()
+    assert not sc["a-job"].exists()
+    with pytest.raises(NotFoundError):
+        sc["a-job"].delete()
+    with pytest.raises(NotFoundError):
+        sc["a-job"].info()
+    assert [s.key for s in sc.list()] == ["b-job"]
+
+
+def test_at_option_sets_next_run_time(sc: ScheduleCollection) -> None:
+    sc.add("k", "t", cron="0 * * * *", next_time=T0, at=T0 + 5000, now=T0)
+    info = row(sc, "k")
+    assert (info["next_time"], info["next_run_time"]) == (T0, T0 + 5000)
+    assert sc.poll(now=T0 + 4999) is None
+    task = sc.poll(now=T0 + 5000)
+    assert task is not None and task.scheduled_time == T0
+
+
+def test_poll_finish_advances_from_the_occurrence_not_the_clock(sc: ScheduleCollection) -> None:
+    sc.add("k", "t", cron="0 * * * *", delay=60, next_time=T0, data={"x": 1}, now=T0)
+    assert sc.poll(now=T0 + 59) is None  # delay: not before next_time + 60
+    task = sc.poll(now=T0 + 60)
+    assert task is not None
+    assert (task.key, task.type, task.scheduled_time, task.attempt) == ("k", "t", T0, 1)
+    assert task.data == {"x": 1}
+    held = row(sc, "k")
+    assert held["owner"] == sc.owner and held["next_run_time"] == T0 + 60 + ALIVE
+    assert sc.poll(now=T0 + 60) is None  # leased: nobody else gets it
+    # Finished much later (10 h): the next occurrence is still T0+1h, not "now + 1h".
+    task.finish()
+    info = row(sc, "k")
+    assert (info["next_time"], info["next_run_time"]) == (T0 + H, T0 + H + 60)
+    assert info["owner"] is None and info["attempt"] == 0
+    with pytest.raises(AlreadyFinishedError):
+        task.finish()
+    with pytest.raises(AlreadyFinishedError):
+        task.retry(now=T0)
+
+
+def test_catch_up_runs_every_missed_occurrence_oldest_first(sc: ScheduleCollection) -> None:
+    sc.add("hourly", "t", cron="0 * * * *", next_time=T0, now=T0)
+    sc.add("half", "t", cron="30 * * * *", next_time=T0, now=T0)
+    now = T0 + 3 * H + 1  # down for three hours
+    seen = []
+    while (task := sc.poll(now=now)) is not None:
+        seen.append((task.scheduled_time, task.key))
+        task.finish()
+    assert seen == sorted(seen)  # globally oldest first
+    assert seen == [(T0, "hourly"), (T0 + 1800, "half"), (T0 + H, "hourly"),
+                    (T0 + H + 1800, "half"), (T0 + 2 * H, "hourly"),
+                    (T0 + 2 * H + 1800, "half"), (T0 + 3 * H, "hourly")]
+    assert row(sc, "hourly")["next_time"] == T0 + 4 * H
+    assert row(sc, "half")["next_time"] == T0 + 3 * H + 1800
+
+
+def test_poll_many_and_finish_many(sc: ScheduleCollection) -> None:
+    for i in range(10):
+        sc.add(f"k{i}", "t", cron="0 * * * *", next_time=T0, at=T0 + i, now=T0)
+    tasks = sc.poll_many(4, now=T0 + 100)
+    assert sorted(t.key for t in tasks) == ["k0", "k1", "k2", "k3"]  # earliest run times
+    more = sc.poll_many(100, now=T0 + 100)
+    assert sorted(t.key for t in more) == [f"k{i}" for i in range(4, 10)]
+    assert sc.poll_many(10, now=T0 + 100) == []
+    sc["k5"].delete()  # preempts one of them
+    lost = sc.finish_many(tasks + more)
+    assert lost == {"k5"}
+    infos = sc.list()
+    assert len(infos) == 9
+    assert all(i.next_time == T0 + H and i.owner is None for i in infos)
+
+
+def test_retry_timing_and_attempts(sc: ScheduleCollection) -> None:
+    sc.add("k", "t", cron="0 * * * *", next_time=T0, now=T0)
+    task = sc.poll(now=T0 + 5)
+    assert task is not None
+    task.retry(now=T0 + 5)  # default wait: retry_wait
+    info = row(sc, "k")
+    assert info["next_run_time"] == T0 + 5 + RETRY and info["next_time"] == T0
+    assert info["owner"] is None
+    assert sc.poll(now=T0 + 5 + RETRY - 1) is None
+    again = sc.poll(now=T0 + 5 + RETRY)
+    assert again is not None and again.scheduled_time == T0 and again.attempt == 2
+    again.retry(wait=7.5, now=T0 + 200)  # fractional wait rounds up, never early
+    assert row(sc, "k")["next_run_time"] == T0 + 208
+    assert sc.poll(now=T0 + 207) is None
+    third = sc.poll(now=T0 + 208)
+    assert third is not None and third.attempt == 3
+    third.finish()
+    assert row(sc, "k")["attempt"] == 0 and row(sc, "k")["next_time"] == T0 + H
+
+
+def test_release_gives_the_occurrence_back_untried(sc: ScheduleCollection) -> None:
+    sc.add("k", "t", cron="0 * * * *", next_time=T0, now=T0)
+    task = sc.poll(now=T0 + 5)
+    assert task is not None and task.attempt == 1
+    task.release(now=T0 + 6)
+    info = row(sc, "k")
+    assert info["next_run_time"] == T0 + 6 and info["owner"] is None and info["attempt"] == 0
+    again = sc.poll(now=T0 + 6)
+    assert again is not None and again.scheduled_time == T0 and again.attempt == 1
+    with pytest.raises(AlreadyFinishedError):
+        task.release(now=T0 + 7)
+
+
+def test_expired_lease_is_taken_over_and_the_old_holder_changes_nothing(db_url: str) -> None:
+    with open_sc(db_url) as a, open_sc(db_url) as b:
+        a.owner, b.owner = "host-a:1", "host-b:2"
+        a.add("k", "t", cron="0 * * * *", next_time=T0, now=T0)
+        old = a.poll(now=T0)
+        assert old is not None
+        old.heartbeat(now=T0 + 200)  # renewed: the lease now ends at T0+200+ALIVE
+        assert b.poll(now=T0 + ALIVE + 1) is None
+        new = b.poll(now=T0 + 200 + ALIVE)
+        assert new is not None and new.scheduled_time == T0 and new.attempt == 2
+        taken = row(b, "k")
+        assert taken["owner"] == "host-b:2"
+        for end in (old.finish, lambda: old.retry(now=T0), lambda: old.release(now=T0)):
+            with pytest.raises(PreemptedError):
+                end()
+            old.done = False  # try every holder-side write with the stale fence
+        with pytest.raises(PreemptedError):
+            old.heartbeat(now=T0 + 600)
+        assert row(b, "k") == taken  # the new holder's state is intact
+        new.finish()
+        assert row(a, "k")["next_time"] == T0 + H
+
+
+@pytest.mark.parametrize("action", ["delete", "modify"])
+def test_delete_or_modify_preempts_the_holder(sc: ScheduleCollection, action: str) -> None:
+    sc.add("k", "t", cron="0 * * * *", next_time=T0, now=T0)
+    task = sc.poll(now=T0)
+    assert task is not None
+    if action == "delete":
+        sc["k"].delete()
+    else:
+        sc["k"].modify(cron="30 * * * *", now=T0 + 10)
+    with pytest.raises(PreemptedError):
+        task.finish()
+    if action == "delete":
+        assert not sc["k"].exists()
+    else:
+        info = row(sc, "k")
+        assert info["cron"] == "30 * * * *" and info["next_time"] == T0 + 1800
+        assert info["owner"] is None
+
+
+def test_modify_recomputes_times(sc: ScheduleCollection) -> None:
+    sc.add("k", "t", cron="0 * * * *", next_time=T0, data={"a": 1}, now=T0)
+    sc["k"].modify(delay=90, data={"b": 2}, type="t2")
+    info = row(sc, "k")
+    assert (info["type"], info["delay"], info["data"]) == ("t2", 90, {"b": 2})
+    assert (info["next_time"], info["next_run_time"]) == (T0, T0 + 90)
+    sc["k"].modify(timezone="Asia/Kolkata", cron="0 9 * * *", now=T0)
+    # 09:00 IST = 03:30 UTC; T0 is 23:00 UTC, so the next is 04:30 hours later.
+    assert row(sc, "k")["next_time"] == T0 + 4 * H + 1800
+    with pytest.raises(NotFoundError):
+        sc["missing"].modify(delay=1)
+
+
+def test_pause_and_resume(sc: ScheduleCollection) -> None:
+    sc.add("k", "t", cron="0 * * * *", next_time=T0, now=T0)
+    sc["k"].pause()
+    assert row(sc, "k")["paused"] is True
+    assert sc.poll(now=T0 + 10 * H) is None
+    sc["k"].resume()
+    task = sc.poll(now=T0 + 10 * H)
+    assert task is not None and task.scheduled_time == T0  # missed ones still run
+
+
+def test_run_now_is_a_one_off_that_leaves_the_schedule_alone(sc: ScheduleCollection) -> None:
+    sc.add("k", "t", cron="0 * * * *", next_time=T0 + H, data={"d": 1}, now=T0)
+    run_key = sc["k"].run_now(now=T0 + 10)
+    task = sc.poll(now=T0 + 10)
+    assert task is not None and task.key == run_key and task.type == "t"
+    assert task.data == {"d": 1} and task.scheduled_time == T0 + 10
+    task.finish()
+    assert not sc[run_key].exists()
+    assert row(sc, "k")["next_time"] == T0 + H
+
+
+def test_add_many_is_all_or_nothing(sc: ScheduleCollection) -> None:
+    sc.add("taken", "t", cron="* * * * *", now=T0)
+    reqs = [{"key": f"m{i}", "type": "t", "cron": "0 * * * *", "now": T0} for i in range(50)]
+    with pytest.raises(AlreadyExistsError):
+        sc.add_many(reqs + [{"key": "taken", "type": "t", "cron": "0 * * * *"}])
+    assert [s.key for s in sc.list()] == ["taken"]
+    assert sc.add_many(reqs) == 50
+    assert len(sc.list()) == 51
+
+
+def test_dst_schedule_runs_through_the_store(sc: ScheduleCollection) -> None:
+    """Los Angeles, 2015-11-01: the 01:30 job runs twice; 2015-03-08: 02:30 is skipped."""
+    la = "America/Los_Angeles"
+    fall = utc("2015-11-01T08:30")  # 01:30 PDT
+    sc.add("fall", "t", cron="30 1 * * *", timezone=la, next_time=fall - 60, now=fall - 60)
+    runs = []
+    now = fall + 2 * H  # 2015-11-01 ~02:30 PST: both 01:30s are due
+    while (task := sc.poll(now=now)) is not None:
+        runs.append(task.scheduled_time)
+        task.finish()
+    assert runs == [fall, fall + H]
+    assert row(sc, "fall")["next_time"] == fall + 24 * H + H  # 11-02 01:30 PST
+    spring = utc("2015-03-07T10:00")  # 02:00 PST
+    sc.add("spring", "t", cron="30 2 * * *", timezone=la, next_time=spring, now=spring)
+    assert row(sc, "spring")["next_time"] == spring + 1800  # 03-07 02:30 PST
+    task = sc.poll(now=spring + 3 * 24 * H)
+    assert task is not None and task.scheduled_time == spring + 1800
+    task.finish()
+    # 03-08 02:30 does not exist: next is 03-09 02:30 PDT (09:30 UTC), 47 real hours later.
+    assert row(sc, "spring")["next_time"] == spring + 1800 + 47 * H
+
+
+def test_table_name_and_two_tables_are_independent(db_url: str) -> None:
+    with open_sc(db_url, table="jobs_a") as a, open_sc(db_url, table="jobs_b") as b:
+        a.add("k", "t", cron="* * * * *", now=T0)
+        assert a["k"].exists() and not b["k"].exists()
+        assert b.poll(now=T0 + H) is None
+
+
+def test_init_is_idempotent_and_data_survives_reopen(db_url: str) -> None:
+    with open_sc(db_url) as sc:
+        sc.add("k", "t", cron="0 * * * *", now=T0, data={"x": "y" * 1000})
+        sc.init()
+    with open_sc(db_url) as sc:
+        sc.init()
+        assert row(sc, "k")["data"] == {"x": "y" * 1000}
+
+
+def test_times_keep_sub_second_precision(sc: ScheduleCollection) -> None:
+    now = T0 + 0.25
+    sc.add("k", "t", cron="0 * * * *", next_time=T0, now=T0)
+    task = sc.poll(now=now)
+    assert task is not None
+    assert row(sc, "k")["claimed_at"] == pytest.approx(now, abs=0.001)
+    running = sc.store.running()
+    assert [r.key for r in running] == ["k"]
+    sc.store.record_runs([{"key": "k", "type": "t", "scheduled_time": T0, "attempt": 1,
+                           "started_at": now, "finished_at": now + 1.5, "outcome": "ok",
+                           "worker": "w"}])
+    (run,) = sc.store.history("k", 10)
+    assert run["finished_at"] - run["started_at"] == pytest.approx(1.5, abs=0.001)
+
+
+def test_store_release_owner_hands_back_every_lease(sc: ScheduleCollection) -> None:
+    for i in range(3):
+        sc.add(f"k{i}", "t", cron="0 * * * *", next_time=T0, now=T0)
+    tasks = sc.poll_many(3, now=T0)
+    assert len(tasks) == 3
+    assert sc.store.release_owner(sc.owner, T0 + 1) == 3
+    for t in tasks:
+        with pytest.raises(PreemptedError):
+            t.finish()
+    again = sc.poll_many(3, now=T0 + 1)
+    assert sorted(t.key for t in again) == ["k0", "k1", "k2"]
+    assert all(t.attempt == 1 for t in again)
+
+
+def test_counts_and_earliest_due(sc: ScheduleCollection) -> None:
+    assert sc.earliest_due() is None
+    sc.add("a", "t", cron="0 * * * *", next_time=T0, now=T0)
+    sc.add("b", "t", cron="0 * * * *", next_time=T0 + H, now=T0)
+    sc.add("c", "t", cron="0 * * * *", next_time=T0, now=T0)
+    sc["c"].pause()
+    assert sc.earliest_due() == T0
+    task = sc.poll(now=T0)
+    assert task is not None
+    assert sc.store.counts(T0) == {"schedules": 3, "paused": 1, "due": 0, "running": 1}
+    assert sc.earliest_due() == min(T0 + H, T0 + ALIVE)
+
+
+def test_url_forms(tmp_path: Any) -> None:
+    store = Store(f"sqlite:///{tmp_path}/x.db")
+    assert store.dialect == "sqlite"
+    store.close()
+    with pytest.raises(perfectschedd.ConfigError, match="^url: "):
+        Store("sqlite://")
+    with pytest.raises(perfectschedd.ConfigError, match="^url: "):
+        Store("mssql://u:p@h/db")
