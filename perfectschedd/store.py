@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import event
+from sqlalchemy.dialects.mysql import MEDIUMTEXT
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.engine.url import URL, make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
@@ -102,6 +103,8 @@ def engine_url(url: str) -> URL:
 # Unix seconds with a fraction: double precision everywhere (MySQL's plain FLOAT is 4 bytes
 # and would round today's times to ~2 minutes).
 _SECONDS = sa.Float(precision=53)
+# JSON text up to DATA_MAX bytes: MySQL's TEXT stops at 65535 bytes.
+_DATA = sa.Text().with_variant(MEDIUMTEXT(), "mysql")
 
 
 def _schedules_table(metadata: sa.MetaData, name: str) -> sa.Table:
@@ -112,7 +115,7 @@ def _schedules_table(metadata: sa.MetaData, name: str) -> sa.Table:
         sa.Column("cron", sa.String(CRON_MAX), nullable=True),  # NULL: a one-off run
         sa.Column("delay", sa.Integer, nullable=False, default=0),
         sa.Column("timezone", sa.String(TZ_MAX), nullable=False),
-        sa.Column("data", sa.Text, nullable=False),
+        sa.Column("data", _DATA, nullable=False),
         sa.Column("next_time", sa.BigInteger, nullable=False),
         sa.Column("next_run_time", sa.BigInteger, nullable=False),
         sa.Column("paused", sa.SmallInteger, nullable=False, default=0),
@@ -551,4 +554,5 @@ class Store:
 
 
 def dumps_data(data: Any) -> str:
-    return json.dumps(data, separators=(",", ":"), sort_keys=True)
+    # allow_nan=False: NaN/Infinity are not JSON; other clients could not read them.
+    return json.dumps(data, separators=(",", ":"), sort_keys=True, allow_nan=False)
