@@ -419,6 +419,13 @@ def test_05_ctl_add_list_delete(ns: Namespace, systest) -> None:
     assert key not in {s["key"] for s in json.loads(ns.ctl("list", "--json").stdout)}
     gone = ns.ctl("delete", key, check=False)
     assert gone.returncode == 1 and gone.stderr.strip(), gone
+    # besides root, members of group perfectsched may use the socket; others may not
+    ns.run("useradd", "-M", "-G", "perfectsched", "systest-op", check=False)
+    ns.run("useradd", "-M", "systest-other", check=False)
+    ns.run("runuser", "-u", "systest-op", "--", "perfectschedctl", "list", "--json")
+    other = ns.run("runuser", "-u", "systest-other", "--", "perfectschedctl", "list",
+                   check=False)
+    assert other.returncode == 1 and other.stderr.strip(), other
 
 
 def test_06_exec_job_output_in_journal(ns: Namespace, systest) -> None:
@@ -473,8 +480,14 @@ def test_08_metrics_endpoint(ns: Namespace, systest) -> None:
     fetch = ("import sys, urllib.request\n"
              "r = urllib.request.urlopen(sys.argv[1], timeout=10)\n"
              "print(r.status); print(r.read().decode())\n")
-    r = wait_for(lambda: (x := ns.run("python3", "-c", fetch, url, check=False))
-                 .returncode == 0 and x, 15, f"GET {url}")
+    last: list[subprocess.CompletedProcess[str]] = []
+
+    def get():
+        last[:] = [ns.run("python3", "-c", fetch, url, check=False)]
+        return last[0].returncode == 0 and last[0]
+
+    r = wait_for(get, 15, f"GET {url}",
+                 lambda: f"{last[0].stderr.strip().splitlines()[-1:]}\n{ns.journal(20)}")
     status, _, body = r.stdout.partition("\n")
     assert status == "200", r.stdout[:500]
     assert "# TYPE" in body and "perfectsched" in body, body[:2000]
