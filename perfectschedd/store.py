@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import json
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -196,7 +195,13 @@ class Store:
             self.dialect == "sqlite" and SA_MAJOR >= 2
             and bool(getattr(self.engine.dialect, "update_returning", False))
         )
-        self._lock_for_sqlite = threading.Lock()
+        t = self.t
+        self._advance_stmt = t.update().where(
+            t.c.key == sa.bindparam("k"), t.c.fence == sa.bindparam("f")).values(
+            next_time=sa.bindparam("nt"), next_run_time=sa.bindparam("nrt"), attempt=0,
+            owner=None, claimed_at=None, fence=t.c.fence + 1)
+        self._delete_fenced_stmt = t.delete().where(
+            t.c.key == sa.bindparam("k"), t.c.fence == sa.bindparam("f"))
         self._initialized = False
 
     # -- engine ---------------------------------------------------------------------------
@@ -453,20 +458,25 @@ class Store:
             return self._advance_in(conn, items)
 
     def _advance_in(self, conn: Connection, items: Sequence[Advance]) -> set[str]:
-        t = self.t
         if self.dialect == "postgresql":
             return self._advance_pg(conn, items)
+        moves = [{"k": a.key, "f": a.fence, "nt": a.next_time, "nrt": a.next_run_time}
+                 for a in items if a.next_time is not None]
+        oneoffs = [{"k": a.key, "f": a.fence} for a in items if a.next_time is None]
         lost: set[str] = set()
-        for a in items:
-            where = sa.and_(t.c.key == a.key, t.c.fence == a.fence)
-            if a.next_time is None:
-                res = conn.execute(t.delete().where(where))
-            else:
-                res = conn.execute(t.update().where(where).values(
-                    next_time=a.next_time, next_run_time=a.next_run_time, attempt=0,
-                    owner=None, claimed_at=None, fence=t.c.fence + 1))
-            if res.rowcount == 0:
-                lost.add(a.key)
+        for stmt, params in ((self._advance_stmt, moves), (self._delete_fenced_stmt, oneoffs)):
+            if not params:
+                continue
+            # executemany reports only the total.  When it falls short (rare: a lease lost
+            # between run and finish), undo it and go row by row to learn which.
+            savepoint = conn.begin_nested()
+            if conn.execute(stmt, params).rowcount == len(params):
+                savepoint.commit()
+                continue
+            savepoint.rollback()
+            for p in params:
+                if conn.execute(stmt, p).rowcount == 0:
+                    lost.add(str(p["k"]))
         return lost
 
     def _advance_pg(self, conn: Connection, items: Sequence[Advance]) -> set[str]:
