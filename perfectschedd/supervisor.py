@@ -154,9 +154,12 @@ class Supervisor:
         log.info("worker %d spawned (pid %d, generation %d)", index, pid, self.generation)
 
     def _child_cleanup(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP,
-                    signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
+        # Until the worker installs its handlers, a USR2 or reload sent to the whole
+        # group must not kill it (their default action is to terminate).
+        for sig in (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, signal.SIG_IGN)
         self.sel.close()
         for fd in [self.selfpipe_r, self.selfpipe_w, *self.listener_fds()]:
             try:

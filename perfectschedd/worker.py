@@ -142,9 +142,10 @@ class Worker:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_term)
         signal.signal(signal.SIGQUIT, self._on_term)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the master, who decides
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)
-        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        # Ctrl-C and reload signals are the master's.  A no-op handler, not SIG_IGN: an
+        # ignored signal would stay ignored in every command the worker execs.
+        for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
+            signal.signal(sig, _ignore)
         signal.signal(signal.SIGUSR2, self._on_usr2)
         log.info("worker %d started", self.index)
         sel = selectors.DefaultSelector()
@@ -156,20 +157,25 @@ class Worker:
         try:
             while not self.stopping.is_set():
                 self._ping()
-                timeout = self._step(pool)
-                if self.stopping.is_set():
-                    break
-                for key, _ in sel.select(min(timeout, PING_INTERVAL)):
-                    data = os.read(key.fd, 4096)
-                    if key.fd == self.wake_fd and not data:
-                        log.warning("master process gone; worker stops")
-                        self.stopping.set()
-                if os.getppid() != self.master_pid:
-                    log.warning("master process gone; worker stops")
-                    self.stopping.set()
+                deadline = time.monotonic() + self._step(pool)
+                while not self._sleep(sel, deadline):
+                    self._ping()
         finally:
             self._shutdown(pool)
         return 0
+
+    def _sleep(self, sel: selectors.BaseSelector, deadline: float) -> bool:
+        """Wait at most PING_INTERVAL for a wake-up; True when it is time to poll again."""
+        events = sel.select(max(0.0, min(deadline - time.monotonic(), PING_INTERVAL)))
+        for key, _ in events:
+            data = os.read(key.fd, 4096)
+            if key.fd == self.wake_fd and not data:
+                log.warning("master process gone; worker stops")
+                self.stopping.set()
+        if os.getppid() != self.master_pid:
+            log.warning("master process gone; worker stops")
+            self.stopping.set()
+        return bool(events) or self.stopping.is_set() or time.monotonic() >= deadline
 
     def _step(self, pool: ThreadPoolExecutor) -> float:
         """Claim and start what is due; return how long to sleep."""
@@ -369,6 +375,10 @@ class Worker:
         if self.sc is not None:
             self.sc.close()
         log.info("worker %d stopped", self.index)
+
+
+def _ignore(signum: int, frame: Any) -> None:
+    pass
 
 
 def run(config: Config, index: int, wake_fd: int, alive_fd: int, master_pid: int) -> int:
