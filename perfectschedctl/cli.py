@@ -12,7 +12,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from perfectschedd import ConfigError, ScheduleError, protocol
+from perfectschedd import ConfigError, ScheduleError, __version__, protocol
+from perfectschedd.commands import HISTORY_MAX
 from perfectschedd.config import DEFAULT_SOCKET
 
 from .client import DaemonUnavailable, SocketClient
@@ -44,6 +45,16 @@ def _seconds(text: str) -> int:
     return value
 
 
+def _limit(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 1 <= value <= HISTORY_MAX:
+        raise argparse.ArgumentTypeError(f"must be from 1 to {HISTORY_MAX}: {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="perfectschedctl", description="Control PerfectSched schedules.")
     where = p.add_mutually_exclusive_group()
@@ -54,16 +65,22 @@ def build_parser() -> argparse.ArgumentParser:
                        help="open the database of this config directly, without the daemon")
     p.add_argument("-e", "--environment", metavar="ENV", help="section of a multi-env config")
     p.add_argument("--json", action="store_true", help="print JSON for programs")
+    p.add_argument("--version", action="version", version=f"perfectschedctl {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
-    def key_cmd(name: str, help_: str) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help_)
-        sp.add_argument("key")
-        sp.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
+    def command(name: str, help_: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help_, description=help_)
+        sp.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                        help="print JSON for programs")
         return sp
 
-    add = sub.add_parser("add", help="register a schedule")
+    def key_cmd(name: str, help_: str) -> argparse.ArgumentParser:
+        sp = command(name, help_)
+        sp.add_argument("key")
+        return sp
+
+    add = command("add", "register a schedule")
     add.add_argument("key")
     add.add_argument("type")
     add.add_argument("cron", help="five cron fields or @hourly-style alias")
@@ -72,11 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument("-t", "--timezone")
     add.add_argument("-s", "--start", type=_unix_time)
     add.add_argument("-a", "--at", type=_unix_time)
-    add.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
 
-    ls = sub.add_parser("list", help="list schedules")
+    ls = command("list", "list schedules")
     ls.add_argument("--prefix", help="only keys starting with this")
-    ls.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
 
     key_cmd("show", "show one schedule in full")
     key_cmd("delete", "remove a schedule")
@@ -92,12 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     mod.add_argument("--data", help="JSON object replacing the data")
 
     hist = key_cmd("history", "recent runs of a schedule")
-    hist.add_argument("-n", "--limit", type=int, default=20)
+    hist.add_argument("-n", "--limit", type=_limit, default=20,
+                      help=f"at most this many runs, newest first (1-{HISTORY_MAX}, default 20)")
 
-    st = sub.add_parser("status", help="daemon status: workers, running tasks, backlog")
-    st.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
-    sub.add_parser("reload", help="reload the daemon's configuration (like SIGHUP)")
-    sub.add_parser("init", help="create the table (with -c)")
+    command("status", "daemon status: workers, running tasks, backlog")
+    command("reload", "reload the daemon's configuration (like SIGHUP)")
+    command("init", "create the table (with -c)")
     return p
 
 

@@ -37,10 +37,16 @@ class SocketClient:
                         f"perfectschedd is not running (nothing listens on {self.path})"
                     ) from None
                 raise DaemonUnavailable(f"cannot connect to {self.path}: {exc.strerror}") from None
-            sock.sendall(protocol.request(cmd, args))
+            try:
+                sock.sendall(protocol.request(cmd, args))
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # refused at once (permission, busy): the answer is waiting to be read
             buf = bytearray()
             while not buf.endswith(b"\n"):
-                chunk = sock.recv(65536)
+                try:
+                    chunk = sock.recv(65536)
+                except ConnectionResetError:
+                    chunk = b""
                 if not chunk:
                     raise DaemonUnavailable("perfectschedd closed the connection without answering")
                 buf += chunk

@@ -55,6 +55,10 @@ def _status(result: dict[str, Any]) -> str:
     ]
     if result.get("last_error"):
         lines.append(f"last error: {result['last_error']}")
+    workers = result.get("workers") or []
+    if workers:
+        lines.append(table(workers, ("pid", "index", "generation", "age", "running",
+                                     "retiring", "db_ok")))
     running = result.get("running") or []
     lines.append(f"running: {len(running)}")
     if running:

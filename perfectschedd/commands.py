@@ -128,6 +128,33 @@ COMMANDS: dict[str, Handler] = {
 }
 # Commands that change what workers should do next: the daemon wakes its workers after them.
 WAKING = frozenset({"add", "add_many", "modify", "resume", "run"})
+# Commands that change a stored schedule (D-Bus signals ScheduleChanged after them).
+CHANGING = frozenset({"add", "add_many", "delete", "modify", "pause", "resume", "run"})
+# The arguments each command accepts; anything else is refused (a typo never goes unseen).
+ARGS: dict[str, frozenset[str]] = {
+    "add": frozenset({"key", "type", "cron", "delay", "timezone", "start", "at", "data"}),
+    "add_many": frozenset({"schedules"}),
+    "list": frozenset({"prefix", "limit", "verbose"}),
+    "show": frozenset({"key"}),
+    "delete": frozenset({"key"}),
+    "modify": frozenset({"key", "type", "cron", "delay", "timezone", "data"}),
+    "pause": frozenset({"key"}),
+    "resume": frozenset({"key"}),
+    "run": frozenset({"key"}),
+    "history": frozenset({"key", "limit"}),
+    "init": frozenset(),
+    # Answered by the daemon itself (supervisor.dispatch), listed for check_args.
+    "status": frozenset(),
+    "reload": frozenset(),
+}
+
+
+def check_args(command: str, args: Mapping[str, Any]) -> None:
+    """Refuse arguments a command does not know, naming them."""
+    unknown = set(args) - ARGS.get(command, frozenset())
+    if unknown:
+        raise InvalidInputError(
+            "args", f"unknown argument(s) for {command}: {', '.join(sorted(map(str, unknown)))}")
 
 
 def execute(sc: ScheduleCollection, command: str, args: Mapping[str, Any] | None = None,
@@ -140,4 +167,5 @@ def execute(sc: ScheduleCollection, command: str, args: Mapping[str, Any] | None
         args = {}
     if not isinstance(args, Mapping):
         raise InvalidInputError("args", "must be an object")
+    check_args(command, args)
     return handler(sc, args, time.time() if now is None else now)

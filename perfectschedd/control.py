@@ -1,34 +1,50 @@
 """Unix-socket server: one request -> one dispatch() call -> one response.
 
-Protocol: see protocol.py (newline-delimited JSON, MAX_FRAME bytes per frame).  Every
-connection is authorised by its peer's credentials (SO_PEERCRED): root, the daemon's own
-user, or a member of `control_group` (or of the socket's group).
+Protocol: protocol.py and docs/protocol.md (newline-delimited JSON, MAX_FRAME bytes per
+frame).  Every connection is authorised by its peer's credentials (SO_PEERCRED): root, the
+daemon's own user, or a member of `control_group` (default: the daemon's group).
+
+One thread owns every connection (a selector loop: idle or slow clients cost a buffer, not
+a thread); complete requests run on a small thread pool, because dispatch() talks to the
+database.  A connection has at most one request in flight and is not read meanwhile, so
+neither a flood of requests nor a client that never reads its answers grows our buffers.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import grp
 import logging
 import os
 import pwd
+import queue
+import selectors
 import socket
 import stat
 import struct
 import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import SQLAlchemyError
 
 from . import protocol
 from .config import Config
 from .errors import ConfigError, ScheduleError
 
 Dispatch = Callable[[str, dict[str, Any]], Any]
-# Connections served at once; more wait in the listen backlog.
-MAX_CLIENTS = 64
-IDLE_TIMEOUT = 30.0
+# Connections open at once; one more is answered with a "Busy" error and closed.
+MAX_CLIENTS = 256
+# A connection with no request in flight and no traffic for this long is closed.
+IDLE_TIMEOUT = 60.0
+# Requests executed at once (each may wait on the database).
+DISPATCH_THREADS = 8
 _PEERCRED = struct.Struct("3i")
+_SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux >= 4.13
 
 
 def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
@@ -37,7 +53,20 @@ def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
     return _PEERCRED.unpack(raw)
 
 
-def _supplementary_gids(pid: int) -> set[int]:
+def peer_groups(conn: socket.socket, pid: int) -> set[int]:
+    """Supplementary groups of the peer, as the kernel recorded them at connect()."""
+    size = 256 * 4
+    for _ in range(4):
+        try:
+            raw = conn.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, size)
+        except OSError as exc:
+            if exc.errno == errno.ERANGE:
+                size *= 4
+                continue
+            break
+        n = len(raw) // 4
+        return set(struct.unpack(f"{n}I", raw[:n * 4]))
+    # Old kernel: read them from /proc (invisible under ProtectProc=invisible).
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
@@ -48,22 +77,54 @@ def _supplementary_gids(pid: int) -> set[int]:
     return set()
 
 
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
+@dataclass(eq=False)
+class _Conn:
+    sock: socket.socket
+    pid: int
+    uid: int
+    inbuf: bytearray = field(default_factory=bytearray)
+    outbuf: bytearray = field(default_factory=bytearray)
+    busy: bool = False  # a request is being dispatched
+    eof: bool = False  # the client will send no more
+    closing: bool = False  # close once outbuf is sent
+    last_active: float = field(default_factory=time.monotonic)
+    events: int = 0
+
+
 class ControlServer:
-    def __init__(self, config: Config, dispatch: Dispatch, *, log: logging.Logger) -> None:
-        self.path = config.control_socket
+    def __init__(self, config: Config, dispatch: Dispatch, *, log: logging.Logger,
+                 path: str | None = None, max_clients: int = MAX_CLIENTS,
+                 idle_timeout: float = IDLE_TIMEOUT) -> None:
+        self.path = os.path.abspath(path or config.control_socket)
         self.dispatch = dispatch
         self.log = log
+        self.group_name = config.control_group
         self.group_gid = self._resolve_group(config.control_group)
+        self.max_clients = max_clients
+        self.idle_timeout = idle_timeout
+        self.my_uid = os.geteuid()
         self.sock: socket.socket | None = None
+        self.lock_fd: int | None = None
+        self.inode: tuple[int, int] | None = None
         self.thread: threading.Thread | None = None
         self.stopping = threading.Event()
-        self.slots = threading.BoundedSemaphore(MAX_CLIENTS)
-        self.my_uid = os.geteuid()
+        self.pool: ThreadPoolExecutor | None = None
+        self.sel: selectors.BaseSelector | None = None
+        self.wake_r, self.wake_w = -1, -1
+        self.done: queue.SimpleQueue[tuple[_Conn, bytes]] = queue.SimpleQueue()
+        self.conns: dict[int, _Conn] = {}
 
     @staticmethod
-    def _resolve_group(name: str | None) -> int | None:
+    def _resolve_group(name: str | None) -> int:
         if name is None:
-            return None
+            return os.getegid()
         try:
             return grp.getgrnam(name).gr_gid
         except KeyError:
@@ -72,25 +133,70 @@ class ControlServer:
     # -- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> None:
-        directory = os.path.dirname(os.path.abspath(self.path))
-        os.makedirs(directory, mode=0o755, exist_ok=True)
-        self._remove_stale()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old_umask = os.umask(0o117)  # the socket is born 0660, never briefly wider
+        """Listen on the socket; ConfigError (with the path) when that is impossible."""
         try:
-            sock.bind(self.path)
-        finally:
-            os.umask(old_umask)
-        if self.group_gid is not None:
-            os.chown(self.path, -1, self.group_gid)
-        os.chmod(self.path, 0o660)
-        sock.listen(128)
-        self.sock = sock
-        self.thread = threading.Thread(target=self._accept_loop, name="control", daemon=True)
+            self._listen()
+        except OSError as exc:
+            self._release_lock()
+            raise ConfigError(f"control_socket: {self.path}: {exc.strerror or exc}") from None
+        except ConfigError:
+            self._release_lock()
+            raise
+        self.pool = ThreadPoolExecutor(DISPATCH_THREADS, thread_name_prefix="control-req")
+        self.sel = selectors.DefaultSelector()
+        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        assert self.sock is not None
+        self.sel.register(self.sock, selectors.EVENT_READ, "listen")
+        self.sel.register(self.wake_r, selectors.EVENT_READ, "wake")
+        self.thread = threading.Thread(target=self._loop, name="control", daemon=True)
         self.thread.start()
         self.log.info("control socket listening on %s", self.path)
 
-    def _remove_stale(self) -> None:
+    def _listen(self) -> None:
+        directory = os.path.dirname(self.path)
+        os.makedirs(directory, mode=0o755, exist_ok=True)
+        # One daemon per socket path: the lock makes "is it stale?" and "replace it" atomic.
+        self.lock_fd = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                               0o600)
+        try:
+            fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(f"control_socket: another perfectschedd uses {self.path}") \
+                from None
+        self._check_stale()
+        # Bind under a temporary name, set mode and group, listen, then rename into place:
+        # the socket never appears with wider permissions, nor before it accepts.
+        tmp = os.path.join(directory, f".{os.path.basename(self.path)}.{os.getpid()}.tmp")
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.bind(tmp)
+            os.chmod(tmp, 0o660)
+            if os.stat(tmp).st_gid != self.group_gid:
+                try:
+                    os.chown(tmp, -1, self.group_gid)
+                except PermissionError:
+                    raise ConfigError(
+                        f"control_group: cannot give {self.path} to group {self.group_name!r} "
+                        f"(the daemon's user must be a member of it)") from None
+            sock.listen(128)
+            sock.setblocking(False)
+            os.rename(tmp, self.path)
+        except BaseException:
+            sock.close()
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        st = os.stat(self.path)
+        self.inode = (st.st_dev, st.st_ino)
+        self.sock = sock
+
+    def _check_stale(self) -> None:
         """Replace a socket file left by a crash, but never a live daemon's socket."""
         try:
             st = os.lstat(self.path)
@@ -102,103 +208,267 @@ class ControlServer:
         probe.settimeout(1.0)
         try:
             probe.connect(self.path)
-        except (ConnectionRefusedError, FileNotFoundError):
-            os.unlink(self.path)  # stale
-            return
-        except OSError:
+        except ConnectionRefusedError:
+            self.log.info("removing stale control socket %s", self.path)
             os.unlink(self.path)
             return
+        except OSError as exc:
+            raise ConfigError(f"control_socket: cannot tell whether {self.path} is in use: "
+                              f"{exc.strerror or exc}") from None
         finally:
             probe.close()
-        raise ConfigError(f"control_socket: another perfectschedd is listening on {self.path}")
+        raise ConfigError(f"control_socket: another process is listening on {self.path}")
 
     def fds(self) -> list[int]:
-        return [self.sock.fileno()] if self.sock is not None else []
+        """Descriptors a forked worker must close."""
+        out = [fd for fd in (self.lock_fd, self.wake_r, self.wake_w) if fd is not None and fd >= 0]
+        if self.sock is not None:
+            out.append(self.sock.fileno())
+        out.extend(c.sock.fileno() for c in list(self.conns.values()))
+        return out
 
     def stop(self) -> None:
         self.stopping.set()
+        self._wake()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(5.0)
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
         if self.sock is not None:
-            try:
-                self.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             self.sock.close()
             self.sock = None
-            try:
-                os.unlink(self.path)
+            try:  # only our own socket: a successor may have replaced it
+                st = os.stat(self.path)
+                if (st.st_dev, st.st_ino) == self.inode:
+                    os.unlink(self.path)
             except FileNotFoundError:
                 pass
+        for fd in (self.wake_r, self.wake_w):
+            if fd >= 0:
+                os.close(fd)
+        self.wake_r = self.wake_w = -1
+        self._release_lock()
 
-    # -- serving --------------------------------------------------------------------------
+    def _release_lock(self) -> None:
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)
+            self.lock_fd = None
 
-    def _accept_loop(self) -> None:
-        sock = self.sock
-        assert sock is not None
-        while not self.stopping.is_set():
+    def _wake(self) -> None:
+        try:
+            os.write(self.wake_w, b"x")
+        except OSError:
+            pass
+
+    # -- the connection loop --------------------------------------------------------------
+
+    def _loop(self) -> None:
+        assert self.sel is not None
+        try:
+            while not self.stopping.is_set():
+                for key, mask in self.sel.select(timeout=1.0):
+                    if key.data == "listen":
+                        self._accept()
+                    elif key.data == "wake":
+                        self._drain_wake()
+                    else:
+                        conn = key.data
+                        if mask & selectors.EVENT_READ:
+                            self._read(conn)
+                        if mask & selectors.EVENT_WRITE:
+                            self._pump(conn)
+                self._expire_idle()
+        except Exception:  # noqa: BLE001 - log it; the daemon itself goes on
+            self.log.exception("control socket loop failed")
+        finally:
+            for conn in list(self.conns.values()):
+                self._close(conn)
+            self.sel.close()
+
+    def _accept(self) -> None:
+        assert self.sock is not None
+        while True:
             try:
-                conn, _ = sock.accept()
+                sock, _ = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    self.log.error("control socket: cannot accept: %s", exc.strerror)
+                return
+            sock.setblocking(False)
+            try:
+                pid, uid, gid = peer_credentials(sock)
             except OSError:
-                if self.stopping.is_set():
-                    return
+                sock.close()
                 continue
-            if not self.slots.acquire(timeout=5.0):
-                conn.close()
+            conn = _Conn(sock, pid, uid)
+            self.conns[sock.fileno()] = conn
+            if len(self.conns) > self.max_clients:
+                self._refuse(conn, "Busy", f"busy: {self.max_clients} connections are open; "
+                                           "try again")
                 continue
-            threading.Thread(target=self._serve, args=(conn,), name="control-conn",
-                             daemon=True).start()
+            allowed, why = self.authorise(sock, pid, uid, gid)
+            if not allowed:
+                self.log.warning("control socket: refused %s (pid %d)", _user_name(uid), pid)
+                self._refuse(conn, "PermissionDenied", why)
+                continue
+            self._update(conn)
 
-    def authorised(self, conn: socket.socket) -> tuple[bool, str]:
-        pid, uid, gid = peer_credentials(conn)
+    def authorise(self, sock: socket.socket, pid: int, uid: int, gid: int) -> tuple[bool, str]:
         if uid == 0 or uid == self.my_uid:
             return True, ""
-        allowed_gid = self.group_gid
-        if allowed_gid is None:
-            try:
-                allowed_gid = os.stat(self.path).st_gid
-            except OSError:
-                allowed_gid = os.getegid()
-        if gid == allowed_gid or allowed_gid in _supplementary_gids(pid):
+        if gid == self.group_gid or self.group_gid in peer_groups(sock, pid):
             return True, ""
         try:
-            who = pwd.getpwuid(uid).pw_name
+            group = grp.getgrgid(self.group_gid).gr_name
         except KeyError:
-            who = f"uid {uid}"
-        return False, f"permission denied: {who} is not root, the daemon's user or in its group"
+            group = f"gid {self.group_gid}"
+        return False, (f"permission denied: {_user_name(uid)} may not control perfectschedd "
+                       f"(allowed: root, {_user_name(self.my_uid)} and members of group "
+                       f"{group})")
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _refuse(self, conn: _Conn, type_: str, message: str) -> None:
+        """Answer with an error, then close the connection."""
+        conn.outbuf += protocol.error(type_, message)
+        conn.closing = True
+        conn.inbuf.clear()
+        self._pump(conn)
+
+    def _alive(self, conn: _Conn) -> bool:
+        fd = conn.sock.fileno()
+        return fd >= 0 and self.conns.get(fd) is conn
+
+    def _read(self, conn: _Conn) -> None:
         try:
-            conn.settimeout(IDLE_TIMEOUT)
-            ok, why = self.authorised(conn)
-            if not ok:
-                conn.sendall(protocol.error("PermissionDenied", why))
-                return
-            buf = bytearray()
-            while not self.stopping.is_set():
-                nl = buf.find(b"\n")
-                if nl < 0:
-                    if len(buf) > protocol.MAX_FRAME:
-                        conn.sendall(protocol.error(
-                            "ProtocolError", f"request larger than {protocol.MAX_FRAME} bytes"))
-                        return
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        return  # client went away (maybe mid-frame): nothing to do
-                    buf += chunk
-                    continue
-                line, buf = bytes(buf[:nl]), buf[nl + 1:]
-                if len(line) > protocol.MAX_FRAME:
-                    conn.sendall(protocol.error(
-                        "ProtocolError", f"request larger than {protocol.MAX_FRAME} bytes"))
-                    return
-                if line.strip():
-                    conn.sendall(self.handle(line))
-        except (OSError, TimeoutError):
+            chunk = conn.sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._close(conn)
+            return
+        conn.last_active = time.monotonic()
+        if chunk:
+            conn.inbuf += chunk
+        else:
+            conn.eof = True  # answer what is complete; a half-written frame is dropped
+        self._pump(conn)
+
+    def _finished(self, conn: _Conn, future: Future[bytes]) -> None:
+        """Runs on a pool thread: hand the answer to the loop thread."""
+        try:
+            answer = future.result()
+        except BaseException as exc:  # noqa: BLE001 - cancelled at stop, or a bug in handle
+            answer = protocol.error("InternalError", f"internal error: {exc}")
+        self.done.put((conn, answer))
+        self._wake()
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self.wake_r, 4096):
+                pass
+        except OSError:
             pass
-        finally:
-            conn.close()
-            self.slots.release()
+        while True:
+            try:
+                conn, answer = self.done.get_nowait()
+            except queue.Empty:
+                return
+            conn.busy = False
+            if self._alive(conn):  # else the client went away meanwhile
+                conn.outbuf += answer
+                conn.last_active = time.monotonic()
+                self._pump(conn)
+
+    def _pump(self, conn: _Conn) -> None:
+        """Move one connection on: send pending output, then start its next request."""
+        if not self._alive(conn):
+            return
+        if conn.outbuf:
+            try:
+                del conn.outbuf[:conn.sock.send(conn.outbuf)]
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError:  # EPIPE, ECONNRESET: the client went away
+                self._close(conn)
+                return
+            if conn.outbuf:
+                self._update(conn)  # wait until the client reads
+                return
+        if conn.closing:
+            self._close(conn)
+            return
+        while not conn.busy:
+            nl = conn.inbuf.find(b"\n")
+            if nl < 0:
+                if len(conn.inbuf) > protocol.MAX_FRAME:
+                    self._refuse(conn, "ProtocolError",
+                                 f"request larger than {protocol.MAX_FRAME} bytes")
+                    return
+                break
+            line = bytes(conn.inbuf[:nl])
+            del conn.inbuf[:nl + 1]
+            if len(line) > protocol.MAX_FRAME:
+                self._refuse(conn, "ProtocolError",
+                             f"request larger than {protocol.MAX_FRAME} bytes")
+                return
+            if not line.strip():
+                continue
+            assert self.pool is not None
+            try:
+                future = self.pool.submit(self.handle, line)
+            except RuntimeError:  # the pool is shut down: we are stopping
+                self._close(conn)
+                return
+            conn.busy = True
+            future.add_done_callback(lambda f, c=conn: self._finished(c, f))
+        if conn.eof and not conn.busy:
+            self._close(conn)
+            return
+        self._update(conn)
+
+    def _update(self, conn: _Conn) -> None:
+        """Register interest: write while output is pending, read when idle."""
+        if not self._alive(conn):
+            return
+        events = 0
+        if conn.outbuf:
+            events |= selectors.EVENT_WRITE
+        elif not conn.busy and not conn.eof and not conn.closing:
+            events |= selectors.EVENT_READ
+        if events == conn.events:
+            return
+        assert self.sel is not None
+        if conn.events == 0:
+            self.sel.register(conn.sock, events, conn)
+        elif events == 0:
+            self.sel.unregister(conn.sock)
+        else:
+            self.sel.modify(conn.sock, events, conn)
+        conn.events = events
+
+    def _expire_idle(self) -> None:
+        limit = time.monotonic() - self.idle_timeout
+        for conn in list(self.conns.values()):
+            if not conn.busy and conn.last_active < limit:
+                self._close(conn)
+
+    def _close(self, conn: _Conn) -> None:
+        fd = conn.sock.fileno()
+        if fd >= 0 and self.conns.get(fd) is conn:
+            del self.conns[fd]
+            if conn.events and self.sel is not None:
+                try:
+                    self.sel.unregister(conn.sock)
+                except (KeyError, ValueError):
+                    pass
+            conn.events = 0
+        conn.sock.close()
+
+    # -- one request ----------------------------------------------------------------------
 
     def handle(self, line: bytes) -> bytes:
+        """One request frame -> one response frame; never raises."""
         try:
             cmd, args = protocol.parse_request(line)
             return protocol.ok(self.dispatch(cmd, args))
@@ -208,9 +478,9 @@ class ControlServer:
             return protocol.error(type(exc).__name__, str(exc))
         except ConfigError as exc:
             return protocol.error("ConfigError", str(exc))
-        except DBAPIError as exc:
-            return protocol.error("DatabaseError",
-                                  f"database error: {str(exc.orig).splitlines()[0]}")
+        except SQLAlchemyError as exc:
+            orig = getattr(exc, "orig", None) or exc
+            return protocol.error("DatabaseError", f"database error: {orig}")
         except Exception as exc:  # noqa: BLE001 - a request never takes the daemon down
             self.log.exception("control request failed")
             return protocol.error("InternalError", f"internal error: {exc}")

@@ -3,8 +3,10 @@
 Request:  {"cmd": "list", "args": {...}}\\n
 Response: {"ok": true, "result": ...}\\n
       or  {"ok": false, "error": {"type": "NotFoundError", "message": "..."}}\\n
-A frame larger than MAX_FRAME bytes is refused and the connection closed.  A connection
-may carry many requests, answered in order.
+
+A request frame (without its newline) may be at most MAX_FRAME bytes; a larger one is
+refused with a ProtocolError and the connection closed.  A connection may carry many
+requests, answered in order.  The full description is docs/protocol.md.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ import json
 from typing import Any
 
 MAX_FRAME = 1 << 20
+# Nesting deeper than this in a request is refused (no JSON document we accept needs it).
+MAX_DEPTH = 64
 
 # Error types a client may see; anything else is reported as "InternalError".
 ERROR_TYPES = frozenset({
     "InvalidInputError", "NotFoundError", "AlreadyExistsError", "PreemptedError",
     "AlreadyFinishedError", "NotSupportedError", "ConfigError", "PermissionDenied",
-    "ProtocolError", "DatabaseError", "InternalError", "ScheduleError",
+    "ProtocolError", "DatabaseError", "InternalError", "ScheduleError", "Busy",
 })
 
 
@@ -35,7 +39,7 @@ class RemoteError(Exception):
 
 
 def encode(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode() + b"\n"
 
 
 def request(cmd: str, args: dict[str, Any] | None = None) -> bytes:
@@ -49,19 +53,52 @@ def ok(result: Any) -> bytes:
 def error(type_: str, message: str) -> bytes:
     if type_ not in ERROR_TYPES:
         type_ = "InternalError"
-    return encode({"ok": False, "error": {"type": type_, "message": message}})
+    # One line for people: the first line of the message, bounded.
+    lines = str(message).strip().splitlines() or ["error"]
+    return encode({"ok": False, "error": {"type": type_, "message": lines[0][:2000]}})
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _depth(obj: Any, limit: int) -> int:
+    """Nesting depth of a decoded JSON value, iteratively (no recursion to exhaust)."""
+    deepest, todo = 0, [(obj, 1)]
+    while todo:
+        value, level = todo.pop()
+        if isinstance(value, dict | list):
+            deepest = max(deepest, level)
+            if deepest > limit:
+                return deepest
+            items = value.values() if isinstance(value, dict) else value
+            todo.extend((v, level + 1) for v in items)
+    return deepest
 
 
 def parse_request(line: bytes) -> tuple[str, dict[str, Any]]:
+    if len(line) > MAX_FRAME:
+        raise ProtocolError(f"request larger than {MAX_FRAME} bytes")
     try:
-        msg = json.loads(line)
+        msg = json.loads(line, parse_constant=_no_constant)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ProtocolError(f"invalid JSON: {exc}") from None
+    except ValueError as exc:  # NaN, Infinity
+        raise ProtocolError(f"invalid JSON: {exc}") from None
+    except RecursionError:
+        raise ProtocolError(f"invalid request: nested deeper than {MAX_DEPTH} levels") from None
     if not isinstance(msg, dict):
         raise ProtocolError("a request must be a JSON object")
+    if _depth(msg, MAX_DEPTH) > MAX_DEPTH:
+        raise ProtocolError(f"invalid request: nested deeper than {MAX_DEPTH} levels")
+    unknown = set(msg) - {"cmd", "args"}
+    if unknown:
+        raise ProtocolError(f"request: unknown field(s) {', '.join(sorted(unknown))}")
     cmd, args = msg.get("cmd"), msg.get("args", {})
     if not isinstance(cmd, str) or not cmd:
         raise ProtocolError("request: 'cmd' must be a non-empty string")
+    if args is None:
+        args = {}
     if not isinstance(args, dict):
         raise ProtocolError("request: 'args' must be an object")
     return cmd, args
@@ -78,4 +115,6 @@ def parse_response(line: bytes) -> Any:
     if msg["ok"]:
         return msg.get("result")
     err = msg.get("error") or {}
+    if not isinstance(err, dict):
+        err = {"message": str(err)}
     raise RemoteError(str(err.get("type", "InternalError")), str(err.get("message", "error")))

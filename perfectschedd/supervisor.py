@@ -292,23 +292,33 @@ class Supervisor:
     # -- control requests (from the control socket and D-Bus threads) ---------------------
 
     def dispatch(self, cmd: str, args: dict[str, Any]) -> Any:
+        if cmd == "init":
+            raise InvalidInputError("command", "init is done with perfectschedctl -c CONFIG")
+        if cmd not in commands.COMMANDS and cmd not in ("status", "reload"):
+            raise InvalidInputError("command", f"unknown command {cmd!r}")
+        commands.check_args(cmd, args)
         if cmd == "status":
             return self.status()
         if cmd == "reload":
             self._on_signal(signal.SIGHUP, None)
             return {"reload": "requested"}
-        if cmd == "init":
-            raise InvalidInputError("command", "init is done with perfectschedctl -c CONFIG")
-        if cmd not in commands.COMMANDS:
-            raise InvalidInputError("command", f"unknown command {cmd!r}")
         if self.sc is None:
             raise NotSupportedError("the database is not open yet")
         result = commands.execute(self.sc, cmd, args)
         if cmd in commands.WAKING:
             self.wake_workers()
+        if cmd in commands.CHANGING and self.dbus is not None:
+            from .dbus_service import CHANGE_NAMES
+
+            keys = [i.get("key") for i in args["schedules"]] if cmd == "add_many" \
+                else [args.get("key")]
+            for key in keys:
+                self.dbus.schedule_changed(str(key), CHANGE_NAMES[cmd])
         return result
 
     def status(self) -> dict[str, Any]:
+        # Called from the control threads: a snapshot, never iterate the live table.
+        procs = list(self.workers.values())
         now = time.time()
         running: list[dict[str, Any]] = []
         if self.sc is not None:
@@ -326,14 +336,14 @@ class Supervisor:
         workers = [{"pid": p.pid, "index": p.index, "generation": p.generation,
                     "age": round(mono - p.started, 1), "last_seen": round(mono - p.last_seen, 1),
                     "running": p.running, "retiring": p.retiring, "db_ok": p.db_ok}
-                   for p in sorted(self.workers.values(), key=lambda p: (p.generation, p.index))]
+                   for p in sorted(procs, key=lambda p: (p.generation, p.index))]
         return {
             "version": __version__, "host": self.config.node, "pid": os.getpid(),
             "uptime": round(now - self.started, 1), "state": self.state,
             "workers_configured": self.config.workers,
-            "workers_alive": sum(1 for p in self.workers.values() if not p.retiring),
+            "workers_alive": sum(1 for p in procs if not p.retiring),
             "workers": workers, "running": running, "last_error": self.last_error,
-            "database_ok": all(p.db_ok for p in self.workers.values()),
+            "database_ok": all(p.db_ok for p in procs),
             **{k: self.counts.get(k, 0) for k in ("schedules", "paused", "due")},
         }
 
@@ -509,8 +519,20 @@ class Supervisor:
     def _start_control(self) -> None:
         from . import control
 
-        self.control = control.ControlServer(self.config, self.dispatch, log=log)
-        self.control.start()
+        previous = self.control  # set (and stopped) when a reload moved the socket
+        server = control.ControlServer(self.config, self.dispatch, log=log)
+        try:
+            server.start()
+        except ConfigError as exc:
+            if previous is None:  # at start: the daemon cannot be controlled, so it stops
+                log.error("%s", exc)
+                raise SystemExit(1) from None
+            log.error("%s; keeping the control socket at %s", exc, previous.path)
+            self.last_error = str(exc)
+            server = control.ControlServer(self.config, self.dispatch, log=log,
+                                           path=previous.path)
+            server.start()
+        self.control = server
 
     def _start_metrics_server(self) -> None:
         if self.metrics_server is not None:
@@ -526,8 +548,12 @@ class Supervisor:
         try:
             from . import dbus_service
 
-            self.dbus = dbus_service.DBusService(self.dispatch, log=log)
-            self.dbus.start()
+            group = self.control.group_gid if self.control is not None else None
+            service = dbus_service.DBusService(self.dispatch, log=log,
+                                               address=self.config.dbus_address,
+                                               group_gid=group)
+            service.start()
+            self.dbus = service
         except Exception as exc:  # noqa: BLE001 - D-Bus is optional; the daemon runs on
             log.error("D-Bus interface not available: %s", exc)
             self.dbus = None

@@ -1,0 +1,367 @@
+"""D-Bus face of the control interface: org.perfectsched1.Manager on /org/perfectsched1.
+
+The same operations as the control socket (docs/protocol.md), on the system bus (or the bus
+at `dbus_address`).  Every method ends in Supervisor.dispatch(); results are the socket's
+JSON results, as a JSON string; a refused request is a D-Bus error named
+org.perfectsched1.Error.<Type> (NotFoundError, InvalidInputError, ...) with the socket's
+message.  The signal ScheduleChanged(s key, s change) follows every change of a schedule.
+
+Who may call: the bus policy (etc/dbus-1/org.perfectsched1.conf) on the system bus, and,
+in any case, the same rule as the socket: root, the daemon's user, or members of its group
+(checked with the bus's GetConnectionCredentials, once per caller).
+
+dbus-next runs an asyncio loop; it gets its own thread, so the master's select loop and
+this interface never wait for each other.  Requests run on a small thread pool.
+"""
+
+# No "from __future__ import annotations": dbus-next reads the D-Bus signatures below from
+# the evaluated annotations.
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import os
+import pwd
+import socket
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from dbus_next import BusType, DBusError, Message, MessageType, NameFlag, RequestNameReply
+from dbus_next import Variant as DBusVariant
+from dbus_next.aio import MessageBus
+from dbus_next.service import PropertyAccess, ServiceInterface, dbus_property, method, signal
+
+from . import __version__, protocol
+from .errors import ConfigError, ScheduleError
+
+BUS_NAME = "org.perfectsched1"
+OBJECT_PATH = "/org/perfectsched1"
+INTERFACE = "org.perfectsched1.Manager"
+ERROR_PREFIX = "org.perfectsched1.Error."
+START_TIMEOUT = 10.0
+RECONNECT_EVERY = 5.0
+
+# D-Bus signatures, as annotations.
+S = "s"
+U = "u"
+ASV = "a{sv}"
+SS = "ss"
+
+Dispatch = Callable[[str, dict[str, Any]], Any]
+
+CHANGE_NAMES = {"add": "added", "add_many": "added", "delete": "deleted", "modify": "modified",
+                "pause": "paused", "resume": "resumed", "run": "run"}
+
+
+def _unwrap(options: dict[str, Any], what: str, allowed: set[str]) -> dict[str, Any]:
+    out = {}
+    for name, value in options.items():
+        if name not in allowed:
+            known = ", ".join(sorted(allowed))
+            raise _error("InvalidInputError", f"{what}: unknown option {name!r} (known: {known})")
+        out[name] = value.value if isinstance(value, DBusVariant) else value
+    return out
+
+
+def _error(type_: str, message: str) -> DBusError:
+    if type_ not in protocol.ERROR_TYPES:
+        type_ = "InternalError"
+    return DBusError(ERROR_PREFIX + type_, (str(message).splitlines() or ["error"])[0])
+
+
+class Manager(ServiceInterface):
+    """org.perfectsched1.Manager: each method is one control request."""
+
+    def __init__(self, service: "DBusService") -> None:
+        super().__init__(INTERFACE)
+        self.service = service
+
+    async def _call(self, cmd: str, args: dict[str, Any]) -> str:
+        result = await self.service.call(cmd, args)
+        return json.dumps(result, separators=(",", ":"))
+
+    @method()
+    async def Add(self, key: S, task_type: S, cron: S, data: S, options: ASV) -> S:
+        args = {"key": key, "type": task_type, "cron": cron,
+                **_unwrap(options, "Add", {"delay", "timezone", "start", "at"})}
+        if data:
+            args["data"] = data
+        return await self._call("add", args)
+
+    @method()
+    async def List(self, prefix: S) -> S:
+        return await self._call("list", {"prefix": prefix} if prefix else {})
+
+    @method()
+    async def Show(self, key: S) -> S:
+        return await self._call("show", {"key": key})
+
+    @method()
+    async def Delete(self, key: S) -> S:
+        return await self._call("delete", {"key": key})
+
+    @method()
+    async def Modify(self, key: S, changes: ASV) -> S:
+        args = _unwrap(changes, "Modify", {"type", "cron", "delay", "timezone", "data"})
+        return await self._call("modify", {"key": key, **args})
+
+    @method()
+    async def Pause(self, key: S) -> S:
+        return await self._call("pause", {"key": key})
+
+    @method()
+    async def Resume(self, key: S) -> S:
+        return await self._call("resume", {"key": key})
+
+    @method()
+    async def Run(self, key: S) -> S:
+        return await self._call("run", {"key": key})
+
+    @method()
+    async def History(self, key: S, limit: U) -> S:
+        return await self._call("history", {"key": key, "limit": limit or 20})
+
+    @method()
+    async def Status(self) -> S:
+        return await self._call("status", {})
+
+    @method()
+    async def Reload(self) -> S:
+        return await self._call("reload", {})
+
+    @method()
+    async def Call(self, command: S, args: S) -> S:
+        """Any control request, arguments and result as JSON (as on the socket)."""
+        try:
+            parsed = json.loads(args) if args else {}
+        except json.JSONDecodeError as exc:
+            raise _error("ProtocolError", f"args: invalid JSON: {exc}") from None
+        if not isinstance(parsed, dict):
+            raise _error("ProtocolError", "args: must be a JSON object")
+        return await self._call(command, parsed)
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Version(self) -> S:
+        return __version__
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Host(self) -> S:
+        return socket.gethostname()
+
+    @signal()
+    def ScheduleChanged(self, key: str, change: str) -> SS:
+        return [key, change]
+
+
+class DBusService:
+    def __init__(self, dispatch: Dispatch, *, log: logging.Logger, address: str | None = None,
+                 group_gid: int | None = None) -> None:
+        self.dispatch = dispatch
+        self.log = log
+        self.address = address
+        self.group_gid = os.getegid() if group_gid is None else group_gid
+        self.my_uid = os.geteuid()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.bus: MessageBus | None = None
+        self.manager: Manager | None = None
+        self.thread: threading.Thread | None = None
+        self.pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="dbus-req")
+        self.stopping: asyncio.Event | None = None
+        # Unique bus names are never reused: a verdict per caller holds for its connection.
+        self.verdicts: OrderedDict[str, str | None] = OrderedDict()
+
+    # -- lifecycle (called from the master's thread) --------------------------------------
+
+    def start(self) -> None:
+        """Connect and own BUS_NAME; raises (with the reason) when that fails."""
+        started: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self.thread = threading.Thread(target=self._thread, args=(started,), name="dbus",
+                                       daemon=True)
+        self.thread.start()
+        try:
+            started.result(START_TIMEOUT)
+        except concurrent.futures.TimeoutError:
+            self.stop()
+            raise ConfigError(f"D-Bus: no answer from the bus within {START_TIMEOUT:g}s") \
+                from None
+        where = self.address or "the system bus"
+        self.log.info("D-Bus interface %s on %s", BUS_NAME, where)
+
+    def stop(self) -> None:
+        loop, stopping = self.loop, self.stopping
+        if loop is not None and stopping is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(stopping.set)
+            except RuntimeError:
+                pass
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(5.0)
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def fds(self) -> list[int]:
+        """Descriptors a forked worker must close (the bus connection)."""
+        bus = self.bus
+        fd = getattr(bus, "_fd", None) if bus is not None else None
+        return [fd] if isinstance(fd, int) and fd >= 0 else []
+
+    def schedule_changed(self, key: str, change: str) -> None:
+        """Emit ScheduleChanged; thread-safe, never raises."""
+        loop, manager = self.loop, self.manager
+        if loop is None or manager is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(self._emit, key, change)
+        except RuntimeError:
+            pass
+
+    def _emit(self, key: str, change: str) -> None:
+        if self.manager is not None and self.bus is not None and self.bus.connected:
+            self.manager.ScheduleChanged(key, change)
+
+    # -- the D-Bus thread -----------------------------------------------------------------
+
+    def _thread(self, started: "concurrent.futures.Future[None]") -> None:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        self.loop = loop
+        try:
+            loop.run_until_complete(self._main(started))
+        except Exception as exc:  # noqa: BLE001 - reported to start() or logged
+            if not started.done():
+                started.set_exception(exc)
+            else:
+                self.log.exception("D-Bus interface failed")
+        finally:
+            loop.close()
+
+    async def _connect(self) -> MessageBus:
+        if self.address:
+            bus = MessageBus(bus_address=self.address)
+        else:
+            bus = MessageBus(bus_type=BusType.SYSTEM)
+        await bus.connect()
+        self.manager = Manager(self)
+        bus.export(OBJECT_PATH, self.manager)
+        bus.add_message_handler(self._gate)
+        reply = await bus.request_name(BUS_NAME, NameFlag.DO_NOT_QUEUE)
+        if reply not in (RequestNameReply.PRIMARY_OWNER, RequestNameReply.ALREADY_OWNER):
+            bus.disconnect()
+            raise ConfigError(f"D-Bus: the name {BUS_NAME} is owned by another process")
+        return bus
+
+    async def _main(self, started: "concurrent.futures.Future[None]") -> None:
+        self.stopping = asyncio.Event()
+        try:
+            self.bus = await self._connect()
+        except DBusError as exc:
+            raise ConfigError(f"D-Bus: {exc.text}") from None
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"D-Bus: cannot connect to {self.address or 'the system bus'}: "
+                              f"{exc}") from None
+        started.set_result(None)
+        while True:
+            bus = self.bus
+            stop = asyncio.ensure_future(self.stopping.wait())
+            gone = asyncio.ensure_future(bus.wait_for_disconnect())
+            await asyncio.wait({stop, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if self.stopping.is_set():
+                gone.cancel()
+                bus.disconnect()
+                return
+            stop.cancel()
+            self.log.error("D-Bus connection lost; reconnecting every %gs", RECONNECT_EVERY)
+            while not self.stopping.is_set():
+                try:
+                    await asyncio.wait_for(self.stopping.wait(), RECONNECT_EVERY)
+                    return
+                except TimeoutError:
+                    pass
+                try:
+                    self.bus = await self._connect()
+                    self.log.info("D-Bus interface %s back", BUS_NAME)
+                    break
+                except Exception as exc:  # noqa: BLE001 - keep trying
+                    self.log.debug("D-Bus reconnect failed: %s", exc)
+
+    # -- requests -------------------------------------------------------------------------
+
+    async def call(self, cmd: str, args: dict[str, Any]) -> Any:
+        """One control request on the thread pool; refusals become D-Bus errors."""
+        from sqlalchemy.exc import SQLAlchemyError
+
+        loop = asyncio.get_running_loop()
+        try:
+            result = await loop.run_in_executor(self.pool, self.dispatch, cmd, args)
+        except ScheduleError as exc:
+            raise _error(type(exc).__name__, str(exc)) from None
+        except ConfigError as exc:
+            raise _error("ConfigError", str(exc)) from None
+        except SQLAlchemyError as exc:
+            orig = getattr(exc, "orig", None) or exc
+            raise _error("DatabaseError", f"database error: {orig}") from None
+        except Exception as exc:  # noqa: BLE001 - a request never takes the daemon down
+            self.log.exception("D-Bus request %s failed", cmd)
+            raise _error("InternalError", f"internal error: {exc}") from None
+        return result
+
+    def _gate(self, msg: Message) -> Message | bool | None:
+        """Authorise method calls to our object before dbus-next dispatches them.
+
+        Returns None to let the call through, an error Message to refuse it, or True when
+        the caller is being looked up (the call is processed again afterwards).
+        """
+        if msg.message_type != MessageType.METHOD_CALL or msg.path != OBJECT_PATH:
+            return None
+        if msg.interface in ("org.freedesktop.DBus.Introspectable", "org.freedesktop.DBus.Peer"):
+            return None
+        sender = msg.sender or ""
+        if sender in self.verdicts:
+            refusal = self.verdicts[sender]
+            if refusal is None:
+                return None
+            return Message.new_error(msg, ERROR_PREFIX + "PermissionDenied", refusal)
+        asyncio.ensure_future(self._check_then_process(msg))
+        return True
+
+    async def _check_then_process(self, msg: Message) -> None:
+        bus = self.bus
+        if bus is None:
+            return
+        sender = msg.sender or ""
+        try:
+            refusal = await self._check(bus, sender)
+        except Exception as exc:  # noqa: BLE001 - cannot tell: refuse, and say why
+            refusal = f"permission denied: cannot read the caller's credentials: {exc}"
+            bus.send(Message.new_error(msg, ERROR_PREFIX + "PermissionDenied", refusal))
+            return
+        self.verdicts[sender] = refusal
+        while len(self.verdicts) > 4096:
+            self.verdicts.popitem(last=False)
+        if refusal is not None:
+            self.log.warning("D-Bus: refused %s", refusal.split(": ", 1)[-1])
+        bus._process_message(msg)  # noqa: SLF001 - now _gate has a verdict for the sender
+
+    async def _check(self, bus: MessageBus, sender: str) -> str | None:
+        """None if `sender` may call us, else the refusal message."""
+        reply = await bus.call(Message(
+            destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
+            interface="org.freedesktop.DBus", member="GetConnectionCredentials",
+            signature="s", body=[sender]))
+        if reply is None or reply.message_type == MessageType.ERROR:
+            raise RuntimeError(reply.body[0] if reply is not None and reply.body else "no reply")
+        creds = {k: v.value for k, v in reply.body[0].items()}
+        uid = int(creds["UnixUserID"])
+        if uid in (0, self.my_uid):
+            return None
+        try:
+            user = pwd.getpwuid(uid)
+            name, groups = user.pw_name, set(os.getgrouplist(user.pw_name, user.pw_gid))
+        except KeyError:
+            name, groups = f"uid {uid}", set()
+        groups.update(int(g) for g in creds.get("UnixGroupIDs", []))
+        if self.group_gid in groups:
+            return None
+        return f"permission denied: {name} may not control perfectschedd"
