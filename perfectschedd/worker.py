@@ -93,11 +93,17 @@ class Worker:
         self.last_flush = time.monotonic()
         self.selfpipe_r, self.selfpipe_w = os.pipe()
         os.set_blocking(self.selfpipe_w, False)
+        self.nudged = False
         os.set_blocking(alive_fd, False)
 
     # -- plumbing ---------------------------------------------------------------------------
 
-    def _nudge(self) -> None:
+    def _nudge(self, force: bool = False) -> None:
+        # One wake-up byte until the loop has read it: a burst of finishing tasks must not
+        # cost a system call (and a GIL hand-over) each.
+        if self.nudged and not force:
+            return
+        self.nudged = True
         try:
             os.write(self.selfpipe_w, b"x")
         except OSError:
@@ -105,7 +111,7 @@ class Worker:
 
     def _on_term(self, signum: int, frame: Any) -> None:
         self.stopping.set()
-        self._nudge()
+        self._nudge(force=True)
 
     def _on_usr2(self, signum: int, frame: Any) -> None:
         logsetup.reopen()
@@ -167,6 +173,7 @@ class Worker:
     def _sleep(self, sel: selectors.BaseSelector, deadline: float) -> bool:
         """Wait at most PING_INTERVAL for a wake-up; True when it is time to poll again."""
         events = sel.select(max(0.0, min(deadline - time.monotonic(), PING_INTERVAL)))
+        self.nudged = False  # before _step runs: later finishes will wake us again
         for key, _ in events:
             data = os.read(key.fd, 4096)
             if key.fd == self.wake_fd and not data:
