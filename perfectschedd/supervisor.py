@@ -38,6 +38,7 @@ COUNTS_EVERY = 15.0
 PRUNE_EVERY = 60.0
 QUICK_DEATH = 10.0  # a worker that dies sooner than this counts towards the back-off
 BACKOFF_MAX = 30.0
+STORE_RETRY_MAX = 5.0  # longest wait between attempts to open the database
 
 
 @dataclass
@@ -76,6 +77,8 @@ class Supervisor:
         self.started = time.time()
         self.ready = False
         self.sc: ScheduleCollection | None = None
+        self.store_backoff = 0.5
+        self.next_store_try = 0.0
         self.spawn_failures = 0
         self.next_spawn = 0.0
         self.last_status = 0.0
@@ -509,12 +512,27 @@ class Supervisor:
         if self.sc is not None:
             self.sc.close()
             self.sc = None
+        self.store_backoff = 0.5
+        self.next_store_try = time.monotonic() + self.store_backoff
         try:
             self.sc = ScheduleCollection(self.config)
         except DBAPIError as exc:
             self.last_error = f"database: {str(exc).splitlines()[0]}"
-            log.error("database unreachable at start: %s (workers keep retrying)",
+            log.error("database unreachable at start: %s (retrying with back-off)",
                       str(exc).splitlines()[0])
+
+    def _retry_store(self) -> None:
+        """The database was down when the store was opened: open it once it answers."""
+        now = time.monotonic()
+        if self.sc is not None or now < self.next_store_try:
+            return
+        self.store_backoff = min(self.store_backoff * 2, STORE_RETRY_MAX)
+        self.next_store_try = now + self.store_backoff
+        try:
+            self.sc = ScheduleCollection(self.config)
+        except DBAPIError:
+            return  # logged once by _open_store; workers report the state
+        log.info("database open")
 
     def _start_control(self) -> None:
         from . import control
@@ -640,6 +658,7 @@ class Supervisor:
             log.info("ready")
             self._refresh_counts(force=True)
             self.notify("READY=1", f"MAINPID={os.getpid()}")
+        self._retry_store()
         self._refresh_counts()
         self._prune_history()
         self._update_status()
