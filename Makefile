@@ -15,7 +15,10 @@ $(BIN)/perfectschedd: pyproject.toml
 run: $(BIN)/perfectschedd
 	mkdir -p var
 	$(BIN)/perfectschedctl -c $(DEVCFG) init
-	PYTHONPATH=etc/demo $(BIN)/perfectschedd -c $(DEVCFG)
+	@$(BIN)/perfectschedctl -c $(DEVCFG) add demo-hello demo '* * * * *' '{"who": "world"}' \
+	  2>/dev/null || true
+	@echo "perfectschedctl: export PERFECTSCHED_SOCKET=$(CURDIR)/var/perfectschedd.sock PATH=$(CURDIR)/$(BIN):\$$PATH"
+	$(BIN)/perfectschedd -c $(DEVCFG) -I etc/demo
 
 lint: $(BIN)/perfectschedd
 	$(BIN)/ruff check .
@@ -27,6 +30,24 @@ test-newest: $(BIN)/perfectschedd
 	$(BIN)/pytest -q
 
 test: test-deps lint test-newest test-debian
+
+# Second run against Debian 12's own libraries (SQLAlchemy 1.4.46 + psycopg2, croniter
+# 1.3.5, PyYAML 6.0, ...): a venv of /usr/bin/python3 that sees the python3-* packages
+# installed by tests/install-test-deps.sh; nothing comes from PyPI.
+DEBVENV := .venv-debian
+DEBIAN_LIBS := SQLAlchemy croniter PyYAML prometheus_client sdnotify dbus_next \
+               psycopg2 PyMySQL pytest
+test-debian: test-deps
+	test -x $(DEBVENV)/bin/python || /usr/bin/python3 -m venv --system-site-packages $(DEBVENV)
+	env -u PYTHONPATH $(DEBVENV)/bin/python -m pip install -q --no-deps --no-index \
+	  --no-build-isolation --disable-pip-version-check -e .
+	@env -u PYTHONPATH $(DEBVENV)/bin/python -c 'import sys, sqlalchemy, importlib.metadata as m; \
+	  v = [f"Python {sys.version.split()[0]}"] + [f"{n} {m.version(n)}" for n in sys.argv[1:]]; \
+	  print("test-debian runs with:", ", ".join(v)); \
+	  assert sqlalchemy.__file__.startswith("/usr/lib/python3/dist-packages/"), sqlalchemy.__file__' \
+	  $(DEBIAN_LIBS)
+	env -u PYTHONPATH PERFECTSCHED_TEST_BACKENDS=sqlite,postgresql \
+	  $(DEBVENV)/bin/python -m pytest -q -m "not system and not faults"
 
 clean:
 	rm -rf $(VENV) .venv-debian var dist build *.egg-info

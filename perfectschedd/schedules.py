@@ -23,7 +23,18 @@ from .errors import (
     NotFoundError,
     PreemptedError,
 )
-from .store import CRON_MAX, DATA_MAX, KEY_MAX, TYPE_MAX, Advance, Claimed, Row, Store, dumps_data
+from .store import (
+    CRON_MAX,
+    DATA_MAX,
+    KEY_MAX,
+    RUN_NOW_MARK,
+    TYPE_MAX,
+    Advance,
+    Claimed,
+    Row,
+    Store,
+    dumps_data,
+)
 
 _UNSET: Any = object()
 
@@ -266,9 +277,9 @@ class Schedule:
         """Run one extra occurrence now, without moving the schedule; returns its key."""
         info = self.info()
         now_s = int(time.time() if now is None else now)
-        run_key = f"{self.key}@run-{now_s}-{os.urandom(3).hex()}"
+        run_key = f"{self.key}{RUN_NOW_MARK}{now_s}-{os.urandom(3).hex()}"
         if len(run_key) > KEY_MAX:
-            run_key = f"{self.key[:KEY_MAX - 30]}@run-{now_s}-{os.urandom(3).hex()}"
+            raise InvalidInputError("key", f"too long to add a run marker (max {KEY_MAX - 30})")
         self._collection.store.insert(Row(
             key=run_key, type=info.type, cron=None, delay=0, timezone=info.timezone,
             data=dumps_data(info.data), next_time=now_s, next_run_time=now_s, paused=False,

@@ -26,6 +26,8 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from .errors import ConfigError
 
 F = TypeVar("F", bound=Callable[..., Any])
+# Extra runs of a schedule (perfectschedctl run) are one-off rows keyed KEY@run-....
+RUN_NOW_MARK = "@run-"
 SA_MAJOR = int(sa.__version__.split(".")[0])
 KEY_MAX = 256
 TYPE_MAX = 256
@@ -535,8 +537,12 @@ class Store:
 
     @_retried
     def history(self, key: str, limit: int) -> list[dict[str, Any]]:
+        """Newest runs of `key`, including its extra runs (`run`: keys KEY@run-...)."""
         h = self.h
-        q = sa.select(h).where(h.c.key == key).order_by(h.c.id.desc()).limit(limit)
+        q = (sa.select(h).where(sa.or_(h.c.key == key,
+                                       h.c.key.startswith(f"{key}{RUN_NOW_MARK}",
+                                                          autoescape=True)))
+             .order_by(h.c.id.desc()).limit(limit))
         with self._tx(readonly=True) as conn:
             return [dict(r._mapping) for r in conn.execute(q)]
 
