@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 DEVCFG := etc/dev.yml
 
-.PHONY: run test test-deps test-newest test-debian lint bench deb clean
+.PHONY: run test test-deps test-newest test-debian test-system lint bench deb clean
 
 $(BIN)/perfectschedd: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,10 +26,10 @@ lint: $(BIN)/perfectschedd
 test-deps:
 	./tests/install-test-deps.sh
 
-test-newest: $(BIN)/perfectschedd
-	$(BIN)/pytest -q
+test-newest: $(BIN)/perfectschedd test-deps
+	$(BIN)/pytest -q -m "not system"
 
-test: test-deps lint test-newest test-debian
+test: test-deps lint test-newest test-debian test-system
 
 # Second run against Debian 12's own libraries (SQLAlchemy 1.4.46 + psycopg2, croniter
 # 1.3.5, PyYAML 6.0, ...): a venv of /usr/bin/python3 that sees the python3-* packages
