@@ -323,6 +323,9 @@ class _Lines:
 
 def _exec_env(task: TaskLike) -> dict[str, str]:
     env = dict(os.environ)
+    # The daemon's own metric files (metrics.py): a job using prometheus_client must not
+    # write into them.
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     env["PERFECTSCHED_KEY"] = task.key
     env["PERFECTSCHED_TYPE"] = task.type
     env["PERFECTSCHED_SCHEDULED_TIME"] = str(int(task.scheduled_time))

@@ -1,51 +1,374 @@
-"""Metric objects (placeholder interface; the full Prometheus implementation replaces it)."""
+"""The metric objects, nothing else: Prometheus metrics summed over all forked workers.
+
+Workers count tasks with prometheus_client in multiprocess mode: every worker process
+writes its own files in PROMETHEUS_MULTIPROC_DIR, and the master's /metrics sums them with
+``MultiProcessCollector``, so a worker that dies or is replaced keeps its counts in the
+totals.  The master's own numbers (workers, restarts, schedule counts, build info) are
+held in memory and exported by a small collector: one writer needs no files, and no
+gauge merge mode (``mostrecent`` is missing on prometheus-client 0.16) is involved.
+
+Every function is a cheap no-op until ``setup_master`` ran (library use, perfectschedctl
+-c) and, for the worker-side ones, until ``after_fork_in_worker`` ran in this process.
+prometheus_client is only imported once the directory is set up.
+"""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import glob
+import logging
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
-def task_started(task_type: str, lateness: float) -> None:
-    pass
+from . import __version__
+
+log = logging.getLogger("perfectschedd")
+
+PREFIX = "perfectsched"
+# Lateness and duration: from a millisecond to a day.
+BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+           300.0, 600.0, 1800.0, 3600.0, 7200.0, 14400.0, 43200.0, 86400.0)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+HTTP_TIMEOUT = 10.0  # seconds a scrape connection may stay silent
+
+_dir: str | None = None      # the multiprocess directory, once setup_master ran
+_master: _MasterState | None = None
+_worker: _WorkerMetrics | None = None
 
 
-def task_finished(task_type: str, outcome: str, duration: float) -> None:
-    pass
+# --------------------------------------------------------------------------- worker side
 
+class _WorkerMetrics:
+    """Created in each worker after fork; written to this process' multiprocess files."""
 
-def lease_lost(task_type: str) -> None:
-    pass
+    def __init__(self) -> None:
+        from prometheus_client import Counter, Gauge, Histogram
 
-
-def db_error() -> None:
-    pass
-
-
-def set_db_up(ok: bool) -> None:
-    pass
+        p = PREFIX
+        self.started = Counter(f"{p}_tasks_started", "Tasks started, by task type.",
+                               ["type"], registry=None)
+        self.finished = Counter(
+            f"{p}_tasks_finished",
+            "Tasks ended, by task type and outcome (success, failed, timeout, later, "
+            "preempted, released, stopped, no_route, db_error).",
+            ["type", "outcome"], registry=None)
+        self.lateness = Histogram(f"{p}_task_lateness_seconds",
+                                  "Start time minus due time of started tasks.",
+                                  ["type"], buckets=BUCKETS, registry=None)
+        self.duration = Histogram(f"{p}_task_duration_seconds",
+                                  "Run time of tasks, by task type.",
+                                  ["type"], buckets=BUCKETS, registry=None)
+        self.last_success = Gauge(f"{p}_last_success_timestamp_seconds",
+                                  "Unix time of the last successful run, by task type.",
+                                  ["type"], multiprocess_mode="max", registry=None)
+        self.leases_lost = Counter(f"{p}_leases_lost",
+                                   "Tasks whose lease was taken over while they ran.",
+                                   ["type"], registry=None)
+        self.db_errors = Counter(f"{p}_database_errors",
+                                 "Failed database operations of the workers.", registry=None)
+        # livemin: 1 only while every live worker reaches the database.
+        self.db_up = Gauge(f"{p}_database_up",
+                           "1 if every live worker reached the database on its last try.",
+                           multiprocess_mode="livemin", registry=None)
+        self.db_up.set(1)
 
 
 def after_fork_in_worker() -> None:
-    pass
+    """In a freshly forked worker: count into files of its own pid."""
+    global _worker
+    if _dir is None:
+        return
+    from prometheus_client import values
+
+    # A fresh value class: new files for this pid, and a lock no master thread can hold
+    # at the instant of fork.  Also switches on multiprocess mode even if something
+    # imported prometheus_client before the directory was set.
+    values.ValueClass = values.MultiProcessValue()
+    _worker = _WorkerMetrics()
+
+
+def task_started(task_type: str, lateness: float) -> None:
+    if _worker is None:
+        return
+    _worker.started.labels(task_type).inc()
+    _worker.lateness.labels(task_type).observe(max(0.0, lateness))
+
+
+def task_finished(task_type: str, outcome: str, duration: float) -> None:
+    if _worker is None:
+        return
+    _worker.finished.labels(task_type, outcome).inc()
+    if outcome != "no_route":  # never started: no run time to record
+        _worker.duration.labels(task_type).observe(max(0.0, duration))
+    if outcome == "success":
+        _worker.last_success.labels(task_type).set(time.time())
+
+
+def lease_lost(task_type: str) -> None:
+    if _worker is not None:
+        _worker.leases_lost.labels(task_type).inc()
+
+
+def db_error() -> None:
+    if _worker is not None:
+        _worker.db_errors.inc()
+
+
+def set_db_up(ok: bool) -> None:
+    if _worker is not None:
+        _worker.db_up.set(1 if ok else 0)
+
+
+# --------------------------------------------------------------------------- master side
+
+class _MasterState:
+    """What only the master knows; read by the HTTP thread, written by the main loop."""
+
+    def __init__(self) -> None:
+        self.started = time.time()
+        self.workers_configured = 0
+        self.workers_alive = 0
+        self.restarts = 0
+        self.counts: dict[str, int] | None = None
+        self.counts_time = 0.0
+
+
+class _MasterCollector:
+    def __init__(self, state: _MasterState) -> None:
+        self.state = state
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        s, p = self.state, PREFIX
+        build = GaugeMetricFamily(f"{p}_build_info", "Version of the running perfectschedd.",
+                                  labels=["version", "python_version"])
+        build.add_metric([__version__, ".".join(map(str, sys.version_info[:3]))], 1)
+        yield build
+        yield GaugeMetricFamily(f"{p}_start_time_seconds",
+                                "Unix time the master process started.", value=s.started)
+        yield GaugeMetricFamily(f"{p}_workers_configured",
+                                "Worker processes the configuration asks for.",
+                                value=s.workers_configured)
+        yield GaugeMetricFamily(f"{p}_workers_alive", "Worker processes running.",
+                                value=s.workers_alive)
+        yield CounterMetricFamily(f"{p}_worker_restarts",
+                                  "Workers that died unexpectedly and were replaced.",
+                                  value=s.restarts)
+        counts = s.counts
+        if counts is None:  # not read from the database yet: absent rather than wrong
+            return
+        for name, key, doc in (
+                ("registered", "schedules", "Schedules in the table."),
+                ("paused", "paused", "Paused schedules."),
+                ("overdue", "due", "Unpaused schedules due now that no worker holds."),
+                ("running", "running", "Schedules a worker holds (running tasks).")):
+            yield GaugeMetricFamily(f"{p}_schedules_{name}",
+                                    f"{doc} Refreshed every 15 s.", value=counts.get(key, 0))
+        yield GaugeMetricFamily(f"{p}_schedule_counts_timestamp_seconds",
+                                "Unix time the schedule counts were read.",
+                                value=s.counts_time)
+
+
+def multiproc_dir(config: Any) -> str:
+    """Where the workers' metric files go (created if needed; not yet cleared)."""
+    runtime = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
+    candidates = []
+    if runtime:
+        candidates.append(os.path.join(runtime, "metrics"))
+    sock = getattr(config, "control_socket", None)
+    if sock:
+        stem = os.path.splitext(os.path.basename(sock))[0] or "perfectschedd"
+        candidates.append(os.path.join(os.path.dirname(os.path.abspath(sock)),
+                                       f"{stem}-metrics"))
+    for path in candidates:
+        try:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(path, os.W_OK | os.X_OK):
+            return path
+    path = tempfile.mkdtemp(prefix="perfectschedd-metrics-")
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
+def setup_master(config: Any) -> None:
+    """Prepare and clear the multiprocess directory, set the environment, master metrics."""
+    global _dir, _master
+    path = multiproc_dir(config)
+    for f in glob.glob(os.path.join(path, "*.db")):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(f)
+    # Read by prometheus_client's value classes in every process forked from here on.
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+    _dir = path
+    _master = _MasterState()
 
 
 def worker_exited(pid: int) -> None:
-    pass
+    if _dir is None:
+        return
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(pid, _dir)
 
 
 def worker_restarted() -> None:
-    pass
+    if _master is not None:
+        _master.restarts += 1
 
 
 def set_schedule_counts(counts: dict[str, int]) -> None:
-    pass
+    if _master is not None:
+        _master.counts = dict(counts)
+        _master.counts_time = time.time()
 
 
 def set_workers(configured: int, alive: int) -> None:
-    pass
+    if _master is not None:
+        _master.workers_configured = configured
+        _master.workers_alive = alive
 
 
-def setup_master(config: object) -> None:
-    pass
+def _complete_files(path: str) -> list[str]:
+    """The *.db files past their 8-byte header.
+
+    A worker that starts creates its files empty and then sizes them; reading one in
+    between makes prometheus_client's reader fail (struct.error), so a scrape during a
+    worker replacement would fail.  Files only grow, so a size check first is enough."""
+    files = []
+    for f in glob.glob(os.path.join(path, "*.db")):
+        try:
+            if os.path.getsize(f) >= 8:
+                files.append(f)
+        except FileNotFoundError:  # a live gauge's file removed by mark_process_dead
+            pass
+    return files
 
 
-def serve(listen: tuple[str, int], healthy: object) -> None:
-    return None
+def render() -> bytes:
+    """The /metrics body: the workers' files summed, plus the master's own metrics."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    class WorkerFiles(MultiProcessCollector):  # type: ignore[misc]
+        def collect(self) -> Any:
+            return self.merge(_complete_files(self._path), accumulate=True)
+
+    registry = CollectorRegistry(auto_describe=False)
+    if _dir is not None and os.path.isdir(_dir):
+        WorkerFiles(registry, path=_dir)
+    if _master is not None:
+        registry.register(_MasterCollector(_master))
+    return bytes(generate_latest(registry))
+
+
+# --------------------------------------------------------------------------- HTTP
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _HTTPServer
+    timeout = HTTP_TIMEOUT
+    server_version = f"perfectschedd/{__version__}"
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        path = self.path.split("?", 1)[0]
+        if path == "/metrics":
+            try:
+                self._reply(200, render(), CONTENT_TYPE)
+            except Exception:  # noqa: BLE001 - a scrape must not take the server down
+                log.exception("cannot render /metrics")
+                self._reply(500, b"cannot render metrics; see the daemon's log\n")
+        elif path == "/healthz":
+            ok = self.server.is_healthy()
+            self._reply(200 if ok else 503, b"ok\n" if ok else b"unhealthy\n")
+        elif path == "/":
+            self._reply(200, b"perfectschedd: /metrics, /healthz\n")
+        else:
+            self._reply(404, b"not found\n")
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        self.do_GET()
+
+    def _reply(self, code: int, body: bytes, ctype: str = "text/plain; charset=utf-8") -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - base signature
+        log.debug("metrics http: %s - %s", self.address_string(), format % args)
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, listen: tuple[str, int], healthy: Callable[[], bool]) -> None:
+        host, port = listen
+        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.healthy = healthy
+        self.conns: set[int] = set()  # accepted sockets, for fds() in a forked worker
+        super().__init__((host, port), _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        self.conns.add(request.fileno())
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        self.conns.discard(request.fileno())
+        super().shutdown_request(request)
+
+    def is_healthy(self) -> bool:
+        for _ in range(3):  # the callable reads the master's worker table while it changes
+            try:
+                return bool(self.healthy())
+            except RuntimeError:
+                time.sleep(0.001)
+            except Exception:  # noqa: BLE001 - an error means "not healthy", not a 500
+                log.exception("health check failed")
+                return False
+        return False
+
+
+class MetricsServer:
+    """The master's HTTP endpoint: /metrics, /healthz (200 healthy, 503 not)."""
+
+    def __init__(self, listen: tuple[str, int], healthy: Callable[[], bool]) -> None:
+        self.httpd = _HTTPServer(listen, healthy)
+        self.address: tuple[str, int] = self.httpd.server_address[:2]  # type: ignore[assignment]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="metrics-http",
+                                       kwargs={"poll_interval": 0.5}, daemon=True)
+        self.thread.start()
+
+    @property
+    def port(self) -> int:
+        return int(self.address[1])
+
+    def fds(self) -> list[int]:
+        """Listening (and open connection) sockets, which a forked worker closes.
+
+        Called in the child right after fork, where no other thread runs: no lock."""
+        return [self.httpd.fileno(), *list(self.httpd.conns)]
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(5)
+
+
+def serve(listen: tuple[str, int], healthy: Callable[[], bool]) -> MetricsServer:
+    """Serve /metrics and /healthz on `listen` in a thread; raises OSError if it cannot bind."""
+    return MetricsServer(listen, healthy)

@@ -1,0 +1,298 @@
+"""metrics.py: Prometheus metrics summed over forked workers, /healthz, shipped rules."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from daemon_harness import Daemon, wait_until
+from prometheus_client.parser import text_string_to_metric_families
+
+from perfectschedd import metrics, protocol
+
+ROOT = Path(__file__).resolve().parent.parent
+RULES = ROOT / "etc" / "prometheus" / "perfectsched.rules.yml"
+RULES_TEST = ROOT / "etc" / "prometheus" / "perfectsched.rules.test.yml"
+DASHBOARD = ROOT / "etc" / "grafana" / "perfectsched.json"
+PROMTOOL = "/usr/bin/promtool"
+ONCE = "0 0 1 1 *"  # with at=0: runs now, then not again for months
+
+JOB = """
+import os, time
+import perfectschedd
+
+class Job(perfectschedd.Application):
+    def run(self):
+        with open(os.environ["METRICS_TEST_PIDS"], "a") as f:
+            f.write(f"{os.getpid()}\\n")
+        time.sleep(0.3)
+        self.task.finish()
+
+class Fail(perfectschedd.Application):
+    def run(self):
+        raise RuntimeError("this job fails")
+"""
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def get(port: int, path: str) -> tuple[int, str, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+            return r.status, r.headers.get("Content-Type", ""), r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers.get("Content-Type", ""), e.read().decode()
+
+
+def scrape(port: int) -> tuple[str, Samples]:
+    code, ctype, text = get(port, "/metrics")
+    assert code == 200, text
+    assert ctype.startswith("text/plain; version=0.0.4"), ctype
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, frozenset(s.labels.items()))] = s.value
+    return text, samples
+
+
+def value(samples: Samples, name: str, **labels: str) -> float | None:
+    """Sum of the samples named `name` whose labels include `labels`; None if none."""
+    found = [v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= ls]
+    return sum(found) if found else None
+
+
+def add_many(d: Daemon, schedules: list[dict[str, Any]]) -> None:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(10)
+        s.connect(d.socket_path)
+        s.sendall(protocol.request("add_many", {"schedules": schedules}))
+        buf = b""
+        while not buf.endswith(b"\n"):
+            chunk = s.recv(65536)
+            assert chunk, "control socket closed"
+            buf += chunk
+    assert protocol.parse_response(buf) == {"added": len(schedules)}
+
+
+def promtool(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    if not os.access(PROMTOOL, os.X_OK):
+        pytest.fail("promtool missing: run tests/install-test-deps.sh (package prometheus)")
+    return subprocess.run([PROMTOOL, *args], input=stdin, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_metrics_summed_over_workers_and_kept_across_worker_replacement(
+        daemon_factory: Callable[..., Daemon], tmp_path: Path) -> None:
+    (tmp_path / "metricsjob.py").write_text(JOB)
+    pids_file, env_file = tmp_path / "pids.txt", tmp_path / "env.txt"
+    runtime = tmp_path / "runtime"
+    multiproc = runtime / "metrics"
+    multiproc.mkdir(parents=True)
+    (multiproc / "counter_1.db").write_bytes(b"stale garbage of a previous run")
+    d = daemon_factory({
+        "workers": 2, "concurrency": 2, "retry_wait": 3600,
+        "routes": [{"type": "job", "python": "metricsjob:Job"},
+                   {"type": "fail", "python": "metricsjob:Fail"},
+                   {"type": "envdump", "exec": ["/bin/sh", "-c", 'env > "$0"', str(env_file)]}],
+    }, extra_args=["-I", str(tmp_path)],
+        env={"METRICS_TEST_PIDS": str(pids_file), "RUNTIME_DIRECTORY": str(runtime)})
+    t0 = time.time()
+    d.start()
+    assert not (multiproc / "counter_1.db").exists(), "the directory is cleared at start"
+    workers = set(d.children())
+    assert len(workers) == 2
+
+    n = 10
+    add_many(d, [{"key": f"job-{i}", "type": "job", "cron": ONCE, "at": 0} for i in range(n)]
+             + [{"key": f"fail-{i}", "type": "fail", "cron": ONCE, "at": 0} for i in range(2)]
+             + [{"key": "env", "type": "envdump", "cron": ONCE, "at": 0},
+                {"key": "lost", "type": "unrouted", "cron": ONCE, "at": 0}])
+
+    def settled() -> Samples | None:
+        _, s = scrape(d.metrics_port)
+        done = value(s, "perfectsched_tasks_finished_total")
+        return s if done == n + 4 else None
+    wait_until(settled, timeout=20, what="all tasks finished in /metrics")
+    d.ctl("status")  # refreshes the cached schedule counts now instead of within 15 s
+    text, s = scrape(d.metrics_port)
+
+    ran_in = [int(p) for p in pids_file.read_text().split()]
+    assert len(ran_in) == n
+    assert set(ran_in) == workers, "both workers ran jobs: the totals are sums"
+    started = "perfectsched_tasks_started_total"
+    finished = "perfectsched_tasks_finished_total"
+    assert value(s, started, type="job") == n
+    assert value(s, started, type="fail") == 2
+    assert value(s, started, type="envdump") == 1
+    assert value(s, started, type="unrouted") is None  # never started
+    assert value(s, finished, type="job", outcome="success") == n
+    assert value(s, finished, type="fail", outcome="failed") == 2
+    assert value(s, finished, type="envdump", outcome="success") == 1
+    assert value(s, finished, type="unrouted", outcome="no_route") == 1
+    for hist in ("perfectsched_task_duration_seconds", "perfectsched_task_lateness_seconds"):
+        assert value(s, f"{hist}_count", type="job") == n
+        assert value(s, f"{hist}_bucket", type="job", le="+Inf") == n
+        assert value(s, f"{hist}_bucket", type="job", le="0.001") is not None
+        assert value(s, f"{hist}_bucket", type="job", le="86400.0") == n
+    assert value(s, "perfectsched_task_duration_seconds_sum", type="job") >= 0.3 * n
+    assert value(s, "perfectsched_task_duration_seconds_bucket", type="job", le="0.1") == 0
+    assert value(s, "perfectsched_task_duration_seconds_count", type="unrouted") is None
+    last = value(s, "perfectsched_last_success_timestamp_seconds", type="job")
+    assert last is not None and t0 <= last <= time.time()
+    assert value(s, "perfectsched_last_success_timestamp_seconds", type="fail") in (None, 0)
+    assert value(s, "perfectsched_leases_lost_total") in (None, 0)
+    assert value(s, "perfectsched_database_errors_total") == 0
+    assert value(s, "perfectsched_database_up") == 1
+    assert value(s, "perfectsched_workers_configured") == 2
+    assert value(s, "perfectsched_workers_alive") == 2
+    assert value(s, "perfectsched_worker_restarts_total") == 0
+    assert value(s, "perfectsched_schedules_registered") == n + 4
+    assert value(s, "perfectsched_schedules_paused") == 0
+    assert value(s, "perfectsched_schedules_overdue") == 0
+    assert value(s, "perfectsched_schedule_counts_timestamp_seconds") >= t0
+    assert value(s, "perfectsched_build_info", version=metrics.__version__) == 1
+
+    # Exec jobs must not write prometheus_client files into the daemon's directory.
+    assert "PROMETHEUS_MULTIPROC_DIR" not in env_file.read_text()
+
+    # promtool lints a real scrape; the rules and the dashboard use only real metric names.
+    res = promtool("check", "metrics", stdin=text)
+    assert (res.returncode, res.stdout + res.stderr) == (0, "")
+    exported = {name for name, _ in s} | {f.name for f in text_string_to_metric_families(text)}
+    exported.add("perfectsched_leases_lost_total")  # by type: appears with the first loss
+    used = set(re.findall(r"perfectsched_[a-z_]+", RULES.read_text() + DASHBOARD.read_text()))
+    assert used and used <= exported, f"not exported: {sorted(used - exported)}"
+
+    code, _, body = get(d.metrics_port, "/healthz")
+    assert (code, body) == (200, "ok\n")
+
+    # SIGKILL a worker that counted tasks: replaced, restart counted, its counts kept.
+    victim = ran_in[0]
+    os.kill(victim, signal.SIGKILL)
+    wait_until(lambda: len(set(d.children()) - {victim}) == 2 and victim not in d.children(),
+               timeout=15, what="the killed worker replaced")
+
+    def replaced() -> Samples | None:
+        _, s = scrape(d.metrics_port)
+        ok = value(s, "perfectsched_worker_restarts_total") == 1 and \
+            value(s, "perfectsched_workers_alive") == 2
+        return s if ok else None
+    s = wait_until(replaced, timeout=15, what="restart counted, 2 workers alive")
+    assert value(s, started, type="job") == n
+    assert value(s, finished, type="job", outcome="success") == n
+    assert value(s, "perfectsched_task_duration_seconds_count", type="job") == n
+    assert value(s, "perfectsched_database_up") == 1
+    assert not (multiproc / f"gauge_livemin_{victim}.db").exists(), "mark_process_dead"
+    assert (multiproc / f"counter_{victim}.db").exists()
+    assert d.stop() == 0
+
+
+def test_metrics_listen_off_serves_nothing(daemon_factory: Callable[..., Daemon]) -> None:
+    d = daemon_factory({"metrics_listen": "off"}).start()
+    with pytest.raises(ConnectionRefusedError), socket.create_connection(
+            ("127.0.0.1", d.metrics_port), timeout=5):
+        pass
+    assert _listening_tcp(d.pid) == set()
+    assert "metrics on" not in d.log()
+    assert d.stop() == 0
+
+
+def _listening_tcp(pid: int) -> set[int]:
+    """Inodes of the TCP sockets in LISTEN state that `pid` holds."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[8:-1]))
+    listening = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A":
+                listening.add(int(fields[9]))
+    return inodes & listening
+
+
+def test_healthz_follows_the_health_callable_and_stop_frees_the_port() -> None:
+    state = {"healthy": True}
+
+    def healthy() -> bool:
+        if state["healthy"] is None:
+            raise RuntimeError("dictionary changed size during iteration")
+        return bool(state["healthy"])
+
+    server = metrics.serve(("127.0.0.1", 0), healthy)
+    try:
+        port = server.port
+        assert get(port, "/healthz")[::2] == (200, "ok\n")
+        state["healthy"] = False
+        assert get(port, "/healthz")[::2] == (503, "unhealthy\n")
+        state["healthy"] = None  # keeps failing: not healthy, not a server error
+        assert get(port, "/healthz")[0] == 503
+        assert get(port, "/nope")[0] == 404
+        # Listener plus open connections (a forked worker closes them all).
+        assert server.fds()[0] == server.httpd.fileno()
+        wait_until(lambda: server.fds() == [server.httpd.fileno()], timeout=5,
+                   what="the connection closed")
+    finally:
+        server.stop()
+    with pytest.raises(ConnectionRefusedError), socket.create_connection(
+            ("127.0.0.1", port), timeout=5):
+        pass
+
+
+def test_calls_before_setup_are_cheap_no_ops() -> None:
+    code = ("import sys; from perfectschedd import metrics as m\n"
+            "m.task_started('t', 1.0); m.task_finished('t', 'success', 2.0)\n"
+            "m.lease_lost('t'); m.db_error(); m.set_db_up(False); m.after_fork_in_worker()\n"
+            "m.worker_exited(1); m.worker_restarted(); m.set_workers(2, 1)\n"
+            "m.set_schedule_counts({'schedules': 1})\n"
+            "assert 'prometheus_client' not in sys.modules, 'imported before setup'\n"
+            "assert 'PROMETHEUS_MULTIPROC_DIR' not in __import__('os').environ\n")
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=30)
+    assert res.returncode == 0, res.stderr
+
+
+def test_shipped_alert_rules_pass_promtool() -> None:
+    res = promtool("check", "rules", str(RULES))
+    assert res.returncode == 0, res.stdout + res.stderr
+    alerts = {r["alert"] for g in yaml.safe_load(RULES.read_text())["groups"]
+              for r in g["rules"] if "alert" in r}
+    assert {"PerfectSchedScheduleOverdue", "PerfectSchedTaskFailureRate",
+            "PerfectSchedNoWorkerAlive", "PerfectSchedDatabaseErrors"} <= alerts
+    # Unit tests of the alerts: each fires on the series meant to trigger it, only then.
+    res = promtool("test", "rules", str(RULES_TEST))
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_grafana_dashboard_is_importable_json() -> None:
+    dash = json.loads(DASHBOARD.read_text())
+    assert dash["title"] and dash["uid"]
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    assert exprs and all("perfectsched_" in e for e in exprs)
+
+
+def test_scrape_while_a_worker_creates_its_files(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # A starting worker's file exists, still empty, for an instant: no failed scrape.
+    (tmp_path / "counter_4242.db").write_bytes(b"")
+    monkeypatch.setattr(metrics, "_dir", str(tmp_path))
+    assert metrics.render() == b""
