@@ -1,0 +1,140 @@
+"""Logging: journald priority prefixes under systemd, plain lines otherwise, reopen on USR2.
+
+The first tests configure logging in this process (restored afterwards); the last ones run
+a real daemon whose stderr is (or is not) the stream systemd named in JOURNAL_STREAM.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from daemon_harness import wait_until
+
+from perfectschedd import logsetup
+
+YEARLY = "0 0 1 1 *"
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for h in list(root.handlers):
+        root.removeHandler(h)
+        h.close()
+    for h in handlers:
+        root.addHandler(h)
+    root.setLevel(level)
+
+
+def test_log_file_is_reopened_after_rotation(tmp_path: Path, restore_logging: None) -> None:
+    path = tmp_path / "d.log"
+    logsetup.setup(str(path))
+    log = logging.getLogger("perfectschedd.test")
+    log.info("before rotation")
+    os.rename(path, tmp_path / "d.log.1")
+    log.info("still the old file")
+    logsetup.reopen()
+    log.warning("after rotation")
+    old = (tmp_path / "d.log.1").read_text()
+    new = path.read_text()
+    assert "before rotation" in old and "still the old file" in old
+    assert "after rotation" in new and "before rotation" not in new
+    assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} WARNING \S+\[\d+\]: after rotation",
+                    new), new
+
+
+def test_journal_formatter_prefixes_every_line() -> None:
+    fmt = logsetup.JournalFormatter("%(message)s")
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        record = logging.LogRecord("x", logging.ERROR, __file__, 1, "failed", None,
+                                   sys.exc_info())
+    text = fmt.format(record)
+    lines = text.splitlines()
+    assert len(lines) > 2  # message and traceback
+    assert all(line.startswith("<3>") for line in lines), text
+    for level, prio in ((logging.INFO, 6), (logging.WARNING, 4), (logging.DEBUG, 7),
+                        (logging.CRITICAL, 2)):
+        rec = logging.LogRecord("x", level, __file__, 1, "m", None, None)
+        assert fmt.format(rec) == f"<{prio}>m"
+
+
+def test_journald_detected_only_when_stderr_is_the_named_stream(
+        tmp_path: Path, restore_logging: None) -> None:
+    st = os.fstat(sys.stderr.fileno())
+    saved = os.environ.get("JOURNAL_STREAM")
+    try:
+        os.environ["JOURNAL_STREAM"] = f"{st.st_dev}:{st.st_ino}"
+        assert logsetup.under_journald()
+        os.environ["JOURNAL_STREAM"] = f"{st.st_dev}:{st.st_ino + 1}"  # a child's stderr
+        assert not logsetup.under_journald()
+        del os.environ["JOURNAL_STREAM"]
+        assert not logsetup.under_journald()
+    finally:
+        if saved is None:
+            os.environ.pop("JOURNAL_STREAM", None)
+        else:
+            os.environ["JOURNAL_STREAM"] = saved
+
+
+def _start_with_stream(daemon_factory: Any, tmp_path: Path, match: bool) -> Any:
+    d = daemon_factory({"routes": []})
+    d.log_path.touch()  # the harness appends to it: same inode as the daemon's stderr
+    st = d.log_path.stat()
+    stream = f"{st.st_dev}:{st.st_ino}" if match else f"{st.st_dev}:{st.st_ino + 12345}"
+    d.extra_env = {"JOURNAL_STREAM": stream}
+    return d.start()
+
+
+def test_daemon_under_journald_writes_priority_prefixes(daemon_factory: Any,
+                                                        tmp_path: Path) -> None:
+    d = _start_with_stream(daemon_factory, tmp_path, match=True)
+    victim = d.children()[0]
+    os.kill(victim, signal.SIGKILL)  # an error line from the master
+    d.wait_log(f"(pid {victim}) died")
+    d.ctl("add", "k", "no-route", YEARLY, "--at", "0")  # an error line from a worker
+    d.wait_log("no route for type")
+    assert d.stop() == 0
+    lines = [line for line in d.log().splitlines() if line]
+    assert lines and all(re.match(r"<[0-7]>", line) for line in lines), lines
+    assert re.search(r"^<6>master\[\d+\]: ready$", d.log(), re.M)
+    assert re.search(rf"^<3>master\[\d+\]: worker \d \(pid {victim}\) died", d.log(), re.M)
+    assert re.search(r"^<3>worker-\d\[\d+\]: no route for type 'no-route'", d.log(), re.M)
+    assert not re.search(r"\d{4}-\d\d-\d\d \d\d:", d.log())  # journald adds the time
+
+
+def test_daemon_not_under_journald_writes_plain_lines(daemon_factory: Any,
+                                                      tmp_path: Path) -> None:
+    d = _start_with_stream(daemon_factory, tmp_path, match=False)
+    assert d.stop() == 0
+    log = d.log()
+    assert "<6>" not in log
+    assert re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO master\[\d+\]: ready$", log,
+                     re.M), log
+
+
+def test_log_option_sends_everything_to_the_file(daemon_factory: Any, tmp_path: Path) -> None:
+    logfile = tmp_path / "perfectschedd.log"
+    d = daemon_factory({"log": str(logfile),
+                        "routes": [{"type": "t", "exec": ["/bin/sh", "-c", "echo hi"]}]})
+    d.start()
+    d.ctl("add", "k", "t", YEARLY, "--at", "0")
+    wait_until(lambda: logfile.exists() and "outcome=success" in logfile.read_text(),
+               what="task lines in the log file")
+    assert d.stop() == 0
+    text = logfile.read_text()
+    assert re.search(r"INFO worker-\d\[\d+\]: start key=k type=t scheduled=\d+ attempt=1 ", text)
+    assert re.search(r"INFO worker-\d\[\d+\]: k: hi$", text, re.M)  # the command's output
+    assert re.search(r"INFO master\[\d+\]: stopped$", text, re.M)
+    assert "start key=k" not in d.log()  # nothing of it on stderr
