@@ -420,22 +420,56 @@ class Supervisor:
             self.notify("READY=1", f"STATUS={self.status_line} (reload failed)")
             return
         old = self.config
+        try:
+            self._swap_listeners(old, new)
+        except (OSError, ConfigError) as exc:
+            log.error("reload failed, keeping the running configuration: %s", exc)
+            self.last_error = f"reload: {exc}"
+            self.notify("READY=1", f"STATUS={self.status_line} (reload failed)")
+            return
         self.config = new
-        logsetup.setup(new.log)
         if (new.url, new.table) != (old.url, old.table):
             self._open_store()
-        if new.control_socket != old.control_socket and self.control is not None:
-            self.control.stop()
-            self._start_control()
-        if new.metrics_listen != old.metrics_listen:
-            self._start_metrics_server()
-        self.generation += 1
-        for p in self.workers.values():
-            if p.generation < self.generation:
-                p.retiring = p.retiring  # retired once the new generation is up
+        self.generation += 1  # the old generation retires once the new one is up
         self.reload_pending_since = time.monotonic()
         self.next_spawn = 0.0
         log.info("reloading: starting %d new worker(s)", new.workers)
+
+    def _swap_listeners(self, old: Config, new: Config) -> None:
+        """Open what the new configuration needs before closing what the old one had, so
+        a new port in use or an unwritable log path leaves everything as it was."""
+        from . import control
+
+        new_control = new_metrics = None
+        try:
+            if new.control_socket != old.control_socket or \
+                    new.control_group != old.control_group:
+                new_control = control.ControlServer(new, self.dispatch, log=log)
+                if new.control_socket == old.control_socket and self.control is not None:
+                    self.control.stop()  # same path: it must be free to bind again
+                new_control.start()
+            if new.metrics_listen != old.metrics_listen and new.metrics_listen is not None:
+                new_metrics = metrics.serve(new.metrics_listen, self._healthy)
+            logsetup.setup(new.log)
+        except BaseException:
+            if new_control is not None:
+                new_control.stop()
+                if new.control_socket == old.control_socket:
+                    self._start_control()
+            if new_metrics is not None:
+                new_metrics.stop()
+            logsetup.setup(old.log)
+            raise
+        if new_control is not None:
+            if self.control is not None and new.control_socket != old.control_socket:
+                self.control.stop()
+            self.control = new_control
+        if new.metrics_listen != old.metrics_listen:
+            if self.metrics_server is not None:
+                self.metrics_server.stop()
+            self.metrics_server = new_metrics
+            if new.metrics_listen is not None:
+                log.info("metrics on http://%s:%d/metrics", *new.metrics_listen)
 
     def _finish_reload(self) -> None:
         if self.reload_pending_since is None:
