@@ -1,0 +1,176 @@
+"""Shared pytest fixtures.
+
+Sections (each owned by one part of the suite; add yours below the last one):
+  - database servers
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pathlib
+import re
+import sys
+from collections.abc import Iterator
+from typing import TypeVar
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from dbservers import DBServerError, MariaDBServer, PostgresServer  # noqa: E402
+
+# --- database servers ---
+#
+# Fixtures:
+#   postgres_server, mariadb_server   session-scoped tests/dbservers.py servers, started on
+#                                     first use; FAIL (not skip) if the binaries are missing
+#   db_url                            one fresh empty database per test, parametrized over
+#                                     sqlite / postgresql / mysql (marks: postgresql, mysql)
+#   sqlite_url, pg_url, mysql_url     one fresh empty database of that backend
+# URLs carry no driver (postgresql://..., mysql://..., sqlite:///...); tests that connect
+# themselves can use dbservers.driver_url(url).
+# PERFECTSCHED_TEST_BACKENDS (default "sqlite,postgresql,mysql") lists the backends that
+# may be used: db_url is only parametrized over those, and the server fixtures skip
+# (with that reason) for excluded ones.
+
+ALL_BACKENDS = ("sqlite", "postgresql", "mysql")
+_BACKEND_ALIASES = {"postgres": "postgresql", "pg": "postgresql", "mariadb": "mysql"}
+
+
+def _enabled_backends() -> tuple[str, ...]:
+    # Popped: the daemon's exec handlers pass PERFECTSCHED_* on; keep tests' env clean.
+    raw = os.environ.pop("PERFECTSCHED_TEST_BACKENDS", None) or ",".join(ALL_BACKENDS)
+    names = [_BACKEND_ALIASES.get(n.strip(), n.strip()) for n in raw.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(ALL_BACKENDS))
+    if unknown:
+        raise pytest.UsageError(
+            f"PERFECTSCHED_TEST_BACKENDS: unknown backend(s) {', '.join(unknown)};"
+            f" known: {', '.join(ALL_BACKENDS)}"
+        )
+    return tuple(b for b in ALL_BACKENDS if b in names)
+
+
+ENABLED_BACKENDS = _enabled_backends()
+
+_DB_FIXTURE_MARKS = {
+    "postgres_server": "postgresql",
+    "pg_url": "postgresql",
+    "mariadb_server": "mysql",
+    "mysql_url": "mysql",
+}
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    # Tests that use a server fixture directly get its marker, so that -m "not mysql"
+    # deselects them too.  (Only one pytest_itemcollected may exist in this file.)
+    for fixture, mark in _DB_FIXTURE_MARKS.items():
+        if fixture in getattr(item, "fixturenames", ()):
+            item.add_marker(mark)
+
+
+_S = TypeVar("_S", PostgresServer, MariaDBServer)
+
+
+def _server_fixture(cls: type[_S]) -> Iterator[_S]:
+    if cls.kind not in ENABLED_BACKENDS:
+        pytest.skip(f"{cls.kind} excluded by PERFECTSCHED_TEST_BACKENDS")
+    server = cls()
+    error = None
+    try:
+        server.start()
+    except DBServerError as e:
+        error = str(e)
+    if error is not None:  # outside the except: no chained traceback, just the message
+        pytest.fail(f"cannot start the {cls.kind} test server: {error}", pytrace=False)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    """A throw-away PostgreSQL server for the whole session (see tests/dbservers.py)."""
+    yield from _server_fixture(PostgresServer)
+
+
+@pytest.fixture(scope="session")
+def mariadb_server() -> Iterator[MariaDBServer]:
+    """A throw-away MariaDB server for the whole session (see tests/dbservers.py)."""
+    yield from _server_fixture(MariaDBServer)
+
+
+_db_counter = itertools.count(1)
+
+
+def _fresh_database(
+    request: pytest.FixtureRequest, server: PostgresServer | MariaDBServer
+) -> Iterator[str]:
+    if not server.running:
+        # A fault test stopped it and did not restart it: bring it back.
+        server.start_server()
+    slug = re.sub(r"[^a-z0-9_]+", "_", request.node.name.lower()).strip("_")[:40]
+    name = f"t{next(_db_counter)}_{slug}"
+    url = server.create_database(name)
+    yield url
+    if not server.running:
+        server.start_server()
+    server.drop_database(name)
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: pathlib.Path) -> str:
+    """sqlite:///<tmp_path>/perfectsched.db (the file does not exist yet)."""
+    return f"sqlite:///{tmp_path / 'perfectsched.db'}"
+
+
+@pytest.fixture
+def pg_url(request: pytest.FixtureRequest, postgres_server: PostgresServer) -> Iterator[str]:
+    """postgresql://sched:sched@127.0.0.1:PORT/NAME of a fresh database owned by sched."""
+    yield from _fresh_database(request, postgres_server)
+
+
+@pytest.fixture
+def mysql_url(request: pytest.FixtureRequest, mariadb_server: MariaDBServer) -> Iterator[str]:
+    """mysql://sched:sched@127.0.0.1:PORT/NAME of a fresh database granted to sched."""
+    yield from _fresh_database(request, mariadb_server)
+
+
+@pytest.fixture(
+    params=[
+        pytest.param(b, id=b, marks=[] if b == "sqlite" else [getattr(pytest.mark, b)])
+        for b in ENABLED_BACKENDS
+    ]
+)
+def db_url(request: pytest.FixtureRequest) -> str:
+    """A fresh empty database, once per enabled backend (PERFECTSCHED_TEST_BACKENDS)."""
+    backend: str = request.param
+    if backend == "sqlite":
+        return str(request.getfixturevalue("sqlite_url"))
+    if backend == "postgresql":
+        return str(request.getfixturevalue("pg_url"))
+    return str(request.getfixturevalue("mysql_url"))
+
+
+# --- running daemons ---
+#
+# daemon_factory(overrides=None, *, url=None, watchdog_usec=None, extra_args=None, env=None)
+#   -> tests/daemon_harness.Daemon (not started: call .start(), which waits for READY=1).
+# Every daemon made is killed with its whole process tree at teardown.
+
+from daemon_harness import Daemon  # noqa: E402
+
+
+@pytest.fixture
+def daemon_factory(tmp_path: pathlib.Path) -> Iterator[object]:
+    made: list[Daemon] = []
+
+    def make(overrides: dict[str, object] | None = None, **kwargs: object) -> Daemon:
+        d = Daemon(tmp_path, overrides, name=f"d{len(made)}", **kwargs)  # type: ignore[arg-type]
+        made.append(d)
+        return d
+
+    yield make
+    for d in made:
+        d.kill()
