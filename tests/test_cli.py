@@ -346,3 +346,39 @@ def test_perfectschedctl_module_entry_point() -> None:
     res = subprocess.run([sys.executable, "-m", "perfectschedctl", "--version"],
                          capture_output=True, text=True, timeout=30)
     assert res.returncode == 0 and "perfectschedctl" in res.stdout
+
+
+# -- bash completion matches the parser ---------------------------------------------------
+
+COMPLETION = Path(__file__).resolve().parent.parent / "etc" / "bash-completion" / "perfectschedctl"
+BASH_COMPLETION = Path("/usr/share/bash-completion/bash_completion")
+
+
+def _complete(*words: str) -> set[str]:
+    script = f"""
+source {BASH_COMPLETION}
+source {COMPLETION}
+COMP_WORDS=({" ".join(repr(w) for w in words)})
+COMP_CWORD=$((${{#COMP_WORDS[@]}}-1)); COMP_LINE="${{COMP_WORDS[*]}}"; COMP_POINT=${{#COMP_LINE}}
+_perfectschedctl
+printf '%s\\n' "${{COMPREPLY[@]}}"
+"""
+    res = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0, res.stderr
+    return {w for w in res.stdout.split() if w}
+
+
+def _options(parser: Any) -> set[str]:
+    return {o for a in parser._actions for o in a.option_strings}
+
+
+@pytest.mark.skipif(not BASH_COMPLETION.exists(), reason="bash-completion is not installed")
+def test_bash_completion_matches_the_parser() -> None:
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    commands: dict[str, Any] = sub.choices  # type: ignore[attr-defined]
+    assert _complete("perfectschedctl", "") == set(commands)
+    assert _complete("perfectschedctl", "-") == _options(parser)
+    for name, sp in commands.items():
+        args = {"add": ["k", "t", "c"]}.get(name, [])
+        assert _complete("perfectschedctl", name, *args, "-") == _options(sp), name
