@@ -142,7 +142,7 @@ def test_exec_stdin_argv_env(tmp_path: Path) -> None:
     script = f"""
         cat > {tmp_path}/stdin
         printf '%s\\n' "$@" > {tmp_path}/args
-        env | grep ^PERFECTSCHED_ | sort > {tmp_path}/env
+        env | grep -E "^PERFECTSCHED_(KEY|TYPE|SCHEDULED_TIME|ATTEMPT)=" | sort > {tmp_path}/env
     """
     argv = ("/bin/sh", "-c", script, "sh", "--full")
     handler = ExecHandler(RouteConfig(pattern="t", exec=argv), argv, None)
