@@ -37,7 +37,7 @@ FAST_TASK = 0.05
 PREFETCH = 8
 PING_INTERVAL = 1.0
 HISTORY_FLUSH = 0.5
-DB_BACKOFF_MAX = 30.0
+DB_BACKOFF_MAX = 5.0  # a cron must resume soon after its database does
 
 
 class BatchedTask:
@@ -336,7 +336,7 @@ class Worker:
                 continue
             try:
                 lost = self.sc.heartbeat_many(tasks)
-            except DBAPIError as exc:
+            except SQLAlchemyError as exc:  # not only DBAPIError: this thread must not die
                 self._set_db(False, exc)
                 continue
             for key in lost:
