@@ -82,3 +82,18 @@ deb:
 # --- system test: real systemd as PID 1 of a namespace, the .deb installed by apt -----
 test-system: deb
 	env PATH=$(DEB_PATH) python3 -m pytest -v -p no:cacheprovider --noconftest --durations=0 -m system tests/system
+
+# --- benchmark: PerfectSched vs APScheduler 3.11 (docs/performance.md) -----------------
+# APScheduler lives only in this venv, never in the project's dependencies.
+# BENCH_ARGS, e.g.: --million, --backends sqlite, --quick, --only burst
+BENCHVENV := .venv-bench
+$(BENCHVENV)/bin/perfectschedd: pyproject.toml
+	$(PYTHON) -m venv $(BENCHVENV)
+	$(BENCHVENV)/bin/pip install -q --upgrade pip
+	$(BENCHVENV)/bin/pip install -q 'apscheduler==3.11.*' sqlalchemy 'psycopg[binary]' \
+	  py-spy pyinstrument
+	$(BENCHVENV)/bin/pip install -q -e .
+	touch $@
+
+bench: $(BENCHVENV)/bin/perfectschedd
+	env -u PYTHONPATH $(BENCHVENV)/bin/python bench/run.py $(BENCH_ARGS)
