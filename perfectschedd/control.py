@@ -225,6 +225,9 @@ class ControlServer:
         if self.sock is not None:
             out.append(self.sock.fileno())
         out.extend(c.sock.fileno() for c in list(self.conns.values()))
+        sel = self.sel
+        if sel is not None and hasattr(sel, "fileno"):
+            out.append(sel.fileno())  # the epoll descriptor
         return out
 
     def stop(self) -> None:
