@@ -225,9 +225,12 @@ class ControlServer:
         if self.sock is not None:
             out.append(self.sock.fileno())
         out.extend(c.sock.fileno() for c in list(self.conns.values()))
-        sel = self.sel
-        if sel is not None and hasattr(sel, "fileno"):
-            out.append(sel.fileno())  # the epoll descriptor
+        try:  # the epoll descriptor, unless already closed
+            fd = self.sel.fileno() if self.sel is not None and hasattr(self.sel, "fileno") else -1
+        except (ValueError, OSError):
+            fd = -1
+        if fd >= 0:
+            out.append(fd)
         return out
 
     def stop(self) -> None:
