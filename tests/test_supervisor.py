@@ -51,12 +51,14 @@ def all_dead(pids: list[int], timeout: float = 10.0) -> None:
                what=f"processes {pids} gone")
 
 
-def stop_keep_messages(d: Daemon, sig: int = signal.SIGTERM, timeout: float = 30.0
-                       ) -> tuple[int, list[str]]:
-    """Signal the daemon, wait for its exit and return (exit code, notify messages)."""
+def stop_keep_messages(d: Daemon, sig: int | None = signal.SIGTERM, timeout: float = 30.0,
+                       descendants: list[int] | None = None) -> tuple[int, list[str]]:
+    """Signal the daemon (unless sig is None), wait for its exit, check that nothing it
+    started survives, and return (exit code, notify messages)."""
     assert d.proc is not None
-    descendants = d.descendants()
-    d.send_signal(sig)
+    descendants = d.descendants() if descendants is None else descendants
+    if sig is not None:
+        d.send_signal(sig)
     code = d.proc.wait(timeout)
     msgs = d.messages()
     survivors = [p for p in descendants if pid_alive(p)]
@@ -153,9 +155,19 @@ def test_graceful_stop_lets_running_task_finish(daemon_factory: Any, tmp_path: P
     wait_until(lambda: lines(out) == ["started"], what="task started")
     orphan = int(wait_until(lambda: lines(Path(f"{out}.orphan")), what="orphan pid")[0])
     workers = d.children()
-    code, msgs = stop_keep_messages(d, sig)
+    descendants = d.descendants()
+    d.send_signal(sig)
+    d.wait_log("stopping")
+    # Due while stopping: an idle worker would take it within poll_interval, a stopping
+    # one must not.
+    with perfectschedd.open({"type": "rdb_compat", "url": d.config["url"]}) as sc:
+        sc.add("late", "t", YEARLY, at=0)
+    code, msgs = stop_keep_messages(d, None, descendants=descendants)
     assert code == 0
     assert lines(out) == ["started", "done"]  # finished, not killed
+    assert "start key=late" not in d.log()
+    late = row(d, "late")
+    assert late.owner is None and late.attempt == 0 and late.next_run_time == 0
     assert "outcome=success" in d.log()
     assert any("STOPPING=1" in m for m in msgs)
     assert not pid_alive(orphan)
