@@ -145,6 +145,15 @@ def wait_for(cond: Callable[[], object], timeout: float, what: str,
         time.sleep(interval)
 
 
+def _running(pid: int) -> bool:
+    """True if pid is a live (not zombie) process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
+
+
 def _reap_stale_namespaces() -> None:
     """Tear down namespaces whose owning test process died without cleaning up."""
     if not NS_LAB.is_dir():
@@ -154,14 +163,8 @@ def _reap_stale_namespaces() -> None:
             owner = int((ns_dir / "owner").read_text().strip())
         except (OSError, ValueError):
             owner = 0
-        if owner and owner != os.getpid():
-            try:
-                os.kill(owner, 0)
-                continue  # still running: another test run's namespace
-            except ProcessLookupError:
-                pass
-            except PermissionError:
-                continue
+        if owner and owner != os.getpid() and _running(owner):
+            continue  # another test run's namespace, still in use
         name = ns_dir.name[3:]
         subprocess.run([str(HERE / "ns-down.sh"), name], capture_output=True, timeout=120,
                        env=dict(os.environ, NS_LAB=str(NS_LAB), PATH=SYS_PATH))
