@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from perfectschedd import ConfigError, ScheduleError, __version__, protocol
-from perfectschedd.commands import HISTORY_MAX
 from perfectschedd.config import DEFAULT_SOCKET
+from perfectschedd.protocol import HISTORY_MAX
 
 from .client import DaemonUnavailable, SocketClient
 from .output import print_result

@@ -14,7 +14,6 @@ from .errors import (
     ProcessStopError,
     ScheduleError,
 )
-from .schedules import Schedule, ScheduleCollection, ScheduleInfo, Task, open
 
 __version__ = "0.1.0"
 
@@ -26,10 +25,19 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    # handlers imports subprocess machinery the library API does not need.
-    if name == "Application":
-        from .handlers import Application
+# Loaded on first use: perfectschedctl in socket mode needs only the errors and the
+# protocol, and importing SQLAlchemy would double its start time.
+_LAZY = {"Schedule": "schedules", "ScheduleCollection": "schedules",
+         "ScheduleInfo": "schedules", "Task": "schedules", "open": "schedules",
+         "Application": "handlers"}
 
-        return Application
-    raise AttributeError(name)
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'perfectschedd' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value

@@ -12,12 +12,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .errors import InvalidInputError
+from .protocol import HISTORY_MAX
 from .schedules import ScheduleCollection, ScheduleInfo
 
 # Fields of `list --json` (SPEC) and of `show`, in this order.
 LIST_FIELDS = ("key", "type", "cron", "delay", "timezone", "next_time", "next_run_time", "data")
 SHOW_FIELDS = LIST_FIELDS + ("paused", "attempt", "owner", "claimed_at")
-HISTORY_MAX = 1000
 
 
 def _info(info: ScheduleInfo, fields: tuple[str, ...]) -> dict[str, Any]:

@@ -14,6 +14,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+# Most runs one `history` request returns.
+HISTORY_MAX = 1000
+
 MAX_FRAME = 1 << 20
 # Nesting deeper than this in a request is refused (no JSON document we accept needs it).
 MAX_DEPTH = 64

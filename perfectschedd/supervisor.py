@@ -66,6 +66,7 @@ class Supervisor:
         self.workers: dict[int, WorkerProc] = {}
         self.generation = 0
         self.signals: list[int] = []
+        self.wake_pending = False
         self.selfpipe_r, self.selfpipe_w = os.pipe()
         for fd in (self.selfpipe_r, self.selfpipe_w):
             os.set_blocking(fd, False)
@@ -285,8 +286,20 @@ class Supervisor:
                 pass
 
     def wake_workers(self) -> None:
-        """A schedule changed: every worker looks for due work now (thread-safe)."""
-        for proc in list(self.workers.values()):
+        """A schedule changed: every worker looks for due work now.
+
+        Called from the control and D-Bus threads, so it only asks the main loop, which
+        owns the worker pipes (a pipe it just closed could otherwise be a reused fd).
+        """
+        self.wake_pending = True
+        try:
+            os.write(self.selfpipe_w, b"w")
+        except OSError:
+            pass
+
+    def _wake_now(self) -> None:
+        self.wake_pending = False
+        for proc in self.workers.values():
             try:
                 os.write(proc.wake_w, b"w")
             except OSError:
@@ -669,6 +682,8 @@ class Supervisor:
                     pass
             else:
                 self.read_alive(key.data)
+        if self.wake_pending:
+            self._wake_now()
         while self.signals:
             sig = self.signals.pop(0)
             if sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
