@@ -443,6 +443,11 @@ class Supervisor:
         self.config = new
         if (new.url, new.table) != (old.url, old.table):
             self._open_store()
+        if (new.dbus, new.dbus_address) != (old.dbus, old.dbus_address):
+            if self.dbus is not None:
+                self.dbus.stop()
+                self.dbus = None
+            self._start_dbus()  # optional: a failure is logged and the daemon runs on
         self.generation += 1  # the old generation retires once the new one is up
         self.reload_pending_since = time.monotonic()
         self.next_spawn = 0.0
