@@ -81,7 +81,7 @@ deb:
 
 # --- system test: real systemd as PID 1 of a namespace, the .deb installed by apt -----
 test-system: deb
-	env PATH=$(DEB_PATH) python3 -m pytest -v -p no:cacheprovider --noconftest --durations=0 -m system tests/system
+	env PATH=$(DEB_PATH) python3 -m pytest -v -rP -p no:cacheprovider --noconftest --durations=0 -m system tests/system
 
 # --- benchmark: PerfectSched vs APScheduler 3.11 (docs/performance.md) -----------------
 # APScheduler lives only in this venv, never in the project's dependencies.
