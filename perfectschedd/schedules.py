@@ -136,7 +136,8 @@ class Task:
     """One leased occurrence of a schedule.  Exactly one of finish/retry/release ends it."""
 
     __slots__ = ("_collection", "key", "type", "cron", "delay", "timezone", "scheduled_time",
-                 "attempt", "fence", "_data_text", "_data", "done", "claimed_at")
+                 "attempt", "fence", "_data_text", "_data", "done", "claimed_at",
+                 "due_time")
 
     def __init__(self, collection: ScheduleCollection, claimed: Claimed, claimed_at: float):
         self._collection = collection
@@ -152,6 +153,7 @@ class Task:
         self._data: dict[str, Any] | None = None
         self.done = False
         self.claimed_at = claimed_at
+        self.due_time = claimed.due_time
 
     @property
     def data(self) -> dict[str, Any]:

@@ -70,6 +70,7 @@ class Claimed:
     next_time: int
     fence: int
     attempt: int
+    due_time: int  # next_run_time before the claim: when it was due (lateness counts from it)
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,8 @@ def _schedules_table(metadata: sa.MetaData, name: str) -> sa.Table:
         sa.Column("attempt", sa.Integer, nullable=False, default=0),
         sa.Column("owner", sa.String(128), nullable=True),
         sa.Column("claimed_at", _SECONDS, nullable=True),
+        # next_run_time as it was when the current holder claimed the row.
+        sa.Column("due_time", sa.BigInteger, nullable=True),
     )
     # The claim reads "unpaused rows, smallest next_run_time first": O(log n) on this index.
     sa.Index(f"{name}_due", t.c.paused, t.c.next_run_time)
@@ -409,21 +412,25 @@ class Store:
         lease = ts + lease_seconds
         due = (sa.select(t.c.key).where(t.c.paused == 0, t.c.next_run_time <= ts)
                .order_by(t.c.next_run_time).limit(limit))
+        # due_time = next_run_time: SET reads the row as it was before the UPDATE.
         changes = {"next_run_time": lease, "fence": t.c.fence + 1, "attempt": t.c.attempt + 1,
-                   "owner": owner, "claimed_at": now}
+                   "owner": owner, "claimed_at": now, "due_time": t.c.next_run_time}
         cols = (t.c.key, t.c.type, t.c.cron, t.c.delay, t.c.timezone, t.c.data, t.c.next_time,
                 t.c.fence, t.c.attempt)
         if self._returning:
             if self.dialect == "postgresql":
                 due = due.with_for_update(skip_locked=True)
             stmt = (t.update().where(t.c.key.in_(due.scalar_subquery()))
-                    .values(**changes).returning(*cols))
+                    .values(**changes).returning(*cols, t.c.due_time))
             out = [Claimed(*r) for r in conn.execute(stmt).all()]
             out.sort(key=lambda c: c.next_time)
             return out
         # SQLite without RETURNING (SQLAlchemy 1.4), MySQL/MariaDB: read and write in one
         # transaction that holds the rows (SQLite: the write lock; MySQL: SKIP LOCKED).
-        select_rows = (sa.select(*cols).where(t.c.paused == 0, t.c.next_run_time <= ts)
+        # MySQL assigns SET values left to right, so due_time comes from this read instead.
+        del changes["due_time"]
+        select_rows = (sa.select(*cols, t.c.next_run_time)
+                       .where(t.c.paused == 0, t.c.next_run_time <= ts)
                        .order_by(t.c.next_run_time).limit(limit))
         if self.dialect == "mysql":
             select_rows = select_rows.with_for_update(skip_locked=True)
@@ -431,7 +438,7 @@ class Store:
         if not found:
             return []
         conn.execute(t.update().where(t.c.key.in_([r[0] for r in found])).values(**changes))
-        return [Claimed(*r[:7], fence=r[7] + 1, attempt=r[8] + 1) for r in found]
+        return [Claimed(*r[:7], fence=r[7] + 1, attempt=r[8] + 1, due_time=r[9]) for r in found]
 
     @_retried
     def heartbeat(self, held: Sequence[tuple[str, int]], lease_until: int) -> set[str]:

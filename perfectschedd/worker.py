@@ -239,7 +239,7 @@ class Worker:
 
     def _run_one(self, task: Task) -> None:
         started = time.time()
-        due = task.scheduled_time + task.delay
+        due = task.due_time  # retries and --at are due later than the occurrence
         outcome = "failed"
         duration = 0.0
         try:

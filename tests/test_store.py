@@ -343,3 +343,17 @@ def test_url_forms(tmp_path: Any) -> None:
         Store("sqlite://")
     with pytest.raises(perfectschedd.ConfigError, match="^url: "):
         Store("mssql://u:p@h/db")
+
+
+def test_task_knows_when_it_was_due(sc: ScheduleCollection) -> None:
+    """Lateness counts from the due time of this claim: --at, delay, or a retry's time."""
+    sc.add("late", "t", cron="0 * * * *", start=T0, at=T0 + 500, now=T0)
+    sc.add("delayed", "t", cron="0 * * * *", start=T0, delay=30, now=T0)
+    tasks = {t.key: t for t in sc.poll_many(10, now=T0 + 600)}
+    assert tasks["late"].due_time == T0 + 500
+    assert tasks["delayed"].due_time == T0 + 30
+    assert tasks["late"].scheduled_time == tasks["delayed"].scheduled_time == T0
+    tasks["late"].retry(now=T0 + 700)
+    again = sc.poll(now=T0 + 700 + RETRY + 5)
+    assert again is not None and again.key == "late"
+    assert again.due_time == T0 + 700 + RETRY
