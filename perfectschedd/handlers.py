@@ -190,6 +190,19 @@ class Router:
             self._by_type[task_type] = handler
             return handler
 
+    def preload(self) -> list[str]:
+        """Import every python route now (a worker calls this at start), so the first
+        task of a type does not pay for the import; returns the problems found."""
+        problems = []
+        with self._lock:
+            for index, route in enumerate(self.routes):
+                if index not in self._resolved:
+                    self._resolved[index] = self._resolve(route)
+                resolved = self._resolved[index]
+                if isinstance(resolved, str):
+                    problems.append(f"route {route.pattern}: {resolved}")
+        return problems
+
     def _lookup(self, task_type: str) -> Handler | None:
         index = next((i for i, r in enumerate(self.routes) if r.matches(task_type)), None)
         if index is None:

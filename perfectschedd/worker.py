@@ -153,6 +153,8 @@ class Worker:
         for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
             signal.signal(sig, _ignore)
         signal.signal(signal.SIGUSR2, self._on_usr2)
+        for problem in self.router.preload():
+            log.error("%s; its tasks are retried until a reload fixes it", problem)
         log.info("worker %d started", self.index)
         sel = selectors.DefaultSelector()
         sel.register(self.wake_fd, selectors.EVENT_READ)
