@@ -426,6 +426,19 @@ def _explained(starts: list[Run], ends: list[Run], faults: Sequence[Fault]) -> b
     return False
 
 
+def describe(runs: Sequence[Run], occ: tuple[str, int], faults: Sequence[Fault]) -> str:
+    """The log lines of one occurrence and the faults near them (for failure reports)."""
+    mine = [r for r in runs if (r.key, r.scheduled_time) == occ]
+    lines = [f"{occ[0]} @ {occ[1]}:"]
+    lines += [f"  {r.kind} attempt={r.attempt} node={r.node} pid={r.pid} worker={r.worker} "
+              f"at={r.at:.2f}" for r in mine]
+    if mine:
+        lo, hi = min(r.at for r in mine) - 10, max(r.at for r in mine) + 10
+        lines += [f"  fault {f.what} {f.start:.2f}-{f.end:.2f}" for f in faults
+                  if f.end >= lo and f.start <= hi]
+    return "\n".join(lines)
+
+
 def metric(daemon: Daemon, name: str) -> float | None:
     """One unlabelled sample of the daemon's /metrics (None: not exported)."""
     url = f"http://127.0.0.1:{daemon.metrics_port}/metrics"
@@ -447,5 +460,6 @@ def watchdog_gaps(daemon: Daemon) -> float:
 
 
 __all__ = ["Cluster", "Daemon", "Fault", "LatencyProxy", "Report", "Run",
-           "add_catchup_schedules", "analyse", "expected_occurrences", "metric", "now_boot",
+           "add_catchup_schedules", "analyse", "describe", "expected_occurrences",
+           "metric", "now_boot",
            "parse_log", "pid_alive", "wait_until", "watchdog_gaps", "workers"]
