@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import logging.handlers
 import os
+import queue
 import sys
 import threading
 
@@ -57,6 +59,7 @@ _JOURNAL = "%(processName)s[%(process)d]: %(message)s"
 
 def setup(log_path: str | None, level: int = logging.INFO) -> None:
     """(Re)configure the root logger; called by the master and again on reload."""
+    shutdown()
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
@@ -71,15 +74,52 @@ def setup(log_path: str | None, level: int = logging.INFO) -> None:
     else:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter(_PLAIN))
-    root.addHandler(handler)
+    global _output
+    _output = handler
+    _start_listener()
     root.setLevel(level)
+
+
+# Records go through a queue to one writer thread: task threads logging their start and
+# end lines would otherwise queue up on the output handler's lock (a convoy that cost a
+# third of a worker's time in a burst).
+_output: logging.Handler | None = None
+_listener: logging.handlers.QueueListener | None = None
+
+
+def _start_listener() -> None:
+    global _listener
+    assert _output is not None
+    q: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    root.addHandler(logging.handlers.QueueHandler(q))
+    _listener = logging.handlers.QueueListener(q, _output)
+    _listener.start()
+
+
+def after_fork() -> None:
+    """In a forked child: the writer thread did not survive the fork; start a new one."""
+    global _listener
+    if _output is None:
+        return
+    _listener = None  # its thread and queue belong to the parent
+    _start_listener()
+
+
+def shutdown() -> None:
+    """Write what is queued and stop the writer thread (before exit)."""
+    global _listener
+    if _listener is not None:
+        listener, _listener = _listener, None
+        listener.stop()
 
 
 def reopen() -> None:
     """Reopen every log file (SIGUSR2)."""
-    for h in logging.getLogger().handlers:
-        if isinstance(h, ReopenableFileHandler):
-            h.reopen()
+    if isinstance(_output, ReopenableFileHandler):
+        _output.reopen()
 
 
 def set_process_name(name: str) -> None:

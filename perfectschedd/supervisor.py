@@ -145,6 +145,7 @@ class Supervisor:
             except BaseException:  # noqa: BLE001 - never return into the master's code
                 log.exception("worker %d crashed", index)
             finally:
+                logsetup.shutdown()
                 logging.shutdown()
                 os._exit(code)
         os.close(wake_r)
@@ -158,6 +159,7 @@ class Supervisor:
         log.info("worker %d spawned (pid %d, generation %d)", index, pid, self.generation)
 
     def _child_cleanup(self) -> None:
+        logsetup.after_fork()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
         # Until the worker installs its handlers, a USR2 or reload sent to the whole
@@ -736,6 +738,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    finally:
+        logsetup.shutdown()  # write what the log queue still holds
+
+
+def _main(argv: list[str] | None) -> int:
     ns = build_parser().parse_args(argv)
     source = ns.config or os.environ.get("PERFECTSCHED_CONFIG") or \
         config_mod.DEFAULT_CONFIG_PATH

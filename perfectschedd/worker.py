@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import selectors
 import signal
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
@@ -38,6 +39,43 @@ PREFETCH = 8
 PING_INTERVAL = 1.0
 HISTORY_FLUSH = 0.5
 DB_BACKOFF_MAX = 5.0  # a cron must resume soon after its database does
+
+
+class TaskThreads:
+    """`size` threads running tasks from a queue.
+
+    Not concurrent.futures: a Future and a work item per task, and the executor's
+    bookkeeping, cost more than a trivial task itself; nothing here needs a result.
+    """
+
+    def __init__(self, size: int, run: Callable[[Task], None]) -> None:
+        self._queue: queue.SimpleQueue[Task | None] = queue.SimpleQueue()
+        self._run = run
+        self._stopped = False
+        self._size = size
+        for i in range(size):
+            threading.Thread(target=self._loop, name=f"task-{i}", daemon=True).start()
+
+    def submit(self, task: Task) -> None:
+        self._queue.put(task)
+
+    def _loop(self) -> None:
+        while True:
+            task = self._queue.get()
+            if task is None or self._stopped:
+                return
+            self._run(task)
+
+    def shutdown(self) -> None:
+        """Threads finish the task they run and start no other."""
+        self._stopped = True
+        while True:  # drop what waits, then wake every thread with a sentinel
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        for _ in range(self._size):
+            self._queue.put(None)
 
 
 class BatchedTask:
@@ -159,7 +197,7 @@ class Worker:
         sel = selectors.DefaultSelector()
         sel.register(self.wake_fd, selectors.EVENT_READ)
         sel.register(self.selfpipe_r, selectors.EVENT_READ)
-        pool = ThreadPoolExecutor(self.config.concurrency, thread_name_prefix="task")
+        pool = TaskThreads(self.config.concurrency, self._run_one)
         beat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         beat.start()
         try:
@@ -186,7 +224,7 @@ class Worker:
             self.stopping.set()
         return bool(events) or self.stopping.is_set() or time.monotonic() >= deadline
 
-    def _step(self, pool: ThreadPoolExecutor) -> float:
+    def _step(self, pool: TaskThreads) -> float:
         """Claim and start what is due; return how long to sleep."""
         self._flush_history()
         if self.sc is None:
@@ -216,7 +254,7 @@ class Worker:
             for task in claimed:
                 with self.lock:
                     self.running[task.key] = task
-                pool.submit(self._run_one, task)
+                pool.submit(task)
             if want > 0 and len(claimed) == want:
                 self._set_db(True)
                 return 0.0  # there may be more due right now
@@ -346,7 +384,7 @@ class Worker:
 
     # -- stop -------------------------------------------------------------------------------
 
-    def _shutdown(self, pool: ThreadPoolExecutor) -> None:
+    def _shutdown(self, pool: TaskThreads) -> None:
         deadline = time.monotonic() + self.config.shutdown_timeout
         with self.lock:
             n = len(self.running)
@@ -360,7 +398,7 @@ class Worker:
             self._ping(force=True)
             time.sleep(0.05)
         self.kill_event.set()  # exec groups get TERM/KILL, tasks are released
-        pool.shutdown(wait=False, cancel_futures=True)
+        pool.shutdown()  # queued tasks are not started; they are released below
         end = time.monotonic() + self.config.kill_grace + 2
         while time.monotonic() < end:
             with self.lock:
