@@ -279,7 +279,9 @@ class Worker:
 
     def _run_one(self, task: Task) -> None:
         started = time.time()
-        due = task.due_time  # retries and --at are due later than the occurrence
+        # Due at the later of the occurrence (+delay) and this claim's due time: a retry or
+        # a later --at is due after the occurrence; an --at before it runs early, never late.
+        due = max(task.due_time, task.scheduled_time + task.delay)
         outcome = "failed"
         duration = 0.0
         try:
