@@ -205,6 +205,7 @@ class Store:
             self.dialect == "sqlite" and SA_MAJOR >= 2
             and bool(getattr(self.engine.dialect, "update_returning", False))
         )
+        self._build_claim_statements()
         t = self.t
         self._advance_stmt = t.update().where(
             t.c.key == sa.bindparam("k"), t.c.fence == sa.bindparam("f")).values(
@@ -412,38 +413,48 @@ class Store:
 
     def _claim_in(self, conn: Connection, now: float, lease_seconds: int, owner: str,
                   limit: int) -> list[Claimed]:
-        t = self.t
         ts = int(now)
-        lease = ts + lease_seconds
-        due = (sa.select(t.c.key).where(t.c.paused == 0, t.c.next_run_time <= ts)
-               .order_by(t.c.next_run_time).limit(limit))
-        # due_time = next_run_time: SET reads the row as it was before the UPDATE.
-        changes = {"next_run_time": lease, "fence": t.c.fence + 1, "attempt": t.c.attempt + 1,
-                   "owner": owner, "claimed_at": now, "due_time": t.c.next_run_time}
-        cols = (t.c.key, t.c.type, t.c.cron, t.c.delay, t.c.timezone, t.c.data, t.c.next_time,
-                t.c.fence, t.c.attempt)
+        params = {"due_by": ts, "lease_until": ts + lease_seconds, "holder": owner,
+                  "claim_ts": now, "batch": limit}
         if self._returning:
-            if self.dialect == "postgresql":
-                due = due.with_for_update(skip_locked=True)
-            stmt = (t.update().where(t.c.key.in_(due.scalar_subquery()))
-                    .values(**changes).returning(*cols, t.c.due_time))
-            out = [Claimed(*r) for r in conn.execute(stmt).all()]
+            out = [Claimed(*r) for r in conn.execute(self._claim_returning_stmt, params)]
             out.sort(key=lambda c: c.next_time)
             return out
         # SQLite without RETURNING (SQLAlchemy 1.4), MySQL/MariaDB: read and write in one
         # transaction that holds the rows (SQLite: the write lock; MySQL: SKIP LOCKED).
-        # MySQL assigns SET values left to right, so due_time comes from this read instead.
-        del changes["due_time"]
-        select_rows = (sa.select(*cols, t.c.next_run_time)
-                       .where(t.c.paused == 0, t.c.next_run_time <= ts)
-                       .order_by(t.c.next_run_time).limit(limit))
-        if self.dialect == "mysql":
-            select_rows = select_rows.with_for_update(skip_locked=True)
-        found = conn.execute(select_rows).all()
+        found = conn.execute(self._claim_select_stmt, params).all()
         if not found:
             return []
-        conn.execute(t.update().where(t.c.key.in_([r[0] for r in found])).values(**changes))
+        conn.execute(self._claim_update_stmt, {**params, "keys": [r[0] for r in found]})
         return [Claimed(*r[:7], fence=r[7] + 1, attempt=r[8] + 1, due_time=r[9]) for r in found]
+
+    def _build_claim_statements(self) -> None:
+        """The claim statements, built once: building them per claim cost more Python time
+        than the database spent running them."""
+        t = self.t
+        cols = (t.c.key, t.c.type, t.c.cron, t.c.delay, t.c.timezone, t.c.data, t.c.next_time,
+                t.c.fence, t.c.attempt)
+        due_rows = (t.c.paused == 0, t.c.next_run_time <= sa.bindparam("due_by"))
+        changes = {"next_run_time": sa.bindparam("lease_until"), "fence": t.c.fence + 1,
+                   "attempt": t.c.attempt + 1, "owner": sa.bindparam("holder"),
+                   "claimed_at": sa.bindparam("claim_ts")}
+        batch = sa.bindparam("batch", type_=sa.Integer)
+        due = sa.select(t.c.key).where(*due_rows).order_by(t.c.next_run_time).limit(batch)
+        if self.dialect == "postgresql":
+            due = due.with_for_update(skip_locked=True)
+        # due_time = next_run_time: SET reads the row as it was before the UPDATE.
+        self._claim_returning_stmt = (
+            t.update().where(t.c.key.in_(due.scalar_subquery()))
+            .values(**changes, due_time=t.c.next_run_time).returning(*cols, t.c.due_time))
+        # MySQL assigns SET values left to right, so there due_time comes from the read.
+        select_rows = (sa.select(*cols, t.c.next_run_time).where(*due_rows)
+                       .order_by(t.c.next_run_time).limit(batch))
+        if self.dialect == "mysql":
+            select_rows = select_rows.with_for_update(skip_locked=True)
+        self._claim_select_stmt = select_rows
+        self._claim_update_stmt = (t.update()
+                                   .where(t.c.key.in_(sa.bindparam("keys", expanding=True)))
+                                   .values(**changes))
 
     @_retried
     def heartbeat(self, held: Sequence[tuple[str, int]], lease_until: int) -> set[str]:
