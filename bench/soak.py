@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     one_offs: set[tuple[str, int]] = set()
     stalls = outages = 0
+    ok = False
     try:
         with c.open() as sc:
             sc.init()
@@ -118,7 +119,13 @@ def main(argv: list[str] | None = None) -> int:
         settle = time.monotonic() - t_settle
         expected = expected_occurrences(first, cutoff) | one_offs
         rep = analyse(c.read_log(), expected, c.faults, keys=first)
-        stale = c.leases_honest()
+        try:
+            c.assert_leases_expire()
+            stale: list[str] = []
+        except AssertionError:
+            stale = c.leases_honest()
+        silent = sum(d.log().count("silent for") for d in c.nodes)
+        late = sum(d.log().count("lease lost") for d in c.nodes)
         print(f"\nsoak of {(time.monotonic() - t_start) / 60:.1f} min, {ns.nodes} nodes, "
               f"{ns.schedules} schedules + {len(one_offs)} one-off runs")
         print(f"  occurrences expected : {rep.expected}")
@@ -134,18 +141,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  runs per node        : {dict(sorted(rep.nodes.items()))}")
         print(f"  daemons that exited  : {dead or 'none'}")
         print(f"  stale leases         : {len(stale)}")
+        print(f"  silent workers killed: {silent} (by their master)")
+        print(f"  'lease lost' warnings: {late} (a live worker's lease ran out)")
         print(f"  settled {settle:.1f} s after the last fault")
         runs = c.read_log()
         for occ in sorted(rep.unexplained)[:5] + sorted(rep.lost)[:5]:
             print(describe(runs, occ, c.faults))
         ok = not (rep.lost or rep.unexplained or rep.unexpected or dead or stale)
-        print("OK" if ok else "FAILED")
+        print("OK" if ok else f"FAILED (logs kept in {work})")
         return 0 if ok else 1
     finally:
         c.close()
         proxy.close()
         pg.stop()
-        if not ns.keep:
+        if not ns.keep and ok:
             shutil.rmtree(work, ignore_errors=True)
 
 

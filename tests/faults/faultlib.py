@@ -142,7 +142,7 @@ class Cluster:
     def kill_node(self, i: int) -> None:
         """A host crash: SIGKILL the daemon and every process under it, jobs included."""
         d = self.nodes[i]
-        doomed = [d.pid, *d.descendants()]  # before the master dies: jobs get re-parented
+        doomed = [d.pid, *descendants(d.pid)]  # before the master dies: jobs get re-parented
         t = now_boot()
         for pid in doomed:
             try:
@@ -188,8 +188,31 @@ class Cluster:
                     bad.append(f"{r.key} held by {r.owner} until {r.next_run_time}")
         return bad
 
+    def assert_leases_expire(self) -> None:
+        """Leases of dead processes are gone (taken over or expired) within alive_time."""
+        alive_time = float(self.nodes[0].config["alive_time"])
+        wait_until(lambda: not self.leases_honest(), alive_time + 3, interval=0.5,
+                   what=f"leases of dead processes to expire: {self.leases_honest()[:3]}")
+
     def read_log(self) -> list[Run]:
         return parse_log(self.log_path.read_text())
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process under `pid`, including children forked by threads other than the
+    main one (exec jobs are started from the workers' task threads)."""
+    out, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        kids: list[int] = []
+        for children in Path(f"/proc/{parent}/task").glob("*/children"):
+            try:
+                kids += [int(k) for k in children.read_text().split()]
+            except OSError:
+                pass
+        out += kids
+        todo += kids
+    return out
 
 
 def workers(d: Daemon) -> list[int]:
