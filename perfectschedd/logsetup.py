@@ -85,18 +85,49 @@ def setup(log_path: str | None, level: int = logging.INFO) -> None:
 # third of a worker's time in a burst).
 _output: logging.Handler | None = None
 _listener: logging.handlers.QueueListener | None = None
+_queue: queue.SimpleQueue[logging.LogRecord] | None = None
+
+
+class _Writer(logging.handlers.QueueListener):
+    """Writes records in order; also reopens the file or signals a flush when the queue
+    reaches the marker record for it, so neither overtakes records logged before."""
+
+    def handle(self, record: logging.LogRecord) -> None:
+        action = getattr(record, "perfectsched_action", None)
+        if action is None:
+            super().handle(record)
+        elif action == "reopen":
+            if isinstance(_output, ReopenableFileHandler):
+                _output.reopen()
+        else:
+            action.set()  # a flush() waiting for everything before it
 
 
 def _start_listener() -> None:
-    global _listener
+    global _listener, _queue
     assert _output is not None
-    q: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
+    _queue = queue.SimpleQueue()
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
-    root.addHandler(logging.handlers.QueueHandler(q))
-    _listener = logging.handlers.QueueListener(q, _output)
+    root.addHandler(logging.handlers.QueueHandler(_queue))
+    _listener = _Writer(_queue, _output)
     _listener.start()
+
+
+def _mark(action: object) -> bool:
+    if _queue is None or _listener is None:
+        return False
+    # SimpleQueue.put is reentrant: reopen() is called from a signal handler.
+    _queue.put(logging.makeLogRecord({"perfectsched_action": action}))
+    return True
+
+
+def flush(timeout: float = 5.0) -> None:
+    """Wait until every record logged so far is written."""
+    done = threading.Event()
+    if _mark(done):
+        done.wait(timeout)
 
 
 def after_fork() -> None:
@@ -117,8 +148,8 @@ def shutdown() -> None:
 
 
 def reopen() -> None:
-    """Reopen every log file (SIGUSR2)."""
-    if isinstance(_output, ReopenableFileHandler):
+    """Reopen the log file (SIGUSR2), after the records logged before it are written."""
+    if not _mark("reopen") and isinstance(_output, ReopenableFileHandler):
         _output.reopen()
 
 

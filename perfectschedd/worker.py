@@ -245,12 +245,21 @@ class Worker:
         batch = self.finished[:]
         del self.finished[:len(batch)]
         try:
-            try:
-                lost, claimed = sc.finish_and_poll(batch, want)
-            except DBAPIError:
-                self.finished[:0] = batch  # the leases still protect them; try again
-                raise
-            self._report_lost(batch, lost)
+            if not batch and want > 0:
+                # Nothing to write: look (a read, no lock) before taking the write lock,
+                # which on SQLite every other worker would wait for.
+                earliest = sc.earliest_due()
+                if earliest is None or earliest > time.time():
+                    want = 0
+            if batch or want > 0:
+                try:
+                    lost, claimed = sc.finish_and_poll(batch, want)
+                except DBAPIError:
+                    self.finished[:0] = batch  # the leases still protect them; try again
+                    raise
+                self._report_lost(batch, lost)
+            else:
+                claimed = []
             for task in claimed:
                 with self.lock:
                     self.running[task.key] = task

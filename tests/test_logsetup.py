@@ -45,6 +45,7 @@ def test_log_file_is_reopened_after_rotation(tmp_path: Path, restore_logging: No
     log.info("still the old file")
     logsetup.reopen()
     log.warning("after rotation")
+    logsetup.flush()  # records are written by a writer thread
     old = (tmp_path / "d.log.1").read_text()
     new = path.read_text()
     assert "before rotation" in old and "still the old file" in old
