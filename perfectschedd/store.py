@@ -249,8 +249,17 @@ class Store:
         # No pre-ping: it costs a round trip per transaction; a dead connection is caught
         # by _retried instead (the pool is invalidated and the operation re-run once).
         kwargs: dict[str, Any] = {"pool_size": 4, "max_overflow": 16, "pool_recycle": 3600}
+        # A server that stops answering must surface as an error (and a retry), never as
+        # a worker blocked for good: bounded connects, TCP keepalives, unacknowledged
+        # data timeout (libpq parameters; ignored on Unix sockets).
+        if self.dialect == "postgresql":
+            kwargs["connect_args"] = {
+                "connect_timeout": 10, "keepalives": 1, "keepalives_idle": 30,
+                "keepalives_interval": 10, "keepalives_count": 3, "tcp_user_timeout": 60000}
         if self.dialect == "mysql":
             kwargs["isolation_level"] = "READ COMMITTED"
+            kwargs["connect_args"] = {"connect_timeout": 10, "read_timeout": 120,
+                                      "write_timeout": 120}
         return sa.create_engine(self.url, **kwargs)
 
     @contextmanager
@@ -268,13 +277,35 @@ class Store:
     # -- schema ---------------------------------------------------------------------------
 
     def init(self) -> None:
-        """Create the tables and indexes if missing (idempotent, safe to race)."""
+        """Create the tables and indexes if missing (idempotent, safe to race), and add
+        columns that a newer version introduced to a table an older one created."""
         try:
             self.metadata.create_all(self.engine, checkfirst=True)
         except (IntegrityError, OperationalError, sa.exc.ProgrammingError):
             # Another process created them between the check and the CREATE.
             self.metadata.create_all(self.engine, checkfirst=True)
+        self._add_missing_columns()
         self._initialized = True
+
+    def _add_missing_columns(self) -> None:
+        have = {c["name"] for c in sa.inspect(self.engine).get_columns(self.t.name)}
+        for column in self.t.columns:
+            if column.name in have:
+                continue
+            if not column.nullable:
+                raise ConfigError(f"table {self.t.name}: column {column.name} is missing; "
+                                  "the table was made by an incompatible version")
+            ddl = (f"ALTER TABLE {self.engine.dialect.identifier_preparer.format_table(self.t)}"
+                   f" ADD COLUMN {self.engine.dialect.identifier_preparer.quote(column.name)}"
+                   f" {column.type.compile(dialect=self.engine.dialect)}")
+            try:
+                with self.engine.begin() as conn:
+                    conn.exec_driver_sql(ddl)
+            except (OperationalError, sa.exc.ProgrammingError):
+                # Another process added it at the same time.
+                have = {c["name"] for c in sa.inspect(self.engine).get_columns(self.t.name)}
+                if column.name not in have:
+                    raise
 
     def ensure_initialized(self) -> None:
         if not self._initialized:

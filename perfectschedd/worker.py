@@ -382,11 +382,13 @@ class Worker:
         interval = max(0.2, self.config.alive_time / 3)
         while not self.kill_event.wait(interval):
             with self.lock:
-                tasks = list(self.running.values())
-            if not tasks or self.sc is None:
+                # Finished tasks whose result is not written yet keep their lease too.
+                held = [(t.key, t.fence) for t in (*self.running.values(), *self.finished)]
+            if not held or self.sc is None:
                 continue
             try:
-                lost = self.sc.heartbeat_many(tasks)
+                lease = int(time.time()) + self.config.alive_time
+                lost = self.sc.store.heartbeat(held, lease)
             except SQLAlchemyError as exc:  # not only DBAPIError: this thread must not die
                 self._set_db(False, exc)
                 continue

@@ -251,11 +251,19 @@ class Daemon:
 
 
 def _children(pid: int) -> list[int]:
+    """Children of every thread of `pid` (exec jobs are started by worker threads)."""
+    out: list[int] = []
     try:
-        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+        threads = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return []
-    return [int(p) for p in text.split()]
+    for tid in threads:
+        try:
+            out.extend(int(p) for p in Path(f"/proc/{pid}/task/{tid}/children").read_text()
+                       .split())
+        except OSError:
+            continue
+    return sorted(set(out))
 
 
 def pid_alive(pid: int) -> bool:

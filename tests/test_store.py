@@ -357,3 +357,15 @@ def test_task_knows_when_it_was_due(sc: ScheduleCollection) -> None:
     again = sc.poll(now=T0 + 700 + RETRY + 5)
     assert again is not None and again.key == "late"
     assert again.due_time == T0 + 700 + RETRY
+
+
+def test_init_adds_columns_a_newer_version_introduced(db_url: str) -> None:
+    with open_sc(db_url) as old:
+        old.add("k", "t", cron="0 * * * *", start=T0, now=T0)
+        with old.store.engine.begin() as conn:  # a table made before due_time existed
+            conn.exec_driver_sql("ALTER TABLE perfectsched DROP COLUMN due_time")
+    with open_sc(db_url) as sc:
+        task = sc.poll(now=T0 + 5)
+        assert task is not None and task.due_time == T0
+        task.finish()
+        assert row(sc, "k")["next_time"] == T0 + H
