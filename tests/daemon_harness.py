@@ -38,6 +38,22 @@ def wait_until(pred: Callable[[], Any], timeout: float = 20.0, interval: float =
         time.sleep(interval)
 
 
+YEARLY = "0 0 1 1 *"  # due once via --at 0, then not again during a test
+
+
+def sh(task_type: str, script: str, **extra: Any) -> dict[str, Any]:
+    """An exec route running `script` with /bin/sh; the task key is $1."""
+    return {"type": task_type, "exec": ["/bin/sh", "-c", script, "sh"], **extra}
+
+
+def lines(path: Path) -> list[str]:
+    """The lines of a file a job appends to ([] before it exists)."""
+    try:
+        return path.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

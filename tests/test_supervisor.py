@@ -15,23 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_harness import DAEMON, Daemon, pid_alive, wait_until
+from daemon_harness import DAEMON, YEARLY, Daemon, lines, pid_alive, sh, wait_until
 
 import perfectschedd
-
-YEARLY = "0 0 1 1 *"  # due once via --at 0, then not again during a test
-
-
-def sh(task_type: str, script: str, **extra: Any) -> dict[str, Any]:
-    """An exec route running `script` with /bin/sh; the task key is $1."""
-    return {"type": task_type, "exec": ["/bin/sh", "-c", script, "sh"], **extra}
-
-
-def lines(path: Path) -> list[str]:
-    try:
-        return path.read_text().splitlines()
-    except FileNotFoundError:
-        return []
 
 
 def row(d: Daemon, key: str) -> Any:

@@ -13,23 +13,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from daemon_harness import Daemon, pid_alive, wait_until
+from daemon_harness import YEARLY, Daemon, lines, pid_alive, sh, wait_until
 
 import perfectschedd
 
-YEARLY = "0 0 1 1 *"  # due once via --at, then not again during a test
 STAMP = 'echo "$1 $PERFECTSCHED_ATTEMPT $PERFECTSCHED_SCHEDULED_TIME $(date +%s.%N)"'
 
 
-def sh(task_type: str, script: str, **extra: Any) -> dict[str, Any]:
-    return {"type": task_type, "exec": ["/bin/sh", "-c", script, "sh"], **extra}
-
-
-def lines(path: Path) -> list[str]:
-    try:
-        return path.read_text().splitlines()
-    except FileNotFoundError:
-        return []
 
 
 def runs(path: Path, key: str) -> list[tuple[int, int, float]]:
