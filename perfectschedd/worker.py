@@ -123,7 +123,9 @@ class Worker:
         self.lock = threading.Lock()
         self.history: list[dict[str, Any]] = []
         self.finished: list[Task] = []  # finished by handlers, not yet written
-        self.avg_duration = 1.0  # seconds, moving average; starts "slow"
+        # Seconds, a moving average quick to follow: it starts just "slow", so a few
+        # short tasks turn prefetch on and one long task turns it off again.
+        self.avg_duration = 2 * FAST_TASK
         self.no_route_logged: set[str] = set()
         self.db_ok = True
         self.db_backoff = 0.5
@@ -311,7 +313,7 @@ class Worker:
                                        stop_event=self.kill_event,
                                        kill_grace=self.config.kill_grace)
             outcome, duration = str(result.outcome), result.duration
-            self.avg_duration = 0.9 * self.avg_duration + 0.1 * duration
+            self.avg_duration = 0.8 * self.avg_duration + 0.2 * duration
             log.info("end key=%s scheduled=%d attempt=%d duration=%.3fs outcome=%s%s",
                      task.key, task.scheduled_time, task.attempt, duration, outcome,
                      f" exit={result.exit_code}" if result.exit_code is not None else "")
