@@ -244,8 +244,8 @@ class Worker:
             free = capacity - len(self.running)
         claimed: list[Task] = []
         want = max(0, min(free, CLAIM_BATCH))
-        batch = self.finished[:]
-        del self.finished[:len(batch)]
+        batch = self._take_finished()
+        earliest: int | None = None
         try:
             if not batch and want > 0:
                 # Nothing to write: look (a read, no lock) before taking the write lock,
@@ -254,22 +254,16 @@ class Worker:
                 if earliest is None or earliest > time.time():
                     want = 0
             if batch or want > 0:
-                try:
-                    lost, claimed = sc.finish_and_poll(batch, want)
-                except DBAPIError:
-                    self.finished[:0] = batch  # the leases still protect them; try again
-                    raise
-                self._report_lost(batch, lost)
-            else:
-                claimed = []
-            for task in claimed:
-                with self.lock:
-                    self.running[task.key] = task
-                pool.submit(task)
-            if want > 0 and len(claimed) == want:
-                self._set_db(True)
-                return 0.0  # there may be more due right now
-            earliest = sc.earliest_due()
+                claimed = self._finish_and_claim(batch, want)
+                for task in claimed:
+                    with self.lock:
+                        self.running[task.key] = task
+                    pool.submit(task)
+                if want > 0 and len(claimed) == want:
+                    self._set_db(True)
+                    return 0.0  # there may be more due right now
+                if free > 0:
+                    earliest = sc.earliest_due()
             self._set_db(True)
         except DBAPIError as exc:
             self._set_db(False, exc)
@@ -341,18 +335,21 @@ class Worker:
                 })
             self._nudge()
 
-    def _flush_finished(self) -> None:
-        """Write the queued finishes in one transaction; keep them if the database fails."""
-        if not self.finished or self.sc is None:
-            return
+    def _take_finished(self) -> list[Task]:
         batch = self.finished[:]
         del self.finished[:len(batch)]
+        return batch
+
+    def _finish_and_claim(self, batch: list[Task], want: int) -> list[Task]:
+        """Write finished tasks and lease up to `want` more, in one transaction."""
+        assert self.sc is not None
         try:
-            lost = self.sc.store.advance([t.next_advance() for t in batch])
+            lost, claimed = self.sc.finish_and_poll(batch, want)
         except DBAPIError:
             self.finished[:0] = batch  # the leases still protect them; try again
             raise
         self._report_lost(batch, lost)
+        return claimed
 
     def _report_lost(self, batch: list[Task], lost: set[str]) -> None:
         for task in batch:
@@ -429,7 +426,8 @@ class Worker:
             except Exception:  # noqa: BLE001 - best effort at exit; the lease expires anyway
                 pass
         try:
-            self._flush_finished()
+            if self.sc is not None and self.finished:
+                self._finish_and_claim(self._take_finished(), 0)
         except DBAPIError:
             log.error("could not write %d finished task(s); they run again when their "
                       "leases expire", len(self.finished))
