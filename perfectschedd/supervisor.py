@@ -58,7 +58,7 @@ class WorkerProc:
 
 
 class Supervisor:
-    def __init__(self, config: Config, config_source: str | None, environment: str | None
+    def __init__(self, config: Config, config_source: str, environment: str | None
                  ) -> None:
         self.config = config
         self.config_source = config_source
@@ -427,8 +427,6 @@ class Supervisor:
         self.notify("RELOADING=1", f"MONOTONIC_USEC={mono_usec}", "STATUS=reloading")
         try:
             new = config_mod.load(self.config_source, self.environment)
-            if self.config_source is None and self.config.source is None:
-                new = self.config
         except (ConfigError, NotSupportedError) as exc:
             log.error("reload failed, keeping the running configuration: %s", exc)
             self.last_error = f"reload: {exc}"
