@@ -136,6 +136,25 @@ def test_poll_many_and_finish_many(sc: ScheduleCollection) -> None:
     assert all(i.next_time == T0 + H and i.owner is None for i in infos)
 
 
+def test_finish_many_writes_only_rows_still_held(sc: ScheduleCollection) -> None:
+    """A batch finish with cron and one-off rows, where some leases were lost by a delete
+    or a modify (the row is still there with a newer fence): exactly the held rows move."""
+    for key in ("a", "b", "c"):
+        sc.add(key, "t", cron="0 * * * *", next_time=T0, now=T0)
+    once1 = sc["a"].run_now(now=T0 - 5)  # one-off rows (perfectschedctl run)
+    once2 = sc["c"].run_now(now=T0 - 5)
+    tasks = sc.poll_many(10, now=T0)
+    assert len(tasks) == 5
+    sc["b"].modify(data={"x": 1}, now=T0 + 1)  # fence moves on, the row stays
+    sc[once2].delete()
+    lost = sc.finish_many(tasks)
+    assert lost == {"b", once2}
+    assert row(sc, "a")["next_time"] == T0 + H and row(sc, "c")["next_time"] == T0 + H
+    b = row(sc, "b")
+    assert b["next_time"] == T0 and b["owner"] is None and b["data"] == {"x": 1}
+    assert not sc[once1].exists()  # a one-off is deleted when it finishes
+
+
 def test_retry_timing_and_attempts(sc: ScheduleCollection) -> None:
     sc.add("k", "t", cron="0 * * * *", next_time=T0, now=T0)
     task = sc.poll(now=T0 + 5)
