@@ -18,7 +18,6 @@ from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import event
-from sqlalchemy.dialects.mysql import MEDIUMTEXT
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.engine.url import URL, make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
@@ -105,11 +104,20 @@ def engine_url(url: str) -> URL:
 # Unix seconds with a fraction: double precision everywhere (MySQL's plain FLOAT is 4 bytes
 # and would round today's times to ~2 minutes).
 _SECONDS = sa.Float(precision=53)
-# JSON text up to DATA_MAX bytes: MySQL's TEXT stops at 65535 bytes.
-_DATA = sa.Text().with_variant(MEDIUMTEXT(), "mysql")
 
 
-def _schedules_table(metadata: sa.MetaData, name: str, partial_indexes: bool) -> sa.Table:
+def _data_type(dialect: str) -> sa.types.TypeEngine[Any]:
+    """JSON text up to DATA_MAX bytes: MySQL's TEXT stops at 65535 bytes.  The MySQL
+    dialect is imported only where it is used: every dialect module loaded costs each
+    process about a megabyte."""
+    if dialect != "mysql":
+        return sa.Text()
+    from sqlalchemy.dialects.mysql import MEDIUMTEXT
+
+    return MEDIUMTEXT()
+
+
+def _schedules_table(metadata: sa.MetaData, name: str, dialect: str) -> sa.Table:
     t = sa.Table(
         name, metadata,
         sa.Column("key", sa.String(KEY_MAX), primary_key=True),
@@ -117,7 +125,7 @@ def _schedules_table(metadata: sa.MetaData, name: str, partial_indexes: bool) ->
         sa.Column("cron", sa.String(CRON_MAX), nullable=True),  # NULL: a one-off run
         sa.Column("delay", sa.Integer, nullable=False, default=0),
         sa.Column("timezone", sa.String(TZ_MAX), nullable=False),
-        sa.Column("data", _DATA, nullable=False),
+        sa.Column("data", _data_type(dialect), nullable=False),
         sa.Column("next_time", sa.BigInteger, nullable=False),
         sa.Column("next_run_time", sa.BigInteger, nullable=False),
         sa.Column("paused", sa.SmallInteger, nullable=False, default=0),
@@ -130,11 +138,11 @@ def _schedules_table(metadata: sa.MetaData, name: str, partial_indexes: bool) ->
     )
     # The claim reads "unpaused rows, smallest next_run_time first": O(log n) on this index.
     sa.Index(f"{name}_due", t.c.paused, t.c.next_run_time)
-    if partial_indexes:
+    if dialect != "mysql":
         # Leased rows only (status, release_owner): tiny, so claims and finishes barely
         # pay for it.  MySQL has no partial indexes; there those reads scan the table.
-        sa.Index(f"{name}_held", t.c.owner, postgresql_where=t.c.owner.isnot(None),
-                 sqlite_where=t.c.owner.isnot(None))
+        # Only this dialect's keyword: naming another one makes SQLAlchemy import it.
+        sa.Index(f"{name}_held", t.c.owner, **{f"{dialect}_where": t.c.owner.isnot(None)})
     return t
 
 
@@ -199,7 +207,7 @@ class Store:
         self.dialect = self.url.get_backend_name()
         self.engine = self._create_engine()
         self.metadata = sa.MetaData()
-        self.t = _schedules_table(self.metadata, table, self.dialect != "mysql")
+        self.t = _schedules_table(self.metadata, table, self.dialect)
         self.h = _history_table(self.metadata, table)
         self._returning = self.dialect == "postgresql" or (
             self.dialect == "sqlite" and SA_MAJOR >= 2
