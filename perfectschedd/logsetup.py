@@ -8,6 +8,7 @@ import os
 import queue
 import sys
 import threading
+import time
 
 # syslog priorities of sd-daemon(3), as journald reads them from a "<N>" line prefix.
 _PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3,
@@ -67,13 +68,13 @@ def setup(log_path: str | None, level: int = logging.INFO) -> None:
     handler: logging.Handler
     if log_path:
         handler = ReopenableFileHandler(log_path)
-        handler.setFormatter(logging.Formatter(_PLAIN))
+        handler.setFormatter(_CachedTimeFormatter(_PLAIN))
     elif under_journald():
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(JournalFormatter(_JOURNAL))
     else:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter(_PLAIN))
+        handler.setFormatter(_CachedTimeFormatter(_PLAIN))
     global _output
     _output = handler
     _start_listener()
@@ -82,25 +83,136 @@ def setup(log_path: str | None, level: int = logging.INFO) -> None:
 
 # Records go through a queue to one writer thread: task threads logging their start and
 # end lines would otherwise queue up on the output handler's lock (a convoy that cost a
-# third of a worker's time in a burst).
+# third of a worker's time in a burst).  The writer takes whatever has queued up and
+# writes it with one flush: one system call per batch, not per line.
 _output: logging.Handler | None = None
-_listener: logging.handlers.QueueListener | None = None
-_queue: queue.SimpleQueue[logging.LogRecord] | None = None
+_listener: _Writer | None = None
+_queue: queue.SimpleQueue[logging.LogRecord | None] | None = None
+_process_name = "MainProcess"
+_pid = os.getpid()
+WRITE_BATCH = 512  # most records written with one flush
 
 
-class _Writer(logging.handlers.QueueListener):
-    """Writes records in order; also reopens the file or signals a flush when the queue
-    reaches the marker record for it, so neither overtakes records logged before."""
+class _Enqueue(logging.handlers.QueueHandler):
+    """The root logger's only handler: records are completed here and formatted by the
+    writer thread."""
 
-    def handle(self, record: logging.LogRecord) -> None:
-        action = getattr(record, "perfectsched_action", None)
-        if action is None:
-            super().handle(record)
-        elif action == "reopen":
-            if isinstance(_output, ReopenableFileHandler):
-                _output.reopen()
+    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
+        if record.exc_info or record.exc_text or record.stack_info:
+            record = super().prepare(record)  # the traceback, formatted now
         else:
-            action.set()  # a flush() waiting for everything before it
+            # Merge the arguments now (they may change once the call returns).  No copy
+            # as QueueHandler makes: this is the record's only handler, and a copy per
+            # record showed in the burst profile.
+            record.msg = record.getMessage()
+            record.args = None
+        # Cached: os.getpid() per record is a system call.
+        record.process = _pid
+        record.processName = _process_name
+        return record
+
+
+class _CachedTimeFormatter(logging.Formatter):
+    """formatTime once per second of wall time, not per record."""
+
+    def __init__(self, fmt: str) -> None:
+        super().__init__(fmt)
+        self._second = -1
+        self._prefix = ""
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        second = int(record.created)
+        if second != self._second:
+            self._second = second
+            self._prefix = time.strftime(self.default_time_format,
+                                         self.converter(record.created))
+        return f"{self._prefix},{int(record.msecs):03d}"
+
+
+class _Writer:
+    """The thread writing queued records in order.  It also reopens the file or signals
+    a flush when it reaches the marker record for it, so neither overtakes records
+    logged before."""
+
+    def __init__(self, q: queue.SimpleQueue[logging.LogRecord | None],
+                 output: logging.Handler) -> None:
+        self.queue = q
+        self.output = output
+        self.thread = threading.Thread(target=self._run, name="log-writer", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.queue.put(None)
+        self.thread.join()
+
+    def _run(self) -> None:
+        while True:
+            batch = [self.queue.get()]
+            while len(batch) < WRITE_BATCH:
+                try:
+                    batch.append(self.queue.get_nowait())
+                except queue.Empty:
+                    break
+            if not self._write(batch):
+                return
+
+    def _write(self, batch: list[logging.LogRecord | None]) -> bool:
+        """Write a batch; False once the stop sentinel was reached."""
+        lines: list[str] = []
+        for record in batch:
+            if record is None:
+                self._emit(lines)
+                return False
+            action = getattr(record, "perfectsched_action", None)
+            if action is None:
+                if record.levelno >= self.output.level:
+                    lines.append(self.output.format(record))
+                continue
+            self._emit(lines)
+            lines = []
+            if action == "reopen":
+                if isinstance(self.output, ReopenableFileHandler):
+                    self.output.reopen()
+            else:
+                action.set()  # a flush() waiting for everything before it
+        self._emit(lines)
+        return True
+
+    def _emit(self, lines: list[str]) -> None:
+        if not lines:
+            return
+        out = self.output
+        try:
+            assert isinstance(out, logging.StreamHandler)
+            with out.lock:  # type: ignore[union-attr]
+                out.stream.write("\n".join(lines) + "\n")
+                out.stream.flush()
+        except Exception:  # noqa: BLE001 - like logging's handleError: never kill the writer
+            sys.stderr.write(f"perfectschedd: cannot write {len(lines)} log line(s)\n")
+
+
+_held_at_fork: logging.Handler | None = None
+
+
+def _before_fork() -> None:
+    # A fork in the middle of the writer's write() would leave the child a stream whose
+    # internal lock is held by a thread that does not exist there: every line the
+    # child writes would fail.  So no fork happens while a batch is being written.
+    global _held_at_fork
+    _held_at_fork = _output
+    if _held_at_fork is not None:
+        _held_at_fork.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    global _held_at_fork
+    if _held_at_fork is not None:
+        _held_at_fork.release()
+    _held_at_fork = None
+
+
+# In the child, logging itself gives every handler a fresh lock (registered before ours).
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent)
 
 
 def _start_listener() -> None:
@@ -110,9 +222,8 @@ def _start_listener() -> None:
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
-    root.addHandler(logging.handlers.QueueHandler(_queue))
+    root.addHandler(_Enqueue(_queue))  # type: ignore[arg-type]
     _listener = _Writer(_queue, _output)
-    _listener.start()
 
 
 def _mark(action: object) -> bool:
@@ -132,7 +243,8 @@ def flush(timeout: float = 5.0) -> None:
 
 def after_fork() -> None:
     """In a forked child: the writer thread did not survive the fork; start a new one."""
-    global _listener
+    global _listener, _pid
+    _pid = os.getpid()
     if _output is None:
         return
     _listener = None  # its thread and queue belong to the parent
@@ -154,6 +266,6 @@ def reopen() -> None:
 
 
 def set_process_name(name: str) -> None:
-    import multiprocessing
-
-    multiprocessing.current_process().name = name
+    """The name log lines carry (%(processName)s): master, worker-N."""
+    global _process_name
+    _process_name = name

@@ -54,6 +54,35 @@ def test_log_file_is_reopened_after_rotation(tmp_path: Path, restore_logging: No
                     new), new
 
 
+def test_lines_name_the_process_and_keep_their_order(tmp_path: Path,
+                                                     restore_logging: None) -> None:
+    """Many records at once (written in batches) arrive complete and in order, with the
+    process name and pid; a forked child logs its own pid."""
+    path = tmp_path / "d.log"
+    logsetup.setup(str(path))
+    logsetup.set_process_name("worker-7")
+    log = logging.getLogger("perfectschedd.test")
+    for i in range(5000):
+        log.info("line %d of %s", i, "many")
+    pid = os.fork()
+    if pid == 0:  # the child: a new writer thread, its own pid in the lines
+        try:
+            logsetup.after_fork()
+            logsetup.set_process_name("worker-8")
+            log.warning("from the child")
+            logsetup.shutdown()
+        finally:
+            os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    logsetup.flush()
+    lines = path.read_text().splitlines()
+    mine = [line for line in lines if "worker-7[" in line]
+    assert len(mine) == 5000
+    assert all(line.endswith(f"INFO worker-7[{os.getpid()}]: line {i} of many")
+               for i, line in enumerate(mine)), mine[:3]
+    assert any(line.endswith(f"WARNING worker-8[{pid}]: from the child") for line in lines)
+
+
 def test_journal_formatter_prefixes_every_line() -> None:
     fmt = logsetup.JournalFormatter("%(message)s")
     try:
