@@ -80,6 +80,26 @@ class _WorkerMetrics:
                            "1 if every live worker reached the database on its last try.",
                            multiprocess_mode="livemin", registry=None)
         self.db_up.set(1)
+        # Labelled children by type (and outcome): .labels() per task cost as much as
+        # the updates themselves.
+        self._per_type: dict[str, tuple[Any, Any, Any, Any]] = {}
+        self._finished: dict[tuple[str, str], Any] = {}
+
+    def for_type(self, task_type: str) -> tuple[Any, Any, Any, Any]:
+        """(started, lateness, duration, last_success) of one task type."""
+        children = self._per_type.get(task_type)
+        if children is None:
+            children = self._per_type[task_type] = (
+                self.started.labels(task_type), self.lateness.labels(task_type),
+                self.duration.labels(task_type), self.last_success.labels(task_type))
+        return children
+
+    def finished_of(self, task_type: str, outcome: str) -> Any:
+        child = self._finished.get((task_type, outcome))
+        if child is None:
+            child = self._finished[task_type, outcome] = self.finished.labels(task_type,
+                                                                              outcome)
+        return child
 
 
 def after_fork_in_worker() -> None:
@@ -99,18 +119,21 @@ def after_fork_in_worker() -> None:
 def task_started(task_type: str, lateness: float) -> None:
     if _worker is None:
         return
-    _worker.started.labels(task_type).inc()
-    _worker.lateness.labels(task_type).observe(max(0.0, lateness))
+    started, late, _, _ = _worker.for_type(task_type)
+    started.inc()
+    late.observe(max(0.0, lateness))
 
 
 def task_finished(task_type: str, outcome: str, duration: float) -> None:
     if _worker is None:
         return
-    _worker.finished.labels(task_type, outcome).inc()
-    if outcome != "no_route":  # never started: no run time to record
-        _worker.duration.labels(task_type).observe(max(0.0, duration))
+    _worker.finished_of(task_type, outcome).inc()
+    if outcome == "no_route":  # never started: no run time to record
+        return
+    _, _, run_time, last_success = _worker.for_type(task_type)
+    run_time.observe(max(0.0, duration))
     if outcome == "success":
-        _worker.last_success.labels(task_type).set(time.time())
+        last_success.set(time.time())
 
 
 def lease_lost(task_type: str) -> None:
