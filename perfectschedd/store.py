@@ -23,6 +23,7 @@ from sqlalchemy.engine.url import URL, make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
 from .errors import ConfigError
+from .writelock import HostWriteLock
 
 F = TypeVar("F", bound=Callable[..., Any])
 # Extra runs of a schedule (perfectschedctl run) are one-off rows keyed KEY@run-....
@@ -206,6 +207,8 @@ class Store:
         self.url = engine_url(url)
         self.dialect = self.url.get_backend_name()
         self.engine = self._create_engine()
+        self._write_lock = (HostWriteLock(self.url.database or "", SQLITE_LOCK_WAIT)
+                            if self.dialect == "sqlite" else None)
         self.metadata = sa.MetaData()
         self.t = _schedules_table(self.metadata, table, self.dialect)
         self.h = _history_table(self.metadata, table)
@@ -279,6 +282,10 @@ class Store:
     @contextmanager
     def _tx(self, readonly: bool = False) -> Iterator[Connection]:
         """One transaction (SQLite: BEGIN IMMEDIATE unless readonly)."""
+        if self._write_lock is not None and not readonly:
+            with self._write_lock.held(), self.engine.connect() as conn, conn.begin():
+                yield conn
+            return
         conn = self.engine.connect()
         if readonly and self.dialect == "sqlite":
             conn = conn.execution_options(readonly=True)
