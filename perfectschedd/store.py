@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import operator
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -185,15 +186,18 @@ class _DriverStatement:
         # Values written into the statement itself (attempt=0, fence + 1, owner=NULL).
         self.fixed = {name: b.value for b, name in compiled.bind_names.items()
                       if not b.required}
-        self.names: list[str] | None = (list(compiled.positiontup or ())
-                                        if compiled.positional else None)
+        names = list(compiled.positiontup or ()) if compiled.positional else []
+        # Positional drivers (sqlite3's "?"): the row's values in the statement's order.
+        self.positional: Callable[[dict[str, Any]], Any] | None = None
+        if len(names) > 1:
+            self.positional = operator.itemgetter(*names)
+        elif names:
+            self.positional = lambda row, name=names[0]: (row[name],)
 
     def executemany(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> int:
-        if self.names is None:
-            params: Any = [{**self.fixed, **r} for r in rows]
-        else:
-            fixed, names = self.fixed, self.names
-            params = [tuple(r[n] if n in r else fixed[n] for n in names) for r in rows]
+        fixed, get = self.fixed, self.positional
+        params: Any = ([{**fixed, **r} for r in rows] if get is None
+                       else [get({**fixed, **r}) for r in rows])
         return int(conn.exec_driver_sql(self.sql, params).rowcount)
 
 
