@@ -618,9 +618,11 @@ class _Watchdog:
         try:
             yield
         finally:
+            # No notify: a watch that came due while suspended keeps the loop polling
+            # every 10 ms (retry_soon), and a wake-up per finish() cost every task a
+            # turn of the watchdog thread.
             with self._cond:
                 watch.suspended = False
-                self._cond.notify()
 
     def _fire(self, watch: _Watch, exc: type[BaseException]) -> None:
         watch.fired = exc
