@@ -273,6 +273,12 @@ class Store:
                 " FROM unnest(%(k)s::text[], %(f)s::bigint[], %(nt)s::bigint[],"
                 " %(nrt)s::bigint[]) AS adv(k, f, nt, nrt)"
                 " WHERE t.key = adv.k AND t.fence = adv.f RETURNING t.key")
+            history = dialect.identifier_preparer.format_table(self.h).replace("%", "%%")
+            arrays = ", ".join(f"%({c})s::{pg_type}[]" for c, pg_type in zip(
+                HISTORY_COLUMNS, ("text", "text", "bigint", "integer", "double precision",
+                                  "double precision", "text", "text"), strict=True))
+            self._pg_history_sql = (f"INSERT INTO {history} ({', '.join(HISTORY_COLUMNS)})"
+                                    f" SELECT * FROM unnest({arrays})")
             self._pg_delete_sql = (
                 f"DELETE FROM {table} AS t USING unnest(%(k)s::text[], %(f)s::bigint[])"
                 " AS d(k, f) WHERE t.key = d.k AND t.fence = d.f RETURNING t.key")
@@ -654,8 +660,13 @@ class Store:
     @_retried
     def record_runs(self, runs: Iterable[dict[str, Any]]) -> None:
         payload = list(runs)
-        if payload:
-            with self._tx() as conn:
+        if not payload:
+            return
+        with self._tx() as conn:
+            if self.dialect == "postgresql":  # one statement over arrays, as in advance
+                conn.exec_driver_sql(self._pg_history_sql, {
+                    c: [r[c] for r in payload] for c in HISTORY_COLUMNS})
+            else:
                 self._record_runs_many.executemany(conn, payload)
 
     @_retried

@@ -403,3 +403,19 @@ def test_a_sqlite_store_loads_no_other_dialect(tmp_path: Path) -> None:
                          check=True).stdout
     assert "sqlalchemy.dialects.sqlite" in out
     assert "postgresql" not in out and "mysql" not in out
+
+
+def test_run_history_is_recorded_in_batches_newest_first(sc: ScheduleCollection) -> None:
+    def run(key: str, n: int) -> dict[str, Any]:
+        return {"key": key, "type": "t", "scheduled_time": T0 + n, "attempt": 1,
+                "started_at": T0 + n + 0.25, "finished_at": T0 + n + 1.5,
+                "outcome": "success" if n % 2 else "failed", "worker": "host:1:w0"}
+
+    sc.store.record_runs([run("k", i) for i in range(3)] + [run("other", 9)])
+    sc.store.record_runs([run("k", 3), run("k@run-1-ab", 4)])
+    got = sc.store.history("k", 10)
+    assert [r["scheduled_time"] - T0 for r in got] == [4, 3, 2, 1, 0]
+    assert {k: v for k, v in got[1].items() if k != "id"} == run("k", 3)
+    assert [r["scheduled_time"] - T0 for r in sc.store.history("k", 2)] == [4, 3]
+    sc.store.record_runs([])
+    assert len(sc.store.history("other", 10)) == 1
