@@ -265,23 +265,26 @@ class Store:
             t.c.key == sa.bindparam("k"), t.c.fence == sa.bindparam("f"))
         dialect = self.engine.dialect
         if self.dialect == "postgresql":
-            # The driver's own SQL ("%" escaped for its paramstyle).
+            # The driver's own SQL ("%" escaped for its paramstyle).  A batch travels as
+            # one JSON text: json.dumps is C, where psycopg dumps array items one by one
+            # in Python.
             table = dialect.identifier_preparer.format_table(t).replace("%", "%%")
             self._pg_advance_sql = (
                 f"UPDATE {table} AS t SET next_time = adv.nt, next_run_time = adv.nrt,"
                 " attempt = 0, owner = NULL, claimed_at = NULL, fence = t.fence + 1"
-                " FROM unnest(%(k)s::text[], %(f)s::bigint[], %(nt)s::bigint[],"
-                " %(nrt)s::bigint[]) AS adv(k, f, nt, nrt)"
-                " WHERE t.key = adv.k AND t.fence = adv.f RETURNING t.key")
+                " FROM json_to_recordset(%(rows)s::json) AS adv(k text, f bigint, nt bigint,"
+                " nrt bigint) WHERE t.key = adv.k AND t.fence = adv.f RETURNING t.key")
+            self._pg_delete_sql = (
+                f"DELETE FROM {table} AS t USING json_to_recordset(%(rows)s::json)"
+                " AS d(k text, f bigint) WHERE t.key = d.k AND t.fence = d.f RETURNING t.key")
             history = dialect.identifier_preparer.format_table(self.h).replace("%", "%%")
-            arrays = ", ".join(f"%({c})s::{pg_type}[]" for c, pg_type in zip(
+            columns = ", ".join(HISTORY_COLUMNS)
+            typed = ", ".join(f"{c} {pg_type}" for c, pg_type in zip(
                 HISTORY_COLUMNS, ("text", "text", "bigint", "integer", "double precision",
                                   "double precision", "text", "text"), strict=True))
-            self._pg_history_sql = (f"INSERT INTO {history} ({', '.join(HISTORY_COLUMNS)})"
-                                    f" SELECT * FROM unnest({arrays})")
-            self._pg_delete_sql = (
-                f"DELETE FROM {table} AS t USING unnest(%(k)s::text[], %(f)s::bigint[])"
-                " AS d(k, f) WHERE t.key = d.k AND t.fence = d.f RETURNING t.key")
+            self._pg_history_sql = (
+                f"INSERT INTO {history} ({columns}) SELECT {columns}"
+                f" FROM json_to_recordset(%(rows)s::json) AS r({typed})")
         self._advance_many = _DriverStatement(self._advance_stmt, dialect)
         self._delete_fenced_many = _DriverStatement(self._delete_fenced_stmt, dialect)
         self._record_runs_many = _DriverStatement(self.h.insert().inline(), dialect,
@@ -618,19 +621,19 @@ class Store:
 
     def _advance_pg(self, conn: Connection, items: Sequence[Advance]) -> set[str]:
         """One statement for all advances, one for all one-offs, whatever the batch size:
-        the batch goes as arrays to a fixed statement (unnest), so nothing is compiled per
+        the batch goes as one parameter to a fixed statement, so nothing is compiled per
         call (a VALUES list built per batch cost half a worker's time in SQL compilation).
         """
         done: set[str] = set()
-        moves = [a for a in items if a.next_time is not None]
+        moves = [{"k": a.key, "f": a.fence, "nt": a.next_time, "nrt": a.next_run_time}
+                 for a in items if a.next_time is not None]
         if moves:
-            done.update(r[0] for r in conn.exec_driver_sql(self._pg_advance_sql, {
-                "k": [a.key for a in moves], "f": [a.fence for a in moves],
-                "nt": [a.next_time for a in moves], "nrt": [a.next_run_time for a in moves]}))
-        oneoffs = [a for a in items if a.next_time is None]
+            done.update(r[0] for r in conn.exec_driver_sql(
+                self._pg_advance_sql, {"rows": json.dumps(moves)}))
+        oneoffs = [{"k": a.key, "f": a.fence} for a in items if a.next_time is None]
         if oneoffs:
-            done.update(r[0] for r in conn.exec_driver_sql(self._pg_delete_sql, {
-                "k": [a.key for a in oneoffs], "f": [a.fence for a in oneoffs]}))
+            done.update(r[0] for r in conn.exec_driver_sql(
+                self._pg_delete_sql, {"rows": json.dumps(oneoffs)}))
         return {a.key for a in items} - done
 
     @_retried
@@ -663,9 +666,8 @@ class Store:
         if not payload:
             return
         with self._tx() as conn:
-            if self.dialect == "postgresql":  # one statement over arrays, as in advance
-                conn.exec_driver_sql(self._pg_history_sql, {
-                    c: [r[c] for r in payload] for c in HISTORY_COLUMNS})
+            if self.dialect == "postgresql":  # one statement, as in advance
+                conn.exec_driver_sql(self._pg_history_sql, {"rows": json.dumps(payload)})
             else:
                 self._record_runs_many.executemany(conn, payload)
 
