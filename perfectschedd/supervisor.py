@@ -710,8 +710,10 @@ class Supervisor:
             self.ready = True
             self.state = "running"
             log.info("ready")
-            self._refresh_counts(force=True)
             self.notify("READY=1", f"MAINPID={os.getpid()}")
+            # After READY=1: at a million rows the counts take a while, and nothing that
+            # waits for the daemon to start needs them (status/metrics show them shortly).
+            self._refresh_counts(force=True)
         self._retry_store()
         self._refresh_counts()
         self._prune_history()
