@@ -209,7 +209,7 @@ class Env:
             self.pg.drop_database(url.rsplit("/", 1)[1])
         else:
             path = Path(url[len("sqlite:///"):])
-            for suffix in ("", "-wal", "-shm"):
+            for suffix in ("", "-wal", "-shm", "-writer.lock"):
                 Path(str(path) + suffix).unlink(missing_ok=True)
 
 
