@@ -574,6 +574,14 @@ class Store:
                                    .values(**changes))
 
     @_retried
+    def warm_up(self) -> None:
+        """Run the hot-path statements once on nothing, so SQLAlchemy has compiled them
+        before the first burst (a first claim cost ~3 ms of compilation)."""
+        with self._tx() as conn:
+            self._claim_in(conn, -1, 0, "", 0)
+            conn.execute(self._fences_stmt, {"keys": [""]}).all()
+
+    @_retried
     def heartbeat(self, held: Sequence[tuple[str, int]], lease_until: int) -> set[str]:
         """Extend leases; returns the keys whose lease was lost."""
         if not held:

@@ -232,6 +232,7 @@ class Worker:
         if self.sc is None:
             try:
                 self.sc = ScheduleCollection(self.config)
+                self.sc.store.warm_up()
                 self._set_db(True)
             except (SQLAlchemyError, OSError) as exc:
                 self._set_db(False, exc)

@@ -419,3 +419,12 @@ def test_run_history_is_recorded_in_batches_newest_first(sc: ScheduleCollection)
     assert [r["scheduled_time"] - T0 for r in sc.store.history("k", 2)] == [4, 3]
     sc.store.record_runs([])
     assert len(sc.store.history("other", 10)) == 1
+
+
+def test_warm_up_claims_and_changes_nothing(sc: ScheduleCollection) -> None:
+    sc.add("due", "t", cron="0 * * * *", next_time=T0, now=T0)
+    before = row(sc, "due")
+    sc.store.warm_up()
+    assert row(sc, "due") == before  # still due, unleased, same fence
+    (task,) = sc.poll_many(10, now=T0)
+    assert task.key == "due" and task.attempt == 1
