@@ -35,12 +35,10 @@ class HostWriteLock:
         self.wait = wait
         self._threads = threading.Lock()
         self._fd: int | None = None
-        self._pid = 0
+        self._pid = os.getpid()
         self._unusable = False
 
     def _descriptor(self) -> int | None:
-        if self._pid != os.getpid():
-            self._fd, self._pid, self._unusable = None, os.getpid(), False
         if self._fd is None and not self._unusable:
             try:
                 self._fd = self._open()
@@ -71,6 +69,9 @@ class HostWriteLock:
     def held(self) -> Iterator[None]:
         """Hold the lock, or give up after `wait` seconds and let SQLite's own busy
         timeout decide (a holder stuck that long is the database's problem to report)."""
+        if self._pid != os.getpid():  # used after a fork: nothing of the parent's
+            self._threads = threading.Lock()
+            self._fd, self._pid, self._unusable = None, os.getpid(), False
         if not self._threads.acquire(timeout=self.wait):
             yield
             return

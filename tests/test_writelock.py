@@ -121,3 +121,23 @@ def test_root_gives_the_lock_file_to_the_database_owner(tmp_path: Path) -> None:
         pass
     st = os.stat(f"{db}-writer.lock")
     assert (st.st_uid, st.st_gid) == (65534, 65534)
+
+
+def test_a_lock_used_across_a_fork_starts_afresh_in_the_child(tmp_path: Path) -> None:
+    """The parent holds it (a thread of its own) at the fork; the child still gets it once
+    the parent lets go, and does not wait on the parent's thread lock."""
+    lock = HostWriteLock(str(tmp_path / "s.db"), 30)
+    r, w = os.pipe()
+    with lock.held():
+        pid = os.fork()
+        if pid == 0:
+            try:
+                began = time.monotonic()
+                with lock.held():
+                    os.write(w, f"{time.monotonic() - began:.3f}".encode())
+            finally:
+                os._exit(0)
+        time.sleep(0.3)
+    waited = float(os.read(r, 32).decode())
+    assert os.waitpid(pid, 0)[1] == 0
+    assert 0.2 < waited < 5  # it waited for the parent's flock, then got it
