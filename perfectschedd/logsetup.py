@@ -194,8 +194,8 @@ class _Writer:
             with out.lock:  # type: ignore[union-attr]
                 out.stream.write("\n".join(lines) + "\n")
                 out.stream.flush()
-        except Exception:  # noqa: BLE001 - like logging's handleError: never kill the writer
-            sys.stderr.write(f"perfectschedd: cannot write {len(lines)} log line(s)\n")
+        except Exception as exc:  # noqa: BLE001 - like logging's handleError: never kill the writer
+            sys.stderr.write(f"perfectschedd: cannot write {len(lines)} log line(s): {exc}\n")
 
 
 _held_at_fork: logging.Handler | None = None
