@@ -112,7 +112,11 @@ def after_fork_in_worker() -> None:
     # A fresh value class: new files for this pid, and a lock no master thread can hold
     # at the instant of fork.  Also switches on multiprocess mode even if something
     # imported prometheus_client before the directory was set.
-    values.ValueClass = values.MultiProcessValue()
+    # The pid, read once: prometheus_client asks for it on every update (a system call
+    # each, several per task) to notice forks, and a worker never forks a process that
+    # counts.
+    pid = os.getpid()
+    values.ValueClass = values.MultiProcessValue(process_identifier=lambda: pid)
     _worker = _WorkerMetrics()
 
 
