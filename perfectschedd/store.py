@@ -285,10 +285,11 @@ class Store:
             self._pg_history_sql = (
                 f"INSERT INTO {history} ({columns}) SELECT {columns}"
                 f" FROM json_to_recordset(%(rows)s::json) AS r({typed})")
-        self._advance_many = _DriverStatement(self._advance_stmt, dialect)
-        self._delete_fenced_many = _DriverStatement(self._delete_fenced_stmt, dialect)
-        self._record_runs_many = _DriverStatement(self.h.insert().inline(), dialect,
-                                                 HISTORY_COLUMNS)
+        else:  # SQLite, MySQL: executemany of SQL compiled once
+            self._advance_many = _DriverStatement(self._advance_stmt, dialect)
+            self._delete_fenced_many = _DriverStatement(self._delete_fenced_stmt, dialect)
+            self._record_runs_many = _DriverStatement(self.h.insert().inline(), dialect,
+                                                     HISTORY_COLUMNS)
         self._initialized = False
 
     # -- engine ---------------------------------------------------------------------------
