@@ -243,7 +243,7 @@ class Store:
         self.url = engine_url(url)
         self.dialect = self.url.get_backend_name()
         self.engine = self._create_engine()
-        self._write_lock = (HostWriteLock(self.url.database or "", SQLITE_LOCK_WAIT)
+        self.write_lock = (HostWriteLock(self.url.database or "", SQLITE_LOCK_WAIT)
                             if self.dialect == "sqlite" else None)
         self.metadata = sa.MetaData()
         self.t = _schedules_table(self.metadata, table, self.dialect)
@@ -345,8 +345,8 @@ class Store:
     @contextmanager
     def _tx(self, readonly: bool = False) -> Iterator[Connection]:
         """One transaction (SQLite: BEGIN IMMEDIATE unless readonly)."""
-        if self._write_lock is not None and not readonly:
-            with self._write_lock.held(), self.engine.connect() as conn, conn.begin():
+        if self.write_lock is not None and not readonly:
+            with self.write_lock.held(), self.engine.connect() as conn, conn.begin():
                 yield conn
             return
         conn = self.engine.connect()

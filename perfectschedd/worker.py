@@ -232,6 +232,8 @@ class Worker:
         if self.sc is None:
             try:
                 self.sc = ScheduleCollection(self.config)
+                if self.sc.store.write_lock is not None:
+                    self.sc.store.write_lock.while_waiting = self._ping
                 self.sc.store.warm_up()
                 self._set_db(True)
             except (SQLAlchemyError, OSError) as exc:

@@ -17,7 +17,7 @@ import fcntl
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 FIRST_SLEEP = 0.00005
@@ -37,6 +37,9 @@ class HostWriteLock:
         self._fd: int | None = None
         self._pid = os.getpid()
         self._unusable = False
+        # Called now and then while waiting: a worker proves it is alive (waiting on a
+        # peer that froze with the lock is not being stuck; the peer gets killed).
+        self.while_waiting: Callable[[], None] | None = None
 
     def _descriptor(self) -> int | None:
         if self._fd is None and not self._unusable:
@@ -97,6 +100,8 @@ class HostWriteLock:
             except BlockingIOError:
                 if time.monotonic() >= deadline:
                     return False
+                if self.while_waiting is not None:
+                    self.while_waiting()
                 time.sleep(sleep)
                 sleep = min(sleep * 2, LONGEST_SLEEP)
             except OSError:
