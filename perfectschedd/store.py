@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import event
@@ -25,6 +25,9 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
 from .errors import ConfigError
 from .writelock import HostWriteLock
+
+if TYPE_CHECKING:
+    from .sqlite_hotpath import SQLiteHotPath
 
 F = TypeVar("F", bound=Callable[..., Any])
 # Extra runs of a schedule (perfectschedctl run) are one-off rows keyed KEY@run-....
@@ -201,6 +204,25 @@ class _DriverStatement:
         return int(conn.exec_driver_sql(self.sql, params).rowcount)
 
 
+def _claimed(rows: Iterable[Sequence[Any]]) -> list[Claimed]:
+    """Claimed rows in cron order (RETURNING gives no order)."""
+    return sorted((Claimed(*r) for r in rows), key=operator.attrgetter("next_time"))
+
+
+def _sqlite_hot_path(engine: Engine, table: sa.Table, write_lock: HostWriteLock | None
+                     ) -> SQLiteHotPath:
+    """Imported here: the other dialects never load sqlite3."""
+    import sqlite3
+
+    from .sqlite_hotpath import MIN_SQLITE, SQLiteHotPath
+
+    if sqlite3.sqlite_version_info < MIN_SQLITE:
+        raise ConfigError(
+            f"url: SQLite {'.'.join(map(str, MIN_SQLITE))} or newer is needed"
+            f" (this Python has {sqlite3.sqlite_version})")
+    return SQLiteHotPath(engine, table, write_lock)
+
+
 def _is_sqlite_busy(exc: OperationalError) -> bool:
     text = str(exc.orig).lower()
     return "locked" in text or "busy" in text
@@ -248,10 +270,9 @@ class Store:
         self.metadata = sa.MetaData()
         self.t = _schedules_table(self.metadata, table, self.dialect)
         self.h = _history_table(self.metadata, table)
-        self._returning = self.dialect == "postgresql" or (
-            self.dialect == "sqlite" and SA_MAJOR >= 2
-            and bool(getattr(self.engine.dialect, "update_returning", False))
-        )
+        self._hot: SQLiteHotPath | None = None
+        if self.dialect == "sqlite":
+            self._hot = _sqlite_hot_path(self.engine, self.t, self.write_lock)
         self._build_claim_statements()
         t = self.t
         self._advance_stmt = t.update().where(
@@ -286,8 +307,9 @@ class Store:
                 f"INSERT INTO {history} ({columns}) SELECT {columns}"
                 f" FROM json_to_recordset(%(rows)s::json) AS r({typed})")
         else:  # SQLite, MySQL: executemany of SQL compiled once
-            self._advance_many = _DriverStatement(self._advance_stmt, dialect)
-            self._delete_fenced_many = _DriverStatement(self._delete_fenced_stmt, dialect)
+            if self.dialect == "mysql":
+                self._advance_many = _DriverStatement(self._advance_stmt, dialect)
+                self._delete_fenced_many = _DriverStatement(self._delete_fenced_stmt, dialect)
             self._record_runs_many = _DriverStatement(self.h.insert().inline(), dialect,
                                                      HISTORY_COLUMNS)
         self._initialized = False
@@ -477,6 +499,8 @@ class Store:
     @_retried
     def earliest_due(self) -> int | None:
         """Smallest next_run_time of an unpaused row: one index probe."""
+        if self._hot is not None:
+            return self._hot.earliest_due()
         q = (sa.select(self.t.c.next_run_time).where(self.t.c.paused == 0)
              .order_by(self.t.c.next_run_time).limit(1))
         with self._tx(readonly=True) as conn:
@@ -511,6 +535,8 @@ class Store:
     @_retried
     def claim(self, now: float, lease_seconds: int, owner: str, limit: int = 1) -> list[Claimed]:
         """Lease up to `limit` due rows, oldest first; one winner per row across all hosts."""
+        if self._hot is not None:
+            return _claimed(self._hot.finish_and_claim([], now, lease_seconds, owner, limit)[1])
         with self._tx() as conn:
             return self._claim_in(conn, now, lease_seconds, owner, limit)
 
@@ -521,6 +547,9 @@ class Store:
 
         Returns the preempted keys of `finished` and the newly claimed rows.
         """
+        if self._hot is not None:
+            lost, rows = self._hot.finish_and_claim(finished, now, lease_seconds, owner, limit)
+            return lost, _claimed(rows)
         with self._tx() as conn:
             lost = self._advance_in(conn, finished) if finished else set()
             claimed = self._claim_in(conn, now, lease_seconds, owner, limit) if limit > 0 else []
@@ -531,12 +560,10 @@ class Store:
         ts = int(now)
         params = {"due_by": ts, "lease_until": ts + lease_seconds, "holder": owner,
                   "claim_ts": now, "batch": limit}
-        if self._returning:
-            out = [Claimed(*r) for r in conn.execute(self._claim_returning_stmt, params)]
-            out.sort(key=lambda c: c.next_time)
-            return out
-        # SQLite without RETURNING (SQLAlchemy 1.4), MySQL/MariaDB: read and write in one
-        # transaction that holds the rows (SQLite: the write lock; MySQL: SKIP LOCKED).
+        if self.dialect == "postgresql":
+            return _claimed(conn.execute(self._claim_returning_stmt, params))
+        # MySQL/MariaDB (no UPDATE ... RETURNING): read and write in one transaction that
+        # holds the rows (SKIP LOCKED).
         found = conn.execute(self._claim_select_stmt, params).all()
         if not found:
             return []
@@ -554,9 +581,7 @@ class Store:
                    "attempt": t.c.attempt + 1, "owner": sa.bindparam("holder"),
                    "claimed_at": sa.bindparam("claim_ts")}
         batch = sa.bindparam("batch", type_=sa.Integer)
-        # SQLite: the due index holds the rowid; matching on it skips a lookup per row in
-        # the key index (a random page read at a million rows).
-        ident = sa.literal_column("rowid") if self.dialect == "sqlite" else t.c.key
+        ident = t.c.key
         due = sa.select(ident).where(*due_rows).order_by(t.c.next_run_time).limit(batch)
         if self.dialect == "postgresql":
             due = due.with_for_update(skip_locked=True)
@@ -578,6 +603,9 @@ class Store:
     def warm_up(self) -> None:
         """Run the hot-path statements once on nothing, so SQLAlchemy has compiled them
         before the first burst (a first claim cost ~3 ms of compilation)."""
+        if self._hot is not None:  # sqlite3 prepares them: run the claim once on nothing
+            self._hot.finish_and_claim([], -1, 0, "", 1)
+            return
         with self._tx() as conn:
             self._claim_in(conn, -1, 0, "", 0)
             conn.execute(self._fences_stmt, {"keys": [""]}).all()
@@ -605,16 +633,16 @@ class Store:
         """
         if not items:
             return set()
+        if self._hot is not None:
+            return self._hot.finish_and_claim(items, 0, 0, "", 0)[0]
         with self._tx() as conn:
             return self._advance_in(conn, items)
 
     def _advance_in(self, conn: Connection, items: Sequence[Advance]) -> set[str]:
         if self.dialect == "postgresql":
             return self._advance_pg(conn, items)
-        # Which rows still carry the caller's fence, read inside the write transaction
-        # (SQLite holds the write lock; MySQL locks the rows): the writes below then match
-        # exactly those.  Cheaper than executemany in a savepoint undone on a shortfall:
-        # a savepoint journals every page it touches, one page per row at a million rows.
+        # MySQL: which rows still carry the caller's fence, read (and locked) inside the
+        # transaction; the writes below then match exactly those.
         fences = {a.key: a.fence for a in items}
         held = {k for k, f in conn.execute(self._fences_stmt, {"keys": list(fences)})
                 if fences.get(k) == f}
