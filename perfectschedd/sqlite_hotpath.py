@@ -2,10 +2,10 @@
 
 Finishing a batch and claiming the next is a worker's whole conversation with the
 database.  Through SQLAlchemy Core, one such transaction with one row in each direction
-took about 240 us of CPU (1,000 stored schedules, one process), of which SQLite itself
-spent a fifth: pool check-out, the begin event, compiled-cache look-ups, result and row
-wrapping.  The same statements on the driver's connection took about 70 us, and a batch
-of 64 each way went from 1,000 to 580 us.  So these few statements are written here in
+took 225 us of CPU (1,000 stored schedules, one process), most of it SQLAlchemy's: pool
+check-out, the begin event, compiled-cache look-ups, result and row wrapping.  The same
+statements on the driver's connection take 68 us, and a batch of 64 each way went from
+1,000 to 530 us.  So these few statements are written here in
 SQLite's SQL, and everything else (schema, adds, lists, history, the other dialects)
 stays on SQLAlchemy.  Connections still come from SQLAlchemy's pool (with its PRAGMAs),
 writers still queue on the host's writer lock, and driver errors leave as SQLAlchemy's
