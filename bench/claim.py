@@ -1,6 +1,7 @@
 """Claim throughput of the store: fires/s (claim + advance + commit, trivial task).
 
-    .venv/bin/python bench/claim.py                       # SQLite + PostgreSQL, 1k and 1M
+    .venv/bin/python bench/claim.py                       # SQLite + PostgreSQL, 1k and 1M,
+                                                          # batches of 1 and 64
     .venv/bin/python bench/claim.py --sizes 1000 --backends sqlite --procs 1,2 --batch 1,64
 
 For each backend and each number of stored schedules N: a fresh database is bulk-loaded
@@ -9,8 +10,9 @@ processes - each with its own ScheduleCollection, as the daemon's workers - run 
 worker's hot path for --seconds: `finish_and_poll(finished, batch)`: one transaction
 writes the previous batch's finishes (fenced advance to the next cron time) and leases
 the next batch.  A "fire" is one occurrence claimed and finished; the task itself does
-nothing.  PostgreSQL is a throw-away server on loopback (tests/dbservers.py) unless
---pg-url names one.
+nothing.  Batch 1 is one transaction per fire (what a worker does when occurrences
+come one at a time); 64 is the most a worker claims at once in a burst.  PostgreSQL is
+a throw-away server on loopback (tests/dbservers.py) unless --pg-url names one.
 
 Targets (2-core box): >= 3,000 fires/s SQLite, >= 1,500/s PostgreSQL (several
 processes), and 1M stored within 80% of 1k.
@@ -123,7 +125,8 @@ def main() -> int:
     ap.add_argument("--backends", default="sqlite,postgresql")
     ap.add_argument("--sizes", default="1000,1000000")
     ap.add_argument("--procs", default="", help="comma list (default: sqlite 2, postgresql 4)")
-    ap.add_argument("--batch", default="64", help="comma list of claim batch sizes")
+    ap.add_argument("--batch", default="1,64", help="comma list of claim batch sizes"
+                    " (1: one transaction per fire; 64: a worker's batch in a burst)")
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--pg-url", help="use this (empty) PostgreSQL database, do not start one")
     args = ap.parse_args()
