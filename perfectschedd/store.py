@@ -1,4 +1,5 @@
-"""The only module that speaks SQL (SQLAlchemy Core).
+"""Schedules and run history in SQL, through SQLAlchemy Core (and, for the worker's few
+statements on SQLite, sqlite_hotpath.py on the driver's connection).
 
 One row per schedule.  `next_run_time` is both "when it may run" and, while a worker
 holds the row, the lease expiry; `fence` grows on every claim and every write that takes
