@@ -272,7 +272,7 @@ class ControlServer:
         assert self.sel is not None
         try:
             while not self.stopping.is_set():
-                for key, mask in self.sel.select(timeout=1.0):
+                for key, mask in self.sel.select(timeout=self._until_idle_expiry()):
                     if key.data == "listen":
                         self._accept()
                     elif key.data == "wake":
@@ -452,6 +452,14 @@ class ControlServer:
         else:
             self.sel.modify(conn.sock, events, conn)
         conn.events = events
+
+    def _until_idle_expiry(self) -> float | None:
+        """Seconds until the first idle connection times out; None (sleep until something
+        happens: every change of state wakes the loop) when none can."""
+        idle = [c.last_active for c in self.conns.values() if not c.busy]
+        if not idle:
+            return None
+        return max(0.0, min(idle) + self.idle_timeout - time.monotonic())
 
     def _expire_idle(self) -> None:
         limit = time.monotonic() - self.idle_timeout

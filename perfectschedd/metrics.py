@@ -19,6 +19,7 @@ import contextlib
 import glob
 import logging
 import os
+import selectors
 import shutil
 import socket
 import sys
@@ -375,10 +376,23 @@ class MetricsServer:
 
     def __init__(self, listen: tuple[str, int], healthy: Callable[[], bool]) -> None:
         self.httpd = _HTTPServer(listen, healthy)
+        self.httpd.timeout = 0  # handle_request() runs once select() saw a client: no wait
         self.address: tuple[str, int] = self.httpd.server_address[:2]  # type: ignore[assignment]
-        self.thread = threading.Thread(target=self.httpd.serve_forever, name="metrics-http",
-                                       kwargs={"poll_interval": 0.5}, daemon=True)
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC)
+        self._stopping = False
+        self.thread = threading.Thread(target=self._serve, name="metrics-http", daemon=True)
         self.thread.start()
+
+    def _serve(self) -> None:
+        # Not serve_forever(): it wakes every poll_interval, all day long, only to see
+        # whether shutdown() was called.  This sleeps until a client connects or stop().
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.httpd.fileno(), selectors.EVENT_READ)
+            sel.register(self._wake_r, selectors.EVENT_READ)
+            while not self._stopping:
+                for key, _ in sel.select():
+                    if key.fd != self._wake_r and not self._stopping:
+                        self.httpd.handle_request()
 
     @property
     def port(self) -> int:
@@ -388,12 +402,15 @@ class MetricsServer:
         """Listening (and open connection) sockets, which a forked worker closes.
 
         Called in the child right after fork, where no other thread runs: no lock."""
-        return [self.httpd.fileno(), *list(self.httpd.conns)]
+        return [self.httpd.fileno(), self._wake_r, self._wake_w, *list(self.httpd.conns)]
 
     def stop(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self._stopping = True
+        os.write(self._wake_w, b"x")
         self.thread.join(5)
+        self.httpd.server_close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
 
 
 def serve(listen: tuple[str, int], healthy: Callable[[], bool]) -> MetricsServer:

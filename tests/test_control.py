@@ -151,6 +151,24 @@ def test_idle_connection_is_closed(server: tuple[ControlServer, FakeDispatch]) -
     assert call(srv.path, "echo")["ok"] is True
 
 
+def test_an_idle_control_server_sleeps_until_something_happens(
+        server: tuple[ControlServer, FakeDispatch]) -> None:
+    """No polling: with no connection open, the loop thread does not wake on its own."""
+    srv, _ = server
+    assert call(srv.path, "echo")["ok"] is True
+    wait_until(lambda: not srv.conns, 5, what="connections closed")
+    time.sleep(0.2)
+    status = Path(f"/proc/self/task/{srv.thread.native_id}/status")
+
+    def wakeups() -> int:
+        return int(status.read_text().split("voluntary_ctxt_switches:")[1].split()[0])
+
+    before = wakeups()
+    time.sleep(2.5)
+    assert wakeups() - before <= 1
+    assert call(srv.path, "echo", n=1)["result"] == {"n": 1}  # and still answers
+
+
 def test_client_that_never_reads_does_not_grow_the_server(
         server: tuple[ControlServer, FakeDispatch]) -> None:
     srv, fake = server

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -246,15 +247,36 @@ def test_healthz_follows_the_health_callable_and_stop_frees_the_port() -> None:
         state["healthy"] = None  # keeps failing: not healthy, not a server error
         assert get(port, "/healthz")[0] == 503
         assert get(port, "/nope")[0] == 404
-        # Listener plus open connections (a forked worker closes them all).
-        assert server.fds()[0] == server.httpd.fileno()
-        wait_until(lambda: server.fds() == [server.httpd.fileno()], timeout=5,
-                   what="the connection closed")
+        # Listener, wake-up pipe and open connections (a forked worker closes them all).
+        own = server.fds()[:3]
+        assert own[0] == server.httpd.fileno()
+        wait_until(lambda: server.fds() == own, timeout=5, what="the connection closed")
     finally:
         server.stop()
     with pytest.raises(ConnectionRefusedError), socket.create_connection(
             ("127.0.0.1", port), timeout=5):
         pass
+
+
+def thread_wakeups(thread: threading.Thread) -> int:
+    status = Path(f"/proc/self/task/{thread.native_id}/status").read_text()
+    return int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+
+
+def test_an_idle_metrics_server_sleeps_until_a_client_comes() -> None:
+    """No polling: an idle daemon's threads must not wake up on their own."""
+    server = metrics.serve(("127.0.0.1", 0), lambda: True)
+    try:
+        assert get(server.port, "/healthz")[0] == 200
+        time.sleep(0.2)
+        before = thread_wakeups(server.thread)
+        time.sleep(1.5)
+        assert thread_wakeups(server.thread) - before <= 1
+        assert get(server.port, "/healthz")[0] == 200  # and still serves
+        started = time.monotonic()
+    finally:
+        server.stop()
+    assert time.monotonic() - started < 1 and not server.thread.is_alive()
 
 
 def test_calls_before_setup_are_cheap_no_ops() -> None:
