@@ -375,6 +375,7 @@ class Report:
     unexpected: list[tuple[str, int]] = field(default_factory=list)
     nodes: Counter[str] = field(default_factory=Counter)
     faults: int = 0
+    details: list[str] = field(default_factory=list)  # describe() of the first problems
 
     def summary(self) -> str:
         return (f"occurrences={self.expected} runs={self.runs} starts={self.started} "
@@ -392,7 +393,7 @@ class Report:
         if self.unexpected:
             problems.append(f"{len(self.unexpected)} runs of times that are no occurrence, "
                             f"e.g. {sorted(self.unexpected)[:5]}")
-        assert not problems, "; ".join(problems) + "\n" + self.summary()
+        assert not problems, "\n".join(["; ".join(problems), self.summary(), *self.details])
 
 
 def analyse(runs: Sequence[Run], expected: Iterable[tuple[str, int]],
@@ -429,6 +430,8 @@ def analyse(runs: Sequence[Run], expected: Iterable[tuple[str, int]],
             rep.duplicates.append(occ)
             if not _explained(starts.get(occ, []), es, faults):
                 rep.unexplained.append(occ)
+    rep.details = [describe(runs, occ, faults)
+                   for occ in sorted(rep.unexplained)[:3] + sorted(rep.lost)[:3]]
     return rep
 
 
