@@ -584,13 +584,12 @@ class Store:
                    "attempt": t.c.attempt + 1, "owner": sa.bindparam("holder"),
                    "claimed_at": sa.bindparam("claim_ts")}
         batch = sa.bindparam("batch", type_=sa.Integer)
-        ident = t.c.key
-        due = sa.select(ident).where(*due_rows).order_by(t.c.next_run_time).limit(batch)
+        due = sa.select(t.c.key).where(*due_rows).order_by(t.c.next_run_time).limit(batch)
         if self.dialect == "postgresql":
             due = due.with_for_update(skip_locked=True)
         # due_time = next_run_time: SET reads the row as it was before the UPDATE.
         self._claim_returning_stmt = (
-            t.update().where(ident.in_(due.scalar_subquery()))
+            t.update().where(t.c.key.in_(due.scalar_subquery()))
             .values(**changes, due_time=t.c.next_run_time).returning(*cols, t.c.due_time))
         # MySQL assigns SET values left to right, so there due_time comes from the read.
         select_rows = (sa.select(*cols, t.c.next_run_time).where(*due_rows)
