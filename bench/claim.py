@@ -12,7 +12,9 @@ writes the previous batch's finishes (fenced advance to the next cron time) and 
 the next batch.  A "fire" is one occurrence claimed and finished; the task itself does
 nothing.  Batch 1 is one transaction per fire (what a worker does when occurrences
 come one at a time); 64 is the most a worker claims at once in a burst.  PostgreSQL is
-a throw-away server on loopback (tests/dbservers.py) unless --pg-url names one.
+a throw-away server on loopback (tests/dbservers.py) unless --pg-url names one.  Each
+setting is measured --repeat times, in turn across the sizes, and the median is printed
+with the range; "vs 1,000" compares medians.
 
 Targets (2-core box): >= 3,000 fires/s SQLite, >= 1,500/s PostgreSQL (several
 processes), and 1M stored within 80% of 1k.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -128,28 +131,50 @@ def main() -> int:
     ap.add_argument("--batch", default="1,64", help="comma list of claim batch sizes"
                     " (1: one transaction per fire; 64: a worker's batch in a burst)")
     ap.add_argument("--seconds", type=float, default=5.0)
-    ap.add_argument("--pg-url", help="use this (empty) PostgreSQL database, do not start one")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="measurements per setting, taken in turn across the sizes; the"
+                    " median is reported (single runs vary by 20 %% and more here)")
+    ap.add_argument("--pg-url", help="use this (empty) PostgreSQL database, do not start one"
+                    " (one size only)")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     batches = [int(b) for b in args.batch.split(",")]
-    print(f"cores: {os.cpu_count()}, {args.seconds:g} s per measurement")
+    if args.pg_url and len(sizes) > 1 and "postgresql" in args.backends:
+        ap.error("--pg-url holds one table: give one size (--sizes N)")
+    print(f"cores: {os.cpu_count()}, {args.seconds:g} s per measurement, median of "
+          f"{args.repeat}")
     print(f"{'backend':<11} {'stored':>9} {'procs':>5} {'batch':>5} {'fires/s':>9} "
-          f"{'vs 1k':>6}  load rows/s")
+          f"{'vs ' + format(sizes[0], ','):>9}  {'range':>15}  load rows/s")
     for backend in args.backends.split(","):
         procs_list = ([int(p) for p in args.procs.split(",")] if args.procs
                       else [2 if backend == "sqlite" else 4])
-        base: dict[tuple[int, int], float] = {}
         with databases(backend, args.pg_url) as make:
+            loaded = {}
             for n in sizes:
                 url = make(f"bench_{n}")
-                load_rate = bulk_load(url, n)
+                loaded[n] = (url, bulk_load(url, n))
+            # In turn, so that a slow spell of a shared machine hits every size alike.
+            rates: dict[tuple[int, int, int], list[float]] = {}
+            lost: dict[tuple[int, int, int], int] = {}
+            for _ in range(args.repeat):
+                for n in sizes:
+                    for procs in procs_list:
+                        for batch in batches:
+                            rate, gone = measure(loaded[n][0], procs, batch, args.seconds)
+                            rates.setdefault((n, procs, batch), []).append(rate)
+                            lost[(n, procs, batch)] = lost.get((n, procs, batch), 0) + gone
+            for n in sizes:
                 for procs in procs_list:
                     for batch in batches:
-                        rate, lost = measure(url, procs, batch, args.seconds)
-                        ref = base.setdefault((procs, batch), rate)
-                        warn = f"  ({lost} lost leases!)" if lost else ""
+                        got = rates[(n, procs, batch)]
+                        rate = statistics.median(got)
+                        ref = statistics.median(rates[(sizes[0], procs, batch)])
+                        spread = f"{min(got):,.0f}-{max(got):,.0f}"
+                        gone = lost[(n, procs, batch)]
+                        warn = f"  ({gone} lost leases!)" if gone else ""
                         print(f"{backend:<11} {n:>9,} {procs:>5} {batch:>5} {rate:>9,.0f} "
-                              f"{rate / ref:>6.0%}  {load_rate:,.0f}{warn}", flush=True)
+                              f"{rate / ref:>9.0%}  {spread:>15}  {loaded[n][1]:,.0f}{warn}",
+                              flush=True)
     return 0
 
 
