@@ -5,11 +5,11 @@ database.  Through SQLAlchemy Core, one such transaction with one row in each di
 took 225 us of CPU (1,000 stored schedules, one process), most of it SQLAlchemy's: pool
 check-out, the begin event, compiled-cache look-ups, result and row wrapping.  The same
 statements on the driver's connection take 68 us, and a batch of 64 each way went from
-1,000 to 530 us.  So these few statements are written here in
-SQLite's SQL, and everything else (schema, adds, lists, history, the other dialects)
-stays on SQLAlchemy.  Connections still come from SQLAlchemy's pool (with its PRAGMAs),
-writers still queue on the host's writer lock, and driver errors leave as SQLAlchemy's
-exceptions, so callers and Store's retries see no difference.
+1,000 to 530 us.  So these few statements are written here in SQLite's SQL, and
+everything else (schema, adds, lists, history, the other dialects) stays on SQLAlchemy.
+Connections still come from SQLAlchemy's pool (with its PRAGMAs), writers still queue on
+the host's writer lock, and driver errors leave as SQLAlchemy's exceptions, so callers
+and Store's retries see no difference.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 
 import perfectschedd
 from perfectschedd import ScheduleCollection
-from perfectschedd.store import Advance
+from perfectschedd.sqlite_hotpath import CLAIMED_COLUMNS
+from perfectschedd.store import Advance, Claimed
 
 T0 = 1_700_002_800
 ALIVE = 300
@@ -44,6 +45,7 @@ def row(db: Path, key: str) -> tuple[int, int, str | None]:
 
 def test_the_hot_path_is_what_sqlite_stores_use(sc: ScheduleCollection) -> None:
     assert sc.store._hot is not None
+    assert Claimed._fields == CLAIMED_COLUMNS  # its rows become Claimed(*row)
 
 
 def test_finish_and_claim_is_one_transaction(sc: ScheduleCollection, db: Path) -> None:
