@@ -610,7 +610,8 @@ class Store:
             return
         with self._tx() as conn:
             self._claim_in(conn, -1, 0, "", 0)
-            conn.execute(self._fences_stmt, {"keys": [""]}).all()
+            if self.dialect == "mysql":  # PostgreSQL's finishes are driver SQL, not compiled
+                conn.execute(self._fences_stmt, {"keys": [""]}).all()
 
     @_retried
     def heartbeat(self, held: Sequence[tuple[str, int]], lease_until: int) -> set[str]:
