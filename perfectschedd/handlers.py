@@ -5,10 +5,13 @@ The worker asks a :class:`Router` for the handler of a task's type and calls
 ``retry`` or ``release``) and returns a :class:`RunResult`.
 
 * exec routes run a command per task in its own session (process group). On
-  timeout, or when the caller's ``stop_event`` is set, the whole group gets
-  SIGTERM, then SIGKILL after ``kill_grace``. Each live group is recorded in a
-  module registry so that :func:`kill_all_groups` can leave no orphans behind
-  when the worker exits.
+  timeout, or when the caller's :class:`RunControl` says stop (daemon stopping,
+  lease lost, lease not renewable in time), the whole group gets SIGTERM, then
+  SIGKILL after ``kill_grace``. Each live group is recorded in a module registry
+  so that :func:`kill_all_groups` can leave no orphans behind when the worker
+  exits. Every process of a run carries ``PERFECTSCHED_RUN_ID`` in its
+  environment, so that descendants that left the group can still be found
+  (jobreaper.py) once the run, or its worker, is gone.
 * python routes run an :class:`Application` in the calling thread: no thread
   and no process per task. A timeout (or a stop) is delivered by one shared
   watchdog thread as an asynchronous exception (see :class:`_Watchdog`).
@@ -33,7 +36,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -42,6 +45,7 @@ from .config import RouteConfig
 from .errors import PreemptedError, ProcessStopError
 
 __all__ = [
+    "RUN_ID_ENV",
     "Application",
     "ExecHandler",
     "Handler",
@@ -49,7 +53,9 @@ __all__ = [
     "Outcome",
     "PythonHandler",
     "Router",
+    "RunControl",
     "RunResult",
+    "StopReason",
     "TaskLike",
     "kill_all_groups",
     "run_task",
@@ -67,6 +73,11 @@ _STOP_POLL = 0.1
 # pipes that a process outside the group (one that called setsid) still holds.
 _DRAIN_AFTER_KILL = 1.0
 _SCHED_LATER = re.compile(r"SCHED_LATER\s+(\d+(?:\.\d*)?|\.\d+)")
+# The exec protocol's other last lines (Periodic's): they outrank the exit status.
+_SCHED_DONE = "SCHED_DONE"
+_SCHED_FAIL = "SCHED_FAIL"
+# In the environment of every process of an exec run: "<worker pid>.<run number>".
+RUN_ID_ENV = "PERFECTSCHED_RUN_ID"
 _ROUTE_CACHE_MAX = 4096
 
 
@@ -87,6 +98,8 @@ class TaskLike(Protocol):
     def retry(self, wait: float | None = None) -> None: ...
 
     def release(self) -> None: ...
+
+    def give_back(self) -> None: ...
 
 
 Log = logging.Logger | logging.LoggerAdapter  # type: ignore[type-arg]
@@ -111,6 +124,60 @@ class RunResult:
     exit_code: int | None = None  # exec only: the exit status, or -signal if killed
 
 
+class StopReason(enum.StrEnum):
+    """Why a run was told to end before its command or application did."""
+
+    SHUTDOWN = "stop"        # the daemon stops: the occurrence is given back untried
+    PREEMPTED = "preempted"  # the lease was lost (deleted, modified, taken over)
+    FENCED = "fenced"        # the lease could not be renewed and is about to expire
+
+
+class RunControl:
+    """Tells one run when to stop, and why.
+
+    The worker sets it (shutdown, lease lost); time sets it too: past ``fence_at``
+    (Unix seconds) the worker could not renew the lease for so long that others may
+    claim the occurrence soon, so the run must be gone before then (self-fencing).
+    Handlers poll ``is_set()`` (a ``threading.Event`` works in its place).
+    """
+
+    __slots__ = ("_event", "reason", "fence_at", "fence_grace")
+
+    def __init__(self, fence_at: float | None = None, fence_grace: float | None = None
+                 ) -> None:
+        self._event = threading.Event()
+        self.reason: StopReason | None = None
+        self.fence_at = fence_at
+        # TERM-to-KILL time when fencing, if shorter than kill_grace: the run must be
+        # gone before the lease can expire.
+        self.fence_grace = fence_grace
+
+    def stop(self, reason: StopReason) -> None:
+        if self.reason is None:  # the first reason wins: it decides the outcome
+            self.reason = reason
+        self._event.set()
+
+    def is_set(self) -> bool:
+        if self._event.is_set():
+            return True
+        if self.fence_at is not None and time.time() >= self.fence_at:
+            self.stop(StopReason.FENCED)
+            return True
+        return False
+
+
+def _stop_reason(stop_event: RunControl | threading.Event | None) -> StopReason:
+    reason = getattr(stop_event, "reason", None)
+    return reason if isinstance(reason, StopReason) else StopReason.SHUTDOWN
+
+
+def _stop_grace(stop_event: RunControl | threading.Event | None, kill_grace: float) -> float:
+    if isinstance(stop_event, RunControl) and stop_event.reason is StopReason.FENCED \
+            and stop_event.fence_grace is not None:
+        return min(kill_grace, stop_event.fence_grace)
+    return kill_grace
+
+
 class HandlerTimeout(BaseException):  # noqa: N818 - named like the builtin TimeoutError
     """Raised inside a python handler when its route's timeout has passed.
 
@@ -125,6 +192,10 @@ class Application:
     ``run()`` does the work and ends the task with ``self.task.finish()``,
     ``self.task.retry(wait=None)`` or ``self.task.release()``. Returning
     without any of them finishes the task; an exception retries it.
+
+    ``kill()`` is called from another thread when the run must stop (timeout,
+    daemon stopping, lease lost), just before ``run()`` is interrupted: override
+    it to stop what ``run()`` waits on (a subprocess, a socket).
     """
 
     def __init__(self, task: TaskLike) -> None:
@@ -132,6 +203,9 @@ class Application:
 
     def run(self) -> None:
         raise NotImplementedError(f"{type(self).__name__}.run() is not implemented")
+
+    def kill(self) -> None:
+        """Stop the work of ``run()``; the default does nothing."""
 
 
 # --------------------------------------------------------------------------- handlers
@@ -237,14 +311,24 @@ class Router:
 # --------------------------------------------------------------------------- run_task
 
 
+Stop = RunControl | threading.Event
+
+
 def run_task(task: TaskLike, handler: Handler, *, log: Log = logger,
-             stop_event: threading.Event | None = None, kill_grace: float = 5.0) -> RunResult:
+             stop_event: Stop | None = None, kill_grace: float = 5.0,
+             run_id: str | None = None,
+             on_spawn: Callable[[int], None] | None = None) -> RunResult:
     """Run ``task`` with ``handler`` and end it; never raises for handler failures.
 
-    ``stop_event`` means "end now": set it when the daemon stops and running
-    tasks must not go on (graceful-shutdown bound elapsed). An exec command
-    then gets SIGTERM, SIGKILL after ``kill_grace``; a python application gets
-    ``ProcessStopError``; the task is released and the outcome is ``stopped``.
+    ``stop_event`` means "end now" (a :class:`RunControl` says why). An exec
+    command then gets SIGTERM, SIGKILL after ``kill_grace``; a python
+    application gets its ``kill()`` called and ``ProcessStopError`` raised. On
+    shutdown the task is given back (outcome ``stopped``); when the lease was
+    lost or could not be renewed nothing is written (outcome ``preempted``):
+    the occurrence belongs to whoever holds it next.
+
+    ``run_id`` goes into the environment of exec commands (RUN_ID_ENV);
+    ``on_spawn(pgid)`` is called once the command's process group exists.
 
     Errors of the store other than ``PreemptedError`` (a database that is
     down) propagate to the caller.
@@ -252,16 +336,33 @@ def run_task(task: TaskLike, handler: Handler, *, log: Log = logger,
     start = time.monotonic()
     try:
         if stop_event is not None and stop_event.is_set():
-            task.release()
-            return RunResult(Outcome.STOPPED, time.monotonic() - start)
+            return RunResult(_stopped_before_start(task, stop_event, log),
+                             time.monotonic() - start)
         if isinstance(handler, ExecHandler):
-            outcome, code = _run_exec(task, handler, log, stop_event, kill_grace)
+            outcome, code = _run_exec(task, handler, log, stop_event, kill_grace, run_id,
+                                      on_spawn)
         else:
             outcome, code = _run_python(task, handler, log, stop_event), None
     except PreemptedError:
         log.warning("%s: lease lost while running; the result was discarded", task.key)
         outcome, code = Outcome.PREEMPTED, None
     return RunResult(outcome, time.monotonic() - start, code)
+
+
+def _stopped_before_start(task: TaskLike, stop: Stop, log: Log) -> Outcome:
+    reason = _stop_reason(stop)
+    if reason is StopReason.SHUTDOWN:
+        task.give_back()
+        return Outcome.STOPPED
+    log.warning("%s: not started: %s", task.key, _REASON_TEXT[reason])
+    return Outcome.PREEMPTED
+
+
+_REASON_TEXT = {
+    StopReason.SHUTDOWN: "daemon stopping",
+    StopReason.PREEMPTED: "lease lost (schedule deleted, modified or taken over)",
+    StopReason.FENCED: "lease could not be renewed in time (database unreachable)",
+}
 
 
 # --------------------------------------------------------------------------- exec
@@ -334,7 +435,7 @@ class _Lines:
         self.emit("%s: %s", self.key, text)
 
 
-def _exec_env(task: TaskLike) -> dict[str, str]:
+def _exec_env(task: TaskLike, run_id: str | None) -> dict[str, str]:
     env = dict(os.environ)
     # The daemon's own metric files (metrics.py): a job using prometheus_client must not
     # write into them.
@@ -343,6 +444,10 @@ def _exec_env(task: TaskLike) -> dict[str, str]:
     env["PERFECTSCHED_TYPE"] = task.type
     env["PERFECTSCHED_SCHEDULED_TIME"] = str(int(task.scheduled_time))
     env["PERFECTSCHED_ATTEMPT"] = str(int(task.attempt))
+    if run_id is not None:
+        env[RUN_ID_ENV] = run_id
+    else:
+        env.pop(RUN_ID_ENV, None)  # a job run by a job is not that job's run
     return env
 
 
@@ -354,15 +459,16 @@ def _later(line: str) -> float | None:
     return int(text) if text.isdigit() else float(text)
 
 
-def _run_exec(task: TaskLike, handler: ExecHandler, log: Log,
-              stop_event: threading.Event | None, kill_grace: float) -> tuple[Outcome, int | None]:
+def _run_exec(task: TaskLike, handler: ExecHandler, log: Log, stop_event: Stop | None,
+              kill_grace: float, run_id: str | None,
+              on_spawn: Callable[[int], None] | None) -> tuple[Outcome, int | None]:
     key = task.key
     argv = [*handler.argv, key]
     try:
         payload = json.dumps(task.data).encode()
         proc = subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env=_exec_env(task), start_new_session=True, close_fds=True,
+            env=_exec_env(task, run_id), start_new_session=True, close_fds=True,
         )
     except OSError as exc:
         log.error("%s: cannot run %s: %s", key, argv[0], exc.strerror or exc)
@@ -373,6 +479,8 @@ def _run_exec(task: TaskLike, handler: ExecHandler, log: Log,
         _groups[pgid] = key
     completed = False
     try:
+        if on_spawn is not None:
+            on_spawn(pgid)
         why, last_line = _supervise(proc, key, payload, handler.timeout, log, stop_event,
                                     kill_grace)
         completed = True
@@ -383,29 +491,45 @@ def _run_exec(task: TaskLike, handler: ExecHandler, log: Log,
             _groups.pop(pgid, None)
         code = proc.wait()  # the leader is a zombie by now (or dies of SIGKILL at once)
     if why == "stop":
-        task.release()
-        return Outcome.STOPPED, code
+        reason = _stop_reason(stop_event)
+        if reason is StopReason.SHUTDOWN:
+            task.give_back()
+            return Outcome.STOPPED, code
+        return Outcome.PREEMPTED, code  # nothing to write: the lease is not ours
     if why == "timeout":
         task.retry()
         return Outcome.TIMEOUT, code
-    # An explicit SCHED_LATER outranks the exit status: a command that says
-    # "again in N seconds" and then exits non-zero (as `set -e` scripts may)
-    # gets what it asked for rather than retry_wait.
-    wait = _later(last_line) if last_line else None
+    return _exec_verdict(task, last_line.strip(), code, log), code
+
+
+def _exec_verdict(task: TaskLike, last: str, code: int, log: Log) -> Outcome:
+    """End the task by the command's last stdout line, else by its exit status.
+
+    An explicit line outranks the exit status: a command that says "again in N
+    seconds" (or DONE, or FAIL) and then exits otherwise, as ``set -e`` scripts
+    may, gets what it asked for.
+    """
+    if last == _SCHED_DONE:
+        task.finish()
+        return Outcome.SUCCESS
+    if last == _SCHED_FAIL:
+        task.retry()
+        return Outcome.FAILED
+    wait = _later(last) if last else None
     if wait is not None:
         task.retry(wait=wait)
-        return Outcome.LATER, code
-    if last_line.lstrip().startswith("SCHED_LATER"):
-        log.warning("%s: ignoring malformed %r (expected SCHED_LATER <seconds>)", key, last_line)
+        return Outcome.LATER
+    if last.startswith("SCHED_LATER"):
+        log.warning("%s: ignoring malformed %r (expected SCHED_LATER <seconds>)", task.key, last)
     if code == 0:
         task.finish()
-        return Outcome.SUCCESS, code
+        return Outcome.SUCCESS
     task.retry()
-    return Outcome.FAILED, code
+    return Outcome.FAILED
 
 
 def _supervise(proc: subprocess.Popen[bytes], key: str, payload: bytes, timeout: float | None,
-               log: Log, stop_event: threading.Event | None,
+               log: Log, stop_event: Stop | None,
                kill_grace: float) -> tuple[str | None, str]:
     """Feed stdin, log output, enforce timeout/stop; return (reason, last stdout line).
 
@@ -440,11 +564,11 @@ def _supervise(proc: subprocess.Popen[bytes], key: str, payload: bytes, timeout:
     killed = False
     give_up: float | None = None   # stop reading pipes held outside the group
 
-    def terminate(now: float) -> None:
+    def terminate(now: float, grace: float = kill_grace) -> None:
         nonlocal term_sent, kill_at
         _signal_group(pgid, signal.SIGTERM)
         term_sent = True
-        kill_at = now + kill_grace
+        kill_at = now + grace
 
     try:
         while readers or not exited:
@@ -457,9 +581,9 @@ def _supervise(proc: subprocess.Popen[bytes], key: str, payload: bytes, timeout:
                     terminate(now)
                 elif stop_event is not None and stop_event.is_set():
                     reason = "stop"
-                    log.warning("%s: daemon stopping; sending SIGTERM to process group %d",
-                                key, pgid)
-                    terminate(now)
+                    log.warning("%s: %s; sending SIGTERM to process group %d", key,
+                                _REASON_TEXT[_stop_reason(stop_event)], pgid)
+                    terminate(now, _stop_grace(stop_event, kill_grace))
             if kill_at is not None and not killed and now >= kill_at:
                 log.warning("%s: process group %d still running %gs after SIGTERM; "
                             "sending SIGKILL", key, pgid, kill_grace)
@@ -537,15 +661,15 @@ def _raise_in_thread(thread_id: int, exc: type[BaseException] | None) -> None:
 
 
 class _Watch:
-    """One armed python run: its thread, deadline and stop event."""
+    """One armed python run: its thread, deadline, stop event and kill() callback."""
 
-    __slots__ = ("thread_id", "deadline", "stop_event", "fired", "suspended", "done")
+    __slots__ = ("thread_id", "deadline", "stop_event", "fired", "suspended", "done", "on_kill")
 
-    def __init__(self, thread_id: int, deadline: float | None,
-                 stop_event: threading.Event | None) -> None:
+    def __init__(self, thread_id: int, deadline: float | None, stop_event: Stop | None) -> None:
         self.thread_id = thread_id
         self.deadline = deadline
         self.stop_event = stop_event
+        self.on_kill: Callable[[], None] | None = None
         self.fired: type[BaseException] | None = None
         self.suspended = False
         self.done = False
@@ -574,7 +698,7 @@ class _Watchdog:
         self._wake_at: float | None = None  # None: sleeping without a timeout
         self._stale = 0  # heap entries of watches already disarmed
 
-    def arm(self, deadline: float | None, stop_event: threading.Event | None) -> _Watch:
+    def arm(self, deadline: float | None, stop_event: Stop | None) -> _Watch:
         watch = _Watch(threading.get_ident(), deadline, stop_event)
         with self._cond:
             if self._thread is None:
@@ -627,6 +751,11 @@ class _Watchdog:
     def _fire(self, watch: _Watch, exc: type[BaseException]) -> None:
         watch.fired = exc
         self._stoppable.discard(watch)
+        if watch.on_kill is not None:
+            # Its own thread: an application's kill() must not hold up this loop (and
+            # the other runs' deadlines) while it waits for whatever it stops.
+            threading.Thread(target=_call_kill, args=(watch.on_kill,),
+                             name="perfectsched-kill", daemon=True).start()
         _raise_in_thread(watch.thread_id, exc)
 
     def _loop(self) -> None:
@@ -660,6 +789,13 @@ class _Watchdog:
                     wake = min(wake, now + _STOP_POLL) if wake is not None else now + _STOP_POLL
                 self._wake_at = wake
                 self._cond.wait(None if wake is None else max(0.0, wake - now))
+
+
+def _call_kill(kill: Callable[[], None]) -> None:
+    try:
+        kill()
+    except Exception:  # noqa: BLE001 - an application's kill() must not end the watchdog
+        logger.exception("kill() of a python handler raised")
 
 
 _watchdog = _Watchdog()
@@ -727,7 +863,7 @@ _ACTION_OUTCOME = {"finish": Outcome.SUCCESS, "release": Outcome.RELEASED}
 
 
 def _run_python(task: TaskLike, handler: PythonHandler, log: Log,
-                stop_event: threading.Event | None) -> Outcome:
+                stop_event: Stop | None) -> Outcome:
     timeout = handler.timeout
     watch = None
     if timeout is not None or stop_event is not None:
@@ -737,7 +873,12 @@ def _run_python(task: TaskLike, handler: PythonHandler, log: Log,
     error: BaseException | None = None
     try:
         try:
-            handler.app_class(observed).run()
+            app = handler.app_class(observed)
+            kill = getattr(app, "kill", None)
+            if watch is not None and callable(kill) and \
+                    getattr(kill, "__func__", None) is not Application.kill:
+                watch.on_kill = kill
+            app.run()
         except BaseException as exc:  # includes HandlerTimeout
             error = exc
         finally:
@@ -757,8 +898,12 @@ def _run_python(task: TaskLike, handler: PythonHandler, log: Log,
     if isinstance(error, PreemptedError):
         raise error
     if isinstance(error, ProcessStopError) or fired is ProcessStopError:
-        log.warning("%s: daemon stopping; %s interrupted", task.key, handler.route.python)
-        task.release()
+        reason = _stop_reason(stop_event)
+        log.warning("%s: %s; %s interrupted", task.key, _REASON_TEXT[reason],
+                    handler.route.python)
+        if reason is not StopReason.SHUTDOWN:
+            return Outcome.PREEMPTED  # the lease is not ours to write
+        task.give_back()
         return Outcome.STOPPED
     if isinstance(error, HandlerTimeout) or fired is HandlerTimeout:
         log.warning("%s: %s timed out after %gs; interrupted", task.key, handler.route.python,
@@ -766,7 +911,7 @@ def _run_python(task: TaskLike, handler: PythonHandler, log: Log,
         task.retry()
         return Outcome.TIMEOUT
     if isinstance(error, KeyboardInterrupt):
-        task.release()
+        task.give_back()
         raise error
     if error is not None:
         log.error("%s: %s failed", task.key, handler.route.python, exc_info=error)

@@ -194,12 +194,27 @@ class Task:
             raise PreemptedError(f"task {self.key!r} lost its lease before retry")
 
     def release(self, now: float | None = None) -> None:
-        """Give the occurrence back untried, to run again now (on any worker)."""
+        """The application gives the occurrence back, to run again on any worker.
+
+        The first release of an occurrence (attempt 1) runs again at once, as in the
+        original; a repeated one counts as an attempt and waits like a retry, so an
+        application that always releases cannot spin (hundreds of runs a second).
+        """
+        self._end()
+        now = time.time() if now is None else now
+        wait = 0 if self.attempt <= 1 else self._collection.config.retry_wait
+        if not self._collection.store.reschedule(self.key, self.fence, math.ceil(now + wait),
+                                                 count_attempt=True):
+            raise PreemptedError(f"task {self.key!r} lost its lease before release")
+
+    def give_back(self, now: float | None = None) -> None:
+        """The daemon gives the occurrence back untried (it stops): it runs again now,
+        on any worker, and this attempt does not count."""
         self._end()
         now = time.time() if now is None else now
         if not self._collection.store.reschedule(self.key, self.fence, int(now),
                                                  count_attempt=False):
-            raise PreemptedError(f"task {self.key!r} lost its lease before release")
+            raise PreemptedError(f"task {self.key!r} lost its lease before it was given back")
 
     def heartbeat(self, now: float | None = None) -> None:
         """Renew the lease for another alive_time seconds."""

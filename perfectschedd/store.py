@@ -698,6 +698,27 @@ class Store:
                 next_run_time=now, owner=None, claimed_at=None, fence=t.c.fence + 1,
                 attempt=t.c.attempt - 1)).rowcount
 
+    @_retried
+    def reclaim_owner(self, owner: str, now: float) -> int:
+        """A worker died and its runs were killed: record each attempt it held as `lost`
+        and give the occurrences back to run now; the attempt counts.  One transaction."""
+        t = self.t
+        with self._tx() as conn:
+            held = conn.execute(sa.select(t.c.key, t.c.type, t.c.next_time, t.c.attempt,
+                                          t.c.claimed_at, t.c.fence)
+                                .where(t.c.owner == owner)).all()
+            if not held:
+                return 0
+            conn.execute(self.h.insert(), [
+                {"key": r.key, "type": r.type, "scheduled_time": r.next_time,
+                 "attempt": r.attempt, "started_at": r.claimed_at or now,
+                 "finished_at": now, "outcome": "lost", "worker": owner} for r in held])
+            stmt = t.update().where(t.c.key == sa.bindparam("k"),
+                                    t.c.fence == sa.bindparam("f")).values(
+                next_run_time=int(now), owner=None, claimed_at=None, fence=t.c.fence + 1)
+            conn.execute(stmt, [{"k": r.key, "f": r.fence} for r in held])
+        return len(held)
+
     # -- run history ----------------------------------------------------------------------
 
     @_retried

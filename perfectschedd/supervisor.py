@@ -3,6 +3,11 @@
 One class owns the worker table.  Signal handlers only queue the signal and write to a
 self-pipe; the main loop acts.  Workers prove liveness by writing to a pipe; a silent
 one is killed and replaced, and a worker that keeps dying is replaced with a back-off.
+
+Nothing of a dead worker's runs survives it: before a replacement is forked, the master
+kills the process groups the worker reported and every process marked with one of its
+run ids (jobreaper.py), then gives the worker's leases back (recording those attempts as
+`lost`), so the occurrences run again at once and never beside a leftover copy.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import os
 import selectors
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,7 +30,7 @@ from typing import Any
 import sdnotify
 from sqlalchemy.exc import DBAPIError
 
-from . import __version__, commands, logsetup, metrics
+from . import __version__, commands, jobreaper, logsetup, metrics
 from . import config as config_mod
 from .config import Config
 from .errors import ConfigError, InvalidInputError, NotSupportedError
@@ -55,6 +61,8 @@ class WorkerProc:
     running: int = 0
     db_ok: bool = True
     buf: bytearray = field(default_factory=bytearray)
+    # Its exec runs: run id -> process group (None until spawned).
+    runs: dict[str, int | None] = field(default_factory=dict)
 
 
 class Supervisor:
@@ -93,6 +101,7 @@ class Supervisor:
         self.control: Any = None
         self.dbus: Any = None
         self.metrics_server: Any = None
+        self.reclaimers: list[threading.Thread] = []
         # For child processes: fds of the master that a worker must close after fork.
         self.listener_fds: Callable[[], list[int]] = lambda: []
 
@@ -205,9 +214,14 @@ class Supervisor:
             proc = self.workers.pop(pid, None)
             if proc is None:
                 continue  # an orphaned job process re-parented to us (child subreaper)
+            self.read_alive(pid, proc)  # its last run events
             self._forget(proc)
             metrics.worker_exited(pid)
             code = os.waitstatus_to_exitcode(status)
+            if code != 0 or proc.runs:
+                self._kill_runs(proc)
+            if code != 0:
+                self._reclaim(f"{self.config.node}:{pid}")
             lived = time.monotonic() - proc.started
             if proc.retiring or self.state == "stopping":
                 log.info("worker %d (pid %d) exited", proc.index, pid)
@@ -259,8 +273,64 @@ class Supervisor:
         except ProcessLookupError:
             pass
 
-    def read_alive(self, pid: int) -> None:
-        proc = self.workers.get(pid)
+    def _kill_runs(self, proc: WorkerProc) -> None:
+        """Kill every process of a dead worker's runs (before its replacement starts)."""
+        groups = [g for g in proc.runs.values() if g is not None]
+        killed = jobreaper.kill_groups(groups, self.master_pid)
+        dead = proc.pid
+        killed += jobreaper.kill_marked(lambda r: jobreaper.worker_of(r) == dead,
+                                        me=self.master_pid)
+        if killed:
+            log.warning("worker %d (pid %d) died with %d run(s); killed what was left of "
+                        "them", proc.index, dead, len(proc.runs) or killed)
+        proc.runs.clear()
+
+    def _reclaim(self, owner: str) -> None:
+        """Give a dead worker's leases back now (its runs were killed), off the loop: the
+        database may be slow, and the occurrences need not wait for alive_time."""
+        sc = self.sc
+        if sc is None:
+            return  # the leases expire by themselves
+
+        def work() -> None:
+            try:
+                n = sc.store.reclaim_owner(owner, time.time())
+            except Exception as exc:  # noqa: BLE001 - the leases then expire by themselves
+                log.warning("could not give back the leases of %s (they expire after "
+                            "alive_time): %s", owner, str(exc).splitlines()[0])
+                return
+            if n:
+                log.info("gave back %d lease(s) of %s; recorded as lost", n, owner)
+
+        self.reclaimers = [t for t in self.reclaimers if t.is_alive()]
+        thread = threading.Thread(target=work, name="reclaim", daemon=True)
+        thread.start()
+        self.reclaimers.append(thread)
+
+    def sweep_orphans(self) -> None:
+        """Kill the master's children that are not workers and whose run has ended.
+
+        Workers are not subreapers: a process a run left behind (it left the group,
+        its parent died) lands here.  Reports are read first, so a run that just
+        started is known before its first orphan is judged.
+        """
+        workers = self.workers
+        strays = [p for p in jobreaper.children(self.master_pid) if p not in workers]
+        if not strays:
+            return
+        for pid in list(workers):
+            self.read_alive(pid)
+        active = {r for p in workers.values() for r in p.runs}
+        for pid in strays:
+            run = jobreaper.run_id(pid)
+            if run is not None and run in active:
+                continue
+            if run is not None:
+                log.warning("killing pid %d, left behind by run %s that has ended", pid, run)
+            jobreaper.kill(pid)
+
+    def read_alive(self, pid: int, proc: WorkerProc | None = None) -> None:
+        proc = proc or self.workers.get(pid)
         if proc is None:
             return
         try:
@@ -280,12 +350,8 @@ class Supervisor:
         proc.buf += data
         *lines, rest = proc.buf.split(b"\n")
         proc.buf = bytearray(rest)
-        if lines:
-            try:
-                running, db_ok = lines[-1].split()
-                proc.running, proc.db_ok = int(running), db_ok == b"1"
-            except ValueError:
-                pass
+        for line in lines:
+            _apply_report(proc, line.split())
 
     def wake_workers(self) -> None:
         """A schedule changed: every worker looks for due work now.
@@ -505,6 +571,11 @@ class Supervisor:
         log.info("reloaded")
         self.notify("READY=1")
 
+    def _join_reclaimers(self, timeout: float) -> None:
+        end = time.monotonic() + timeout
+        for thread in self.reclaimers:
+            thread.join(max(0.0, end - time.monotonic()))
+
     def stop(self) -> None:
         self.state = "stopping"
         log.info("stopping")
@@ -529,6 +600,7 @@ class Supervisor:
             self.reap()
             time.sleep(0.02)
         self._kill_orphans()
+        self._join_reclaimers(5.0)
         if self.sc is not None:
             self.sc.close()
         log.info("stopped")
@@ -704,6 +776,7 @@ class Supervisor:
             elif sig == signal.SIGCHLD:
                 self.reap()
         self.reap()
+        self.sweep_orphans()
         self.manage_workers()
         self._finish_reload()
         if not self.ready and self.workers and all(p.pinged for p in self.workers.values()):
@@ -720,6 +793,22 @@ class Supervisor:
         self._update_status()
         self._watchdog()
         return False
+
+
+def _apply_report(proc: WorkerProc, words: list[bytes]) -> None:
+    """One line of a worker's alive pipe: "RUNNING DB_OK" (a ping) or a run event:
+    "s RUN" (about to spawn), "g RUN PGID" (spawned), "e RUN" (ended, group killed)."""
+    try:
+        if len(words) == 2 and words[0] not in (b"s", b"e"):
+            proc.running, proc.db_ok = int(words[0]), words[1] == b"1"
+        elif words[0] == b"s":
+            proc.runs[words[1].decode()] = None
+        elif words[0] == b"g":
+            proc.runs[words[1].decode()] = int(words[2])
+        elif words[0] == b"e":
+            proc.runs.pop(words[1].decode(), None)
+    except (ValueError, IndexError, UnicodeDecodeError):
+        pass  # a line cut by a dying worker
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,16 +2,25 @@
 
 The worker talks to its master through two pipes: it reads `wake` (a byte means "look
 for due work now"; EOF means the master died) and writes `alive` (one short line per
-loop: liveness, running count and database state).  It sleeps until the earliest
-`next_run_time` in the table, bounded by `poll_interval`, so a due occurrence starts
-within milliseconds.
+loop: liveness, running count and database state; and for each exec run, its id and
+process group, so that the master can kill what is left of it if this worker dies).
+It sleeps until the earliest `next_run_time` in the table, bounded by `poll_interval`,
+so a due occurrence starts within milliseconds.
+
+A run lives only as long as its lease: a heartbeat that finds the lease lost stops the
+run (TERM, then KILL after kill_grace) and writes nothing; a run whose lease could not
+be renewed stops itself before the lease can expire for the others (self-fencing, see
+`fence_lead`); when the master dies, runs stop at once.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 import os
 import queue
+import select
 import selectors
 import signal
 import threading
@@ -21,9 +30,10 @@ from typing import Any
 
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
-from . import handlers, logsetup, metrics
+from . import handlers, jobreaper, logsetup, metrics
 from .config import Config
 from .errors import PreemptedError
+from .handlers import RunControl, StopReason
 from .schedules import ScheduleCollection, Task
 
 log = logging.getLogger("perfectschedd.worker")
@@ -39,6 +49,9 @@ PREFETCH = 8
 PING_INTERVAL = 1.0
 HISTORY_FLUSH = 0.5
 DB_BACKOFF_MAX = 5.0  # a cron must resume soon after its database does
+# How long a run event may wait for room in the alive pipe (the master reads it at once
+# unless it is gone or stuck).
+REPORT_WAIT = 2.0
 
 
 class TaskThreads:
@@ -106,6 +119,9 @@ class BatchedTask:
     def heartbeat(self) -> None:
         self._task.heartbeat()
 
+    def give_back(self) -> None:
+        self._task.give_back()
+
 
 class Worker:
     def __init__(self, config: Config, index: int, wake_fd: int, alive_fd: int,
@@ -120,6 +136,19 @@ class Worker:
         self.sc: ScheduleCollection | None = None
         self.router = handlers.Router(config.routes, log=log)
         self.running: dict[str, Task] = {}
+        # Per running key: what stops its run (shutdown, lease lost, self-fencing).
+        self.controls: dict[str, RunControl] = {}
+        # Self-fencing: a run stops this long before its lease expires unless a heartbeat
+        # renewed it; alive_time/10 is the clock skew tolerated between hosts, kill_grace
+        # the time TERM gets before KILL.  Never more than a quarter of alive_time, so
+        # that a short lease is not fenced before its first heartbeat (alive_time/3).
+        alive = config.alive_time
+        self.fence_lead = min(alive / 10 + config.kill_grace, alive / 4)
+        self.fence_grace = max(0.1, self.fence_lead - alive / 10)
+        self.run_ids = (f"{os.getpid()}.{time.time_ns() // 1_000_000 % 10**9}.{n}"
+                        for n in itertools.count(1))
+        self.master_gone = False
+        self.report_dropped = False
         self.lock = threading.Lock()
         self.history: list[dict[str, Any]] = []
         self.finished: list[Task] = []  # finished by handlers, not yet written
@@ -170,6 +199,26 @@ class Worker:
         except OSError:
             self.stopping.set()  # master gone
 
+    def _report(self, line: str) -> None:
+        """A run event for the master; unlike pings, it waits for room in the pipe."""
+        data = f"{line}\n".encode()
+        deadline = time.monotonic() + REPORT_WAIT
+        while True:
+            try:
+                os.write(self.alive_fd, data)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    if not self.report_dropped:
+                        self.report_dropped = True
+                        log.warning("master not reading; run events dropped (its "
+                                    "processes are still found by their run id)")
+                    return
+                select.select([], [self.alive_fd], [], 0.05)
+            except OSError:
+                self.stopping.set()  # master gone
+                return
+
     def _set_db(self, ok: bool, exc: BaseException | None = None) -> None:
         if ok and not self.db_ok:
             log.info("database reachable again")
@@ -219,11 +268,9 @@ class Worker:
         for key, _ in events:
             data = os.read(key.fd, 4096)
             if key.fd == self.wake_fd and not data:
-                log.warning("master process gone; worker stops")
-                self.stopping.set()
+                self._master_gone()
         if os.getppid() != self.master_pid:
-            log.warning("master process gone; worker stops")
-            self.stopping.set()
+            self._master_gone()
         return bool(events) or self.stopping.is_set() or time.monotonic() >= deadline
 
     def _step(self, pool: TaskThreads) -> float:
@@ -259,8 +306,12 @@ class Worker:
             if batch or want > 0:
                 claimed = self._finish_and_claim(batch, want)
                 for task in claimed:
+                    # The claim wrote the lease as int(claimed_at) + alive_time.
+                    control = RunControl(int(task.claimed_at) + self.config.alive_time
+                                         - self.fence_lead, self.fence_grace)
                     with self.lock:
                         self.running[task.key] = task
+                        self.controls[task.key] = control
                     pool.submit(task)
                 if want > 0 and len(claimed) == want:
                     self._set_db(True)
@@ -277,6 +328,12 @@ class Worker:
         if wait <= 0 and not claimed:
             wait = 0.005  # due rows held by another claimer this instant
         return max(0.0, min(wait, self.config.poll_interval))
+
+    def _master_gone(self) -> None:
+        if not self.master_gone:
+            log.warning("master process gone; worker stops its runs and exits")
+        self.master_gone = True
+        self.stopping.set()
 
     def _backoff(self) -> float:
         wait = self.db_backoff
@@ -306,9 +363,23 @@ class Worker:
             metrics.task_started(task.type, max(0.0, started - due))
             log.info("start key=%s type=%s scheduled=%d attempt=%d late=%.3fs",
                      task.key, task.type, task.scheduled_time, task.attempt, started - due)
-            result = handlers.run_task(BatchedTask(task, self.finished), handler, log=log,
-                                       stop_event=self.kill_event,
-                                       kill_grace=self.config.kill_grace)
+            with self.lock:
+                control = self.controls.get(task.key) or RunControl()
+            run_id: str | None = None
+            if isinstance(handler, handlers.ExecHandler):
+                # Reported before the spawn: the master must know the run before any
+                # process of it can become the master's orphan.
+                run_id = next(self.run_ids)
+                self._report(f"s {run_id}")
+            try:
+                result = handlers.run_task(
+                    BatchedTask(task, self.finished), handler, log=log, stop_event=control,
+                    kill_grace=self.config.kill_grace, run_id=run_id,
+                    on_spawn=None if run_id is None else
+                    (lambda pgid, r=run_id: self._report(f"g {r} {pgid}")))
+            finally:
+                if run_id is not None:
+                    self._report(f"e {run_id}")
             outcome, duration = str(result.outcome), result.duration
             self.avg_duration = 0.8 * self.avg_duration + 0.2 * duration
             log.info("end key=%s scheduled=%d attempt=%d duration=%.3fs outcome=%s%s",
@@ -330,6 +401,7 @@ class Worker:
             metrics.task_finished(task.type, outcome, duration)
             with self.lock:
                 self.running.pop(task.key, None)
+                self.controls.pop(task.key, None)
                 self.history.append({
                     "key": task.key, "type": task.type, "scheduled_time": task.scheduled_time,
                     "attempt": task.attempt, "started_at": started,
@@ -389,31 +461,54 @@ class Worker:
             if not held or self.sc is None:
                 continue
             try:
-                lease = int(time.time()) + self.config.alive_time
+                lease = math.ceil(time.time()) + self.config.alive_time
                 lost = self.sc.store.heartbeat(held, lease)
             except SQLAlchemyError as exc:  # not only DBAPIError: this thread must not die
+                # No renewal: the runs' fence_at stays, and they stop themselves in time.
                 self._set_db(False, exc)
                 continue
-            for key in lost:
-                log.warning("key=%s: lease lost (expired, deleted or modified)", key)
+            self._renewed(held, lost, lease)
+
+    def _renewed(self, held: list[tuple[str, int]], lost: set[str], lease: int) -> None:
+        """After a heartbeat: renewed runs move their fence; lost ones are stopped."""
+        with self.lock:
+            controls = dict(self.controls)
+        for key, _ in held:
+            control = controls.get(key)
+            if control is None:
+                if key in lost:
+                    log.warning("key=%s: lease lost before its finish was written", key)
+                continue
+            if key not in lost:
+                control.fence_at = lease - self.fence_lead
+            elif control.reason is None:
+                log.warning("key=%s: lease lost (deleted, modified or taken over); "
+                            "stopping its run", key)
+                control.stop(StopReason.PREEMPTED)
 
     # -- stop -------------------------------------------------------------------------------
 
     def _shutdown(self, pool: TaskThreads) -> None:
-        deadline = time.monotonic() + self.config.shutdown_timeout
+        # Without a master nobody would kill what a run leaves behind if this worker
+        # died next: runs stop now rather than at the end of a graceful wait.
+        grace = 0.0 if self.master_gone else self.config.shutdown_timeout
+        deadline = time.monotonic() + grace
         with self.lock:
             n = len(self.running)
-        if n:
-            log.info("stopping: waiting up to %.0fs for %d running task(s)",
-                     self.config.shutdown_timeout, n)
+        if n and grace:
+            log.info("stopping: waiting up to %.0fs for %d running task(s)", grace, n)
         while time.monotonic() < deadline:
             with self.lock:
                 if not self.running:
                     break
             self._ping(force=True)
             time.sleep(0.05)
-        self.kill_event.set()  # exec groups get TERM/KILL, tasks are released
-        pool.shutdown()  # queued tasks are not started; they are released below
+        with self.lock:
+            controls = list(self.controls.values())
+        for control in controls:  # exec groups get TERM/KILL, tasks are given back
+            control.stop(StopReason.SHUTDOWN)
+        self.kill_event.set()
+        pool.shutdown()  # queued tasks are not started; they are given back below
         end = time.monotonic() + self.config.kill_grace + 2
         while time.monotonic() < end:
             with self.lock:
@@ -421,11 +516,15 @@ class Worker:
                     break
             time.sleep(0.05)
         handlers.kill_all_groups()
+        if self.master_gone:
+            # Their orphans went to init, not to a master that would kill them.
+            me = os.getpid()
+            jobreaper.kill_marked(lambda r: jobreaper.worker_of(r) == me, me=me)
         with self.lock:
             leftover = list(self.running.values())
         for task in leftover:  # python handlers stuck in C code: give their tasks back
             try:
-                task.release()
+                task.give_back()
             except Exception:  # noqa: BLE001 - best effort at exit; the lease expires anyway
                 pass
         try:

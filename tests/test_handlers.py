@@ -61,6 +61,9 @@ class FakeTask:
     def release(self) -> None:
         self._end("release")
 
+    def give_back(self) -> None:  # the daemon's release (stop): recorded alike
+        self._end("release")
+
 
 def sh(script: str, timeout: float | None = None) -> ExecHandler:
     """An exec handler running a shell script; the key arrives as $1."""

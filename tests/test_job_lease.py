@@ -1,0 +1,190 @@
+"""A job lives only as long as its lease (SPEC "Execution guarantees"): real daemons,
+real exec jobs, real signals.  Each job writes its own log of start/end times and pids,
+which is what the assertions read."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+from daemon_harness import YEARLY, Daemon, lines, sh, wait_until
+
+import perfectschedd
+
+
+def running(pid: int) -> bool:
+    """True while pid exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+def owner_pid(d: Daemon, key: str) -> int:
+    def held() -> int | None:
+        for r in d.status()["running"]:
+            if r["key"] == key and r["owner"]:
+                return int(r["owner"].rsplit(":", 1)[1])
+        return None
+    return int(wait_until(held, what=f"{key} running"))
+
+
+def history(d: Daemon, key: str) -> list[dict[str, Any]]:
+    with perfectschedd.open(str(d.config_path)) as sc:
+        return sc.store.history(key, 100)
+
+
+def events(path: Path) -> list[list[str]]:
+    return [line.split() for line in lines(path)]
+
+
+# A job that logs "start ATTEMPT PID TIME", forks a grandchild that leaves the process
+# group (setsid) and logs its pid, then, on attempt 1 only, sleeps for a long time.
+# Attempt 2 logs which earlier processes still run when it starts.
+TREE_JOB = """
+out={out}
+now() {{ date +%s.%N; }}
+echo "start $PERFECTSCHED_ATTEMPT $$ $(now)" >> $out
+if [ "$PERFECTSCHED_ATTEMPT" = 1 ]; then
+  setsid sleep 120 < /dev/null > /dev/null 2>&1 &
+  echo "escapee $!" >> $out
+  sleep 120
+else
+  for p in $(awk '$1 == "start" || $1 == "escapee" {{print $3 == "" ? $2 : $3}}' $out); do
+    [ "$p" = $$ ] && continue
+    if [ -e /proc/$p ] && ! grep -q '^State:.*Z' /proc/$p/status 2>/dev/null; then
+      echo "still-running $p" >> $out
+    fi
+  done
+  echo "end $PERFECTSCHED_ATTEMPT $$ $(now)" >> $out
+fi
+"""
+
+
+def test_killed_worker_takes_its_whole_job_tree_with_it(daemon_factory: Any,
+                                                          tmp_path: Path) -> None:
+    out = tmp_path / "runs"
+    d = daemon_factory({"alive_time": 30, "routes": [sh("t", TREE_JOB.format(out=out))]}
+                       ).start()
+    d.ctl("add", "k", "t", YEARLY, "--at", "0")
+    wait_until(lambda: any(e[0] == "escapee" for e in events(out)), what="first attempt")
+    first = next(e for e in events(out) if e[0] == "start")
+    escapee = int(next(e for e in events(out) if e[0] == "escapee")[1])
+    job = int(first[2])
+    assert running(job) and running(escapee)
+    assert os.getsid(escapee) != os.getsid(job)  # it did leave the job's session
+    victim = owner_pid(d, "k")
+    killed_at = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    # The lease is given back once the tree is dead: the occurrence runs again long
+    # before alive_time (30 s) would have expired.
+    wait_until(lambda: any(e[0] == "end" for e in events(out)), timeout=20,
+               what="second attempt")
+    assert time.monotonic() - killed_at < 15
+    ev = events(out)
+    assert [e for e in ev if e[0] == "still-running"] == [], ev
+    assert not running(job) and not running(escapee)
+    starts = [e for e in ev if e[0] == "start"]
+    assert [s[1] for s in starts] == ["1", "2"]
+    assert f"(pid {victim}) died (signal 9)" in d.log()
+    runs = wait_until(lambda: h if len(h := history(d, "k")) == 2 else None,
+                      what="both attempts in history")
+    assert sorted(r["outcome"] for r in runs) == ["lost", "success"], runs
+    lost = next(r for r in runs if r["outcome"] == "lost")
+    assert lost["attempt"] == 1 and lost["worker"].endswith(f":{victim}")
+    assert d.stop() == 0
+
+
+def test_killed_master_takes_jobs_and_workers_down(daemon_factory: Any,
+                                                    tmp_path: Path) -> None:
+    out = tmp_path / "runs"
+    d = daemon_factory({"alive_time": 30, "shutdown_timeout": 30,
+                        "routes": [sh("t", TREE_JOB.format(out=out))]}).start()
+    d.ctl("add", "k", "t", YEARLY, "--at", "0")
+    wait_until(lambda: any(e[0] == "escapee" for e in events(out)), what="job running")
+    job = int(next(e for e in events(out) if e[0] == "start")[2])
+    escapee = int(next(e for e in events(out) if e[0] == "escapee")[1])
+    workers = d.children()
+    os.kill(d.pid, signal.SIGKILL)
+    # shutdown_timeout (30 s) is not waited for: without a master, runs stop at once.
+    wait_until(lambda: not any(running(p) for p in (job, escapee, *workers)), timeout=8,
+               what="jobs and workers gone")
+
+
+def test_delete_while_running_stops_the_job(daemon_factory: Any, tmp_path: Path) -> None:
+    out = tmp_path / "runs"
+    script = (f'trap \'echo "term $(date +%s.%N)" >> {out}; exit 143\' TERM; '
+              f'echo "start $(date +%s.%N)" >> {out}; sleep 120 & wait')
+    alive_time = 6
+    d = daemon_factory({"alive_time": alive_time, "routes": [sh("t", script)]}).start()
+    d.ctl("add", "k", "t", YEARLY, "--at", "0")
+    wait_until(lambda: events(out), what="job started")
+    deleted_at = time.time()
+    d.ctl("delete", "k")
+    # Within one heartbeat (alive_time / 3), plus the time TERM takes.
+    wait_until(lambda: any(e[0] == "term" for e in events(out)), timeout=alive_time,
+               what="TERM")
+    term_at = float(next(e for e in events(out) if e[0] == "term")[1])
+    assert term_at - deleted_at < alive_time / 3 + 1.5
+    d.wait_log("outcome=preempted")
+    wait_until(lambda: [r["outcome"] for r in history(d, "k")] == ["preempted"],
+               what="history of the stopped run")
+    assert d.log().count("lease lost (deleted, modified or taken over)") == 1
+    assert d.stop() == 0
+
+
+def test_modify_while_running_stops_the_running_copy(daemon_factory: Any,
+                                                     tmp_path: Path) -> None:
+    out = tmp_path / "runs"
+    script = (f'trap \'echo "term $$ $(date +%s.%N)" >> {out}; exit 143\' TERM; '
+              f'echo "start $$ $(date +%s.%N)" >> {out}; sleep 120 & wait')
+    d = daemon_factory({"alive_time": 6, "routes": [sh("t", script)]}).start()
+    d.ctl("add", "k", "t", YEARLY, "--at", "0")
+    wait_until(lambda: events(out), what="job started")
+    d.ctl("modify", "k", "-d", "1")
+    wait_until(lambda: any(e[0] == "term" for e in events(out)), timeout=6, what="TERM")
+    d.wait_log("outcome=preempted")
+    time.sleep(1)
+    # The schedule moved on to its next (yearly) time: nothing ran beside or after it.
+    assert [e[0] for e in events(out)] == ["start", "term"]
+    assert d.stop() == 0
+
+
+def test_lease_not_renewable_stops_the_job_before_it_expires(daemon_factory: Any,
+                                                              tmp_path: Path) -> None:
+    """Self-fencing: an outside writer holds SQLite's lock, so no heartbeat can renew the
+    lease; the job is stopped before the lease expires for the others, and a second copy
+    only starts after the first one ended."""
+    out = tmp_path / "runs"
+    script = (f'trap \'echo "term $$ $(date +%s.%N)" >> {out}; exit 143\' TERM; '
+              f'echo "start $$ $(date +%s.%N)" >> {out}; sleep 120 & wait')
+    alive_time = 4
+    d = daemon_factory({"alive_time": alive_time, "kill_grace": 1, "poll_interval": 0.2,
+                        "routes": [sh("t", script)]}).start()
+    d.ctl("add", "k", "t", YEARLY, "--at", "0")
+    wait_until(lambda: events(out), what="job started")
+    db = d.config["url"].removeprefix("sqlite:///")
+    hold = sqlite3.connect(db, isolation_level=None, timeout=30)
+    hold.execute("BEGIN EXCLUSIVE")
+    locked_at = time.time()
+    row = hold.execute("SELECT next_run_time FROM perfectsched WHERE key = 'k'").fetchone()
+    lease_until = int(row[0])
+    try:
+        wait_until(lambda: any(e[0] == "term" for e in events(out)), timeout=3 * alive_time,
+                   what="self-fencing TERM")
+    finally:
+        hold.execute("COMMIT")
+        hold.close()
+    term_at = float(next(e for e in events(out) if e[0] == "term")[2])
+    assert term_at < lease_until, (term_at, lease_until, locked_at)
+    wait_until(lambda: sum(e[0] == "start" for e in events(out)) >= 2, timeout=30,
+               what="the occurrence again, after its lease expired")
+    second = [e for e in events(out) if e[0] == "start"][1]
+    assert float(second[2]) > term_at
+    assert "lease could not be renewed in time" in d.log()
+    assert d.stop() == 0
