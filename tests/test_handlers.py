@@ -531,3 +531,87 @@ def test_router_broken_python_route(target: str, caplog: pytest.LogCaptureFixtur
     assert broken[0].levelno == logging.ERROR
     assert target in broken[0].getMessage() and "'job'" in broken[0].getMessage()
     assert isinstance(router.match("other"), ExecHandler)
+
+
+# --------------------------------------------------------------------------- lease-bound runs
+
+
+@pytest.mark.parametrize(("script", "outcome", "calls"), [
+    ("echo SCHED_DONE; exit 3", Outcome.SUCCESS, [("finish",)]),
+    ("echo SCHED_FAIL; exit 0", Outcome.FAILED, [("retry", (), {})]),
+    ("echo '  SCHED_DONE  '; exit 1", Outcome.SUCCESS, [("finish",)]),
+    ("echo SCHED_FAIL; echo ok", Outcome.SUCCESS, [("finish",)]),  # only the last line
+    ("echo SCHED_DONE_NOT; exit 2", Outcome.FAILED, [("retry", (), {})]),
+])
+def test_exec_last_line_outranks_exit_status(script: str, outcome: Outcome,
+                                             calls: list[Any]) -> None:
+    task = FakeTask()
+    assert run(task, sh(script)).outcome == outcome
+    assert task.calls == calls
+
+
+@pytest.mark.parametrize("reason", [handlers.StopReason.PREEMPTED, handlers.StopReason.FENCED])
+def test_exec_lease_lost_stops_group_and_writes_nothing(tmp_path: Path,
+                                                        reason: handlers.StopReason) -> None:
+    out = tmp_path / "pids"
+    control = handlers.RunControl()
+    threading.Timer(0.3, control.stop, args=(reason,)).start()
+    task = FakeTask()
+    result = run(task, sh(f"sleep 60 & echo $! >> {out}; wait"), stop_event=control)
+    assert result.outcome == Outcome.PREEMPTED
+    assert task.calls == []  # the lease is not ours: no finish, retry or release
+    assert all(gone(p) for p in pids(out))
+
+
+def test_exec_fences_itself_at_fence_at(tmp_path: Path) -> None:
+    control = handlers.RunControl(fence_at=time.time() + 0.3, fence_grace=0.2)
+    task = FakeTask()
+    # TERM is ignored: KILL comes after fence_grace, not after kill_grace (5 s here).
+    result = run(task, sh("trap '' TERM; sleep 60 & wait; sleep 60"), stop_event=control,
+                 kill_grace=5.0)
+    assert result.outcome == Outcome.PREEMPTED
+    assert control.reason is handlers.StopReason.FENCED
+    assert result.duration < 2.0
+
+
+def test_exec_run_id_is_in_the_environment(tmp_path: Path) -> None:
+    out = tmp_path / "env"
+    spawned: list[int] = []
+    task = FakeTask()
+    run(task, sh(f'echo "$PERFECTSCHED_RUN_ID $$" > {out}'), run_id="123.4.5",
+        on_spawn=spawned.append)
+    run_id, pid = out.read_text().split()
+    assert run_id == "123.4.5" and spawned == [int(pid)]
+
+
+class KillRecorder(Application):
+    killed: list[str] = []
+
+    def run(self) -> None:
+        while True:
+            time.sleep(0.01)
+
+    def kill(self) -> None:
+        KillRecorder.killed.append(self.task.key)
+
+
+@pytest.mark.parametrize("how", ["timeout", "stop", "preempted"])
+def test_python_kill_is_called_when_the_run_is_stopped(how: str) -> None:
+    KillRecorder.killed = []
+    control = handlers.RunControl()
+    if how == "stop":
+        threading.Timer(0.2, control.stop, args=(handlers.StopReason.SHUTDOWN,)).start()
+    elif how == "preempted":
+        threading.Timer(0.2, control.stop, args=(handlers.StopReason.PREEMPTED,)).start()
+    task = FakeTask(key=f"k-{how}")
+    result = run(task, py(KillRecorder, timeout=0.2 if how == "timeout" else None),
+                 stop_event=control)
+    expected = {"timeout": Outcome.TIMEOUT, "stop": Outcome.STOPPED,
+                "preempted": Outcome.PREEMPTED}[how]
+    assert result.outcome == expected
+    wait = time.monotonic() + 2
+    while not KillRecorder.killed and time.monotonic() < wait:
+        time.sleep(0.01)
+    assert KillRecorder.killed == [f"k-{how}"]
+    assert task.calls == {"timeout": [("retry", (), {})], "stop": [("release",)],
+                          "preempted": []}[how]

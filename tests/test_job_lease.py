@@ -188,3 +188,30 @@ def test_lease_not_renewable_stops_the_job_before_it_expires(daemon_factory: Any
     assert float(second[2]) > term_at
     assert "lease could not be renewed in time" in d.log()
     assert d.stop() == 0
+
+
+def test_always_releasing_handler_backs_off(daemon_factory: Any, tmp_path: Path) -> None:
+    """release(): the first one runs again at once, repeated ones wait like retries and
+    count attempts (it used to spin at ~880 runs a second)."""
+    out = tmp_path / "runs"
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "releasing.py").write_text(f"""
+from perfectschedd import Application
+
+class Releases(Application):
+    def run(self):
+        with open({str(out)!r}, "a") as f:
+            f.write(f"{{self.task.attempt}}\\n")
+        self.task.release()
+""")
+    d = daemon_factory({"retry_wait": 3, "routes": [
+        {"type": "rel", "python": "releasing:Releases"}]},
+        extra_args=["-I", str(mods)]).start()
+    d.ctl("add", "k", "rel", YEARLY, "--at", "0")
+    wait_until(lambda: len(lines(out)) >= 2, what="first release and its immediate rerun")
+    time.sleep(2)
+    assert lines(out) == ["1", "2"]  # the second release waits retry_wait (3 s)
+    wait_until(lambda: len(lines(out)) >= 3, timeout=10, what="the third attempt")
+    assert lines(out)[:3] == ["1", "2", "3"]
+    assert d.stop() == 0

@@ -178,15 +178,32 @@ def test_retry_timing_and_attempts(sc: ScheduleCollection) -> None:
     assert row(sc, "k")["attempt"] == 0 and row(sc, "k")["next_time"] == T0 + H
 
 
-def test_release_gives_the_occurrence_back_untried(sc: ScheduleCollection) -> None:
+def test_give_back_returns_the_occurrence_untried(sc: ScheduleCollection) -> None:
+    """The daemon's own release (it stops): runs again now, the attempt does not count."""
+    sc.add("k", "t", cron="0 * * * *", next_time=T0, now=T0)
+    task = sc.poll(now=T0 + 5)
+    assert task is not None and task.attempt == 1
+    task.give_back(now=T0 + 6)
+    info = row(sc, "k")
+    assert info["next_run_time"] == T0 + 6 and info["owner"] is None and info["attempt"] == 0
+    again = sc.poll(now=T0 + 6)
+    assert again is not None and again.scheduled_time == T0 and again.attempt == 1
+    with pytest.raises(AlreadyFinishedError):
+        task.give_back(now=T0 + 7)
+
+
+def test_release_first_at_once_then_backs_off_like_a_retry(sc: ScheduleCollection) -> None:
     sc.add("k", "t", cron="0 * * * *", next_time=T0, now=T0)
     task = sc.poll(now=T0 + 5)
     assert task is not None and task.attempt == 1
     task.release(now=T0 + 6)
     info = row(sc, "k")
-    assert info["next_run_time"] == T0 + 6 and info["owner"] is None and info["attempt"] == 0
+    assert info["next_run_time"] == T0 + 6 and info["owner"] is None and info["attempt"] == 1
     again = sc.poll(now=T0 + 6)
-    assert again is not None and again.scheduled_time == T0 and again.attempt == 1
+    assert again is not None and again.scheduled_time == T0 and again.attempt == 2
+    again.release(now=T0 + 7)
+    assert row(sc, "k")["next_run_time"] == T0 + 7 + sc.config.retry_wait
+    assert sc.poll(now=T0 + 8) is None
     with pytest.raises(AlreadyFinishedError):
         task.release(now=T0 + 7)
 
