@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -53,6 +54,14 @@ def _status(result: dict[str, Any]) -> str:
         f"schedules: {result.get('schedules', 0)} ({result.get('paused', 0)} paused), "
         f"due now: {result.get('due', 0)}",
     ]
+    database = result.get("database") or {}
+    if database.get("unreachable_since") is not None:
+        since = time.strftime("%Y-%m-%d %H:%M:%S",
+                              time.localtime(float(database["unreachable_since"])))
+        lines.append(f"database: unreachable since {since} ({database.get('error')}); "
+                     "figures below are from before")
+    elif database.get("ok") is False:
+        lines.append("database: a worker cannot reach it")
     if result.get("last_error"):
         lines.append(f"last error: {result['last_error']}")
     workers = result.get("workers") or []

@@ -7,6 +7,7 @@ from .errors import (
     AlreadyExistsError,
     AlreadyFinishedError,
     ConfigError,
+    DatabaseUnavailableError,
     InvalidInputError,
     NotFoundError,
     NotSupportedError,
@@ -19,9 +20,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AlreadyExistsError", "AlreadyFinishedError", "Application", "Config", "ConfigError",
-    "InvalidInputError", "NotFoundError", "NotSupportedError", "PreemptedError",
-    "ProcessStopError", "Schedule", "ScheduleCollection", "ScheduleError", "ScheduleInfo",
-    "Task", "open",
+    "DatabaseUnavailableError", "InvalidInputError", "NotFoundError", "NotSupportedError",
+    "PreemptedError", "ProcessStopError", "Schedule", "ScheduleCollection", "ScheduleError",
+    "ScheduleInfo", "Task", "open",
 ]
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import grp
+import json
 import logging
 import os
 import pwd
@@ -43,6 +44,9 @@ MAX_CLIENTS = 256
 IDLE_TIMEOUT = 60.0
 # Requests executed at once (each may wait on the database).
 DISPATCH_THREADS = 8
+# `status` never waits behind requests that wait on the database: its own small pool.
+QUICK_COMMANDS = frozenset({"status"})
+QUICK_THREADS = 2
 _PEERCRED = struct.Struct("3i")
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux >= 4.13
 
@@ -116,6 +120,7 @@ class ControlServer:
         self.thread: threading.Thread | None = None
         self.stopping = threading.Event()
         self.pool: ThreadPoolExecutor | None = None
+        self.quick_pool: ThreadPoolExecutor | None = None
         self.sel: selectors.BaseSelector | None = None
         self.wake_r, self.wake_w = -1, -1
         self.done: queue.SimpleQueue[tuple[_Conn, bytes]] = queue.SimpleQueue()
@@ -143,6 +148,7 @@ class ControlServer:
             self._release_lock()
             raise
         self.pool = ThreadPoolExecutor(DISPATCH_THREADS, thread_name_prefix="control-req")
+        self.quick_pool = ThreadPoolExecutor(QUICK_THREADS, thread_name_prefix="control-quick")
         self.sel = selectors.DefaultSelector()
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         assert self.sock is not None
@@ -238,8 +244,9 @@ class ControlServer:
         self._wake()
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join(5.0)
-        if self.pool is not None:
-            self.pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self.pool, self.quick_pool):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
         if self.sock is not None:
             self.sock.close()
             self.sock = None
@@ -421,8 +428,9 @@ class ControlServer:
             if not line.strip():
                 continue
             assert self.pool is not None
+            pool = self.quick_pool if _is_quick(line) else self.pool
             try:
-                future = self.pool.submit(self.handle, line)
+                future = pool.submit(self.handle, line)
             except RuntimeError:  # the pool is shut down: we are stopping
                 self._close(conn)
                 return
@@ -498,3 +506,14 @@ class ControlServer:
         except Exception as exc:  # noqa: BLE001 - a request never takes the daemon down
             self.log.exception("control request failed")
             return protocol.error("InternalError", f"internal error: {exc}")
+
+
+def _is_quick(line: bytes) -> bool:
+    """A small request for one of QUICK_COMMANDS (the full check is handle()'s)."""
+    if len(line) > 512:
+        return False
+    try:
+        request = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(request, dict) and request.get("cmd") in QUICK_COMMANDS

@@ -25,6 +25,11 @@ class NotSupportedError(ScheduleError):
     """The configuration asks for something this build does not provide."""
 
 
+class DatabaseUnavailableError(ScheduleError):
+    """The database did not answer in time (or is not open yet); nothing was changed
+    by this request, though a write may still complete once the database answers."""
+
+
 class InvalidInputError(ScheduleError, ValueError):
     """A field of a request is not acceptable; the message names the field."""
 

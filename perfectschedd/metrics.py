@@ -256,10 +256,10 @@ def worker_restarted() -> None:
         _master.restarts += 1
 
 
-def set_schedule_counts(counts: dict[str, int]) -> None:
+def set_schedule_counts(counts: dict[str, int], read_at: float | None = None) -> None:
     if _master is not None:
         _master.counts = dict(counts)
-        _master.counts_time = time.time()
+        _master.counts_time = time.time() if read_at is None else read_at
 
 
 def set_workers(configured: int, alive: int) -> None:

@@ -26,6 +26,7 @@ ERROR_TYPES = frozenset({
     "InvalidInputError", "NotFoundError", "AlreadyExistsError", "PreemptedError",
     "AlreadyFinishedError", "NotSupportedError", "ConfigError", "PermissionDenied",
     "ProtocolError", "DatabaseError", "InternalError", "ScheduleError", "Busy",
+    "DatabaseUnavailableError",
 })
 
 

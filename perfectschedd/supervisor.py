@@ -15,36 +15,36 @@ from __future__ import annotations
 import argparse
 import ctypes
 import errno
+import gc
 import importlib
 import logging
 import os
 import selectors
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import sdnotify
-from sqlalchemy.exc import DBAPIError
 
 from . import __version__, commands, jobreaper, logsetup, metrics
 from . import config as config_mod
 from .config import Config
 from .errors import ConfigError, InvalidInputError, NotSupportedError
-from .schedules import ScheduleCollection
+from .masterdb import MasterDatabase
+from .store import engine_url
 
 log = logging.getLogger("perfectschedd")
 
 _PR_SET_CHILD_SUBREAPER = 36
 STATUS_EVERY = 2.0
-COUNTS_EVERY = 15.0
-PRUNE_EVERY = 60.0
+# How long `status` waits for fresh figures from the database before it answers with the
+# last ones it has (and their age): it answers within a second whatever the database does.
+STATUS_FRESH_WAIT = 0.5
 QUICK_DEATH = 10.0  # a worker that dies sooner than this counts towards the back-off
 BACKOFF_MAX = 30.0
-STORE_RETRY_MAX = 5.0  # longest wait between attempts to open the database
 
 
 @dataclass
@@ -60,6 +60,8 @@ class WorkerProc:
     retiring: bool = False
     running: int = 0
     db_ok: bool = True
+    loop_age: float = 0.0  # seconds since its main loop turned, as of its last ping
+    in_db: bool = False    # its main loop was inside a database call
     buf: bytearray = field(default_factory=bytearray)
     # Its exec runs: run id -> process group (None until spawned).
     runs: dict[str, int | None] = field(default_factory=dict)
@@ -85,23 +87,19 @@ class Supervisor:
         self.state = "starting"
         self.started = time.time()
         self.ready = False
-        self.sc: ScheduleCollection | None = None
-        self.store_backoff = 0.5
-        self.next_store_try = 0.0
+        self.db = MasterDatabase(config)
+        self.spawn_postponed = False
+        self.gc_frozen = False
         self.spawn_failures = 0
         self.next_spawn = 0.0
         self.last_status = 0.0
         self.status_line = ""
-        self.counts: dict[str, int] = {}
-        self.last_counts = 0.0
-        self.last_prune = time.monotonic()
         self.last_error: str | None = None
         self.reload_pending_since: float | None = None
         self.restarts = 0
         self.control: Any = None
         self.dbus: Any = None
         self.metrics_server: Any = None
-        self.reclaimers: list[threading.Thread] = []
         # For child processes: fds of the master that a worker must close after fork.
         self.listener_fds: Callable[[], list[int]] = lambda: []
 
@@ -138,9 +136,25 @@ class Supervisor:
 
     # -- workers --------------------------------------------------------------------------
 
-    def spawn_worker(self, index: int) -> None:
+    def spawn_worker(self, index: int) -> bool:
+        """Fork worker `index`; False (try again next turn) while a thread of the master
+        is inside a database call: the child would inherit its locks mid-call."""
+        with self.db.fork_gate() as clear:
+            if not clear:
+                return False
+            self._fork_worker(index)
+        return True
+
+    def _fork_worker(self, index: int) -> None:
         from . import worker
 
+        if not self.gc_frozen:
+            # What the master built at start (imported modules, mostly) is shared with
+            # every worker copy-on-write; a collection in a worker would write to each
+            # object's GC header and copy those pages.  Frozen objects are never visited.
+            gc.collect()
+            gc.freeze()
+            self.gc_frozen = True
         wake_r, wake_w = os.pipe()
         alive_r, alive_w = os.pipe()
         pid = os.fork()
@@ -187,9 +201,9 @@ class Supervisor:
                     os.close(fd)
                 except OSError:
                     pass
-        if self.sc is not None:
+        if self.db.sc is not None:
             # The master's pooled connections must not be used or closed by the child.
-            self.sc.store.engine.dispose(close=False)
+            self.db.sc.store.engine.dispose(close=False)
         metrics.after_fork_in_worker()
 
     def _forget(self, proc: WorkerProc) -> None:
@@ -243,19 +257,30 @@ class Supervisor:
     def manage_workers(self) -> None:
         """Converge the current generation to `workers` processes; kill silent ones."""
         now = time.monotonic()
+        timeout = self.config.worker_timeout
         for proc in list(self.workers.values()):
-            if now - proc.last_seen > self.config.worker_timeout:
-                log.error("worker %d (pid %d) silent for %.0fs; killing it",
-                          proc.index, proc.pid, now - proc.last_seen)
+            silent = now - proc.last_seen
+            # A loop stopped inside a database call is waiting on the database, which
+            # has its own timeouts: that worker is alive, and a replacement would only
+            # wait the same way.  Stopped anywhere else, it is wedged.
+            stalled = 0.0 if proc.in_db else proc.loop_age + silent
+            if silent > timeout or stalled > timeout:
+                why = (f"silent for {silent:.0f}s" if silent > timeout else
+                       f"main loop stopped for {stalled:.0f}s outside a database call")
+                log.error("worker %d (pid %d) %s; killing it", proc.index, proc.pid, why)
                 proc.last_seen = now  # one kill per timeout period
+                proc.loop_age = 0.0
                 self._kill(proc.pid, signal.SIGKILL)
         if self.state == "stopping":
             return
         current = {p.index for p in self.workers.values()
                    if p.generation == self.generation and not p.retiring}
+        self.spawn_postponed = False
         for index in range(self.config.workers):
-            if index not in current and now >= self.next_spawn:
-                self.spawn_worker(index)
+            if index not in current and now >= self.next_spawn \
+                    and not self.spawn_worker(index):
+                self.spawn_postponed = True  # a database call is in flight: next turn
+                break
         # A reload that lowered `workers` retires the surplus.
         for p in self.workers.values():
             if p.generation == self.generation and p.index >= self.config.workers \
@@ -288,24 +313,13 @@ class Supervisor:
     def _reclaim(self, owner: str) -> None:
         """Give a dead worker's leases back now (its runs were killed), off the loop: the
         database may be slow, and the occurrences need not wait for alive_time."""
-        sc = self.sc
-        if sc is None:
-            return  # the leases expire by themselves
-
-        def work() -> None:
-            try:
-                n = sc.store.reclaim_owner(owner, time.time())
-            except Exception as exc:  # noqa: BLE001 - the leases then expire by themselves
-                log.warning("could not give back the leases of %s (they expire after "
-                            "alive_time): %s", owner, str(exc).splitlines()[0])
-                return
+        def work(sc: Any) -> None:
+            n = sc.store.reclaim_owner(owner, time.time())
             if n:
                 log.info("gave back %d lease(s) of %s; recorded as lost", n, owner)
 
-        self.reclaimers = [t for t in self.reclaimers if t.is_alive()]
-        thread = threading.Thread(target=work, name="reclaim", daemon=True)
-        thread.start()
-        self.reclaimers.append(thread)
+        # If the database does not answer, the leases expire by themselves.
+        self.db.in_background(f"giving back the leases of {owner}", work)
 
     def sweep_orphans(self) -> None:
         """Kill the master's children that are not workers and whose run has ended.
@@ -386,9 +400,7 @@ class Supervisor:
         if cmd == "reload":
             self._on_signal(signal.SIGHUP, None)
             return {"reload": "requested"}
-        if self.sc is None:
-            raise NotSupportedError("the database is not open yet")
-        result = commands.execute(self.sc, cmd, args)
+        result = self.db.call(lambda sc: commands.execute(sc, cmd, args))
         if cmd in commands.WAKING:
             self.wake_workers()
         if cmd in commands.CHANGING and self.dbus is not None:
@@ -401,60 +413,35 @@ class Supervisor:
         return result
 
     def status(self) -> dict[str, Any]:
-        # Called from the control threads: a snapshot, never iterate the live table.
-        procs = list(self.workers.values())
+        """Called from the control threads; never waits on the database for more than
+        STATUS_FRESH_WAIT: the figures are the housekeeping thread's snapshot."""
+        procs = list(self.workers.values())  # a copy: never iterate the live table
+        snap = self.db.fresh_snapshot(STATUS_FRESH_WAIT)
         now = time.time()
-        running: list[dict[str, Any]] = []
-        if self.sc is not None:
-            try:
-                self._refresh_counts(force=True)
-                for r in self.sc.store.running():
-                    running.append({"key": r.key, "type": r.type,
-                                    "scheduled_time": r.next_time, "timezone": r.timezone,
-                                    "owner": r.owner,
-                                    "age": round(now - r.claimed_at, 3) if r.claimed_at else None,
-                                    "attempt": r.attempt})
-            except DBAPIError as exc:
-                self.last_error = f"database: {str(exc).splitlines()[0]}"
         mono = time.monotonic()
         workers = [{"pid": p.pid, "index": p.index, "generation": p.generation,
                     "age": round(mono - p.started, 1), "last_seen": round(mono - p.last_seen, 1),
-                    "running": p.running, "retiring": p.retiring, "db_ok": p.db_ok}
+                    "running": p.running, "retiring": p.retiring, "db_ok": p.db_ok,
+                    "in_db_call": p.in_db}
                    for p in sorted(procs, key=lambda p: (p.generation, p.index))]
+        ok, since, why = self.db.health()
+        reachable = ok is not False and all(p.db_ok for p in procs)
+        database: dict[str, Any] = {"ok": reachable}
+        if since is not None:
+            database["unreachable_since"] = round(since, 3)
+            database["error"] = why
+        if snap.read_at is not None:
+            database["figures_age"] = round(max(0.0, now - snap.read_at), 3)
         return {
             "version": __version__, "host": self.config.node, "pid": os.getpid(),
             "uptime": round(now - self.started, 1), "state": self.state,
             "workers_configured": self.config.workers,
             "workers_alive": sum(1 for p in procs if not p.retiring),
-            "workers": workers, "running": running, "last_error": self.last_error,
-            "database_ok": all(p.db_ok for p in procs),
-            **{k: self.counts.get(k, 0) for k in ("schedules", "paused", "due")},
+            "workers": workers, "running": list(snap.running),
+            "last_error": self.last_error or (f"database: {why}" if why else None),
+            "database_ok": reachable, "database": database,
+            **{k: snap.counts.get(k, 0) for k in ("schedules", "paused", "due")},
         }
-
-    # -- periodic duties ------------------------------------------------------------------
-
-    def _refresh_counts(self, force: bool = False) -> None:
-        if self.sc is None:
-            return
-        now = time.monotonic()
-        if not force and now - self.last_counts < COUNTS_EVERY:
-            return
-        self.last_counts = now
-        try:
-            self.counts = self.sc.store.counts(int(time.time()))
-            metrics.set_schedule_counts(self.counts)
-        except DBAPIError as exc:
-            self.last_error = f"database: {str(exc).splitlines()[0]}"
-
-    def _prune_history(self) -> None:
-        now = time.monotonic()
-        if self.sc is None or now - self.last_prune < PRUNE_EVERY:
-            return
-        self.last_prune = now
-        try:
-            self.sc.store.prune_history(self.config.history_limit)
-        except DBAPIError as exc:
-            self.last_error = f"database: {str(exc).splitlines()[0]}"
 
     def _update_status(self) -> None:
         now = time.monotonic()
@@ -463,9 +450,11 @@ class Supervisor:
         self.last_status = now
         alive = [p for p in self.workers.values() if not p.retiring]
         running = sum(p.running for p in self.workers.values())
-        db_ok = all(p.db_ok for p in self.workers.values())
+        db_ok = self.db.health()[0] is not False and all(
+            p.db_ok for p in self.workers.values())
+        counts = self.db.snapshot.counts
         line = (f"{len(alive)} workers, {running} running, "
-                f"{self.counts.get('due', 0)} due, {self.counts.get('schedules', 0)} schedules")
+                f"{counts.get('due', 0)} due, {counts.get('schedules', 0)} schedules")
         if not db_ok:
             line += "; database unreachable"
         metrics.set_workers(self.config.workers, len(alive))
@@ -508,7 +497,9 @@ class Supervisor:
             return
         self.config = new
         if (new.url, new.table) != (old.url, old.table):
-            self._open_store()
+            self.db.stop_in_background()
+            self.db = MasterDatabase(new)
+            self.db.start()
         if (new.dbus, new.dbus_address) != (old.dbus, old.dbus_address):
             if self.dbus is not None:
                 self.dbus.stop()
@@ -571,11 +562,6 @@ class Supervisor:
         log.info("reloaded")
         self.notify("READY=1")
 
-    def _join_reclaimers(self, timeout: float) -> None:
-        end = time.monotonic() + timeout
-        for thread in self.reclaimers:
-            thread.join(max(0.0, end - time.monotonic()))
-
     def stop(self) -> None:
         self.state = "stopping"
         log.info("stopping")
@@ -590,19 +576,11 @@ class Supervisor:
         for p in list(self.workers.values()):
             log.error("worker %d (pid %d) did not stop; killing it", p.index, p.pid)
             self._kill(p.pid, signal.SIGKILL)
-            if self.sc is not None:
-                try:
-                    self.sc.store.release_owner(f"{self.config.node}:{p.pid}",
-                                                int(time.time()))
-                except DBAPIError:
-                    pass
         while self.workers:
             self.reap()
             time.sleep(0.02)
         self._kill_orphans()
-        self._join_reclaimers(5.0)
-        if self.sc is not None:
-            self.sc.close()
+        self.db.stop(timeout=5.0)  # lets the killed workers' leases be given back
         log.info("stopped")
 
     def _kill_orphans(self) -> None:
@@ -631,32 +609,6 @@ class Supervisor:
                 pass
 
     # -- listeners ------------------------------------------------------------------------
-
-    def _open_store(self) -> None:
-        if self.sc is not None:
-            self.sc.close()
-            self.sc = None
-        self.store_backoff = 0.5
-        self.next_store_try = time.monotonic() + self.store_backoff
-        try:
-            self.sc = ScheduleCollection(self.config)
-        except DBAPIError as exc:
-            self.last_error = f"database: {str(exc).splitlines()[0]}"
-            log.error("database unreachable at start: %s (retrying with back-off)",
-                      str(exc).splitlines()[0])
-
-    def _retry_store(self) -> None:
-        """The database was down when the store was opened: open it once it answers."""
-        now = time.monotonic()
-        if self.sc is not None or now < self.next_store_try:
-            return
-        self.store_backoff = min(self.store_backoff * 2, STORE_RETRY_MAX)
-        self.next_store_try = now + self.store_backoff
-        try:
-            self.sc = ScheduleCollection(self.config)
-        except DBAPIError:
-            return  # logged once by _open_store; workers report the state
-        log.info("database open")
 
     def _start_control(self) -> None:
         from . import control
@@ -733,13 +685,13 @@ class Supervisor:
         self._install_signals()
         self.listener_fds = self._listener_fds
         metrics.setup_master(self.config)
-        self._open_store()
+        self.db.start()
         self._start_control()
         self._start_metrics_server()
         self._start_dbus()
         log.info("perfectschedd %s starting: %d worker(s), database %s", __version__,
-                 self.config.workers, self.sc.store.url.render_as_string(hide_password=True)
-                 if self.sc else self.config.url)
+                 self.config.workers, engine_url(self.config.url).render_as_string(
+                     hide_password=True))
         self.manage_workers()
         try:
             while True:
@@ -751,7 +703,7 @@ class Supervisor:
 
     def _loop_once(self) -> bool:
         """One turn of the main loop; True when the daemon must stop."""
-        for key, _ in self.sel.select(timeout=0.5):
+        for key, _ in self.sel.select(timeout=0.02 if self.spawn_postponed else 0.5):
             if key.data == "signal":
                 try:
                     os.read(self.selfpipe_r, 4096)
@@ -784,12 +736,7 @@ class Supervisor:
             self.state = "running"
             log.info("ready")
             self.notify("READY=1", f"MAINPID={os.getpid()}")
-            # After READY=1: at a million rows the counts take a while, and nothing that
-            # waits for the daemon to start needs them (status/metrics show them shortly).
-            self._refresh_counts(force=True)
-        self._retry_store()
-        self._refresh_counts()
-        self._prune_history()
+            self.last_status = 0.0  # STATUS= says at once what is up
         self._update_status()
         self._watchdog()
         return False
@@ -799,8 +746,10 @@ def _apply_report(proc: WorkerProc, words: list[bytes]) -> None:
     """One line of a worker's alive pipe: "RUNNING DB_OK" (a ping) or a run event:
     "s RUN" (about to spawn), "g RUN PGID" (spawned), "e RUN" (ended, group killed)."""
     try:
-        if len(words) == 2 and words[0] not in (b"s", b"e"):
+        if words[0] not in (b"s", b"g", b"e"):
             proc.running, proc.db_ok = int(words[0]), words[1] == b"1"
+            if len(words) >= 4:
+                proc.loop_age, proc.in_db = float(words[2]), words[3] == b"1"
         elif words[0] == b"s":
             proc.runs[words[1].decode()] = None
         elif words[0] == b"g":

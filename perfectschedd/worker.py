@@ -1,9 +1,11 @@
 """One forked worker: claim -> run with heartbeat -> finish/retry.
 
 The worker talks to its master through two pipes: it reads `wake` (a byte means "look
-for due work now"; EOF means the master died) and writes `alive` (one short line per
-loop: liveness, running count and database state; and for each exec run, its id and
-process group, so that the master can kill what is left of it if this worker dies).
+for due work now"; EOF means the master died) and writes `alive`: a pinger thread's line
+every PING_INTERVAL (running count, database state, how long ago the main loop last
+turned and whether it is inside a database call: so a worker waiting on a slow database
+is not mistaken for a wedged one), and for each exec run its id and process group, so
+that the master can kill what is left of it if this worker dies.
 It sleeps until the earliest `next_run_time` in the table, bounded by `poll_interval`,
 so a due occurrence starts within milliseconds.
 
@@ -159,6 +161,8 @@ class Worker:
         self.db_ok = True
         self.db_backoff = 0.5
         self.last_ping = 0.0
+        self.loop_at = time.monotonic()  # the main loop's last turn
+        self.in_db = False  # the main loop is inside a database call
         self.last_flush = time.monotonic()
         self.selfpipe_r, self.selfpipe_w = os.pipe()
         os.set_blocking(self.selfpipe_w, False)
@@ -185,6 +189,13 @@ class Worker:
     def _on_usr2(self, signum: int, frame: Any) -> None:
         logsetup.reopen()
 
+    def _pinger(self) -> None:
+        """Liveness from a thread of its own: it keeps going while the main loop waits on
+        the database, and stops when the whole process is frozen or holds the GIL."""
+        while True:  # until the process exits (a daemon thread)
+            time.sleep(PING_INTERVAL)
+            self._ping(force=True)
+
     def _ping(self, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now - self.last_ping < PING_INTERVAL:
@@ -192,8 +203,9 @@ class Worker:
         self.last_ping = now
         with self.lock:
             n = len(self.running)
+        line = f"{n} {int(self.db_ok)} {now - self.loop_at:.1f} {int(self.in_db)}\n"
         try:
-            os.write(self.alive_fd, f"{n} {int(self.db_ok)}\n".encode())
+            os.write(self.alive_fd, line.encode())
         except BlockingIOError:
             pass
         except OSError:
@@ -251,11 +263,19 @@ class Worker:
         pool = TaskThreads(self.config.concurrency, self._run_one)
         beat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         beat.start()
+        threading.Thread(target=self._pinger, name="pinger", daemon=True).start()
         try:
             while not self.stopping.is_set():
+                self.loop_at = time.monotonic()
                 self._ping()
-                deadline = time.monotonic() + self._step(pool)
+                self.in_db = True
+                try:
+                    wait = self._step(pool)
+                finally:
+                    self.in_db = False
+                deadline = time.monotonic() + wait
                 while not self._sleep(sel, deadline):
+                    self.loop_at = time.monotonic()
                     self._ping()
         finally:
             self._shutdown(pool)
@@ -501,6 +521,7 @@ class Worker:
             with self.lock:
                 if not self.running:
                     break
+            self.loop_at = time.monotonic()  # waiting for runs is not being wedged
             self._ping(force=True)
             time.sleep(0.05)
         with self.lock:
@@ -511,6 +532,7 @@ class Worker:
         pool.shutdown()  # queued tasks are not started; they are given back below
         end = time.monotonic() + self.config.kill_grace + 2
         while time.monotonic() < end:
+            self.loop_at = time.monotonic()
             with self.lock:
                 if not self.running:
                     break

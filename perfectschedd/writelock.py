@@ -5,7 +5,7 @@ sleeps 1, 2, 5, 10, 15, 20, 25 ... ms between tries whatever the writer does.  I
 burst each transaction takes about a millisecond, so two workers taking turns spent a
 third of their time asleep with the lock free.  Writers of this code therefore queue on
 an flock(2) of a file next to the database first: it is polled with sleeps of 50 us
-growing to 1 ms (so the next writer starts within about that of the last one's commit),
+growing to 0.2 ms (so the next writer starts within about that of the last one's commit),
 the kernel drops it when its holder dies, and the wait is bounded like SQLite's own.
 Writers that do not take it (the sqlite3 shell, other programs) are still kept out by
 SQLite's lock; they only miss the fast hand-over.
