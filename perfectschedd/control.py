@@ -45,7 +45,6 @@ IDLE_TIMEOUT = 60.0
 # Requests executed at once (each may wait on the database).
 DISPATCH_THREADS = 8
 # `status` never waits behind requests that wait on the database: its own small pool.
-QUICK_COMMANDS = frozenset({"status"})
 QUICK_THREADS = 2
 _PEERCRED = struct.Struct("3i")
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux >= 4.13
@@ -509,11 +508,11 @@ class ControlServer:
 
 
 def _is_quick(line: bytes) -> bool:
-    """A small request for one of QUICK_COMMANDS (the full check is handle()'s)."""
+    """A small request for one of protocol.QUICK_COMMANDS (handle() checks it fully)."""
     if len(line) > 512:
         return False
     try:
         request = json.loads(line)
     except ValueError:
         return False
-    return isinstance(request, dict) and request.get("cmd") in QUICK_COMMANDS
+    return isinstance(request, dict) and request.get("cmd") in protocol.QUICK_COMMANDS

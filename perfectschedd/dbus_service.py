@@ -169,6 +169,8 @@ class DBusService:
         self.manager: Manager | None = None
         self.thread: threading.Thread | None = None
         self.pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="dbus-req")
+        self.quick_pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="dbus-quick")
         self.stopping: asyncio.Event | None = None
         # Unique bus names are never reused: a verdict per caller holds for its connection.
         self.verdicts: OrderedDict[str, str | None] = OrderedDict()
@@ -200,6 +202,7 @@ class DBusService:
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join(5.0)
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.quick_pool.shutdown(wait=False, cancel_futures=True)
 
     def fds(self) -> list[int]:
         """Descriptors a forked worker must close (the bus connection)."""
@@ -294,7 +297,9 @@ class DBusService:
 
         loop = asyncio.get_running_loop()
         try:
-            result = await loop.run_in_executor(self.pool, self.dispatch, cmd, args)
+            # Status never queues behind requests waiting on the database.
+            pool = self.quick_pool if cmd in protocol.QUICK_COMMANDS else self.pool
+            result = await loop.run_in_executor(pool, self.dispatch, cmd, args)
         except ScheduleError as exc:
             raise _error(type(exc).__name__, str(exc)) from None
         except ConfigError as exc:

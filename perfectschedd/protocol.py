@@ -21,6 +21,10 @@ MAX_FRAME = 1 << 20
 # Nesting deeper than this in a request is refused (no JSON document we accept needs it).
 MAX_DEPTH = 64
 
+# Commands answered without the database (the daemon's own state and snapshot): servers
+# run them apart from requests that may wait on it.
+QUICK_COMMANDS = frozenset({"status"})
+
 # Error types a client may see; anything else is reported as "InternalError".
 ERROR_TYPES = frozenset({
     "InvalidInputError", "NotFoundError", "AlreadyExistsError", "PreemptedError",
