@@ -100,7 +100,8 @@ class MasterDatabase:
         with self._cond:
             self._cond.wait_for(lambda: self._in_flight == 0,
                                 max(0.0, end - time.monotonic()))
-        self._thread.join(max(0.0, end - time.monotonic()))
+        if self._thread.ident is not None:  # started
+            self._thread.join(max(0.0, end - time.monotonic()))
         sc, self.sc = self.sc, None
         if sc is not None:
             sc.close()

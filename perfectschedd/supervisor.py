@@ -24,7 +24,6 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import sdnotify
@@ -35,6 +34,8 @@ from .config import Config
 from .errors import ConfigError, InvalidInputError, NotSupportedError
 from .masterdb import MasterDatabase
 from .store import engine_url
+from .workerprocs import Processes
+from .workertable import WorkerProc, WorkerTable
 
 log = logging.getLogger("perfectschedd")
 
@@ -43,38 +44,17 @@ STATUS_EVERY = 2.0
 # How long `status` waits for fresh figures from the database before it answers with the
 # last ones it has (and their age): it answers within a second whatever the database does.
 STATUS_FRESH_WAIT = 0.5
-QUICK_DEATH = 10.0  # a worker that dies sooner than this counts towards the back-off
-BACKOFF_MAX = 30.0
-
-
-@dataclass
-class WorkerProc:
-    pid: int
-    index: int
-    generation: int
-    wake_w: int
-    alive_r: int
-    started: float
-    last_seen: float
-    pinged: bool = False
-    retiring: bool = False
-    running: int = 0
-    db_ok: bool = True
-    loop_age: float = 0.0  # seconds since its main loop turned, as of its last ping
-    in_db: bool = False    # its main loop was inside a database call
-    buf: bytearray = field(default_factory=bytearray)
-    # Its exec runs: run id -> process group (None until spawned).
-    runs: dict[str, int | None] = field(default_factory=dict)
 
 
 class Supervisor:
-    def __init__(self, config: Config, config_source: str, environment: str | None
-                 ) -> None:
+    def __init__(self, config: Config, config_source: str, environment: str | None,
+                 processes: Processes | None = None) -> None:
         self.config = config
         self.config_source = config_source
         self.environment = environment
-        self.workers: dict[int, WorkerProc] = {}
-        self.generation = 0
+        self.table = WorkerTable(config.workers, config.worker_timeout)
+        self.procs = processes or Processes()
+        self.master_pid = os.getpid()
         self.signals: list[int] = []
         self.wake_pending = False
         self.selfpipe_r, self.selfpipe_w = os.pipe()
@@ -90,13 +70,9 @@ class Supervisor:
         self.db = MasterDatabase(config)
         self.spawn_postponed = False
         self.gc_frozen = False
-        self.spawn_failures = 0
-        self.next_spawn = 0.0
         self.last_status = 0.0
         self.status_line = ""
         self.last_error: str | None = None
-        self.reload_pending_since: float | None = None
-        self.restarts = 0
         self.control: Any = None
         self.dbus: Any = None
         self.metrics_server: Any = None
@@ -155,31 +131,24 @@ class Supervisor:
             gc.collect()
             gc.freeze()
             self.gc_frozen = True
-        wake_r, wake_w = os.pipe()
-        alive_r, alive_w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # child
-            code = 1
+
+        def child(wake_r: int, alive_w: int) -> int:
             try:
-                os.close(wake_w)
-                os.close(alive_r)
                 self._child_cleanup()
-                code = worker.run(self.config, index, wake_r, alive_w, self.master_pid)
+                return worker.run(self.config, index, wake_r, alive_w, self.master_pid)
             except BaseException:  # noqa: BLE001 - never return into the master's code
                 log.exception("worker %d crashed", index)
+                return 1
             finally:
                 logsetup.shutdown()
                 logging.shutdown()
-                os._exit(code)
-        os.close(wake_r)
-        os.close(alive_w)
-        os.set_blocking(wake_w, False)
-        os.set_blocking(alive_r, False)
+
+        pid, wake_w, alive_r = self.procs.fork(child)
         now = time.monotonic()
-        proc = WorkerProc(pid, index, self.generation, wake_w, alive_r, now, now)
-        self.workers[pid] = proc
+        generation = self.table.generation
+        self.table.add(WorkerProc(pid, index, generation, wake_w, alive_r, now, now))
         self.sel.register(alive_r, selectors.EVENT_READ, pid)
-        log.info("worker %d spawned (pid %d, generation %d)", index, pid, self.generation)
+        log.info("worker %d spawned (pid %d, generation %d)", index, pid, generation)
 
     def _child_cleanup(self) -> None:
         logsetup.after_fork()
@@ -195,12 +164,8 @@ class Supervisor:
                 os.close(fd)
             except OSError:
                 pass
-        for w in self.workers.values():
-            for fd in (w.wake_w, w.alive_r):
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+        for w in self.table:
+            self.procs.close(w.wake_w, w.alive_r)
         if self.db.sc is not None:
             # The master's pooled connections must not be used or closed by the child.
             self.db.sc.store.engine.dispose(close=False)
@@ -211,92 +176,48 @@ class Supervisor:
             self.sel.unregister(proc.alive_r)
         except (KeyError, ValueError):
             pass
-        for fd in (proc.wake_w, proc.alive_r):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        self.procs.close(proc.wake_w, proc.alive_r)
 
     def reap(self) -> None:
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-            proc = self.workers.pop(pid, None)
+        for pid, code in self.procs.reap():
+            proc = self.table.get(pid)
             if proc is None:
                 continue  # an orphaned job process re-parented to us (child subreaper)
-            self.read_alive(pid, proc)  # its last run events
+            self.read_alive(pid)  # its last run events
+            ended = self.table.exited(pid, time.monotonic(), self.state == "stopping")
+            assert ended is not None
             self._forget(proc)
             metrics.worker_exited(pid)
-            code = os.waitstatus_to_exitcode(status)
+            # Before anything else starts: nothing of its runs may outlive it.
             if code != 0 or proc.runs:
                 self._kill_runs(proc)
             if code != 0:
                 self._reclaim(f"{self.config.node}:{pid}")
-            lived = time.monotonic() - proc.started
-            if proc.retiring or self.state == "stopping":
+            if not ended.unexpected:
                 log.info("worker %d (pid %d) exited", proc.index, pid)
                 continue
-            self.restarts += 1
             metrics.worker_restarted()
             how = f"signal {-code}" if code < 0 else f"status {code}"
             log.error("worker %d (pid %d) died (%s) after %.1fs; replacing it",
-                      proc.index, pid, how, lived)
-            if lived < QUICK_DEATH:
-                self.spawn_failures += 1
-                delay = min(0.5 * 2 ** (self.spawn_failures - 1), BACKOFF_MAX)
-                self.next_spawn = time.monotonic() + delay
-                if self.spawn_failures > 1:
-                    log.warning("workers keep dying; next start in %.1fs", delay)
-            else:
-                self.spawn_failures = 0
+                      proc.index, pid, how, ended.lived)
+            if ended.backoff is not None and self.table.spawn_failures > 1:
+                log.warning("workers keep dying; next start in %.1fs", ended.backoff)
 
     def manage_workers(self) -> None:
-        """Converge the current generation to `workers` processes; kill silent ones."""
+        """Converge the current generation to `workers` processes; kill unresponsive ones."""
         now = time.monotonic()
-        timeout = self.config.worker_timeout
-        for proc in list(self.workers.values()):
-            silent = now - proc.last_seen
-            # A loop stopped inside a database call is waiting on the database, which
-            # has its own timeouts: that worker is alive, and a replacement would only
-            # wait the same way.  Stopped anywhere else, it is wedged.
-            stalled = 0.0 if proc.in_db else proc.loop_age + silent
-            if silent > timeout or stalled > timeout:
-                why = (f"silent for {silent:.0f}s" if silent > timeout else
-                       f"main loop stopped for {stalled:.0f}s outside a database call")
-                log.error("worker %d (pid %d) %s; killing it", proc.index, proc.pid, why)
-                proc.last_seen = now  # one kill per timeout period
-                proc.loop_age = 0.0
-                self._kill(proc.pid, signal.SIGKILL)
+        for proc, why in self.table.unresponsive(now):
+            log.error("worker %d (pid %d) %s; killing it", proc.index, proc.pid, why)
+            self.procs.kill(proc.pid, signal.SIGKILL)
         if self.state == "stopping":
             return
-        current = {p.index for p in self.workers.values()
-                   if p.generation == self.generation and not p.retiring}
         self.spawn_postponed = False
-        for index in range(self.config.workers):
-            if index not in current and now >= self.next_spawn \
-                    and not self.spawn_worker(index):
+        for index in self.table.missing(now):
+            if not self.spawn_worker(index):
                 self.spawn_postponed = True  # a database call is in flight: next turn
                 break
-        # A reload that lowered `workers` retires the surplus.
-        for p in self.workers.values():
-            if p.generation == self.generation and p.index >= self.config.workers \
-                    and not p.retiring:
-                self._retire(p)
-
-    def _retire(self, proc: WorkerProc) -> None:
-        proc.retiring = True
-        self._kill(proc.pid, signal.SIGTERM)
-
-    @staticmethod
-    def _kill(pid: int, sig: int) -> None:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
+        for proc in self.table.surplus():  # a reload lowered `workers`
+            self.procs.kill(proc.pid, signal.SIGTERM)
 
     def _kill_runs(self, proc: WorkerProc) -> None:
         """Kill every process of a dead worker's runs (before its replacement starts)."""
@@ -328,13 +249,13 @@ class Supervisor:
         its parent died) lands here.  Reports are read first, so a run that just
         started is known before its first orphan is judged.
         """
-        workers = self.workers
-        strays = [p for p in jobreaper.children(self.master_pid) if p not in workers]
+        strays = [p for p in jobreaper.children(self.master_pid)
+                  if self.table.get(p) is None]
         if not strays:
             return
-        for pid in list(workers):
-            self.read_alive(pid)
-        active = {r for p in workers.values() for r in p.runs}
+        for proc in self.table:
+            self.read_alive(proc.pid)
+        active = {r for p in self.table for r in p.runs}
         for pid in strays:
             run = jobreaper.run_id(pid)
             if run is not None and run in active:
@@ -343,29 +264,25 @@ class Supervisor:
                 log.warning("killing pid %d, left behind by run %s that has ended", pid, run)
             jobreaper.kill(pid)
 
-    def read_alive(self, pid: int, proc: WorkerProc | None = None) -> None:
-        proc = proc or self.workers.get(pid)
+    def read_alive(self, pid: int) -> None:
+        proc = self.table.get(pid)
         if proc is None:
             return
-        try:
-            data = os.read(proc.alive_r, 4096)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:
+        data = self.procs.read(proc.alive_r)
+        if data is None:  # EOF: it exited; reap() takes it from here
             try:
                 self.sel.unregister(proc.alive_r)
             except (KeyError, ValueError):
                 pass
             return
-        proc.last_seen = time.monotonic()
-        proc.pinged = True
+        if not data:
+            return
         proc.buf += data
         *lines, rest = proc.buf.split(b"\n")
         proc.buf = bytearray(rest)
+        now = time.monotonic()
         for line in lines:
-            _apply_report(proc, line.split())
+            proc.report(line, now)
 
     def wake_workers(self) -> None:
         """A schedule changed: every worker looks for due work now.
@@ -381,11 +298,8 @@ class Supervisor:
 
     def _wake_now(self) -> None:
         self.wake_pending = False
-        for proc in self.workers.values():
-            try:
-                os.write(proc.wake_w, b"w")
-            except OSError:
-                pass
+        for proc in self.table:
+            self.procs.poke(proc.wake_w)
 
     # -- control requests (from the control socket and D-Bus threads) ---------------------
 
@@ -415,7 +329,7 @@ class Supervisor:
     def status(self) -> dict[str, Any]:
         """Called from the control threads; never waits on the database for more than
         STATUS_FRESH_WAIT: the figures are the housekeeping thread's snapshot."""
-        procs = list(self.workers.values())  # a copy: never iterate the live table
+        procs = list(self.table)  # a copy: never iterate the live table
         snap = self.db.fresh_snapshot(STATUS_FRESH_WAIT)
         now = time.time()
         mono = time.monotonic()
@@ -448,10 +362,9 @@ class Supervisor:
         if now - self.last_status < STATUS_EVERY:
             return
         self.last_status = now
-        alive = [p for p in self.workers.values() if not p.retiring]
-        running = sum(p.running for p in self.workers.values())
-        db_ok = self.db.health()[0] is not False and all(
-            p.db_ok for p in self.workers.values())
+        alive = self.table.active()
+        running = sum(p.running for p in self.table)
+        db_ok = self.db.health()[0] is not False and all(p.db_ok for p in self.table)
         counts = self.db.snapshot.counts
         line = (f"{len(alive)} workers, {running} running, "
                 f"{counts.get('due', 0)} due, {counts.get('schedules', 0)} schedules")
@@ -469,8 +382,7 @@ class Supervisor:
         if now - self.last_watchdog < self.watchdog_interval:
             return
         # Healthy: the loop runs and at least one worker proved liveness recently.
-        healthy = any(now - p.last_seen < self.config.worker_timeout
-                      for p in self.workers.values()) or self.state == "starting"
+        healthy = self.table.any_alive(now) or self.state == "starting"
         if healthy:
             self.last_watchdog = now
             self.notify("WATCHDOG=1")
@@ -505,9 +417,8 @@ class Supervisor:
                 self.dbus.stop()
                 self.dbus = None
             self._start_dbus()  # optional: a failure is logged and the daemon runs on
-        self.generation += 1  # the old generation retires once the new one is up
-        self.reload_pending_since = time.monotonic()
-        self.next_spawn = 0.0
+        # The old generation retires once the new one is up.
+        self.table.begin_reload(new.workers, new.worker_timeout, time.monotonic())
         log.info("reloading: starting %d new worker(s)", new.workers)
 
     def _swap_listeners(self, old: Config, new: Config) -> None:
@@ -547,17 +458,11 @@ class Supervisor:
                 log.info("metrics on http://%s:%d/metrics", *new.metrics_listen)
 
     def _finish_reload(self) -> None:
-        if self.reload_pending_since is None:
+        old = self.table.finish_reload(time.monotonic())
+        if old is None:
             return
-        new = [p for p in self.workers.values() if p.generation == self.generation]
-        up = len(new) >= self.config.workers and all(p.pinged for p in new)
-        timed_out = time.monotonic() - self.reload_pending_since > self.config.worker_timeout
-        if not (up or timed_out):
-            return
-        for p in list(self.workers.values()):
-            if p.generation < self.generation and not p.retiring:
-                self._retire(p)
-        self.reload_pending_since = None
+        for proc in old:
+            self.procs.kill(proc.pid, signal.SIGTERM)
         self.last_status = 0.0
         log.info("reloaded")
         self.notify("READY=1")
@@ -567,16 +472,16 @@ class Supervisor:
         log.info("stopping")
         self.notify("STOPPING=1", "STATUS=stopping")
         self._stop_listeners()
-        for p in self.workers.values():
-            self._kill(p.pid, signal.SIGTERM)
+        for p in self.table:
+            self.procs.kill(p.pid, signal.SIGTERM)
         deadline = time.monotonic() + self.config.shutdown_timeout + self.config.kill_grace + 5
-        while self.workers and time.monotonic() < deadline:
+        while len(self.table) and time.monotonic() < deadline:
             self.reap()
             time.sleep(0.05)
-        for p in list(self.workers.values()):
+        for p in self.table:
             log.error("worker %d (pid %d) did not stop; killing it", p.index, p.pid)
-            self._kill(p.pid, signal.SIGKILL)
-        while self.workers:
+            self.procs.kill(p.pid, signal.SIGKILL)
+        while len(self.table):
             self.reap()
             time.sleep(0.02)
         self._kill_orphans()
@@ -601,7 +506,7 @@ class Supervisor:
             try:
                 os.killpg(pid, signal.SIGKILL)
             except OSError:
-                self._kill(pid, signal.SIGKILL)
+                self.procs.kill(pid, signal.SIGKILL)
         for pid in pids:
             try:
                 os.waitpid(pid, 0)
@@ -655,7 +560,7 @@ class Supervisor:
     def _healthy(self) -> bool:
         now = time.monotonic()
         return self.state in ("running", "reloading") and any(
-            now - p.last_seen < self.config.worker_timeout for p in self.workers.values())
+            now - p.last_seen < self.config.worker_timeout for p in self.table)
 
     def _listener_fds(self) -> list[int]:
         fds: list[int] = []
@@ -723,15 +628,15 @@ class Supervisor:
                 self.reload()
             elif sig == signal.SIGUSR2:
                 logsetup.reopen()
-                for p in self.workers.values():
-                    self._kill(p.pid, signal.SIGUSR2)
+                for p in self.table:
+                    self.procs.kill(p.pid, signal.SIGUSR2)
             elif sig == signal.SIGCHLD:
                 self.reap()
         self.reap()
         self.sweep_orphans()
         self.manage_workers()
         self._finish_reload()
-        if not self.ready and self.workers and all(p.pinged for p in self.workers.values()):
+        if not self.ready and self.table.all_pinged():
             self.ready = True
             self.state = "running"
             log.info("ready")
@@ -740,24 +645,6 @@ class Supervisor:
         self._update_status()
         self._watchdog()
         return False
-
-
-def _apply_report(proc: WorkerProc, words: list[bytes]) -> None:
-    """One line of a worker's alive pipe: "RUNNING DB_OK" (a ping) or a run event:
-    "s RUN" (about to spawn), "g RUN PGID" (spawned), "e RUN" (ended, group killed)."""
-    try:
-        if words[0] not in (b"s", b"g", b"e"):
-            proc.running, proc.db_ok = int(words[0]), words[1] == b"1"
-            if len(words) >= 4:
-                proc.loop_age, proc.in_db = float(words[2]), words[3] == b"1"
-        elif words[0] == b"s":
-            proc.runs[words[1].decode()] = None
-        elif words[0] == b"g":
-            proc.runs[words[1].decode()] = int(words[2])
-        elif words[0] == b"e":
-            proc.runs.pop(words[1].decode(), None)
-    except (ValueError, IndexError, UnicodeDecodeError):
-        pass  # a line cut by a dying worker
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,147 @@
+"""The Supervisor in-process: its process layer replaced by one that records instead of
+forking (gunicorn tests its Arbiter the same way).  Real pipes, a real process group for
+the run that must be killed; no worker processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from perfectschedd import config as config_mod
+from perfectschedd.supervisor import Supervisor
+from perfectschedd.workerprocs import Processes
+
+
+class RecordingProcesses(Processes):
+    """Forks nothing: each 'worker' is a pair of real pipes and a made-up pid."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int, int]] = []
+        self.exits: list[tuple[int, int]] = []
+        self.alive_w: dict[int, int] = {}
+        self.next_pid = 900_000
+
+    def fork(self, child: Callable[[int, int], int]) -> tuple[int, int, int]:
+        self.next_pid += 1
+        wake_r, wake_w = os.pipe()
+        alive_r, alive_w = os.pipe()
+        os.close(wake_r)
+        os.set_blocking(alive_r, False)
+        self.alive_w[self.next_pid] = alive_w
+        self.events.append(("fork", self.next_pid, 0))
+        return self.next_pid, wake_w, alive_r
+
+    def kill(self, pid: int, sig: int) -> None:
+        self.events.append(("kill", pid, sig))
+
+    def reap(self) -> list[tuple[int, int]]:
+        done, self.exits = self.exits, []
+        return done
+
+    def say(self, pid: int, *lines: str) -> None:
+        os.write(self.alive_w[pid], "".join(f"{line}\n" for line in lines).encode())
+
+    def die(self, pid: int, code: int) -> None:
+        os.close(self.alive_w.pop(pid))
+        self.exits.append((pid, code))
+
+    def forks(self) -> list[int]:
+        return [pid for what, pid, _ in self.events if what == "fork"]
+
+
+@pytest.fixture
+def sup(tmp_path: Path) -> Iterator[tuple[Supervisor, RecordingProcesses]]:
+    cfg = config_mod.load({"type": "rdb_compat", "url": f"sqlite:///{tmp_path / 'db'}",
+                           "workers": 2, "worker_timeout": 5,
+                           "control_socket": str(tmp_path / "s.sock")})
+    procs = RecordingProcesses()
+    s = Supervisor(cfg, str(tmp_path / "cfg.yml"), None, processes=procs)
+    yield s, procs
+    s.db.stop(timeout=1)
+
+
+def test_starts_the_configured_workers_and_replaces_a_dead_one(
+        sup: tuple[Supervisor, RecordingProcesses]) -> None:
+    s, procs = sup
+    s.manage_workers()
+    first = procs.forks()
+    assert len(first) == 2
+    for pid in first:
+        procs.say(pid, "0 1 0.1 0")
+        s.read_alive(pid)
+    assert s.table.all_pinged()
+    procs.die(first[0], -9)
+    s.reap()
+    s.manage_workers()
+    assert len(procs.forks()) == 2  # a quick death: not before the back-off
+    s.table.next_spawn = 0.0
+    s.manage_workers()
+    assert len(procs.forks()) == 3 and s.table.restarts == 1
+
+
+def test_a_dead_workers_runs_are_killed_before_its_replacement_starts(
+        sup: tuple[Supervisor, RecordingProcesses]) -> None:
+    s, procs = sup
+    s.manage_workers()
+    victim = procs.forks()[0]
+    job = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        procs.say(victim, "s 1.1.1", f"g 1.1.1 {job.pid}")
+        procs.die(victim, -9)
+        s.reap()
+        assert job.wait(5) == -signal.SIGKILL  # killed inside reap(), before any fork
+        assert len(procs.forks()) == 2
+        s.table.next_spawn = 0.0  # past the back-off
+        s.manage_workers()
+        assert len(procs.forks()) == 3
+    finally:
+        if job.poll() is None:
+            job.kill()
+
+
+def test_a_silent_worker_is_killed_and_a_database_wait_is_not(
+        sup: tuple[Supervisor, RecordingProcesses]) -> None:
+    s, procs = sup
+    s.manage_workers()
+    silent, waiting = procs.forks()
+    procs.say(waiting, "0 1 30.0 1")
+    s.read_alive(waiting)
+    s.table.procs[silent].last_seen = time.monotonic() - 6
+    s.manage_workers()
+    assert ("kill", silent, signal.SIGKILL) in procs.events
+    assert not any(e[0] == "kill" and e[1] == waiting for e in procs.events)
+
+
+def test_reload_starts_a_generation_then_retires_the_old_one(
+        sup: tuple[Supervisor, RecordingProcesses]) -> None:
+    s, procs = sup
+    s.manage_workers()
+    old = procs.forks()
+    s.table.begin_reload(2, 5, time.monotonic())
+    s.manage_workers()
+    new = procs.forks()[2:]
+    assert len(new) == 2
+    s._finish_reload()
+    assert not any(e[0] == "kill" for e in procs.events)  # new ones not up yet
+    for pid in new:
+        procs.say(pid, "0 1")
+        s.read_alive(pid)
+    s._finish_reload()
+    assert sorted(pid for what, pid, sig in procs.events
+                  if what == "kill" and sig == signal.SIGTERM) == sorted(old)
+
+
+def test_no_fork_while_a_master_database_call_is_in_flight(
+        sup: tuple[Supervisor, RecordingProcesses]) -> None:
+    s, procs = sup
+    with s.db._gate():  # as a control thread inside a query
+        s.manage_workers()
+        assert procs.forks() == [] and s.spawn_postponed
+    s.manage_workers()
+    assert len(procs.forks()) == 2 and not s.spawn_postponed
