@@ -1,0 +1,371 @@
+"""A worker's lease pipeline: claim -> run -> finish batch, and the heartbeat that keeps
+each run bound to its lease.  No process plumbing here (worker.py is the shell around
+it), so it is tested with a real SQLite file and no processes (tests/test_leases.py).
+
+Invariants:
+- Every claimed occurrence gets a RunControl before it is submitted: a heartbeat that
+  finds its lease lost stops the run (PREEMPTED), and a run whose lease could not be
+  renewed stops itself `fence_lead` seconds before the lease expires (FENCED).
+- Finishes are queued by the runs and written with the next claim, in one transaction;
+  a finish that cannot be written stays queued (its lease still protects it).
+- Run events ("s", "g", "e" lines, see workertable.WorkerProc.report) reach the master
+  through `report` before a run's first process exists and after its last one is gone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+
+from . import handlers, metrics
+from .config import Config
+from .errors import PreemptedError
+from .handlers import RunControl, StopReason
+from .schedules import ScheduleCollection, Task
+
+log = logging.getLogger("perfectschedd.worker")
+
+# Most occurrences one claim takes at once: big enough for bursts, small enough that one
+# worker does not hoard a backlog another worker could start.
+CLAIM_BATCH = 64
+# While tasks take less than FAST_TASK seconds on average, a worker leases up to PREFETCH
+# times `concurrency` occurrences at once, so the pool never waits for the database; slow
+# tasks never queue behind each other (another worker or host can take them).
+FAST_TASK = 0.05
+PREFETCH = 8
+HISTORY_FLUSH = 0.5
+DB_BACKOFF_MAX = 5.0  # a cron must resume soon after its database does
+
+
+class BatchedTask:
+    """The task as a handler sees it: `finish()` is queued and written with the other
+    finishes of this worker in one transaction (the daemon's hot path).  A lease lost
+    meanwhile is logged and counted when the batch is written, not raised in the handler.
+    """
+
+    __slots__ = ("_task", "_queue")
+
+    def __init__(self, task: Task, queue: list[Task]) -> None:
+        self._task = task
+        self._queue = queue
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._task, name)
+
+    def finish(self) -> None:
+        self._task._end()
+        self._queue.append(self._task)  # list.append is atomic under the GIL
+
+    def retry(self, wait: float | None = None) -> None:
+        self._task.retry(wait)
+
+    def release(self) -> None:
+        self._task.release()
+
+    def heartbeat(self) -> None:
+        self._task.heartbeat()
+
+    def give_back(self) -> None:
+        self._task.give_back()
+
+
+class LeasePipeline:
+    def __init__(self, config: Config, *, report: Callable[[str], None] = lambda line: None,
+                 nudge: Callable[[], None] = lambda: None,
+                 while_waiting: Callable[[], None] | None = None) -> None:
+        self.config = config
+        self.report = report        # a run event for the master
+        self.nudge = nudge          # a run ended: the claim loop should look again
+        self.while_waiting = while_waiting  # called while waiting for SQLite's writer lock
+        self.kill_event = threading.Event()  # the heartbeat thread ends
+        self.sc: ScheduleCollection | None = None
+        self.router = handlers.Router(config.routes, log=log)
+        self.running: dict[str, Task] = {}
+        # Per running key: what stops its run (shutdown, lease lost, self-fencing).
+        self.controls: dict[str, RunControl] = {}
+        # Self-fencing: a run stops this long before its lease expires unless a heartbeat
+        # renewed it; alive_time/10 is the clock skew tolerated between hosts, kill_grace
+        # the time TERM gets before KILL.  Never more than a quarter of alive_time, so
+        # that a short lease is not fenced before its first heartbeat (alive_time/3).
+        alive = config.alive_time
+        self.fence_lead = min(alive / 10 + config.kill_grace, alive / 4)
+        self.fence_grace = max(0.1, self.fence_lead - alive / 10)
+        self.run_ids = (f"{os.getpid()}.{time.time_ns() // 1_000_000 % 10**9}.{n}"
+                        for n in itertools.count(1))
+        self.lock = threading.Lock()
+        self.history: list[dict[str, Any]] = []
+        self.finished: list[Task] = []  # finished by handlers, not yet written
+        # Seconds, a moving average quick to follow: it starts just "slow", so a few
+        # short tasks turn prefetch on and one long task turns it off again.
+        self.avg_duration = 2 * FAST_TASK
+        self.no_route_logged: set[str] = set()
+        self.db_ok = True
+        self.db_backoff = 0.5
+        self.last_flush = time.monotonic()
+
+    def running_count(self) -> int:
+        with self.lock:
+            return len(self.running)
+
+    def _set_db(self, ok: bool, exc: BaseException | None = None) -> None:
+        if ok and not self.db_ok:
+            log.info("database reachable again")
+            self.db_backoff = 0.5
+        elif not ok:
+            if self.db_ok:
+                log.error("database unreachable: %s; retrying with back-off",
+                          str(exc).splitlines()[0] if exc else "?")
+            metrics.db_error()
+        if ok != self.db_ok:
+            metrics.set_db_up(ok)
+        self.db_ok = ok
+
+    def step(self, submit: Callable[[Task], None]) -> float:
+        """Write finished runs, claim and submit what is due; return how long to sleep."""
+        self.flush_history()
+        if self.sc is None:
+            try:
+                self.sc = ScheduleCollection(self.config)
+                if self.sc.store.write_lock is not None:
+                    self.sc.store.write_lock.while_waiting = self.while_waiting
+                self.sc.store.warm_up()
+                self._set_db(True)
+            except (SQLAlchemyError, OSError) as exc:
+                self._set_db(False, exc)
+                return self._backoff()
+        sc = self.sc
+        capacity = self.config.concurrency
+        if self.avg_duration < FAST_TASK:
+            capacity *= PREFETCH
+        with self.lock:
+            free = capacity - len(self.running)
+        claimed: list[Task] = []
+        want = max(0, min(free, CLAIM_BATCH))
+        batch = self._take_finished()
+        earliest: int | None = None
+        try:
+            if not batch and want > 0:
+                # Nothing to write: look (a read, no lock) before taking the write lock,
+                # which on SQLite every other worker would wait for.
+                earliest = sc.earliest_due()
+                if earliest is None or earliest > time.time():
+                    want = 0
+            if batch or want > 0:
+                claimed = self._finish_and_claim(batch, want)
+                for task in claimed:
+                    # The claim wrote the lease as int(claimed_at) + alive_time.
+                    control = RunControl(int(task.claimed_at) + self.config.alive_time
+                                         - self.fence_lead, self.fence_grace)
+                    with self.lock:
+                        self.running[task.key] = task
+                        self.controls[task.key] = control
+                    submit(task)
+                if want > 0 and len(claimed) == want:
+                    self._set_db(True)
+                    return 0.0  # there may be more due right now
+                if free > 0:
+                    earliest = sc.earliest_due()
+            self._set_db(True)
+        except DBAPIError as exc:
+            self._set_db(False, exc)
+            return self._backoff()
+        if free <= 0 or earliest is None:
+            return self.config.poll_interval
+        wait = earliest - time.time()
+        if wait <= 0 and not claimed:
+            wait = 0.005  # due rows held by another claimer this instant
+        return max(0.0, min(wait, self.config.poll_interval))
+
+    def _backoff(self) -> float:
+        wait = self.db_backoff
+        self.db_backoff = min(self.db_backoff * 2, DB_BACKOFF_MAX)
+        return wait
+
+    def run_one(self, task: Task) -> None:
+        started = time.time()
+        # Due at the later of the occurrence (+delay) and this claim's due time: a retry or
+        # a later --at is due after the occurrence; an --at before it runs early, never late.
+        due = max(task.due_time, task.scheduled_time + task.delay)
+        outcome = "failed"
+        duration = 0.0
+        try:
+            handler = self.router.match(task.type)
+            if handler is None:
+                if task.type not in self.no_route_logged:
+                    self.no_route_logged.add(task.type)
+                    log.error("no route for type %r (key %s); retrying its tasks every "
+                              "retry_wait=%ds until a route is configured",
+                              task.type, task.key, self.config.retry_wait)
+                task.retry()
+                outcome = "no_route"
+                return
+            metrics.task_started(task.type, max(0.0, started - due))
+            log.info("start key=%s type=%s scheduled=%d attempt=%d late=%.3fs",
+                     task.key, task.type, task.scheduled_time, task.attempt, started - due)
+            with self.lock:
+                control = self.controls.get(task.key) or RunControl()
+            run_id: str | None = None
+            if isinstance(handler, handlers.ExecHandler):
+                # Reported before the spawn: the master must know the run before any
+                # process of it can become the master's orphan.
+                run_id = next(self.run_ids)
+                self.report(f"s {run_id}")
+            try:
+                result = handlers.run_task(
+                    BatchedTask(task, self.finished), handler, log=log, stop_event=control,
+                    kill_grace=self.config.kill_grace, run_id=run_id,
+                    on_spawn=None if run_id is None else
+                    (lambda pgid, r=run_id: self.report(f"g {r} {pgid}")))
+            finally:
+                if run_id is not None:
+                    self.report(f"e {run_id}")
+            outcome, duration = str(result.outcome), result.duration
+            self.avg_duration = 0.8 * self.avg_duration + 0.2 * duration
+            log.info("end key=%s scheduled=%d attempt=%d duration=%.3fs outcome=%s%s",
+                     task.key, task.scheduled_time, task.attempt, duration, outcome,
+                     f" exit={result.exit_code}" if result.exit_code is not None else "")
+            if outcome == "preempted":
+                metrics.lease_lost(task.type)
+        except PreemptedError:
+            outcome = "preempted"
+            metrics.lease_lost(task.type)
+        except DBAPIError as exc:
+            outcome = "db_error"
+            self._set_db(False, exc)
+            log.error("key=%s: could not record the result (database error); the "
+                      "occurrence runs again when its lease expires", task.key)
+        except Exception:  # noqa: BLE001 - a worker never dies of one task
+            log.exception("key=%s: internal error while running the task", task.key)
+        finally:
+            metrics.task_finished(task.type, outcome, duration)
+            with self.lock:
+                self.running.pop(task.key, None)
+                self.controls.pop(task.key, None)
+                self.history.append({
+                    "key": task.key, "type": task.type, "scheduled_time": task.scheduled_time,
+                    "attempt": task.attempt, "started_at": started,
+                    "finished_at": started + duration if duration else time.time(),
+                    "outcome": outcome, "worker": self.sc.owner if self.sc else "?",
+                })
+            self.nudge()
+
+    def _take_finished(self) -> list[Task]:
+        batch = self.finished[:]
+        del self.finished[:len(batch)]
+        return batch
+
+    def _finish_and_claim(self, batch: list[Task], want: int) -> list[Task]:
+        """Write finished tasks and lease up to `want` more, in one transaction."""
+        assert self.sc is not None
+        try:
+            lost, claimed = self.sc.finish_and_poll(batch, want)
+        except DBAPIError:
+            self.finished[:0] = batch  # the leases still protect them; try again
+            raise
+        self._report_lost(batch, lost)
+        return claimed
+
+    def _report_lost(self, batch: list[Task], lost: set[str]) -> None:
+        for task in batch:
+            if task.key in lost:
+                log.warning("key=%s: lease lost before its finish was written; the "
+                            "occurrence may run again elsewhere", task.key)
+                metrics.lease_lost(task.type)
+
+    def flush_history(self, force: bool = False) -> None:
+        if self.sc is None or self.config.history_limit == 0:
+            return
+        now = time.monotonic()
+        if not force and now - self.last_flush < HISTORY_FLUSH:
+            return
+        self.last_flush = now
+        with self.lock:
+            batch, self.history = self.history, []
+        if not batch:
+            return
+        try:
+            self.sc.store.record_runs(batch)
+        except DBAPIError:
+            with self.lock:  # keep them for the next flush, bounded
+                self.history[:0] = batch[-10_000:]
+
+    # -- heartbeat --------------------------------------------------------------------------
+
+    def heartbeat_loop(self) -> None:
+        interval = max(0.2, self.config.alive_time / 3)
+        while not self.kill_event.wait(interval):
+            with self.lock:
+                # Finished tasks whose result is not written yet keep their lease too.
+                held = [(t.key, t.fence) for t in (*self.running.values(), *self.finished)]
+            if not held or self.sc is None:
+                continue
+            self.renew(held)
+
+    def renew(self, held: list[tuple[str, int]], now: float | None = None) -> None:
+        """One heartbeat of the leases `held` ((key, fence) pairs)."""
+        assert self.sc is not None
+        try:
+            lease = math.ceil(time.time() if now is None else now) + self.config.alive_time
+            lost = self.sc.store.heartbeat(held, lease)
+        except SQLAlchemyError as exc:  # not only DBAPIError: this thread must not die
+            # No renewal: the runs' fence_at stays, and they stop themselves in time.
+            self._set_db(False, exc)
+            return
+        self._renewed(held, lost, lease)
+
+    def _renewed(self, held: list[tuple[str, int]], lost: set[str], lease: int) -> None:
+        """After a heartbeat: renewed runs move their fence; lost ones are stopped."""
+        with self.lock:
+            controls = dict(self.controls)
+        for key, _ in held:
+            control = controls.get(key)
+            if control is None:
+                if key in lost:
+                    log.warning("key=%s: lease lost before its finish was written", key)
+                continue
+            if key not in lost:
+                control.fence_at = lease - self.fence_lead
+            elif control.reason is None:
+                log.warning("key=%s: lease lost (deleted, modified or taken over); "
+                            "stopping its run", key)
+                control.stop(StopReason.PREEMPTED)
+
+    # -- stop -------------------------------------------------------------------------------
+
+    def stop_runs(self, reason: StopReason) -> None:
+        with self.lock:
+            controls = list(self.controls.values())
+        for control in controls:
+            control.stop(reason)
+
+    def give_back_leftovers(self) -> None:
+        """Runs that did not end (python handlers stuck in C code): their occurrences go
+        back to run again elsewhere."""
+        with self.lock:
+            leftover = list(self.running.values())
+        for task in leftover:
+            try:
+                task.give_back()
+            except Exception:  # noqa: BLE001 - best effort at exit; the lease expires anyway
+                pass
+
+    def close(self) -> None:
+        """Write what finished, record the history, close the store."""
+        self.kill_event.set()
+        try:
+            if self.sc is not None and self.finished:
+                self._finish_and_claim(self._take_finished(), 0)
+        except DBAPIError:
+            log.error("could not write %d finished task(s); they run again when their "
+                      "leases expire", len(self.finished))
+        self.flush_history(force=True)
+        if self.sc is not None:
+            self.sc.close()
