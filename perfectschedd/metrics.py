@@ -241,6 +241,10 @@ def setup_master(config: Any) -> None:
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
     _dir = path
     _master = _MasterState()
+    # Imported here, once, not by each worker after its fork (its pages are then shared
+    # with every worker) nor lazily on a path that may run out of file descriptors.
+    import prometheus_client.multiprocess  # noqa: F401
+    import prometheus_client.values  # noqa: F401
 
 
 def worker_exited(pid: int) -> None:
