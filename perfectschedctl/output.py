@@ -68,6 +68,10 @@ def _status(result: dict[str, Any]) -> str:
     if workers:
         lines.append(table(workers, ("pid", "index", "generation", "age", "running",
                                      "retiring", "db_ok")))
+    for u in result.get("unclaimed") or []:
+        where = "" if u.get("routed_here") else "; no route on this host"
+        lines.append(f"unclaimed for over a minute: {u.get('occurrences')} occurrence(s) of "
+                     f"type {u.get('type')!r}{where}")
     running = result.get("running") or []
     lines.append(f"running: {len(running)}")
     if running:
@@ -97,7 +101,9 @@ def print_result(cmd: str, result: Any, *, as_json: bool) -> None:
     elif cmd == "delete":
         print(f"deleted {result['key']}")
     elif cmd == "run":
-        print(f"queued a run of {result['key']} now (as {result['run_key']})")
+        when = ("once its running occurrence has ended" if result.get("after_running")
+                else "now")
+        print(f"queued a run of {result['key']} {when} (as {result['run_key']})")
     elif cmd == "init":
         print(f"table {result['table']} ready")
     elif cmd == "reload":

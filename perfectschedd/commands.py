@@ -64,7 +64,13 @@ def _list(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> list[dict
 
 
 def _show(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[str, Any]:
-    return _info(sc[_arg(a, "key")].info(), SHOW_FIELDS)
+    shown = _info(sc[_arg(a, "key")].info(), SHOW_FIELDS)
+    # Extra runs (`run KEY`) not ended yet; each starts only once no other run of the
+    # schedule is running.
+    shown["extra_runs"] = [{"run_key": r.key, "run_at": r.next_run_time,
+                            "running": r.owner is not None and r.next_run_time > now}
+                           for r in sc.store.extra_runs(a["key"])]
+    return shown
 
 
 def _delete(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[str, Any]:
@@ -89,8 +95,13 @@ def _resume(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[st
 
 
 def _run(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[str, Any]:
-    run_key = sc[_arg(a, "key")].run_now(now=now)
-    return {"key": a["key"], "run_key": run_key, "run_at": int(now)}
+    schedule = sc[_arg(a, "key")]
+    run_key = schedule.run_now(now=now)
+    busy = sc.store.group_busy(run_key, a["key"], int(now))
+    return {"key": a["key"], "run_key": run_key, "run_at": int(now),
+            "after_running": busy,
+            "note": ("starts once the running occurrence of this schedule has ended"
+                     if busy else "starts now")}
 
 
 def _history(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> list[dict[str, Any]]:

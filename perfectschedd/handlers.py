@@ -277,6 +277,22 @@ class Router:
                     problems.append(f"route {route.pattern}: {resolved}")
         return problems
 
+    def claimable(self) -> tuple[list[str], list[str]]:
+        """The types this router runs, for the claim: exact names, and the regular
+        expressions of /re/ routes; routes that cannot be imported are left out."""
+        self.preload()
+        exact: list[str] = []
+        patterns: list[str] = []
+        for index, route in enumerate(self.routes):
+            if isinstance(self._resolved.get(index), str):
+                continue
+            if route.regexp is None:
+                exact.append(route.pattern)
+            else:
+                patterns.append(route.pattern[1:-1])
+        # First match wins: a name an earlier broken route takes is not runnable here.
+        return [name for name in exact if self.match(name) is not None], patterns
+
     def _lookup(self, task_type: str) -> Handler | None:
         index = next((i for i, r in enumerate(self.routes) if r.matches(task_type)), None)
         if index is None:

@@ -41,6 +41,8 @@ PROBE_EVERY = 2.0       # a cheap query: is the database answering?
 COUNTS_EVERY = 15.0     # totals: a count over the table
 PRUNE_EVERY = 60.0
 OPEN_RETRY_MAX = 5.0
+# Due and unclaimed for this long: no live worker takes it (shown by status and metrics).
+UNCLAIMED_AFTER = 60
 # On PostgreSQL and MySQL a call in flight that long is waiting on its socket, where no
 # lock of ours is held: a fork may go ahead.  SQLite calls run inside the library (its
 # mutexes), so there a fork always waits for them to end (busy_timeout bounds them).
@@ -58,6 +60,7 @@ class Snapshot:
 
     counts: dict[str, int] = field(default_factory=dict)
     running: list[dict[str, Any]] = field(default_factory=list)
+    unclaimed: dict[str, int] = field(default_factory=dict)  # type -> occurrences
     read_at: float | None = None       # Unix time of `counts`/`running`
     ok: bool | None = None             # None: not asked yet
     unreachable_since: float | None = None
@@ -245,8 +248,8 @@ class MasterDatabase:
             log.error("database unreachable: %s", error)
         elif ok and old.ok is False:
             log.info("database reachable again")
-        self._publish(Snapshot(old.counts, old.running, old.read_at, ok, since,
-                               None if ok else error))
+        self._publish(Snapshot(old.counts, old.running, old.unclaimed, old.read_at, ok,
+                               since, None if ok else error))
 
     def _publish(self, snap: Snapshot) -> None:
         with self._refreshed:
@@ -302,9 +305,10 @@ class MasterDatabase:
         with self._gate():
             counts = sc.store.counts(int(now))
             rows = sc.store.running()
+            unclaimed = sc.store.unclaimed(int(now) - UNCLAIMED_AFTER)
         running = [{"key": r.key, "type": r.type, "scheduled_time": r.next_time,
                     "timezone": r.timezone, "owner": r.owner,
                     "age": round(now - r.claimed_at, 3) if r.claimed_at else None,
                     "attempt": r.attempt} for r in rows]
-        metrics.set_schedule_counts(counts, now)
-        self._publish(Snapshot(counts, running, now, True, None, None))
+        metrics.set_schedule_counts(counts, now, unclaimed)
+        self._publish(Snapshot(counts, running, unclaimed, now, True, None, None))

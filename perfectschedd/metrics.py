@@ -168,6 +168,7 @@ class _MasterState:
         self.restarts = 0
         self.counts: dict[str, int] | None = None
         self.counts_time = 0.0
+        self.unclaimed: dict[str, int] = {}
 
 
 class _MasterCollector:
@@ -205,6 +206,13 @@ class _MasterCollector:
         yield GaugeMetricFamily(f"{p}_schedule_counts_timestamp_seconds",
                                 "Unix time the schedule counts were read.",
                                 value=s.counts_time)
+        unclaimed = GaugeMetricFamily(
+            f"{p}_occurrences_unclaimed",
+            "Occurrences due for over a minute that no worker claimed (no live host routes "
+            "their type, or every worker is busy), by type.", labels=["type"])
+        for task_type, n in sorted(s.unclaimed.items()):
+            unclaimed.add_metric([task_type], n)
+        yield unclaimed
 
 
 def multiproc_dir(config: Any) -> str:
@@ -260,8 +268,10 @@ def worker_restarted() -> None:
         _master.restarts += 1
 
 
-def set_schedule_counts(counts: dict[str, int], read_at: float | None = None) -> None:
+def set_schedule_counts(counts: dict[str, int], read_at: float | None = None,
+                        unclaimed: dict[str, int] | None = None) -> None:
     if _master is not None:
+        _master.unclaimed = dict(unclaimed or {})
         _master.counts = dict(counts)
         _master.counts_time = time.time() if read_at is None else read_at
 

@@ -137,7 +137,7 @@ class Task:
 
     __slots__ = ("_collection", "key", "type", "cron", "delay", "timezone", "scheduled_time",
                  "attempt", "fence", "_data_text", "_data", "done", "claimed_at",
-                 "due_time")
+                 "due_time", "has_extra")
 
     def __init__(self, collection: ScheduleCollection, claimed: Claimed, claimed_at: float):
         self._collection = collection
@@ -154,6 +154,15 @@ class Task:
         self.done = False
         self.claimed_at = claimed_at
         self.due_time = claimed.due_time
+        self.has_extra = bool(claimed.has_extra)
+
+    @property
+    def group(self) -> str | None:
+        """The schedule whose runs must not overlap this one's, when that may happen: its
+        own key if it has had extra runs, the schedule's key for an extra run."""
+        if RUN_NOW_MARK in self.key:
+            return self.key.split(RUN_NOW_MARK, 1)[0]
+        return self.key if self.has_extra else None
 
     @property
     def data(self) -> dict[str, Any]:
@@ -207,12 +216,13 @@ class Task:
                                                  count_attempt=True):
             raise PreemptedError(f"task {self.key!r} lost its lease before release")
 
-    def give_back(self, now: float | None = None) -> None:
-        """The daemon gives the occurrence back untried (it stops): it runs again now,
-        on any worker, and this attempt does not count."""
+    def give_back(self, now: float | None = None, wait: float = 0) -> None:
+        """The daemon gives the occurrence back untried (it stops, or cannot run it): it
+        runs again after `wait` seconds, on any worker, and this attempt does not count."""
         self._end()
         now = time.time() if now is None else now
-        if not self._collection.store.reschedule(self.key, self.fence, int(now),
+        run_at = math.ceil(now + wait) if wait else int(now)
+        if not self._collection.store.reschedule(self.key, self.fence, run_at,
                                                  count_attempt=False):
             raise PreemptedError(f"task {self.key!r} lost its lease before it was given back")
 
@@ -297,6 +307,8 @@ class Schedule:
         run_key = f"{self.key}{RUN_NOW_MARK}{now_s}-{os.urandom(3).hex()}"
         if len(run_key) > KEY_MAX:
             raise InvalidInputError("key", f"too long to add a run marker (max {KEY_MAX - 30})")
+        if not self._collection.store.mark_extra(self.key):
+            raise NotFoundError(f"schedule {self.key!r} not found")
         self._collection.store.insert(Row(
             key=run_key, type=info.type, cron=None, delay=0, timezone=info.timezone,
             data=dumps_data(info.data), next_time=now_s, next_run_time=now_s, paused=False,

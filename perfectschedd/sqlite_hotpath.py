@@ -30,7 +30,7 @@ MIN_SQLITE = (3, 35, 0)
 
 # The order of Claimed's fields.
 CLAIMED_COLUMNS = ("key", "type", "cron", "delay", "timezone", "data", "next_time", "fence",
-                   "attempt", "due_time")
+                   "attempt", "due_time", "has_extra")
 
 
 class SQLiteHotPath:
@@ -41,24 +41,30 @@ class SQLiteHotPath:
         self._engine = engine
         self._write_lock = write_lock
         quote = engine.dialect.identifier_preparer
-        t = quote.format_table(table)
+        self._t = t = quote.format_table(table)
+        self._returned = ", ".join(quote.quote(c) for c in CLAIMED_COLUMNS)
         key = quote.quote("key")
-        returned = ", ".join(quote.quote(c) for c in CLAIMED_COLUMNS)
-        # due_time = next_run_time: SQLite's SET reads the row as it was before the UPDATE.
-        # The sub-select walks the due index, which holds the rowid (no key look-up).
-        self._claim_sql = (
-            f"UPDATE {t} SET next_run_time = ?, fence = fence + 1, attempt = attempt + 1,"
-            f" owner = ?, claimed_at = ?, due_time = next_run_time"
-            f" WHERE rowid IN (SELECT rowid FROM {t} WHERE paused = 0 AND next_run_time <= ?"
-            f" ORDER BY next_run_time LIMIT ?) RETURNING {returned}")
+        self.restrict("1", ())
         # Every holder-side write names the fence it was given: a row that moved on (lease
         # lost, modified, deleted) matches nothing, and rowcount says so.
         self._advance_sql = (
             f"UPDATE {t} SET next_time = ?, next_run_time = ?, attempt = 0, owner = NULL,"
             f" claimed_at = NULL, fence = fence + 1 WHERE {key} = ? AND fence = ?")
         self._delete_sql = f"DELETE FROM {t} WHERE {key} = ? AND fence = ?"
-        self._earliest_sql = (
-            f"SELECT next_run_time FROM {t} WHERE paused = 0 ORDER BY next_run_time LIMIT 1")
+
+    def restrict(self, routed: str, params: tuple[str, ...]) -> None:
+        """Claim only rows matching the SQL condition `routed` (with `params`)."""
+        t = self._t
+        self._routed_params = params
+        # due_time = next_run_time: SQLite's SET reads the row as it was before the UPDATE.
+        # The sub-select walks the due index, which holds the rowid (no key look-up).
+        self._claim_sql = (
+            f"UPDATE {t} SET next_run_time = ?, fence = fence + 1, attempt = attempt + 1,"
+            f" owner = ?, claimed_at = ?, due_time = next_run_time"
+            f" WHERE rowid IN (SELECT rowid FROM {t} WHERE paused = 0 AND next_run_time <= ?"
+            f" AND {routed} ORDER BY next_run_time LIMIT ?) RETURNING {self._returned}")
+        self._earliest_sql = (f"SELECT next_run_time FROM {t} WHERE paused = 0 AND {routed}"
+                              " ORDER BY next_run_time LIMIT 1")
 
     @contextmanager
     def _connection(self, write: bool) -> Iterator[sqlite3.Connection]:
@@ -102,11 +108,11 @@ class SQLiteHotPath:
             if limit > 0:
                 ts = int(now)
                 claimed = cur.execute(self._claim_sql, (
-                    ts + lease_seconds, owner, now, ts, limit)).fetchall()
+                    ts + lease_seconds, owner, now, ts, *self._routed_params, limit)).fetchall()
         return lost, claimed
 
     def earliest_due(self) -> int | None:
         """Smallest next_run_time of an unpaused row: one index probe, no write lock."""
         with self._connection(write=False) as con:
-            row = con.execute(self._earliest_sql).fetchone()
+            row = con.execute(self._earliest_sql, self._routed_params).fetchone()
         return None if row is None else int(row[0])

@@ -77,6 +77,7 @@ class Claimed(NamedTuple):
     fence: int
     attempt: int
     due_time: int  # next_run_time before the claim: when it was due (lateness counts from it)
+    has_extra: int | None  # `run` made extra runs of it (KEY@run-...): they must not overlap
 
 
 class Advance(NamedTuple):
@@ -141,6 +142,8 @@ def _schedules_table(metadata: sa.MetaData, name: str, dialect: str) -> sa.Table
         sa.Column("claimed_at", _SECONDS, nullable=True),
         # next_run_time as it was when the current holder claimed the row.
         sa.Column("due_time", sa.BigInteger, nullable=True),
+        # Set by `run KEY`: the schedule has had extra runs, which must not overlap it.
+        sa.Column("has_extra", sa.SmallInteger, nullable=True),
     )
     # The claim reads "unpaused rows, smallest next_run_time first": O(log n) on this index.
     sa.Index(f"{name}_due", t.c.paused, t.c.next_run_time)
@@ -265,6 +268,7 @@ class Store:
     def __init__(self, url: str, table: str = "perfectsched") -> None:
         self.url = engine_url(url)
         self.dialect = self.url.get_backend_name()
+        self._routed: Callable[[str], bool] | None = None  # SQLite: perfectsched_routed()
         self.engine = self._create_engine()
         self.write_lock = (HostWriteLock(self.url.database or "", SQLITE_LOCK_WAIT)
                             if self.dialect == "sqlite" else None)
@@ -274,12 +278,8 @@ class Store:
         self._hot: SQLiteHotPath | None = None
         if self.dialect == "sqlite":
             self._hot = _sqlite_hot_path(self.engine, self.t, self.write_lock)
-        self._build_claim_statements()
+        self._build_claim_statements(sa.true())
         t = self.t
-        # Built once: each worker asks every poll_interval, and building it cost more
-        # than running it (idle CPU).
-        self._earliest_stmt = (sa.select(t.c.next_run_time).where(t.c.paused == 0)
-                               .order_by(t.c.next_run_time).limit(1))
         self._advance_stmt = t.update().where(
             t.c.key == sa.bindparam("k"), t.c.fence == sa.bindparam("f")).values(
             next_time=sa.bindparam("nt"), next_run_time=sa.bindparam("nrt"), attempt=0,
@@ -335,6 +335,11 @@ class Store:
 
             @event.listens_for(engine, "connect")
             def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+                # The worker's route predicate (restrict_types); every type until it is set.
+                dbapi_conn.create_function(
+                    "perfectsched_routed", 1,
+                    lambda type_: self._routed is None or bool(self._routed(type_)),
+                    deterministic=True)
                 cur = dbapi_conn.cursor()
                 cur.execute("PRAGMA journal_mode=WAL")
                 cur.execute(f"PRAGMA busy_timeout={int(SQLITE_LOCK_WAIT * 1000)}")
@@ -523,6 +528,18 @@ class Store:
                 t.c.owner.isnot(None), t.c.next_run_time > now)).scalar() or 0
         return {"schedules": total, "paused": paused, "due": due, "running": running}
 
+    @_retried
+    def unclaimed(self, due_before: int, limit: int = 100) -> dict[str, int]:
+        """Occurrences due before `due_before` that nobody holds, by type (the `limit`
+        types with most of them): work no live worker takes."""
+        t = self.t
+        n = sa.func.count().label("n")
+        q = (sa.select(t.c.type, n).where(t.c.paused == 0, t.c.next_run_time < due_before,
+                                          t.c.owner.is_(None))
+             .group_by(t.c.type).order_by(n.desc()).limit(limit))
+        with self._tx(readonly=True) as conn:
+            return {r[0]: int(r[1]) for r in conn.execute(q)}
+
     def _row(self, r: Any) -> Row:
         m = r._mapping
         return Row(
@@ -571,15 +588,46 @@ class Store:
         if not found:
             return []
         conn.execute(self._claim_update_stmt, {**params, "keys": [r[0] for r in found]})
-        return [Claimed(*r[:7], fence=r[7] + 1, attempt=r[8] + 1, due_time=r[9]) for r in found]
+        return [Claimed(*r[:7], fence=r[7] + 1, attempt=r[8] + 1, due_time=r[9],
+                        has_extra=r[10]) for r in found]
 
-    def _build_claim_statements(self) -> None:
-        """The claim statements, built once: building them per claim cost more Python time
-        than the database spent running them."""
+    def restrict_types(self, exact: Sequence[str], patterns: Sequence[str],
+                       routed: Callable[[str], bool]) -> None:
+        """Claim, and look for, only occurrences of types this process routes: `exact`
+        names or `patterns` (Python regular expressions searched in the type, as routes'
+        /re/ are), `routed` being the exact predicate.  Set once, by a worker, before its
+        first claim; the statements are rebuilt once here, never per claim.
+
+        SQLite asks `routed` itself (a function on the connection); PostgreSQL and MySQL
+        use their own regular expressions (`~`, REGEXP), which agree with Python's on
+        everyday patterns: a type they match that Python does not is given back by the
+        worker untried (see leases.py)."""
         t = self.t
+        conds: list[Any] = []
+        if exact:
+            conds.append(t.c.type.in_(list(exact)))
+        conds.extend(t.c.type.regexp_match(p) for p in patterns)
+        cond = sa.or_(*conds) if conds else sa.false()
+        self._build_claim_statements(cond)
+        if self._hot is not None:
+            self._routed = routed
+            if patterns:
+                self._hot.restrict("perfectsched_routed(type)", ())
+            else:
+                self._hot.restrict(f"type IN ({', '.join('?' * len(exact))})" if exact
+                                   else "0", tuple(exact))
+
+    def _build_claim_statements(self, routed: Any) -> None:
+        """The claim statements, built once: building them per claim cost more Python time
+        than the database spent running them.  `routed`: the types this process claims."""
+        t = self.t
+        # Built once: each worker asks every poll_interval, and building it cost more
+        # than running it (idle CPU).
+        self._earliest_stmt = (sa.select(t.c.next_run_time).where(t.c.paused == 0, routed)
+                               .order_by(t.c.next_run_time).limit(1))
         cols = (t.c.key, t.c.type, t.c.cron, t.c.delay, t.c.timezone, t.c.data, t.c.next_time,
                 t.c.fence, t.c.attempt)
-        due_rows = (t.c.paused == 0, t.c.next_run_time <= sa.bindparam("due_by"))
+        due_rows = (t.c.paused == 0, t.c.next_run_time <= sa.bindparam("due_by"), routed)
         changes = {"next_run_time": sa.bindparam("lease_until"), "fence": t.c.fence + 1,
                    "attempt": t.c.attempt + 1, "owner": sa.bindparam("holder"),
                    "claimed_at": sa.bindparam("claim_ts")}
@@ -590,9 +638,10 @@ class Store:
         # due_time = next_run_time: SET reads the row as it was before the UPDATE.
         self._claim_returning_stmt = (
             t.update().where(t.c.key.in_(due.scalar_subquery()))
-            .values(**changes, due_time=t.c.next_run_time).returning(*cols, t.c.due_time))
+            .values(**changes, due_time=t.c.next_run_time)
+            .returning(*cols, t.c.due_time, t.c.has_extra))
         # MySQL assigns SET values left to right, so there due_time comes from the read.
-        select_rows = (sa.select(*cols, t.c.next_run_time).where(*due_rows)
+        select_rows = (sa.select(*cols, t.c.next_run_time, t.c.has_extra).where(*due_rows)
                        .order_by(t.c.next_run_time).limit(batch))
         if self.dialect == "mysql":
             select_rows = select_rows.with_for_update(skip_locked=True)
@@ -675,6 +724,38 @@ class Store:
             done.update(r[0] for r in conn.exec_driver_sql(
                 self._pg_delete_sql, {"rows": json.dumps(oneoffs)}))
         return {a.key for a in items} - done
+
+    @_retried
+    def mark_extra(self, key: str) -> bool:
+        """`run KEY` is about to add an extra run: from now on, claims of KEY check that
+        none of its extra runs is running (and the extra runs check KEY).  No fence
+        change: a running occurrence keeps its lease."""
+        t = self.t
+        with self._tx() as conn:
+            return conn.execute(t.update().where(t.c.key == key)
+                                .values(has_extra=1)).rowcount > 0
+
+    @_retried
+    def extra_runs(self, key: str) -> list[Row]:
+        """The extra runs (`run KEY`) of `key` that have not ended."""
+        t = self.t
+        q = sa.select(t).where(t.c.key.startswith(f"{key}{RUN_NOW_MARK}", autoescape=True))
+        with self._tx(readonly=True) as conn:
+            return [self._row(r) for r in conn.execute(q.order_by(t.c.next_run_time))]
+
+    @_retried
+    def group_busy(self, key: str, base: str, now: int) -> bool:
+        """Whether another member of `base`'s group (the schedule and its extra runs
+        `base@run-...`) than `key` holds a live lease.  Read after the caller's own claim
+        was committed, so of two members claimed at the same time at least one sees the
+        other (and gives its occurrence back)."""
+        t = self.t
+        members = sa.or_(t.c.key == base,
+                         t.c.key.startswith(f"{base}{RUN_NOW_MARK}", autoescape=True))
+        q = (sa.select(t.c.key).where(members, t.c.key != key, t.c.owner.isnot(None),
+                                      t.c.next_run_time > now).limit(1))
+        with self._tx(readonly=True) as conn:
+            return conn.execute(q).first() is not None
 
     @_retried
     def reschedule(self, key: str, fence: int, run_at: int, *, count_attempt: bool) -> bool:

@@ -352,6 +352,9 @@ class Supervisor:
             "workers_configured": self.config.workers,
             "workers_alive": sum(1 for p in procs if not p.retiring),
             "workers": workers, "running": list(snap.running),
+            "unclaimed": [{"type": t, "occurrences": n,
+                           "routed_here": any(r.matches(t) for r in self.config.routes)}
+                          for t, n in snap.unclaimed.items()],
             "last_error": self.last_error or (f"database: {why}" if why else None),
             "database_ok": reachable, "database": database,
             **{k: snap.counts.get(k, 0) for k in ("schedules", "paused", "due")},

@@ -215,3 +215,35 @@ class Releases(Application):
     wait_until(lambda: len(lines(out)) >= 3, timeout=10, what="the third attempt")
     assert lines(out)[:3] == ["1", "2", "3"]
     assert d.stop() == 0
+
+
+def test_run_now_while_running_starts_after_it_ends(daemon_factory: Any, db_url: str,
+                                                     tmp_path: Path) -> None:
+    """`run KEY` while KEY runs, twice: the extra runs start only after the running one
+    ended, one after the other (the job's own start/end times)."""
+    out = tmp_path / "runs"
+    script = (f'echo "start $1 $(date +%s.%N)" >> {out}; sleep 2; '
+              f'echo "end $1 $(date +%s.%N)" >> {out}')
+    d = daemon_factory({"workers": 2, "concurrency": 4, "poll_interval": 0.2,
+                        "routes": [sh("t", script)]}, url=db_url).start()
+    d.ctl("add", "k", "t", YEARLY, "--at", "0")
+    wait_until(lambda: events(out), what="the occurrence running")
+    first = d.ctl("run", "k").stdout
+    assert "once its running occurrence has ended" in first, first
+    d.ctl("run", "k")
+    shown = d.ctl_json("show", "k")
+    assert len(shown["extra_runs"]) == 2
+    wait_until(lambda: sum(e[0] == "end" for e in events(out)) == 3, timeout=40,
+               what="three runs")
+    spans = []
+    open_runs: dict[str, float] = {}
+    for what, key, at in events(out):
+        if what == "start":
+            open_runs[key] = float(at)
+        else:
+            spans.append((open_runs.pop(key), float(at)))
+    spans.sort()
+    for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
+        assert start >= end, spans  # never two at once
+    wait_until(lambda: d.ctl_json("show", "k")["extra_runs"] == [], what="extra runs gone")
+    assert d.stop() == 0

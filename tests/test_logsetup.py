@@ -119,7 +119,7 @@ def test_journald_detected_only_when_stderr_is_the_named_stream(
 
 
 def _start_with_stream(daemon_factory: Any, tmp_path: Path, match: bool) -> Any:
-    d = daemon_factory({"routes": []})
+    d = daemon_factory({"routes": [{"type": "broken", "exec": ["/nonexistent/job"]}]})
     d.log_path.touch()  # the harness appends to it: same inode as the daemon's stderr
     st = d.log_path.stat()
     stream = f"{st.st_dev}:{st.st_ino}" if match else f"{st.st_dev}:{st.st_ino + 12345}"
@@ -133,14 +133,14 @@ def test_daemon_under_journald_writes_priority_prefixes(daemon_factory: Any,
     victim = d.children()[0]
     os.kill(victim, signal.SIGKILL)  # an error line from the master
     d.wait_log(f"(pid {victim}) died")
-    d.ctl("add", "k", "no-route", YEARLY, "--at", "0")  # an error line from a worker
-    d.wait_log("no route for type")
+    d.ctl("add", "k", "broken", YEARLY, "--at", "0")  # an error line from a worker
+    d.wait_log("cannot run /nonexistent/job")
     assert d.stop() == 0
     lines = [line for line in d.log().splitlines() if line]
     assert lines and all(re.match(r"<[0-7]>", line) for line in lines), lines
     assert re.search(r"^<6>master\[\d+\]: ready$", d.log(), re.M)
     assert re.search(rf"^<3>master\[\d+\]: worker \d \(pid {victim}\) died", d.log(), re.M)
-    assert re.search(r"^<3>worker-\d\[\d+\]: no route for type 'no-route'", d.log(), re.M)
+    assert re.search(r"^<3>worker-\d\[\d+\]: k: cannot run /nonexistent/job", d.log(), re.M)
     assert not re.search(r"\d{4}-\d\d-\d\d \d\d:", d.log())  # journald adds the time
 
 
