@@ -330,8 +330,13 @@ class LeasePipeline:
         interval = max(0.2, self.config.alive_time / 3)
         while not self.kill_event.wait(interval):
             with self.lock:
-                # Finished tasks whose result is not written yet keep their lease too.
-                held = [(t.key, t.fence) for t in (*self.running.values(), *self.finished)]
+                # Finished tasks whose result is not written yet keep their lease too.  A
+                # key held twice (finished, then claimed again) keeps its newest fence: the
+                # claim shows the older finish was written.
+                newest: dict[str, int] = {}
+                for t in (*self.finished, *self.running.values()):
+                    newest[t.key] = max(t.fence, newest.get(t.key, t.fence))
+                held = list(newest.items())
             if not held or self.sc is None:
                 continue
             self.renew(held)
@@ -349,13 +354,16 @@ class LeasePipeline:
         self._renewed(held, lost, lease)
 
     def _renewed(self, held: list[tuple[str, int]], lost: set[str], lease: int) -> None:
-        """After a heartbeat: renewed runs move their fence; lost ones are stopped."""
+        """After a heartbeat: renewed runs move their fence; lost ones are stopped.  Only
+        the run that holds the fence renewed is touched: a key may have been finished and
+        claimed again meanwhile (a newer run with a newer fence)."""
         with self.lock:
-            controls = dict(self.controls)
-        for key, _ in held:
-            control = controls.get(key)
-            if control is None:
-                if key in lost:
+            runs = {k: (t.fence, self.controls.get(k)) for k, t in self.running.items()}
+            pending = {(t.key, t.fence) for t in self.finished}
+        for key, fence in held:
+            fence_now, control = runs.get(key, (None, None))
+            if control is None or fence_now != fence:
+                if key in lost and (key, fence) in pending:
                     log.warning("key=%s: lease lost before its finish was written", key)
                 continue
             if key not in lost:

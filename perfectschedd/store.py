@@ -227,6 +227,22 @@ def _sqlite_hot_path(engine: Engine, table: sa.Table, write_lock: HostWriteLock 
     return SQLiteHotPath(engine, table, write_lock)
 
 
+# A transaction the database rolled back to break a deadlock or a serialization conflict:
+# running it again is the documented remedy (PostgreSQL 40P01/40001, MySQL 1213/1205).
+# A worker's heartbeat and its finish touch the same rows from two connections.
+_TRY_AGAIN_STATES = frozenset({"40P01", "40001"})
+_TRY_AGAIN_MYSQL = frozenset({1213, 1205})
+
+
+def _is_transient(exc: DBAPIError) -> bool:
+    orig = exc.orig
+    state = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+    if state in _TRY_AGAIN_STATES:
+        return True
+    args = getattr(orig, "args", ())
+    return bool(args) and isinstance(args[0], int) and args[0] in _TRY_AGAIN_MYSQL
+
+
 def _is_sqlite_busy(exc: OperationalError) -> bool:
     text = str(exc.orig).lower()
     return "locked" in text or "busy" in text
@@ -248,6 +264,10 @@ def _retried(method: F) -> F:
             except DBAPIError as exc:
                 if (self.dialect == "sqlite" and isinstance(exc, OperationalError)
                         and _is_sqlite_busy(exc) and time.monotonic() < deadline):
+                    time.sleep(delay)
+                    delay = min(delay * 2, 0.2)
+                    continue
+                if _is_transient(exc) and time.monotonic() < deadline:
                     time.sleep(delay)
                     delay = min(delay * 2, 0.2)
                     continue
@@ -670,7 +690,7 @@ class Store:
         t = self.t
         lost: set[str] = set()
         with self._tx() as conn:
-            for key, fence in held:
+            for key, fence in sorted(held):  # one lock order with the finishes (by key)
                 res = conn.execute(t.update().where(t.c.key == key, t.c.fence == fence)
                                    .values(next_run_time=lease_until))
                 if res.rowcount == 0:
@@ -714,8 +734,8 @@ class Store:
         call (a VALUES list built per batch cost half a worker's time in SQL compilation).
         """
         done: set[str] = set()
-        moves = [{"k": a.key, "f": a.fence, "nt": a.next_time, "nrt": a.next_run_time}
-                 for a in items if a.next_time is not None]
+        moves = sorted(({"k": a.key, "f": a.fence, "nt": a.next_time, "nrt": a.next_run_time}
+                        for a in items if a.next_time is not None), key=operator.itemgetter("k"))
         if moves:
             done.update(r[0] for r in conn.exec_driver_sql(
                 self._pg_advance_sql, {"rows": json.dumps(moves)}))

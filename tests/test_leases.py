@@ -108,3 +108,27 @@ def test_shutdown_gives_back_what_did_not_run(tmp_path: Path) -> None:
     r = row(p, "q")
     assert r.owner is None and r.attempt == 0 and r.next_run_time <= time.time()
     p.close()
+
+
+def test_a_stale_heartbeat_never_stops_the_next_run_of_the_same_key(tmp_path: Path) -> None:
+    """A heartbeat that read (key, old fence) before the finish was written and the key
+    claimed again must not take the new run for a lost lease."""
+    p, _ = pipeline(tmp_path)
+    add(p, "k")
+    first: list[Task] = []
+    p.step(first.append)
+    old = first[0]
+    p.run_one(old)  # finished: queued
+    p.step(lambda t: None)  # written
+    assert p.sc is not None
+    p.sc.store.update("k", {"next_run_time": int(time.time()) - 1}, take_lease=False)
+    second: list[Task] = []
+    p.step(second.append)
+    new = second[0]
+    p.running[new.key] = new
+    assert new.fence > old.fence
+    p.renew([(old.key, old.fence)])
+    assert p.controls["k"].reason is None
+    p.renew([(new.key, new.fence)])
+    assert p.controls["k"].reason is None
+    p.close()

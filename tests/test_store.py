@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 import perfectschedd
 from perfectschedd import (
@@ -445,3 +448,31 @@ def test_warm_up_claims_and_changes_nothing(sc: ScheduleCollection) -> None:
     assert row(sc, "due") == before  # still due, unleased, same fence
     (task,) = sc.poll_many(10, now=T0)
     assert task.key == "due" and task.attempt == 1
+
+
+@pytest.mark.postgresql
+def test_a_deadlock_is_run_again_not_reported(pg_url: str) -> None:
+    """A heartbeat caught in a real deadlock (PostgreSQL picks it as the victim) is run
+    again by the store instead of surfacing as a database error."""
+    with open_sc(pg_url) as c:
+        c.init()
+        for key in ("k1", "k2"):
+            c.add(key, "t", cron="0 * * * *", next_time=T0, now=T0)
+        held = [(t.key, t.fence) for t in c.poll_many(2, now=T0)]
+        other = sa.create_engine(c.store.url)
+        result: list[Any] = []
+        with other.connect() as conn:
+            tx = conn.begin()
+            conn.exec_driver_sql("UPDATE perfectsched SET delay = 1 WHERE key = 'k2'")
+            beat = threading.Thread(
+                target=lambda: result.append(c.store.heartbeat(held, T0 + 999)))
+            beat.start()
+            # The heartbeat holds k1 and waits for k2; it waits longer than we will, so
+            # PostgreSQL's deadlock check (after deadlock_timeout, 1 s) aborts it.
+            time.sleep(0.5)
+            conn.exec_driver_sql("UPDATE perfectsched SET delay = 1 WHERE key = 'k1'")
+            tx.commit()
+            beat.join(30)
+        other.dispose()
+        assert result == [set()]  # both renewed, after PostgreSQL broke the deadlock
+        assert row(c, "k1")["next_run_time"] == T0 + 999
