@@ -8,12 +8,15 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +27,32 @@ import yaml
 
 DAEMON = [sys.executable, "-m", "perfectschedd"]
 CTL = [sys.executable, "-m", "perfectschedctl"]
+_foreign: list[str] = []
+
+
+def foreign_python() -> list[str]:
+    """A Python command that another user (setpriv --reuid=nobody) can run our packages
+    with, wherever this checkout lives: a clone in a directory only root can enter, or a
+    private temporary directory, is out of their reach, and so is this venv.  Debian's
+    python3 (its python3-yaml and python3-dbus-next are test dependencies) with a
+    world-readable copy of perfectschedd/ and perfectschedctl/."""
+    if not _foreign:
+        root = Path(__file__).resolve().parent.parent
+        copy = Path(tempfile.mkdtemp(prefix="perfectsched-foreign-"))
+        atexit.register(shutil.rmtree, copy, True)
+        for package in ("perfectschedd", "perfectschedctl"):
+            shutil.copytree(root / package, copy / package,
+                            ignore=shutil.ignore_patterns("__pycache__"))
+        for path in (copy, *copy.rglob("*")):
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        python = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) \
+            else sys.executable
+        _foreign.extend(["env", f"PYTHONPATH={copy}", python])
+    return list(_foreign)
+
+
+def foreign_ctl() -> list[str]:
+    return [*foreign_python(), "-m", "perfectschedctl"]
 
 
 def wait_until(pred: Callable[[], Any], timeout: float = 20.0, interval: float = 0.05,
@@ -251,7 +280,7 @@ class Daemon:
         cmd = [*CTL, "--socket", self.socket_path, *args]
         if as_user:
             cmd = ["setpriv", f"--reuid={as_user}", f"--regid={as_user}", "--clear-groups",
-                   *cmd]
+                   *foreign_ctl(), "--socket", self.socket_path, *args]
         env = {k: v for k, v in os.environ.items() if not k.startswith("PERFECTSCHED_")}
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         if check and res.returncode != 0:

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
-from daemon_harness import CTL, Daemon, wait_until
+from daemon_harness import CTL, Daemon, foreign_ctl, wait_until
 
 from perfectschedctl import cli
 
@@ -37,7 +37,10 @@ def ctl_process(*args: str, env: dict[str, str] | None = None, user: list[str] |
     """perfectschedctl as its own process (optionally as another user)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("PERFECTSCHED_")}
     base.update(env or {})
-    return subprocess.run([*(user or []), *CTL, *args], capture_output=True, text=True,
+    # Another user cannot reach this checkout or its venv (it may sit in a directory only
+    # root can enter): they get a readable copy of the client.
+    ctl = foreign_ctl() if user else CTL
+    return subprocess.run([*(user or []), *ctl, *args], capture_output=True, text=True,
                           timeout=60, env=base, cwd="/")
 
 

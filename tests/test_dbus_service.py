@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_harness import Daemon
+from daemon_harness import Daemon, foreign_python
 from dbus_next import DBusError, Variant
 from dbus_next.aio import MessageBus
 
@@ -223,8 +222,9 @@ async def _status(address: str) -> str:
 
 
 def _client_as(user: list[str], address: str) -> list[str]:
-    res = subprocess.run([*user, sys.executable, "-c", CLIENT, address, BUS_NAME, OBJECT_PATH,
-                          INTERFACE], capture_output=True, text=True, timeout=60, cwd="/")
+    res = subprocess.run([*user, *foreign_python(), "-c", CLIENT, address, BUS_NAME,
+                          OBJECT_PATH, INTERFACE], capture_output=True, text=True, timeout=60,
+                         cwd="/")
     assert res.returncode == 0, res.stderr
     return res.stdout.splitlines()
 
