@@ -105,7 +105,9 @@ def print_result(cmd: str, result: Any, *, as_json: bool) -> None:
                 else "now")
         print(f"queued a run of {result['key']} {when} (as {result['run_key']})")
     elif cmd == "init":
-        print(f"table {result['table']} ready")
+        # Not "ready": scripts and people wait for the daemon's "ready" line.
+        print(f"created table {result['table']}" if result.get("created")
+              else f"table {result['table']} exists")
     elif cmd == "reload":
         print("reload requested")
     else:

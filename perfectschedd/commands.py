@@ -118,8 +118,8 @@ def _history(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> list[d
 
 
 def _init(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[str, Any]:
-    sc.init()
-    return {"table": sc.config.table, "initialized": True}
+    created = sc.init()
+    return {"table": sc.config.table, "initialized": True, "created": created}
 
 
 Handler = Callable[[ScheduleCollection, Mapping[str, Any], float], Any]

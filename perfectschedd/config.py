@@ -235,6 +235,16 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
     )
 
 
+def _environments(data: Any) -> list[str]:
+    """The section names of a multi-environment file (every top-level value a mapping
+    with `type` or `url`); [] for a plain configuration."""
+    if not isinstance(data, Mapping) or not data or "type" in data or "url" in data:
+        return []
+    if all(isinstance(v, Mapping) and ("type" in v or "url" in v) for v in data.values()):
+        return [str(k) for k in data]
+    return []
+
+
 def load(config: Mapping[str, Any] | str | os.PathLike[str] | Config | None = None,
          environment: str | None = None) -> Config:
     """Load a Config from a mapping, a YAML path, or the default path."""
@@ -257,9 +267,15 @@ def load(config: Mapping[str, Any] | str | os.PathLike[str] | Config | None = No
         data = config
     if data is None:
         raise ConfigError(f"{source or 'configuration'}: empty")
+    if environment is None and _environments(data):
+        raise ConfigError(
+            f"{source or 'configuration'} has sections for environments "
+            f"{', '.join(_environments(data))}: choose one with -e ENV")
     if environment is not None:
         if not isinstance(data, Mapping) or environment not in data:
-            raise ConfigError(f"environment {environment!r} not found in {source or 'config'}")
+            known = _environments(data)
+            raise ConfigError(f"environment {environment!r} not found in {source or 'config'}"
+                              + (f" (it has: {', '.join(known)})" if known else ""))
         data = data[environment]
     try:
         return from_mapping(data, source)

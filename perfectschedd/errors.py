@@ -38,9 +38,9 @@ class InvalidInputError(ScheduleError, ValueError):
         self.field = field
 
 
-class ConfigError(Exception):
+class ConfigError(RuntimeError):
     """The configuration file is unreadable or invalid."""
 
 
-class ProcessStopError(Exception):
+class ProcessStopError(RuntimeError):
     """Raised inside a handler when the daemon is stopping and the task must end."""

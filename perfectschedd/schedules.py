@@ -341,8 +341,11 @@ class ScheduleCollection:
     def close(self) -> None:
         self.store.close()
 
-    def init(self) -> None:
+    def init(self) -> bool:
+        """Create the table if missing; True if this collection created it (opening one
+        already creates a missing table)."""
         self.store.init()
+        return self.store.created_table
 
     def __getitem__(self, key: str) -> Schedule:
         return Schedule(self, check_key(key))

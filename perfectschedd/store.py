@@ -338,6 +338,7 @@ class Store:
             self._record_runs_many = _DriverStatement(self.h.insert().inline(), dialect,
                                                      HISTORY_COLUMNS)
         self._initialized = False
+        self.created_table = False  # by this Store (opening one creates a missing table)
 
     # -- engine ---------------------------------------------------------------------------
 
@@ -412,9 +413,11 @@ class Store:
 
     # -- schema ---------------------------------------------------------------------------
 
-    def init(self) -> None:
+    def init(self) -> bool:
         """Create the tables and indexes if missing (idempotent, safe to race), and add
-        columns that a newer version introduced to a table an older one created."""
+        columns that a newer version introduced to a table an older one created; True if
+        this call created the schedules table."""
+        existed = sa.inspect(self.engine).has_table(self.t.name)
         try:
             self.metadata.create_all(self.engine, checkfirst=True)
         except (IntegrityError, OperationalError, sa.exc.ProgrammingError):
@@ -422,6 +425,8 @@ class Store:
             self.metadata.create_all(self.engine, checkfirst=True)
         self._add_missing_columns()
         self._initialized = True
+        self.created_table = self.created_table or not existed
+        return not existed
 
     def _add_missing_columns(self) -> None:
         have = {c["name"] for c in sa.inspect(self.engine).get_columns(self.t.name)}

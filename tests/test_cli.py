@@ -86,7 +86,9 @@ def direct(tmp_path: Path, ctl: Ctl) -> Iterator[list[str]]:
     cfg.write_text(yaml.safe_dump({"type": "rdb_compat",
                                    "url": f"sqlite:///{tmp_path / 'sched.db'}"}))
     res = ctl("-c", str(cfg), "init")
-    assert res.returncode == 0 and res.stdout == "table perfectsched ready\n", res
+    assert res.returncode == 0 and res.stdout == "created table perfectsched\n", res
+    res = ctl("-c", str(cfg), "init")
+    assert res.returncode == 0 and res.stdout == "table perfectsched exists\n", res
     yield ["-c", str(cfg)]
 
 

@@ -42,8 +42,20 @@ def test_yaml_file_and_environment_sections(tmp_path: pathlib.Path) -> None:
     assert report.python == "myapp.jobs:Report"
     assert report.matches("report-daily") and not report.matches("daily-report")
     assert load(path, "development").url == "sqlite:///dev.db"
-    with pytest.raises(ConfigError, match="environment 'staging' not found"):
+    with pytest.raises(ConfigError, match=r"environment 'staging' not found in .*p\.yml "
+                                          r"\(it has: production, development\)"):
         load(str(path), "staging")
+    # Without -e: the message says to choose one, and which there are.
+    with pytest.raises(ConfigError, match=r"has sections for environments production, "
+                                          r"development: choose one with -e ENV"):
+        load(str(path))
+
+
+def test_errors_are_runtime_errors_as_in_the_original() -> None:
+    from perfectschedd import InvalidInputError, ProcessStopError, ScheduleError
+
+    assert issubclass(ConfigError, RuntimeError) and issubclass(ProcessStopError, RuntimeError)
+    assert issubclass(InvalidInputError, ScheduleError)
 
 
 def test_config_env_var_names_the_default_file(tmp_path: pathlib.Path,
