@@ -109,6 +109,10 @@ def print_result(cmd: str, result: Any, *, as_json: bool) -> None:
         print(f"created table {result['table']}" if result.get("created")
               else f"table {result['table']} exists")
     elif cmd == "reload":
-        print("reload requested")
+        if result.get("reload") == "done":
+            print(f"reloaded: the new configuration runs, {result.get('workers')} new "
+                  "worker(s) starting")
+        else:
+            print("reload requested (the daemon is busy; its log will say how it went)")
     else:
         print(json.dumps(result, indent=2))

@@ -22,6 +22,7 @@ import os
 import selectors
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -44,6 +45,7 @@ STATUS_EVERY = 2.0
 # How long `status` waits for fresh figures from the database before it answers with the
 # last ones it has (and their age): it answers within a second whatever the database does.
 STATUS_FRESH_WAIT = 0.5
+RELOAD_ANSWER_WAIT = 10.0
 
 
 class Supervisor:
@@ -70,6 +72,8 @@ class Supervisor:
         self.db = MasterDatabase(config)
         self.spawn_postponed = False
         self.gc_frozen = False
+        # Control threads waiting for the answer of a reload they asked for.
+        self.reload_waiters: list[tuple[threading.Event, list[str | None]]] = []
         self.last_status = 0.0
         self.status_line = ""
         self.last_error: str | None = None
@@ -312,8 +316,7 @@ class Supervisor:
         if cmd == "status":
             return self.status()
         if cmd == "reload":
-            self._on_signal(signal.SIGHUP, None)
-            return {"reload": "requested"}
+            return self._request_reload()
         result = self.db.call(lambda sc: commands.execute(sc, cmd, args))
         if cmd in commands.WAKING:
             self.wake_workers()
@@ -325,6 +328,19 @@ class Supervisor:
             for key in keys:
                 self.dbus.schedule_changed(str(key), CHANGE_NAMES[cmd])
         return result
+
+    def _request_reload(self) -> dict[str, Any]:
+        """Called from a control thread: the main loop reloads; the answer says whether
+        the new configuration was taken."""
+        answer: list[str | None] = []
+        done = threading.Event()
+        self.reload_waiters.append((done, answer))
+        self._on_signal(signal.SIGHUP, None)
+        if not done.wait(RELOAD_ANSWER_WAIT):
+            return {"reload": "requested"}  # the loop is busy: the log will say
+        if answer[0] is not None:
+            raise ConfigError(f"reload rejected, the running configuration stays: {answer[0]}")
+        return {"reload": "done", "workers": self.config.workers}
 
     def status(self) -> dict[str, Any]:
         """Called from the control threads; never waits on the database for more than
@@ -392,24 +408,26 @@ class Supervisor:
 
     # -- reload / stop --------------------------------------------------------------------
 
-    def reload(self) -> None:
+    def reload(self) -> str | None:
+        """Re-read the configuration; the reason it was rejected (the running one stays),
+        or None once the new one is in place and its workers are starting."""
         mono_usec = int(time.clock_gettime(time.CLOCK_MONOTONIC) * 1e6)
         self.notify("RELOADING=1", f"MONOTONIC_USEC={mono_usec}", "STATUS=reloading")
-        try:
-            new = config_mod.load(self.config_source, self.environment)
-        except (ConfigError, NotSupportedError) as exc:
-            log.error("reload failed, keeping the running configuration: %s", exc)
-            self.last_error = f"reload: {exc}"
-            self.notify("READY=1", f"STATUS={self.status_line} (reload failed)")
-            return
         old = self.config
         try:
+            new = config_mod.load(self.config_source, self.environment)
             self._swap_listeners(old, new)
-        except (OSError, ConfigError) as exc:
-            log.error("reload failed, keeping the running configuration: %s", exc)
-            self.last_error = f"reload: {exc}"
+        except Exception as exc:  # noqa: BLE001 - whatever the new file does, the old one runs
+            # One bounded line, never a repr() of what the file holds.
+            why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:500]
+            if not isinstance(exc, ConfigError | NotSupportedError | OSError):
+                why = f"{type(exc).__name__}: {why}"
+            log.error("reload failed, keeping the running configuration: %s", why)
+            self.last_error = f"reload: {why}"
             self.notify("READY=1", f"STATUS={self.status_line} (reload failed)")
-            return
+            return why
+        if self.last_error is not None and self.last_error.startswith("reload: "):
+            self.last_error = None  # that error is over: this configuration loaded
         self.config = new
         if (new.url, new.table) != (old.url, old.table):
             self.db.stop_in_background()
@@ -423,6 +441,7 @@ class Supervisor:
         # The old generation retires once the new one is up.
         self.table.begin_reload(new.workers, new.worker_timeout, time.monotonic())
         log.info("reloading: starting %d new worker(s)", new.workers)
+        return None
 
     def _swap_listeners(self, old: Config, new: Config) -> None:
         """Open what the new configuration needs before closing what the old one had, so
@@ -438,7 +457,7 @@ class Supervisor:
                     self.control.stop()  # same path: it must be free to bind again
                 new_control.start()
             if new.metrics_listen != old.metrics_listen and new.metrics_listen is not None:
-                new_metrics = metrics.serve(new.metrics_listen, self._healthy)
+                new_metrics = self._serve_metrics(new.metrics_listen)
             logsetup.setup(new.log)
         except BaseException:
             if new_control is not None:
@@ -541,8 +560,17 @@ class Supervisor:
             self.metrics_server.stop()
             self.metrics_server = None
         if self.config.metrics_listen is not None:
-            self.metrics_server = metrics.serve(self.config.metrics_listen, self._healthy)
+            self.metrics_server = self._serve_metrics(self.config.metrics_listen)
             log.info("metrics on http://%s:%d/metrics", *self.config.metrics_listen)
+
+    def _serve_metrics(self, listen: tuple[str, int]) -> Any:
+        try:
+            return metrics.serve(listen, self._healthy)
+        except OSError as exc:
+            hint = " (another perfectschedd?  Set metrics_listen to a free port, or off)" \
+                if exc.errno == errno.EADDRINUSE else ""
+            raise ConfigError(f"metrics_listen: cannot listen on {listen[0]}:{listen[1]}: "
+                              f"{exc.strerror or exc}{hint}") from None
 
     def _start_dbus(self) -> None:
         if not self.config.dbus:
@@ -592,10 +620,17 @@ class Supervisor:
             pass
         self._install_signals()
         self.listener_fds = self._listener_fds
-        metrics.setup_master(self.config)
-        self.db.start()
+        # The control socket first: its lock refuses a second daemon before anything of the
+        # running one (its metric files, its port) is touched.
         self._start_control()
-        self._start_metrics_server()
+        try:
+            metrics.setup_master(self.config)
+            self._start_metrics_server()
+        except ConfigError as exc:
+            log.error("%s", exc)
+            self._stop_listeners()  # no control socket file left behind
+            return 1
+        self.db.start()
         self._start_dbus()
         log.info("perfectschedd %s starting: %d worker(s), database %s", __version__,
                  self.config.workers, engine_url(self.config.url).render_as_string(
@@ -628,7 +663,11 @@ class Supervisor:
                 return True
             if sig in (signal.SIGHUP, signal.SIGUSR1):
                 log.info("got %s: reloading", signal.Signals(sig).name)
-                self.reload()
+                why = self.reload()
+                waiters, self.reload_waiters = self.reload_waiters, []
+                for done, answer in waiters:
+                    answer.append(why)
+                    done.set()
             elif sig == signal.SIGUSR2:
                 logsetup.reopen()
                 for p in self.table:

@@ -267,7 +267,7 @@ def test_every_command_through_the_socket(daemon_factory: Any, tmp_path: Path,
     assert "workers: 2/2 alive" in text and "state: running" in text
 
     notified = len(d.messages())
-    assert sctl("reload").stdout == "reload requested\n"
+    assert sctl("reload").stdout.startswith("reloaded: the new configuration runs")
     d.wait_notify(lambda m: "RELOADING=1" in m, after=notified, what="RELOADING=1")
     d.wait_notify(lambda m: "READY=1" in m and "RELOADING" not in m, after=notified + 1,
                   what="READY=1 after reload")

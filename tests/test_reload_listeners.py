@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import urllib.request
 
+import yaml
 from daemon_harness import free_port, wait_until
 
 
@@ -49,3 +51,42 @@ def test_reload_moves_metrics_to_a_new_port(daemon_factory):
         raise AssertionError("old metrics port still answers")
     except OSError:
         pass
+
+
+def test_reload_answers_the_truth_and_a_later_good_reload_clears_the_error(daemon_factory):
+    d = daemon_factory().start()
+    good = dict(d.config)
+    base = yaml.safe_dump(good)
+    for bad, why in ((base + "kill_grace: -1\n", "kill_grace"),
+                     ("type: rdb_compat\nurl: [unclosed\n", "not valid YAML"),
+                     (base.replace("poll_interval: 0.5", "poll_interval: nope"),
+                      "poll_interval")):
+        d.write_config(raw=bad)
+        res = d.ctl("reload", check=False)
+        assert res.returncode == 1, res
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and "reload rejected, the running configuration stays" in lines[0]
+        assert why in lines[0], lines
+        assert d.alive()
+        assert d.status()["last_error"].startswith("reload: ")
+    d.write_config(good)
+    res = d.ctl("reload")
+    assert res.stdout.startswith("reloaded: the new configuration runs"), res
+    assert d.status()["last_error"] is None
+    assert d.stop() == 0
+
+
+def test_busy_metrics_port_at_start_names_the_setting_and_leaves_no_socket(daemon_factory):
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    try:
+        d = daemon_factory({"metrics_listen": f"127.0.0.1:{busy.getsockname()[1]}"})
+        d.start(wait_ready=False)
+        assert d.proc is not None and d.proc.wait(20) == 1
+        log = d.log()
+        assert "metrics_listen: cannot listen on 127.0.0.1:" in log
+        assert "Address already in use" in log and "another perfectschedd?" in log
+        assert not os.path.exists(d.socket_path)
+    finally:
+        busy.close()
