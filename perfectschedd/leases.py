@@ -43,7 +43,7 @@ CLAIM_BATCH = 64
 FAST_TASK = 0.05
 PREFETCH = 8
 HISTORY_FLUSH = 0.5
-DB_BACKOFF_MAX = 5.0  # a cron must resume soon after its database does
+DB_BACKOFF_MAX = 2.0  # a cron must resume soon after its database does
 # An occurrence whose schedule runs another one looks again after this (plus up to 1 s,
 # so that two that gave way to each other do not meet again).
 GROUP_WAIT = 1.0

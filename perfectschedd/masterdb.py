@@ -40,7 +40,7 @@ COMMAND_THREADS = 4     # calls in flight at once; more wait for a thread (and a
 PROBE_EVERY = 2.0       # a cheap query: is the database answering?
 COUNTS_EVERY = 15.0     # totals: a count over the table
 PRUNE_EVERY = 60.0
-OPEN_RETRY_MAX = 5.0
+OPEN_RETRY_MAX = 2.0  # cheap queries: the master may look again soon
 # Due and unclaimed for this long: no live worker takes it (shown by status and metrics).
 UNCLAIMED_AFTER = 60
 # On PostgreSQL and MySQL a call in flight that long is waiting on its socket, where no
@@ -177,7 +177,10 @@ class MasterDatabase:
 
         future: Future[T] = self._pool.submit(run)
         try:
-            return future.result(timeout)
+            result = future.result(timeout)
+            if self.snapshot.ok is False:
+                self._mark(True)  # it answered: say so before the next probe does
+            return result
         except FutureTimeout:
             future.cancel()  # not started yet: it never will (a stale write, later)
             self._mark(False, f"no answer within {timeout:g}s")
@@ -286,7 +289,11 @@ class MasterDatabase:
                         self.sc.store.prune_history(self.config.history_limit)
             except Exception as exc:  # noqa: BLE001 - this thread must not die
                 self._mark(False, _first_line(getattr(exc, "orig", None) or exc))
-                self._stop.wait(backoff)
+                # A status request (or stop) arriving meanwhile cuts the wait short.
+                self._refresh.clear()
+                if self._stop.is_set():
+                    break
+                self._refresh.wait(backoff)
                 backoff = min(backoff * 2, OPEN_RETRY_MAX)
                 continue
             wake = min(next_probe, next_counts) - time.monotonic()
