@@ -46,6 +46,7 @@ STATUS_EVERY = 2.0
 # last ones it has (and their age): it answers within a second whatever the database does.
 STATUS_FRESH_WAIT = 0.5
 RELOAD_ANSWER_WAIT = 10.0
+DBUS_RETRY_MAX = 30.0
 
 
 class Supervisor:
@@ -72,6 +73,7 @@ class Supervisor:
         self.db = MasterDatabase(config)
         self.spawn_postponed = False
         self.gc_frozen = False
+        self.dbus_attempt = 0  # a retry thread gives up when this moves on
         # Control threads waiting for the answer of a reload they asked for.
         self.reload_waiters: list[tuple[threading.Event, list[str | None]]] = []
         self.last_status = 0.0
@@ -434,6 +436,7 @@ class Supervisor:
             self.db = MasterDatabase(new)
             self.db.start()
         if (new.dbus, new.dbus_address) != (old.dbus, old.dbus_address):
+            self.dbus_attempt += 1  # stops a retry of the old address
             if self.dbus is not None:
                 self.dbus.stop()
                 self.dbus = None
@@ -575,18 +578,42 @@ class Supervisor:
     def _start_dbus(self) -> None:
         if not self.config.dbus:
             return
+        self.dbus_attempt += 1
         try:
-            from . import dbus_service
-
-            group = self.control.group_gid if self.control is not None else None
-            service = dbus_service.DBusService(self.dispatch, log=log,
-                                               address=self.config.dbus_address,
-                                               group_gid=group)
-            service.start()
-            self.dbus = service
+            self.dbus = self._dbus_service()
         except Exception as exc:  # noqa: BLE001 - D-Bus is optional; the daemon runs on
-            log.error("D-Bus interface not available: %s", exc)
+            log.error("D-Bus interface not available: %s; trying again with back-off", exc)
             self.dbus = None
+            # The bus may not have read our policy yet (right after the package was
+            # installed) or may not run yet: keep trying, off the loop.
+            threading.Thread(target=self._retry_dbus, args=(self.dbus_attempt,),
+                             name="dbus-retry", daemon=True).start()
+
+    def _dbus_service(self) -> Any:
+        from . import dbus_service
+
+        group = self.control.group_gid if self.control is not None else None
+        service = dbus_service.DBusService(self.dispatch, log=log,
+                                           address=self.config.dbus_address, group_gid=group)
+        service.start()
+        return service
+
+    def _retry_dbus(self, attempt: int) -> None:
+        wait = 1.0
+        while True:
+            time.sleep(wait)
+            wait = min(wait * 2, DBUS_RETRY_MAX)
+            if attempt != self.dbus_attempt or self.state == "stopping":
+                return  # a reload or a stop took over
+            try:
+                service = self._dbus_service()
+            except Exception:  # noqa: BLE001 - said once; the daemon runs on without it
+                continue
+            if attempt != self.dbus_attempt or self.state == "stopping":
+                service.stop()
+                return
+            self.dbus = service
+            return
 
     def _healthy(self) -> bool:
         now = time.monotonic()

@@ -283,3 +283,30 @@ def test_policy_file_on_a_system_like_bus(open_dir: Path) -> None:
     finally:
         d.kill()
         bus.stop()
+
+
+@needs_root
+def test_the_name_is_owned_once_the_bus_reads_the_policy(open_dir: Path) -> None:
+    """Right after `apt install`, the system bus has not read the package's policy yet:
+    the daemon keeps trying, and owns the name once the bus reloads its configuration."""
+    (open_dir / "policy.conf").write_text(f"{DOCTYPE}<busconfig/>\n")
+    bus = Bus(open_dir, SYSTEM_POLICY)
+    d = Daemon(open_dir, {"dbus": True, "dbus_address": bus.address,
+                          "control_group": "nogroup"})
+    try:
+        d.start()
+        d.wait_log("D-Bus interface not available")
+        assert "trying again with back-off" in d.log()
+        text = POLICY.read_text().replace('user="perfectsched"', 'user="root"') \
+            .replace('group="perfectsched"', 'group="nogroup"')
+        (open_dir / "policy.conf").write_text(text)
+        subprocess.run(["dbus-send", f"--bus={bus.address}", "--print-reply",
+                        "--dest=org.freedesktop.DBus", "/org/freedesktop/DBus",
+                        "org.freedesktop.DBus.ReloadConfig"], check=True, timeout=10,
+                       capture_output=True)
+        d.wait_log("D-Bus interface org.perfectsched1 on", timeout=40)
+        assert _client_as(AS_NOBODY, bus.address)[0] == "OK"
+        assert d.alive()
+    finally:
+        d.kill()
+        bus.stop()
