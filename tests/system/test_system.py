@@ -352,6 +352,14 @@ def test_02_install_creates_user_enables_and_starts(ns: Namespace, installed) ->
     assert ns.out("ps", "-o", "user=", "-p", main) == "perfectsched"
     mode, group = ns.out("stat", "-c", "%a %G", SOCK).split()
     assert (mode, group) == ("660", "perfectsched"), (mode, group)
+    # The first start, right after install (the bus may not have read the package's
+    # policy yet): the daemon owns org.perfectsched1 without a restart.
+    ask = ["dbus-send", "--system", "--print-reply", "--dest=org.freedesktop.DBus",
+           "/org/freedesktop/DBus", "org.freedesktop.DBus.GetConnectionUnixProcessID",
+           "string:org.perfectsched1"]
+    r = wait_for(lambda: (x := ns.run(*ask, check=False)).returncode == 0 and x, 40,
+                 "org.perfectsched1 after install, without a restart", lambda: ns.journal(30))
+    assert r.stdout.split()[-1] == main, r.stdout
     ns.ctl("list")  # root may use the socket
 
 
