@@ -68,6 +68,8 @@ def _status(result: dict[str, Any]) -> str:
     if workers:
         lines.append(table(workers, ("pid", "index", "generation", "age", "running",
                                      "retiring", "db_ok")))
+    for bad in result.get("keys_to_rename") or []:
+        lines.append(f"key to rename: {bad.get('key')!r}: {bad.get('why')}")
     for u in result.get("unclaimed") or []:
         where = "" if u.get("routed_here") else "; no route on this host"
         lines.append(f"unclaimed for over a minute: {u.get('occurrences')} occurrence(s) of "

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from sqlalchemy.exc import DBAPIError
@@ -29,7 +29,8 @@ from sqlalchemy.exc import DBAPIError
 from . import metrics
 from .config import Config
 from .errors import DatabaseUnavailableError
-from .schedules import ScheduleCollection
+from .schedules import ScheduleCollection, key_problem
+from .store import RUN_NOW_MARK
 
 log = logging.getLogger("perfectschedd")
 
@@ -43,6 +44,7 @@ PRUNE_EVERY = 60.0
 OPEN_RETRY_MAX = 2.0  # cheap queries: the master may look again soon
 # Due and unclaimed for this long: no live worker takes it (shown by status and metrics).
 UNCLAIMED_AFTER = 60
+RENAME_CHECK_EVERY = 3600.0  # a read of every key: rare, and off the master's loop
 # On PostgreSQL and MySQL a call in flight that long is waiting on its socket, where no
 # lock of ours is held: a fork may go ahead.  SQLite calls run inside the library (its
 # mutexes), so there a fork always waits for them to end (busy_timeout bounds them).
@@ -61,6 +63,8 @@ class Snapshot:
     counts: dict[str, int] = field(default_factory=dict)
     running: list[dict[str, Any]] = field(default_factory=list)
     unclaimed: dict[str, int] = field(default_factory=dict)  # type -> occurrences
+    # Keys stored before today's key rules (they work; a rename is advised): key -> why.
+    rename: dict[str, str] = field(default_factory=dict)
     read_at: float | None = None       # Unix time of `counts`/`running`
     ok: bool | None = None             # None: not asked yet
     unreachable_since: float | None = None
@@ -251,8 +255,8 @@ class MasterDatabase:
             log.error("database unreachable: %s", error)
         elif ok and old.ok is False:
             log.info("database reachable again")
-        self._publish(Snapshot(old.counts, old.running, old.unclaimed, old.read_at, ok,
-                               since, None if ok else error))
+        self._publish(replace(old, ok=ok, unreachable_since=since,
+                              error=None if ok else error))
 
     def _publish(self, snap: Snapshot) -> None:
         with self._refreshed:
@@ -265,6 +269,7 @@ class MasterDatabase:
         backoff = 0.5
         next_probe = next_counts = 0.0
         next_prune = time.monotonic() + PRUNE_EVERY
+        next_rename_check = 0.0
         while not self._stop.is_set():
             now = time.monotonic()
             try:
@@ -282,6 +287,9 @@ class MasterDatabase:
                         self.sc.store.earliest_due()
                     self._mark(True)
                     next_probe = now + PROBE_EVERY
+                if now >= next_rename_check:
+                    next_rename_check = now + RENAME_CHECK_EVERY
+                    self._check_keys()
                 if now >= next_prune:
                     next_prune = now + PRUNE_EVERY
                     with self._gate():
@@ -305,6 +313,19 @@ class MasterDatabase:
         self.sc = sc
         log.info("database open")
 
+    def _check_keys(self) -> None:
+        sc = self.sc
+        assert sc is not None
+
+        def bad(key: str) -> bool:
+            # Extra runs (KEY@run-...) are named by the daemon; their base key is checked.
+            return key_problem(key.split(RUN_NOW_MARK, 1)[0]) is not None
+
+        with self._gate():
+            keys = sc.store.keys_matching(bad)
+        rename = {k: key_problem(k.split(RUN_NOW_MARK, 1)[0]) or "" for k in keys}
+        self._publish(replace(self.snapshot, rename=rename))
+
     def _read_status(self) -> None:
         sc = self.sc
         assert sc is not None
@@ -318,4 +339,6 @@ class MasterDatabase:
                     "age": round(now - r.claimed_at, 3) if r.claimed_at else None,
                     "attempt": r.attempt} for r in rows]
         metrics.set_schedule_counts(counts, now, unclaimed)
-        self._publish(Snapshot(counts, running, unclaimed, now, True, None, None))
+        self._publish(replace(self.snapshot, counts=counts, running=running,
+                              unclaimed=unclaimed, read_at=now, ok=True,
+                              unreachable_since=None, error=None))

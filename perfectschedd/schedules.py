@@ -10,6 +10,7 @@ import json
 import math
 import os
 import time
+import unicodedata
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -83,8 +84,38 @@ def _check_text(field: str, value: Any, limit: int) -> str:
     return value
 
 
+# Characters a key never holds: controls (C0, DEL, C1), format characters (bidi
+# overrides), line and paragraph separators (they split a journald or log line),
+# surrogates.
+_KEY_FORBIDDEN = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs"})
+
+
 def check_key(key: Any) -> str:
-    return _check_text("key", key, KEY_MAX)
+    """A key for a new schedule: the one place that says what a key may be (socket,
+    D-Bus, CLI and library all add through here).  A key reaches exec jobs as their last
+    argument, so it never starts with `-` (GNU tools read options after operands), and it
+    is written to logs, so it holds no control or separator character; `@run-` is kept
+    for the keys of extra runs."""
+    _check_text("key", key, KEY_MAX)
+    if key.startswith("-"):
+        raise InvalidInputError("key", "must not start with '-' (it reaches jobs as an "
+                                "argument)")
+    if any(unicodedata.category(c) in _KEY_FORBIDDEN for c in key):
+        raise InvalidInputError("key", "contains control, format or line-separator "
+                                "characters")
+    if RUN_NOW_MARK in key:
+        raise InvalidInputError("key", f"must not contain {RUN_NOW_MARK!r} (the mark of "
+                                "extra runs)")
+    return key
+
+
+def key_problem(key: str) -> str | None:
+    """Why a stored key would be refused today (it still works), or None."""
+    try:
+        check_key(key)
+    except InvalidInputError as exc:
+        return str(exc)
+    return None
 
 
 def check_data(data: Any) -> str:
@@ -348,7 +379,8 @@ class ScheduleCollection:
         return self.store.created_table
 
     def __getitem__(self, key: str) -> Schedule:
-        return Schedule(self, check_key(key))
+        # Lookups accept what was stored before the key rules: such keys keep working.
+        return Schedule(self, _check_text("key", key, KEY_MAX))
 
     def build_row(self, key: str, type: str, cron: str | None = None, *, delay: int = 0,
                   timezone: str | None = None, next_time: int | None = None,

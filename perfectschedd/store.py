@@ -554,6 +554,23 @@ class Store:
         return {"schedules": total, "paused": paused, "due": due, "running": running}
 
     @_retried
+    def keys_matching(self, bad: Callable[[str], bool], limit: int = 100) -> list[str]:
+        """Up to `limit` schedule keys for which `bad(key)` is true, the table read in
+        key order in slices (never all of it in memory)."""
+        t = self.t
+        found: list[str] = []
+        after = ""
+        while len(found) < limit:
+            q = sa.select(t.c.key).where(t.c.key > after).order_by(t.c.key).limit(10_000)
+            with self._tx(readonly=True) as conn:
+                keys = [r[0] for r in conn.execute(q)]
+            if not keys:
+                break
+            found.extend(k for k in keys if bad(k))
+            after = keys[-1]
+        return found[:limit]
+
+    @_retried
     def unclaimed(self, due_before: int, limit: int = 100) -> dict[str, int]:
         """Occurrences due before `due_before` that nobody holds, by type (the `limit`
         types with most of them): work no live worker takes."""

@@ -373,6 +373,7 @@ class Supervisor:
             "unclaimed": [{"type": t, "occurrences": n,
                            "routed_here": any(r.matches(t) for r in self.config.routes)}
                           for t, n in snap.unclaimed.items()],
+            "keys_to_rename": [{"key": k, "why": why} for k, why in snap.rename.items()],
             "last_error": self.last_error or (f"database: {why}" if why else None),
             "database_ok": reachable, "database": database,
             **{k: snap.counts.get(k, 0) for k in ("schedules", "paused", "due")},
