@@ -36,6 +36,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from . import protocol
 from .config import Config
 from .errors import ConfigError, ScheduleError
+from .fdguard import AcceptGuard
 
 Dispatch = Callable[[str, dict[str, Any]], Any]
 # Connections open at once; one more is answered with a "Busy" error and closed.
@@ -111,6 +112,7 @@ class ControlServer:
         self.group_name = config.control_group
         self.group_gid = self._resolve_group(config.control_group)
         self.max_clients = max_clients
+        self.accept_guard = AcceptGuard("control socket", log)
         self.idle_timeout = idle_timeout
         self.my_uid = os.geteuid()
         self.sock: socket.socket | None = None
@@ -226,7 +228,8 @@ class ControlServer:
 
     def fds(self) -> list[int]:
         """Descriptors a forked worker must close."""
-        out = [fd for fd in (self.lock_fd, self.wake_r, self.wake_w) if fd is not None and fd >= 0]
+        out = [fd for fd in (self.lock_fd, self.wake_r, self.wake_w, self.accept_guard.reserve)
+               if fd is not None and fd >= 0]
         if self.sock is not None:
             out.append(self.sock.fileno())
         out.extend(c.sock.fileno() for c in list(self.conns.values()))
@@ -243,6 +246,7 @@ class ControlServer:
         self._wake()
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join(5.0)
+        self.accept_guard.close()
         for pool in (self.pool, self.quick_pool):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
@@ -305,7 +309,7 @@ class ControlServer:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                if not self.accept_guard.exhausted(self.sock, exc):
                     self.log.error("control socket: cannot accept: %s", exc.strerror)
                 return
             sock.setblocking(False)

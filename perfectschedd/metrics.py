@@ -31,6 +31,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from . import __version__
+from .fdguard import AcceptGuard
 
 log = logging.getLogger("perfectschedd")
 
@@ -40,6 +41,12 @@ BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 
            300.0, 600.0, 1800.0, 3600.0, 7200.0, 14400.0, 43200.0, 86400.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 HTTP_TIMEOUT = 10.0  # seconds a scrape connection may stay silent
+# A whole request (and its answer) within this; a client that sends a byte now and then
+# is cut off here, not kept forever.
+HTTP_DEADLINE = 10.0
+# Connections served at once (a thread each); more are closed unserved.  Prometheus needs
+# one; the cap keeps a local user with a loop from holding every thread and descriptor.
+HTTP_MAX_CONNECTIONS = 32
 
 _dir: str | None = None      # the multiprocess directory, once setup_master ran
 _master: _MasterState | None = None
@@ -357,21 +364,63 @@ class _Handler(BaseHTTPRequestHandler):
 class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    # The kernel queues this many clients while the loop accepts (socketserver's 5 made a
+    # burst of scrapes wait a second for SYN retransmits); beyond the cap they are closed.
+    request_queue_size = 128
 
     def __init__(self, listen: tuple[str, int], healthy: Callable[[], bool]) -> None:
         host, port = listen
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.healthy = healthy
         self.conns: set[int] = set()  # accepted sockets, for fds() in a forked worker
+        # Open connections and when each must be done (monotonic); the serve loop cuts
+        # off the late ones.
+        self.deadlines: dict[socket.socket, float] = {}
+        self.lock = threading.Lock()
+        self.guard = AcceptGuard("metrics_listen", log)
         super().__init__((host, port), _Handler)
 
+    def get_request(self) -> tuple[socket.socket, Any]:
+        try:
+            return self.socket.accept()
+        except OSError as exc:
+            self.guard.exhausted(self.socket, exc)
+            raise  # socketserver drops this attempt; the loop looks again
+
     def process_request(self, request: Any, client_address: Any) -> None:
-        self.conns.add(request.fileno())
+        with self.lock:
+            full = len(self.deadlines) >= HTTP_MAX_CONNECTIONS
+            if not full:
+                self.deadlines[request] = time.monotonic() + HTTP_DEADLINE
+                self.conns.add(request.fileno())
+        if full:
+            self.close_request(request)
+            return
         super().process_request(request, client_address)
 
     def shutdown_request(self, request: Any) -> None:
-        self.conns.discard(request.fileno())
+        with self.lock:
+            self.deadlines.pop(request, None)
+            self.conns.discard(request.fileno())
         super().shutdown_request(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client gone, or cut off at its deadline: not worth a traceback on stderr.
+        log.debug("metrics http: %s: %s", client_address, sys.exc_info()[1])
+
+    def cut_late(self) -> float | None:
+        """Shut the connections past their deadline; seconds until the next one is due
+        (None: no connection open)."""
+        now = time.monotonic()
+        with self.lock:
+            late = [s for s, t in self.deadlines.items() if t <= now]
+            upcoming = [t for t in self.deadlines.values() if t > now]
+        for sock in late:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # its thread's read ends; it cleans up
+            except OSError:
+                pass
+        return max(0.05, min(upcoming) - now) if upcoming else None
 
     def is_healthy(self) -> bool:
         for _ in range(3):  # the callable reads the master's worker table while it changes
@@ -404,7 +453,7 @@ class MetricsServer:
             sel.register(self.httpd.fileno(), selectors.EVENT_READ)
             sel.register(self._wake_r, selectors.EVENT_READ)
             while not self._stopping:
-                for key, _ in sel.select():
+                for key, _ in sel.select(self.httpd.cut_late()):
                     if key.fd != self._wake_r and not self._stopping:
                         self.httpd.handle_request()
 
@@ -416,13 +465,16 @@ class MetricsServer:
         """Listening (and open connection) sockets, which a forked worker closes.
 
         Called in the child right after fork, where no other thread runs: no lock."""
-        return [self.httpd.fileno(), self._wake_r, self._wake_w, *list(self.httpd.conns)]
+        reserve = self.httpd.guard.reserve
+        return [self.httpd.fileno(), self._wake_r, self._wake_w, *list(self.httpd.conns),
+                *([reserve] if reserve is not None else [])]
 
     def stop(self) -> None:
         self._stopping = True
         os.write(self._wake_w, b"x")
         self.thread.join(5)
         self.httpd.server_close()
+        self.httpd.guard.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
 

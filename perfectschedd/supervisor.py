@@ -47,6 +47,7 @@ STATUS_EVERY = 2.0
 STATUS_FRESH_WAIT = 0.5
 RELOAD_ANSWER_WAIT = 10.0
 DBUS_RETRY_MAX = 30.0
+SPAWN_RETRY = 2.0  # after a fork or pipe failed
 
 
 class Supervisor:
@@ -74,6 +75,7 @@ class Supervisor:
         self.spawn_postponed = False
         self.gc_frozen = False
         self.dbus_attempt = 0  # a retry thread gives up when this moves on
+        self.last_spawn_error = -SPAWN_RETRY
         # Control threads waiting for the answer of a reload they asked for.
         self.reload_waiters: list[tuple[threading.Event, list[str | None]]] = []
         self.last_status = 0.0
@@ -219,7 +221,18 @@ class Supervisor:
             return
         self.spawn_postponed = False
         for index in self.table.missing(now):
-            if not self.spawn_worker(index):
+            try:
+                started = self.spawn_worker(index)
+            except OSError as exc:
+                # Out of descriptors or processes (EMFILE, EAGAIN, ENOMEM): the daemon
+                # and its running workers go on; the start is tried again shortly.
+                self.table.next_spawn = now + SPAWN_RETRY
+                if now - self.last_spawn_error >= SPAWN_RETRY:
+                    self.last_spawn_error = now
+                    log.error("cannot start worker %d: %s; trying again in %.0fs", index,
+                              exc.strerror or exc, SPAWN_RETRY)
+                break
+            if not started:
                 self.spawn_postponed = True  # a database call is in flight: next turn
                 break
         for proc in self.table.surplus():  # a reload lowered `workers`

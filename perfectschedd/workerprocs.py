@@ -15,8 +15,16 @@ class Processes:
         """Fork a worker running child(wake_r, alive_w) -> exit code; returns (pid,
         wake_w, alive_r), both non-blocking.  The child never returns into our code."""
         wake_r, wake_w = os.pipe()
-        alive_r, alive_w = os.pipe()
-        pid = os.fork()
+        try:
+            alive_r, alive_w = os.pipe()
+        except OSError:
+            self.close(wake_r, wake_w)
+            raise
+        try:
+            pid = os.fork()
+        except OSError:
+            self.close(wake_r, wake_w, alive_r, alive_w)
+            raise
         if pid == 0:
             code = 1
             try:
