@@ -261,13 +261,18 @@ def setup_master(config: Any) -> None:
     import prometheus_client.multiprocess  # noqa: F401
     import prometheus_client.values  # noqa: F401
 
+    from . import metrics_archive  # noqa: F401
+
 
 def worker_exited(pid: int) -> None:
     if _dir is None:
         return
-    from prometheus_client import multiprocess
+    from prometheus_client import multiprocess  # imported by setup_master already
+
+    from . import metrics_archive
 
     multiprocess.mark_process_dead(pid, _dir)
+    metrics_archive.fold_dead(_dir, pid)
 
 
 def worker_restarted() -> None:
@@ -314,12 +319,15 @@ def render() -> bytes:
         def collect(self) -> Any:
             return self.merge(_complete_files(self._path), accumulate=True)
 
+    from . import metrics_archive
+
     registry = CollectorRegistry(auto_describe=False)
     if _dir is not None and os.path.isdir(_dir):
         WorkerFiles(registry, path=_dir)
     if _master is not None:
         registry.register(_MasterCollector(_master))
-    return bytes(generate_latest(registry))
+    with metrics_archive.LOCK:  # no fold half-way: no total counted twice or missing
+        return bytes(generate_latest(registry))
 
 
 # --------------------------------------------------------------------------- HTTP

@@ -200,7 +200,9 @@ def test_metrics_summed_over_workers_and_kept_across_worker_replacement(
     assert value(s, "perfectsched_task_duration_seconds_count", type="job") == n
     assert value(s, "perfectsched_database_up") == 1
     assert not (multiproc / f"gauge_livemin_{victim}.db").exists(), "mark_process_dead"
-    assert (multiproc / f"counter_{victim}.db").exists()
+    # Its counters were folded into the archive: the totals above still include them.
+    assert not (multiproc / f"counter_{victim}.db").exists()
+    assert (multiproc / "counter_archive.db").exists()
     assert d.stop() == 0
 
 
@@ -414,3 +416,53 @@ def test_metrics_connections_are_capped_and_cut_off_at_their_deadline(
         for s in held:
             s.close()
         server.stop()
+
+
+def test_dead_workers_files_are_folded_and_totals_never_go_down(
+        daemon_factory: Callable[..., Daemon], tmp_path: Path) -> None:
+    """200 worker exits (reloads, and a kill -9), each generation after running a task:
+    the metrics directory stays at one file per live worker and kind plus the archives,
+    and the task counters only ever grow, to the number of tasks run."""
+    runtime = tmp_path / "runtime"
+    d = daemon_factory({"workers": 2, "poll_interval": 0.2,
+                        "routes": [{"type": "t", "exec": ["/bin/true"]}]},
+                       env={"RUNTIME_DIRECTORY": str(runtime)}).start()
+    multiproc = runtime / "metrics"
+    d.ctl("add", "k", "t", "0 0 1 1 *")
+    finished = "perfectsched_tasks_finished_total"
+    last = 0.0
+    exits = 0
+    runs = 0
+    while exits < 200:
+        d.ctl("run", "k")
+        runs += 1
+        wait_until(lambda r=runs: (value(scrape(d.metrics_port)[1], finished, type="t",
+                                  outcome="success") or 0) >= r, timeout=20,
+                   what=f"run {runs} counted")
+        if runs == 50:  # one death among the retirements
+            victim = d.children()[0]
+            os.kill(victim, signal.SIGKILL)
+            wait_until(lambda v=victim: v not in d.children() and len(d.children()) == 2,
+                       timeout=30, what="a replacement")
+            exits += 1
+        before = d.log().count("]: reloaded")
+        d.send_signal(signal.SIGHUP)
+        wait_until(lambda b=before: d.log().count("]: reloaded") > b, timeout=30,
+                   what="reload")
+        exits += 2
+        now = value(scrape(d.metrics_port)[1], finished, type="t", outcome="success") or 0
+        assert now >= last, (now, last)  # never down
+        last = now
+    wait_until(lambda: not any(f.name.startswith(("counter_", "histogram_"))
+                               and not f.name.endswith("_archive.db")
+                               and int(f.name.split("_")[1].split(".")[0]) not in d.children()
+                               for f in multiproc.glob("*.db")), what="the last folds")
+    files = sorted(f.name for f in multiproc.glob("*.db"))
+    for kind in ("counter", "histogram", "gauge_max"):
+        mine = [f for f in files if f.startswith(f"{kind}_")]
+        assert len(mine) <= 2 + 1, files  # the live workers' files and the archive
+    _, s = scrape(d.metrics_port)
+    assert value(s, finished, type="t", outcome="success") == runs
+    assert value(s, "perfectsched_task_duration_seconds_count", type="t") == runs
+    assert (value(s, "perfectsched_last_success_timestamp_seconds", type="t") or 0) > 0
+    assert d.stop() == 0
