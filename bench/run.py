@@ -659,7 +659,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", default="sqlite,postgresql")
-    p.add_argument("--only", default="burst,steady,scale", help="workloads to run")
+    p.add_argument("--only", default="burst,steady,scale,execburst",
+                   help="workloads to run (burst, steady, scale, execburst)")
     p.add_argument("--bursts", default="2000,20000")
     p.add_argument("--repeat", type=int, default=3, help="runs of each small burst (median)")
     p.add_argument("--repeat-large", type=int, default=1,
@@ -667,6 +668,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steady-schedules", type=int, default=500)
     p.add_argument("--steady-seconds", type=int, default=120)
     p.add_argument("--scale", default="100000")
+    p.add_argument("--exec-burst", type=int, default=2000,
+                   help="execburst: occurrences of the exec job due at once")
     p.add_argument("--million", action="store_true", help="add the 1,000,000-schedule row")
     p.add_argument("--idle-seconds", type=float, default=30.0)
     p.add_argument("--aps-executor", default="thread:10", help="thread:N or process:N")
@@ -732,6 +735,13 @@ def main(argv: list[str] | None = None) -> int:
                     res[label] = {"perfectsched": ps, "apscheduler": ap}
                     raw["runs"].append({"backend": env.name, "workload": label,
                                         "perfectsched": [ps], "apscheduler": [ap]})
+                if "execburst" in only:
+                    import execburst
+
+                    log(f"{env.name}: exec burst {a.exec_burst}")
+                    ex = execburst.run(PS, env, a.exec_burst, tmp, a.repeat, log)
+                    raw["runs"].append({"backend": env.name,
+                                        "workload": f"exec burst {a.exec_burst}", **ex})
                 if "scale" in only:
                     for n in scales:
                         label = f"scale {n:,}"

@@ -1,0 +1,96 @@
+"""Exec-route burst: PerfectSched's exec handler against a bare Python pool, same command.
+
+N occurrences due at one instant T, routed to a tiny `bash -c` job that reads its stdin
+(the data) and appends one line (its key and the time) to a file; then the same command
+run N times by a ThreadPoolExecutor of 16 threads calling subprocess.run (what a script
+without a scheduler would do).  Runs/s = N / (last line's time - start), for each.  The
+ratio says what binding each job to its lease costs (a process group, a run id, two run
+events to the master, a supervised pipe loop) next to spawning it bare.
+
+    .venv-bench/bin/python bench/run.py --only execburst --backends sqlite
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+JOB = 'read -r line; echo "$1 $(date +%s.%N)" >> "$0"'
+POOL = 16
+
+
+def argv(log: Path) -> list[str]:
+    return ["bash", "-c", JOB, str(log)]
+
+
+def rate(log: Path, n: int, start: float, timeout: float) -> float:
+    deadline = time.monotonic() + timeout
+    lines: list[str] = []
+    while time.monotonic() < deadline:
+        try:
+            lines = log.read_text().splitlines()
+        except FileNotFoundError:
+            lines = []
+        if len(lines) >= n:
+            break
+        time.sleep(0.05)
+    if len(lines) < n:
+        return math.nan
+    last = max(float(line.split()[1]) for line in lines)
+    return n / (last - start)
+
+
+def bare_pool(n: int, work: Path) -> float:
+    log = work / "bare.log"
+    log.unlink(missing_ok=True)
+    cmd = argv(log)
+    start = time.time()
+    with ThreadPoolExecutor(POOL) as pool:
+        list(pool.map(lambda i: subprocess.run([*cmd, f"b{i}"], input=b"{}\n",
+                                               check=True), range(n)))
+    return rate(log, n, start, 60)
+
+
+def perfectsched(ps_class: Any, url: str, n: int, work: Path, lead: float) -> float:
+    log = work / "ps.log"
+    log.unlink(missing_ok=True)
+    ps = ps_class(url, work / "ps", extra={"routes": [
+        {"type": "bench", "exec": argv(log)}]})
+    try:
+        ps.start()
+        due = float(math.ceil(time.time() + lead))
+        ps.add_many([{"key": f"e{i}", "type": "bench", "cron": "0 0 1 1 *", "at": int(due)}
+                     for i in range(n)])
+        if time.time() > due - 0.3:
+            raise RuntimeError("registration overran T; raise the lead")
+        return rate(log, n, due, max(120.0, n / 20))
+    finally:
+        ps.stop()
+
+
+def run(ps_class: Any, env: Any, n: int, tmp: Path, repeat: int,
+        log: Any) -> dict[str, Any]:
+    runs: list[dict[str, float]] = []
+    for r in range(repeat):
+        url = env.fresh_url(f"execburst{n}")
+        work = tmp / f"execburst-{env.name}-{env.counter}"
+        work.mkdir(parents=True, exist_ok=True)
+        try:
+            ps = perfectsched(ps_class, url, n, work, lead=3 + n / 5000)
+        finally:
+            env.drop(url)
+        bare = bare_pool(n, work)
+        runs.append({"perfectsched": ps, "bare_pool": bare, "ratio": ps / bare})
+        log(f"  exec burst {n} run {r + 1}/{repeat}: perfectsched {ps:,.0f} runs/s, "
+            f"bare pool of {POOL} {bare:,.0f} runs/s, ratio {ps / bare:.2f}")
+    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    rng = {k: (min(r[k] for r in runs), max(r[k] for r in runs)) for k in runs[0]}
+    log(f"  exec burst {n} median: perfectsched {med['perfectsched']:,.0f} runs/s, bare "
+        f"{med['bare_pool']:,.0f} runs/s, ratio {med['ratio']:.2f} "
+        f"(range {rng['ratio'][0]:.2f}-{rng['ratio'][1]:.2f})")
+    return {"median": med, "range": rng, "runs": runs}
