@@ -48,6 +48,8 @@ STATUS_FRESH_WAIT = 0.5
 RELOAD_ANSWER_WAIT = 10.0
 DBUS_RETRY_MAX = 30.0
 SPAWN_RETRY = 2.0  # after a fork or pipe failed
+SWEEP_EVERY = 1.0  # looking for what ended runs left behind
+TURN_MIN = 0.05  # the loop's duties at most this often when only run reports arrive
 
 
 class Supervisor:
@@ -76,6 +78,8 @@ class Supervisor:
         self.gc_frozen = False
         self.dbus_attempt = 0  # a retry thread gives up when this moves on
         self.last_spawn_error = -SPAWN_RETRY
+        self.next_sweep = 0.0
+        self.last_turn = 0.0
         # Control threads waiting for the answer of a reload they asked for.
         self.reload_waiters: list[tuple[threading.Event, list[str | None]]] = []
         self.last_status = 0.0
@@ -268,6 +272,12 @@ class Supervisor:
         its parent died) lands here.  Reports are read first, so a run that just
         started is known before its first orphan is judged.
         """
+        now = time.monotonic()
+        if now < self.next_sweep:
+            return
+        # Once a second: the loop turns for every run event of every worker (thousands a
+        # second in a burst of exec jobs), and /proc reads on each turn showed.
+        self.next_sweep = now + SWEEP_EVERY
         strays = [p for p in jobreaper.children(self.master_pid)
                   if self.table.get(p) is None]
         if not strays:
@@ -687,14 +697,23 @@ class Supervisor:
 
     def _loop_once(self) -> bool:
         """One turn of the main loop; True when the daemon must stop."""
+        only_reports = True
         for key, _ in self.sel.select(timeout=0.02 if self.spawn_postponed else 0.5):
             if key.data == "signal":
+                only_reports = False
                 try:
                     os.read(self.selfpipe_r, 4096)
                 except BlockingIOError:
                     pass
             else:
                 self.read_alive(key.data)
+        now = time.monotonic()
+        if only_reports and not self.wake_pending and now - self.last_turn < TURN_MIN:
+            # Workers report every exec run (thousands a second in a burst): read them,
+            # but run the rest of the turn at most every TURN_MIN.  A death comes with
+            # SIGCHLD, a signal, which always gets a whole turn.
+            return False
+        self.last_turn = now
         if self.wake_pending:
             self._wake_now()
         while self.signals:
