@@ -55,6 +55,16 @@ def _limit(text: str) -> int:
     return value
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more: {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="perfectschedctl", description="Control PerfectSched schedules.")
     where = p.add_mutually_exclusive_group()
@@ -92,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ls = command("list", "list schedules")
     ls.add_argument("--prefix", help="only keys starting with this")
+    ls.add_argument("-n", "--limit", type=_count, help="at most this many (default: all)")
 
     key_cmd("show", "show one schedule in full")
     key_cmd("delete", "remove a schedule")
@@ -127,7 +138,10 @@ def request_of(ns: argparse.Namespace) -> tuple[str, dict[str, Any]]:
                 args[opt] = getattr(ns, opt)
         return cmd, args
     if cmd == "list":
-        return cmd, {"prefix": ns.prefix} if ns.prefix else {}
+        args = {"prefix": ns.prefix} if ns.prefix else {}
+        if ns.limit is not None:
+            args["limit"] = ns.limit
+        return cmd, args
     if cmd == "modify":
         args = {"key": ns.key}
         for opt in ("type", "cron", "delay", "timezone"):

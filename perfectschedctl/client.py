@@ -19,6 +19,27 @@ class SocketClient:
         self.timeout = timeout
 
     def call(self, cmd: str, args: dict[str, Any] | None = None) -> Any:
+        if cmd == "list":
+            return self.list_all(args or {})
+        return self._call(cmd, args)["result"]
+
+    def list_all(self, args: dict[str, Any]) -> list[Any]:
+        """`list`, following the daemon's pages ("more") up to args' limit, if any."""
+        want = args.get("limit")
+        rows: list[Any] = []
+        page_args = dict(args)
+        while True:
+            if isinstance(want, int):
+                page_args["limit"] = want - len(rows)
+            answer = self._call("list", page_args)
+            rows.extend(answer["result"] or [])
+            more = answer.get("more")
+            if not isinstance(more, dict) or not isinstance(more.get("after"), str) or (
+                    isinstance(want, int) and len(rows) >= want):
+                return rows
+            page_args["after"] = more["after"]
+
+    def _call(self, cmd: str, args: dict[str, Any] | None = None) -> dict[str, Any]:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.timeout)
         try:
@@ -50,7 +71,7 @@ class SocketClient:
                 if not chunk:
                     raise DaemonUnavailable("perfectschedd closed the connection without answering")
                 buf += chunk
-            return protocol.parse_response(bytes(buf))
+            return protocol.parse_response_full(bytes(buf))
         except TimeoutError:
             raise DaemonUnavailable(
                 f"perfectschedd did not answer within {self.timeout:g}s") from None

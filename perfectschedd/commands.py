@@ -17,7 +17,7 @@ from .schedules import ScheduleCollection, ScheduleInfo
 
 # Fields of `list --json` (SPEC) and of `show`, in this order.
 LIST_FIELDS = ("key", "type", "cron", "delay", "timezone", "next_time", "next_run_time", "data")
-SHOW_FIELDS = LIST_FIELDS + ("paused", "attempt", "owner", "claimed_at")
+SHOW_FIELDS = LIST_FIELDS + ("paused", "paused_reason", "attempt", "owner", "claimed_at")
 
 
 def _info(info: ScheduleInfo, fields: tuple[str, ...]) -> dict[str, Any]:
@@ -56,11 +56,20 @@ def _list(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> list[dict
     prefix = a.get("prefix")
     if prefix is not None and not isinstance(prefix, str):
         raise InvalidInputError("prefix", "must be a string")
-    limit = a.get("limit")
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
-        raise InvalidInputError("limit", "must be a whole number >= 0")
+    after = a.get("after")
+    if after is not None and not isinstance(after, str):
+        raise InvalidInputError("after", "must be a string (the last key of the previous page)")
+    limit = check_limit(a.get("limit"))
     fields = SHOW_FIELDS if a.get("verbose") else LIST_FIELDS
-    return [_info(i, fields) for i in sc.list(prefix=prefix, limit=limit)]
+    return [_info(i, fields) for i in sc.list(prefix=prefix, limit=limit, after_key=after)]
+
+
+def check_limit(limit: Any) -> int | None:
+    """A `list` limit: None (all) or a whole number >= 0."""
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
+                              or not 0 <= limit < 1 << 62):
+        raise InvalidInputError("limit", "must be a whole number >= 0")
+    return limit
 
 
 def _show(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[str, Any]:
@@ -145,7 +154,7 @@ CHANGING = frozenset({"add", "add_many", "delete", "modify", "pause", "resume", 
 ARGS: dict[str, frozenset[str]] = {
     "add": frozenset({"key", "type", "cron", "delay", "timezone", "start", "at", "data"}),
     "add_many": frozenset({"schedules"}),
-    "list": frozenset({"prefix", "limit", "verbose"}),
+    "list": frozenset({"prefix", "limit", "verbose", "after"}),
     "show": frozenset({"key"}),
     "delete": frozenset({"key"}),
     "modify": frozenset({"key", "type", "cron", "delay", "timezone", "data"}),

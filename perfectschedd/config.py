@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import socket
@@ -13,7 +14,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import yaml
 
-from .errors import ConfigError, NotSupportedError
+from .errors import ConfigError, NotSupportedError, describe
 
 DEFAULT_CONFIG_PATH = "/etc/perfectsched/perfectsched.yml"
 DEFAULT_SOCKET = "/run/perfectsched/perfectschedd.sock"
@@ -84,6 +85,11 @@ class Config:
         return self.node_name or socket.gethostname()
 
 
+# A configuration file larger than this is refused unread (it is a few kB).
+CONFIG_MAX = 1 << 20
+# Largest number any setting takes (seconds, counts): ten years of seconds.
+_NUMBER_MAX = 315_360_000
+
 _KNOWN_KEYS = {
     "type", "url", "table", "log", "poll_interval", "timezone", "alive_time", "retry_wait",
     "workers", "concurrency", "control_socket", "control_group", "metrics_listen", "dbus",
@@ -97,11 +103,15 @@ def _number(raw: Mapping[str, Any], key: str, default: float, *, minimum: float,
             integer: bool = False) -> Any:
     value = raw.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{key}: must be a number, got {value!r}")
+        raise ConfigError(f"{key}: must be a number, got {describe(value)}")
+    if not math.isfinite(value) or abs(value) > _NUMBER_MAX:
+        # .inf made int() raise, and .nan passes every comparison (an idle loop spun).
+        raise ConfigError(f"{key}: must be a finite number up to {_NUMBER_MAX:g}, "
+                          f"got {describe(value)}")
     if integer and int(value) != value:
-        raise ConfigError(f"{key}: must be a whole number, got {value!r}")
+        raise ConfigError(f"{key}: must be a whole number, got {describe(value)}")
     if value < minimum:
-        raise ConfigError(f"{key}: must be at least {minimum}, got {value!r}")
+        raise ConfigError(f"{key}: must be at least {minimum}, got {describe(value)}")
     return int(value) if integer else float(value)
 
 
@@ -109,11 +119,11 @@ def parse_listen(value: Any) -> tuple[str, int] | None:
     if value is None or value is False or value == "off":
         return None
     if not isinstance(value, str) or ":" not in value:
-        raise ConfigError(f"metrics_listen: expected host:port or off, got {value!r}")
+        raise ConfigError(f"metrics_listen: expected host:port or off, got {describe(value)}")
     host, _, port = value.rpartition(":")
     host = host.strip("[]")
     if not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"metrics_listen: bad port in {value!r}")
+        raise ConfigError(f"metrics_listen: bad port in {describe(value)}")
     return host, int(port)
 
 
@@ -142,10 +152,11 @@ def _routes(raw: Any) -> tuple[RouteConfig, ...]:
         ):
             raise ConfigError(f"{where}.exec: must be a non-empty list of strings")
         if python is not None and (not isinstance(python, str) or ":" not in python):
-            raise ConfigError(f"{where}.python: must be 'module:Class', got {python!r}")
+            raise ConfigError(f"{where}.python: must be 'module:Class', got {describe(python)}")
         timeout = entry.get("timeout")
         if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0
+            isinstance(timeout, bool) or not isinstance(timeout, int | float)
+            or not 0 < timeout <= _NUMBER_MAX  # also refuses NaN
         ):
             raise ConfigError(f"{where}.timeout: must be a positive number of seconds")
         route = RouteConfig(
@@ -175,20 +186,22 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
     if backend == "rdb":
         raise NotSupportedError("type: 'rdb' is not supported; use rdb_compat")
     if backend != "rdb_compat":
-        raise ConfigError(f"type: unknown backend {backend!r}; use rdb_compat")
+        raise ConfigError(f"type: unknown backend {describe(backend)}; use rdb_compat")
     url = raw.get("url")
     if not isinstance(url, str) or not url:
         raise ConfigError("url: required (a SQLAlchemy URL such as sqlite:///path.db)")
     if url.split(":", 1)[0].split("+", 1)[0] not in ("sqlite", "postgresql", "postgres", "mysql"):
-        raise ConfigError(f"url: unsupported database {url.split(':', 1)[0]!r}")
+        raise ConfigError(f"url: unsupported database {describe(url.split(':', 1)[0])}")
     table = raw.get("table", "perfectsched")
     if not isinstance(table, str) or not _IDENTIFIER.match(table):
-        raise ConfigError(f"table: must be an SQL identifier, got {table!r}")
+        raise ConfigError(f"table: must be an SQL identifier, got {describe(table)}")
     tz = raw.get("timezone", "UTC")
     try:
-        ZoneInfo(str(tz))
-    except (ZoneInfoNotFoundError, ValueError):
-        raise ConfigError(f"timezone: unknown time zone {tz!r}") from None
+        if not isinstance(tz, str):
+            raise ValueError(tz)
+        ZoneInfo(tz)
+    except (ZoneInfoNotFoundError, ValueError, OSError):
+        raise ConfigError(f"timezone: unknown time zone {describe(tz)}") from None
     log = raw.get("log")
     if log is not None and not isinstance(log, str):
         raise ConfigError("log: must be a file path")
@@ -202,7 +215,7 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
     if node_name is not None and (not isinstance(node_name, str)
                                   or not _NODE_NAME.match(node_name)):
         raise ConfigError(f"node_name: must be 1-64 letters, digits, '.', '_' or '-', "
-                          f"got {node_name!r}")
+                          f"got {describe(node_name)}")
     dbus = raw.get("dbus", False)
     if not isinstance(dbus, bool):
         raise ConfigError("dbus: must be true or false")
@@ -215,7 +228,7 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
         table=table,
         log=log,
         poll_interval=_number(raw, "poll_interval", 1.0, minimum=0.01),
-        timezone=str(tz),
+        timezone=tz,
         alive_time=_number(raw, "alive_time", 300, minimum=1, integer=True),
         retry_wait=_number(raw, "retry_wait", 300, minimum=0, integer=True),
         workers=_number(raw, "workers", 2, minimum=1, integer=True),
@@ -241,7 +254,7 @@ def _environments(data: Any) -> list[str]:
     if not isinstance(data, Mapping) or not data or "type" in data or "url" in data:
         return []
     if all(isinstance(v, Mapping) and ("type" in v or "url" in v) for v in data.values()):
-        return [str(k) for k in data]
+        return [k if isinstance(k, str) else describe(k) for k in data]
     return []
 
 
@@ -256,13 +269,20 @@ def load(config: Mapping[str, Any] | str | os.PathLike[str] | Config | None = No
     if isinstance(config, str | os.PathLike):
         source = str(config)
         try:
-            text = Path(config).read_text()
+            with Path(config).open("rb") as f:
+                raw_bytes = f.read(CONFIG_MAX + 1)
         except OSError as exc:
             raise ConfigError(f"cannot read {source}: {exc.strerror}") from None
+        if len(raw_bytes) > CONFIG_MAX:
+            raise ConfigError(f"{source}: larger than {CONFIG_MAX} bytes")
         try:
-            data = yaml.safe_load(text)
+            data = yaml.safe_load(raw_bytes.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise ConfigError(f"{source}: not UTF-8 text") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"{source}: not valid YAML: {str(exc).splitlines()[0]}") from None
+        except RecursionError:
+            raise ConfigError(f"{source}: nested too deeply") from None
     else:
         data = config
     if data is None:

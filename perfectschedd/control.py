@@ -17,6 +17,7 @@ import fcntl
 import grp
 import json
 import logging
+import math
 import os
 import pwd
 import queue
@@ -33,7 +34,7 @@ from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import protocol
+from . import commands, protocol
 from .config import Config
 from .errors import ConfigError, ScheduleError
 from .fdguard import AcceptGuard
@@ -43,6 +44,8 @@ Dispatch = Callable[[str, dict[str, Any]], Any]
 MAX_CLIENTS = 256
 # A connection with no request in flight and no traffic for this long is closed.
 IDLE_TIMEOUT = 60.0
+# A request must arrive whole, and its answer be read whole, within this long.
+REQUEST_DEADLINE = 10.0
 # Requests executed at once (each may wait on the database).
 DISPATCH_THREADS = 8
 # `status` never waits behind requests that wait on the database: its own small pool.
@@ -100,12 +103,16 @@ class _Conn:
     closing: bool = False  # close once outbuf is sent
     last_active: float = field(default_factory=time.monotonic)
     events: int = 0
+    # When a half-received request or an unread answer must be done by (None: neither is
+    # pending): a client trickling bytes, or reading nothing, cannot hold its slot longer.
+    deadline: float | None = None
 
 
 class ControlServer:
     def __init__(self, config: Config, dispatch: Dispatch, *, log: logging.Logger,
                  path: str | None = None, max_clients: int = MAX_CLIENTS,
-                 idle_timeout: float = IDLE_TIMEOUT) -> None:
+                 idle_timeout: float = IDLE_TIMEOUT,
+                 request_deadline: float = REQUEST_DEADLINE) -> None:
         self.path = os.path.abspath(path or config.control_socket)
         self.dispatch = dispatch
         self.log = log
@@ -114,6 +121,7 @@ class ControlServer:
         self.max_clients = max_clients
         self.accept_guard = AcceptGuard("control socket", log)
         self.idle_timeout = idle_timeout
+        self.request_deadline = request_deadline
         self.my_uid = os.geteuid()
         self.sock: socket.socket | None = None
         self.lock_fd: int | None = None
@@ -264,6 +272,14 @@ class ControlServer:
                 os.close(fd)
         self.wake_r = self.wake_w = -1
         self._release_lock()
+
+    def file_intact(self) -> bool:
+        """Whether the socket file is still ours (not deleted, not replaced)."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self.inode
 
     def _release_lock(self) -> None:
         if self.lock_fd is not None:
@@ -448,6 +464,10 @@ class ControlServer:
         """Register interest: write while output is pending, read when idle."""
         if not self._alive(conn):
             return
+        if conn.busy or not (conn.inbuf or conn.outbuf):
+            conn.deadline = None
+        elif conn.deadline is None:
+            conn.deadline = time.monotonic() + self.request_deadline
         events = 0
         if conn.outbuf:
             events |= selectors.EVENT_WRITE
@@ -467,15 +487,24 @@ class ControlServer:
     def _until_idle_expiry(self) -> float | None:
         """Seconds until the first idle connection times out; None (sleep until something
         happens: every change of state wakes the loop) when none can."""
-        idle = [c.last_active for c in self.conns.values() if not c.busy]
-        if not idle:
+        due = [min(c.last_active + self.idle_timeout,
+                   c.deadline if c.deadline is not None else math.inf)
+               for c in self.conns.values() if not c.busy]
+        if not due:
             return None
-        return max(0.0, min(idle) + self.idle_timeout - time.monotonic())
+        return max(0.0, min(due) - time.monotonic())
 
     def _expire_idle(self) -> None:
-        limit = time.monotonic() - self.idle_timeout
+        now = time.monotonic()
+        limit = now - self.idle_timeout
         for conn in list(self.conns.values()):
-            if not conn.busy and conn.last_active < limit:
+            if conn.busy:
+                continue
+            if conn.deadline is not None and now >= conn.deadline:
+                self.log.debug("control socket: closing pid %d's connection (request or "
+                               "answer not done within %gs)", conn.pid, self.request_deadline)
+                self._close(conn)
+            elif conn.last_active < limit:
                 self._close(conn)
 
     def _close(self, conn: _Conn) -> None:
@@ -496,11 +525,13 @@ class ControlServer:
         """One request frame -> one response frame; never raises."""
         try:
             cmd, args = protocol.parse_request(line)
+            if cmd == "list":
+                return list_page(self.dispatch, args)
             return protocol.ok(self.dispatch(cmd, args))
         except protocol.ProtocolError as exc:
             return protocol.error("ProtocolError", str(exc))
         except ScheduleError as exc:
-            return protocol.error(type(exc).__name__, str(exc))
+            return protocol.error(protocol.error_type(exc), str(exc))
         except ConfigError as exc:
             return protocol.error("ConfigError", str(exc))
         except SQLAlchemyError as exc:
@@ -509,6 +540,52 @@ class ControlServer:
         except Exception as exc:  # noqa: BLE001 - a request never takes the daemon down
             self.log.exception("control request failed")
             return protocol.error("InternalError", f"internal error: {exc}")
+
+
+def list_page(dispatch: Dispatch, args: dict[str, Any]) -> bytes:
+    """A `list` answer of at most LIST_PAGE schedules and about LIST_PAGE_BYTES, with a
+    "more" marker when the client asked for more than that (or for all).
+
+    Rows are read in batches sized to what is left of the byte budget, so a page of large
+    schedules never has a thousand of them in memory at once."""
+    want = commands.check_limit(args.get("limit"))
+    page = protocol.LIST_PAGE if want is None else min(want, protocol.LIST_PAGE)
+    items: list[bytes] = []
+    size = 0
+    after = args.get("after")
+    batch = _FIRST_BATCH
+    more = False
+    while len(items) < page:
+        ask = min(batch, page - len(items))
+        rows = dispatch("list", {**args, "after": after, "limit": ask + 1} if after is not None
+                        else {**args, "limit": ask + 1})
+        for row in rows[:ask]:
+            item = protocol.encode_item(row)
+            if items and size + len(item) > protocol.LIST_PAGE_BYTES:
+                more = True
+                break
+            items.append(item)
+            size += len(item) + 1
+            after = row["key"]
+        if more or len(rows) <= ask:
+            more = more or len(rows) > ask
+            break
+        # The next batch holds about what is left of the byte budget at this row size.
+        batch = max(_FIRST_BATCH, (protocol.LIST_PAGE_BYTES - size) * len(items) // size)
+    else:
+        more = len(items) == page and _has_after(dispatch, args, after)
+    if want is not None and len(items) >= want:
+        more = False
+    return protocol.ok_page(items, after if more and items else None)
+
+
+# Rows read by a page's first query: a schedule holds up to 64 kB of data.
+_FIRST_BATCH = 16
+
+
+def _has_after(dispatch: Dispatch, args: dict[str, Any], after: str | None) -> bool:
+    rest = {**args, "limit": 1} if after is None else {**args, "after": after, "limit": 1}
+    return bool(dispatch("list", rest))
 
 
 def _is_quick(line: bytes) -> bool:

@@ -8,6 +8,7 @@ to real instants in the schedule's zone:
 
 from __future__ import annotations
 
+import re
 import threading
 from datetime import UTC, datetime, timedelta
 from functools import lru_cache
@@ -26,6 +27,11 @@ ALIASES = {
     "@midnight": "0 0 * * *",
     "@hourly": "0 * * * *",
 }
+# The calendar ends here: datetime (and so croniter) knows no year 10000.
+LAST_INSTANT = int(datetime(9999, 12, 31, 23, 59, 59, tzinfo=UTC).timestamp())
+# croniter's non-standard random (R) and hashed (H) fields: each process would pick its
+# own value, so hosts would disagree on when a schedule is due.
+_RANDOM_FIELD = re.compile(r"(?:^|[,/-])[RrHh](?:$|[,/(-])")
 # Longest wall-clock step back of any zone's DST change (Antarctica/Troll: 2 h), with margin.
 _MAX_SHIFT = timedelta(hours=3)
 
@@ -34,7 +40,8 @@ _MAX_SHIFT = timedelta(hours=3)
 def zone(name: str) -> ZoneInfo:
     try:
         return ZoneInfo(name)
-    except (ZoneInfoNotFoundError, ValueError, TypeError):
+    except (ZoneInfoNotFoundError, ValueError, TypeError, OSError):
+        # OSError: a name that is a directory of the zone database, or unreadable.
         raise InvalidInputError("timezone", f"unknown time zone {name!r}") from None
 
 
@@ -51,6 +58,9 @@ def normalize(expr: str) -> str:
         return ALIASES[text.lower()]
     if len(text.split(" ")) != 5:
         raise InvalidInputError("cron", f"{expr!r} must have five fields (min hour dom mon dow)")
+    if any(_RANDOM_FIELD.search(field) for field in text.split(" ")):
+        raise InvalidInputError("cron", f"{expr!r}: random (R) and hashed (H) fields are not "
+                                "supported (every host would pick its own time)")
     try:
         valid = croniter.is_valid(text)
     except Exception:  # noqa: BLE001 - old croniter versions raise on some garbage
@@ -93,13 +103,34 @@ def _iterator(fields: str, start: datetime) -> croniter:
     return it
 
 
+class NoNextOccurrence(InvalidInputError):
+    """The expression has no occurrence left before the calendar ends (year 9999)."""
+
+    def __init__(self, expr: str, after: int) -> None:
+        when = datetime.fromtimestamp(min(max(after, 0), LAST_INSTANT), UTC)
+        super().__init__("cron", f"{expr!r} has no occurrence after {when:%Y-%m-%d %H:%M} UTC "
+                         "(the calendar ends with year 9999)")
+
+
 # Pure function of its arguments; a burst of schedules sharing a cron line and an
-# occurrence computes the next one once.
+# occurrence computes the next one once.  (An exception is not cached: it is raised anew.)
 @lru_cache(maxsize=16384)
 def next_after(expr: str, tz_name: str, after: int) -> int:
     """First occurrence strictly after Unix time `after`."""
     fields = normalize(expr)
     tz = zone(tz_name)
+    try:
+        return _next_after(expr, fields, tz, after)
+    except (OverflowError, ValueError, OSError) as exc:
+        if isinstance(exc, InvalidInputError):
+            raise
+        # Past year 9999 (datetime's end), or a time no platform call can hold.
+        raise NoNextOccurrence(expr, after) from None
+
+
+def _next_after(expr: str, fields: str, tz: ZoneInfo, after: int) -> int:
+    if after >= LAST_INSTANT:
+        raise NoNextOccurrence(expr, after)
     t = datetime.fromtimestamp(after, UTC)
     wall = t.astimezone(tz).replace(tzinfo=None)
     # Wall times before `wall` can still lie ahead only when the clock steps back soon.

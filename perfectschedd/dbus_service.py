@@ -42,6 +42,7 @@ OBJECT_PATH = "/org/perfectsched1"
 INTERFACE = "org.perfectsched1.Manager"
 ERROR_PREFIX = "org.perfectsched1.Error."
 START_TIMEOUT = 10.0
+LIST_PAGE = protocol.LIST_PAGE
 RECONNECT_EVERY = 5.0
 
 # D-Bus signatures, as annotations.
@@ -64,6 +65,21 @@ def _unwrap(options: dict[str, Any], what: str, allowed: set[str]) -> dict[str, 
             raise _error("InvalidInputError", f"{what}: unknown option {name!r} (known: {known})")
         out[name] = value.value if isinstance(value, DBusVariant) else value
     return out
+
+
+def process_groups(pid: int) -> set[int]:
+    """Primary and supplementary groups of a live process ({} when it cannot be read)."""
+    groups: set[int] = set()
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Gid:"):
+                    groups.update(int(g) for g in line.split()[1:3])
+                elif line.startswith("Groups:"):
+                    groups.update(int(g) for g in line.split()[1:])
+    except (OSError, ValueError):
+        return set()
+    return groups
 
 
 def _error(type_: str, message: str) -> DBusError:
@@ -136,9 +152,9 @@ class Manager(ServiceInterface):
     async def Call(self, command: S, args: S) -> S:
         """Any control request, arguments and result as JSON (as on the socket)."""
         try:
-            parsed = json.loads(args) if args else {}
-        except json.JSONDecodeError as exc:
-            raise _error("ProtocolError", f"args: invalid JSON: {exc}") from None
+            parsed = protocol.loads_bounded(args, "args") if args else {}
+        except protocol.ProtocolError as exc:
+            raise _error("ProtocolError", str(exc)) from None
         if not isinstance(parsed, dict):
             raise _error("ProtocolError", "args: must be a JSON object")
         return await self._call(command, parsed)
@@ -296,12 +312,18 @@ class DBusService:
         from sqlalchemy.exc import SQLAlchemyError
 
         loop = asyncio.get_running_loop()
+        if cmd == "list":
+            # An answer waits whole in memory until the bus takes it: at most one page;
+            # callers page on with Call("list", {"after": <last key>}).
+            limit = args.get("limit")
+            if limit is None or (type(limit) is int and limit > LIST_PAGE):
+                args = {**args, "limit": LIST_PAGE}
         try:
             # Status never queues behind requests waiting on the database.
             pool = self.quick_pool if cmd in protocol.QUICK_COMMANDS else self.pool
             result = await loop.run_in_executor(pool, self.dispatch, cmd, args)
         except ScheduleError as exc:
-            raise _error(type(exc).__name__, str(exc)) from None
+            raise _error(protocol.error_type(exc), str(exc)) from None
         except ConfigError as exc:
             raise _error("ConfigError", str(exc)) from None
         except SQLAlchemyError as exc:
@@ -363,10 +385,19 @@ class DBusService:
             return None
         try:
             user = pwd.getpwuid(uid)
-            name, groups = user.pw_name, set(os.getgrouplist(user.pw_name, user.pw_gid))
+            name, primary = user.pw_name, {user.pw_gid}
         except KeyError:
-            name, groups = f"uid {uid}", set()
-        groups.update(int(g) for g in creds.get("UnixGroupIDs", []))
+            name, primary = f"uid {uid}", set()
+        # The groups the calling process holds, as the bus recorded them at connect (like
+        # SO_PEERGROUPS on the socket), never the group database's member lists: a user
+        # added to the group after logging in, or removed from it, is judged by what the
+        # process has.  Its primary group from /proc when we may read it (not under
+        # ProtectProc=invisible), else from its passwd entry.
+        groups = {int(g) for g in creds.get("UnixGroupIDs", [])}
+        if "ProcessID" in creds:
+            groups |= process_groups(int(creds["ProcessID"])) or primary
+        else:
+            groups |= primary
         if self.group_gid in groups:
             return None
         return f"permission denied: {name} may not control perfectschedd"

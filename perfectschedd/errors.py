@@ -44,3 +44,15 @@ class ConfigError(RuntimeError):
 
 class ProcessStopError(RuntimeError):
     """Raised inside a handler when the daemon is stopping and the task must end."""
+
+
+def describe(value: object, limit: int = 60) -> str:
+    """A user-given value for an error message: a bounded repr for scalars, the type's
+    name for anything else (the repr of a YAML alias bomb or a deeply nested request would
+    cost exponential time and memory, or recurse too deep)."""
+    if value is None or isinstance(value, bool | int | float | str):
+        if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+            return "a whole number too large"
+        text = repr(value)
+        return text if len(text) <= limit else text[:limit - 3] + "..."
+    return f"a {type(value).__name__}"

@@ -66,6 +66,7 @@ class BatchedTask:
 
     def finish(self) -> None:
         self._task._end()
+        self._task.next_advance()  # now, so that a schedule with no next time is seen here
         self._queue.append(self._task)  # list.append is atomic under the GIL
 
     def retry(self, wait: float | None = None) -> None:
@@ -124,6 +125,11 @@ class LeasePipeline:
             log.info("database reachable again")
             self.db_backoff = 0.5
         elif not ok:
+            if self.sc is not None:
+                # Pooled connections may be what is broken: SQLite opens a file it may not
+                # write read-only, and such a connection stays read-only after the
+                # permissions come back.  The next try opens fresh ones.
+                self.sc.store.reset_connections()
             if self.db_ok:
                 log.error("database unreachable: %s; retrying with back-off",
                           str(exc).splitlines()[0] if exc else "?")
@@ -248,6 +254,9 @@ class LeasePipeline:
                 if run_id is not None:
                     self.report(f"e {run_id}")
             outcome, duration = str(result.outcome), result.duration
+            if task.exhausted:
+                outcome = "failed"
+                log.error("key=%s: %s", task.key, task.exhausted)
             self.avg_duration = 0.8 * self.avg_duration + 0.2 * duration
             log.info("end key=%s scheduled=%d attempt=%d duration=%.3fs outcome=%s%s",
                      task.key, task.scheduled_time, task.attempt, duration, outcome,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import glob
 import logging
 import os
@@ -31,6 +32,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from . import __version__
+from .errors import ConfigError
 from .fdguard import AcceptGuard
 
 log = logging.getLogger("perfectschedd")
@@ -49,6 +51,7 @@ HTTP_DEADLINE = 10.0
 HTTP_MAX_CONNECTIONS = 32
 
 _dir: str | None = None      # the multiprocess directory, once setup_master ran
+_dir_lock: int | None = None  # the master's lock on it
 _master: _MasterState | None = None
 _worker: _WorkerMetrics | None = None
 
@@ -245,10 +248,31 @@ def multiproc_dir(config: Any) -> str:
     return path
 
 
+def _lock_dir(path: str) -> int:
+    """Hold the directory for this daemon: a second daemon given the same one (the same
+    RUNTIME_DIRECTORY, another socket) is refused before it clears the files of the
+    running one's workers.  The lock goes with the master's last descriptor of it."""
+    fd = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(f"metrics directory {path} is in use by another perfectschedd; "
+                          "give each daemon its own control_socket and runtime directory"
+                          ) from None
+    return fd
+
+
+def master_fds() -> list[int]:
+    """Descriptors only the master keeps (a forked worker closes them)."""
+    return [] if _dir_lock is None else [_dir_lock]
+
+
 def setup_master(config: Any) -> None:
     """Prepare and clear the multiprocess directory, set the environment, master metrics."""
-    global _dir, _master
+    global _dir, _master, _dir_lock
     path = multiproc_dir(config)
+    _dir_lock = _lock_dir(path)
     for f in glob.glob(os.path.join(path, "*.db")):
         with contextlib.suppress(FileNotFoundError):
             os.remove(f)

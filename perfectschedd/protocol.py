@@ -16,6 +16,12 @@ from typing import Any
 
 # Most runs one `history` request returns.
 HISTORY_MAX = 1000
+# Most schedules one `list` answer holds on the socket and D-Bus, and the most bytes it
+# may take: an answer waits whole in the daemon's memory until the client reads it, so a
+# client that does not read must not be able to pin more than this per connection.
+# Clients ask again with {"after": <last key>} (perfectschedctl does).
+LIST_PAGE = 1000
+LIST_PAGE_BYTES = 512 * 1024
 
 MAX_FRAME = 1 << 20
 # Nesting deeper than this in a request is refused (no JSON document we accept needs it).
@@ -58,6 +64,28 @@ def ok(result: Any) -> bytes:
     return encode({"ok": True, "result": result})
 
 
+def ok_page(items: list[bytes], more_after: str | None) -> bytes:
+    """A `list` answer built from items already encoded (encode_item); `more_after`, the
+    last key sent, says there is more: ask again with {"after": more_after}."""
+    head = b'{"ok":true,"result":[' + b",".join(items) + b"]"
+    if more_after is not None:
+        head += b',"more":' + encode_item({"after": more_after})
+    return head + b"}\n"
+
+
+def encode_item(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+
+
+def error_type(exc: BaseException) -> str:
+    """The name clients see for an exception: its own, or its nearest base's that is one
+    of ERROR_TYPES (a subclass such as cron.NoNextOccurrence answers as its base)."""
+    for cls in type(exc).__mro__:
+        if cls.__name__ in ERROR_TYPES:
+            return cls.__name__
+    return "InternalError"
+
+
 def error(type_: str, message: str) -> bytes:
     if type_ not in ERROR_TYPES:
         type_ = "InternalError"
@@ -70,8 +98,9 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def _depth(obj: Any, limit: int) -> int:
-    """Nesting depth of a decoded JSON value, iteratively (no recursion to exhaust)."""
+def json_depth(obj: Any, limit: int = MAX_DEPTH) -> int:
+    """Nesting depth of a decoded JSON value, iteratively (no recursion to exhaust);
+    stops counting once past `limit`."""
     deepest, todo = 0, [(obj, 1)]
     while todo:
         value, level = todo.pop()
@@ -84,21 +113,28 @@ def _depth(obj: Any, limit: int) -> int:
     return deepest
 
 
-def parse_request(line: bytes) -> tuple[str, dict[str, Any]]:
-    if len(line) > MAX_FRAME:
-        raise ProtocolError(f"request larger than {MAX_FRAME} bytes")
+def loads_bounded(text: bytes | str, what: str = "request") -> Any:
+    """json.loads with the limits every entry point applies: MAX_FRAME bytes, MAX_DEPTH
+    levels, no NaN/Infinity.  Raises ProtocolError with a one-line reason."""
+    if len(text) > MAX_FRAME:
+        raise ProtocolError(f"{what} larger than {MAX_FRAME} bytes")
     try:
-        msg = json.loads(line, parse_constant=_no_constant)
+        msg = json.loads(text, parse_constant=_no_constant)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ProtocolError(f"invalid JSON: {exc}") from None
+        raise ProtocolError(f"{what}: invalid JSON: {exc}") from None
     except ValueError as exc:  # NaN, Infinity
-        raise ProtocolError(f"invalid JSON: {exc}") from None
+        raise ProtocolError(f"{what}: invalid JSON: {exc}") from None
     except RecursionError:
-        raise ProtocolError(f"invalid request: nested deeper than {MAX_DEPTH} levels") from None
+        raise ProtocolError(f"{what}: nested deeper than {MAX_DEPTH} levels") from None
+    if json_depth(msg) > MAX_DEPTH:
+        raise ProtocolError(f"{what}: nested deeper than {MAX_DEPTH} levels")
+    return msg
+
+
+def parse_request(line: bytes) -> tuple[str, dict[str, Any]]:
+    msg = loads_bounded(line)
     if not isinstance(msg, dict):
         raise ProtocolError("a request must be a JSON object")
-    if _depth(msg, MAX_DEPTH) > MAX_DEPTH:
-        raise ProtocolError(f"invalid request: nested deeper than {MAX_DEPTH} levels")
     unknown = set(msg) - {"cmd", "args"}
     if unknown:
         raise ProtocolError(f"request: unknown field(s) {', '.join(sorted(unknown))}")
@@ -114,6 +150,12 @@ def parse_request(line: bytes) -> tuple[str, dict[str, Any]]:
 
 def parse_response(line: bytes) -> Any:
     """The result of a response, or RemoteError."""
+    return parse_response_full(line)["result"]
+
+
+def parse_response_full(line: bytes) -> dict[str, Any]:
+    """A successful response as a dict ("result", and "more" for a paged `list`), or
+    RemoteError."""
     try:
         msg = json.loads(line)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -121,7 +163,7 @@ def parse_response(line: bytes) -> Any:
     if not isinstance(msg, dict) or "ok" not in msg:
         raise ProtocolError("invalid response from the daemon")
     if msg["ok"]:
-        return msg.get("result")
+        return {"result": msg.get("result"), "more": msg.get("more")}
     err = msg.get("error") or {}
     if not isinstance(err, dict):
         err = {"message": str(err)}

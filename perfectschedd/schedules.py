@@ -12,7 +12,7 @@ import os
 import time
 import unicodedata
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from . import cron
@@ -23,7 +23,9 @@ from .errors import (
     InvalidInputError,
     NotFoundError,
     PreemptedError,
+    describe,
 )
+from .protocol import MAX_DEPTH, json_depth
 from .store import (
     CRON_MAX,
     DATA_MAX,
@@ -54,22 +56,33 @@ class ScheduleInfo:
     attempt: int = 0
     owner: str | None = None
     claimed_at: float | None = None
+    paused_reason: str | None = None
 
     @property
     def running(self) -> bool:
         return self.owner is not None
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        # Shallow: asdict() deep-copies `data` recursively, and a row stored by an older
+        # version may hold data nested deeper than the recursion limit.
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
     def from_row(cls, row: Row) -> ScheduleInfo:
         return cls(
             key=row.key, type=row.type, cron=row.cron, delay=row.delay, timezone=row.timezone,
             next_time=row.next_time, next_run_time=row.next_run_time,
-            data=json.loads(row.data), paused=row.paused, attempt=row.attempt,
-            owner=row.owner, claimed_at=row.claimed_at,
+            data=_stored_data(row.data), paused=row.paused, attempt=row.attempt,
+            owner=row.owner, claimed_at=row.claimed_at, paused_reason=row.paused_reason,
         )
+
+
+def _stored_data(text: str) -> dict[str, Any]:
+    try:
+        return json.loads(text)
+    except RecursionError:  # stored before depth limits existed: shown, not fatal
+        return {"unreadable": f"data nested deeper than {MAX_DEPTH} levels; modify or "
+                              "delete this schedule"}
 
 
 # -- validation of user input -------------------------------------------------------------
@@ -81,6 +94,8 @@ def _check_text(field: str, value: Any, limit: int) -> str:
         raise InvalidInputError(field, f"longer than {limit} characters")
     if any(ord(c) < 32 for c in value):
         raise InvalidInputError(field, "contains control characters")
+    if not value.isascii() and any(0xD800 <= ord(c) <= 0xDFFF for c in value):
+        raise InvalidInputError(field, "contains lone surrogates (not valid Unicode text)")
     return value
 
 
@@ -118,31 +133,55 @@ def key_problem(key: str) -> str | None:
     return None
 
 
+def _no_json_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
 def check_data(data: Any) -> str:
     if data is None:
         data = {}
     if isinstance(data, str):
+        if len(data) > DATA_MAX:
+            raise InvalidInputError("data", f"larger than {DATA_MAX} bytes")
         try:
-            data = json.loads(data)
+            data = json.loads(data, parse_constant=_no_json_constant)
         except json.JSONDecodeError as exc:
             raise InvalidInputError("data", f"not valid JSON: {exc.msg}") from None
+        except ValueError as exc:  # NaN, Infinity
+            raise InvalidInputError("data", f"not valid JSON: {exc}") from None
+        except RecursionError:
+            raise InvalidInputError("data", f"nested deeper than {MAX_DEPTH} levels") from None
     if not isinstance(data, Mapping):
         raise InvalidInputError("data", "must be a JSON object")
+    # Before anything walks it recursively (json.dumps, the answer's asdict()).
+    if json_depth(data) > MAX_DEPTH:
+        raise InvalidInputError("data", f"nested deeper than {MAX_DEPTH} levels")
     try:
         text = dumps_data(dict(data))
     except (TypeError, ValueError) as exc:
-        raise InvalidInputError("data", f"not serialisable as JSON: {exc}") from None
+        raise InvalidInputError("data", f"not serialisable as JSON: {str(exc)[:200]}") from None
+    if "\\ud" in text:  # an escaped surrogate: fine in pairs, refused alone (PostgreSQL does)
+        try:
+            json.dumps(data, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise InvalidInputError("data", "contains lone surrogates (not valid Unicode "
+                                    "text)") from None
     if len(text.encode()) > DATA_MAX:
         raise InvalidInputError("data", f"larger than {DATA_MAX} bytes")
     return text
 
 
-def check_int(field: str, value: Any, *, minimum: int = 0) -> int:
+def check_int(field: str, value: Any, *, minimum: int = 0,
+              maximum: int = cron.LAST_INSTANT) -> int:
+    """A whole number in [minimum, maximum]; the default maximum, the last second of year
+    9999, bounds every time and duration we store (and keeps them inside 64 bits)."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise InvalidInputError(field, f"must be a whole number, got {value!r}")
-    if int(value) != value or value < minimum:
-        raise InvalidInputError(field, f"must be a whole number >= {minimum}, got {value!r}")
+        raise InvalidInputError(field, f"must be a whole number, got {describe(value)}")
+    if int(value) != value or not minimum <= value <= maximum:
+        raise InvalidInputError(field, f"must be a whole number from {minimum} to {maximum}, "
+                                f"got {describe(value)}")
     return int(value)
+
 
 
 def check_timezone(name: Any) -> str:
@@ -168,7 +207,7 @@ class Task:
 
     __slots__ = ("_collection", "key", "type", "cron", "delay", "timezone", "scheduled_time",
                  "attempt", "fence", "_data_text", "_data", "done", "claimed_at",
-                 "due_time", "has_extra")
+                 "due_time", "has_extra", "_advance")
 
     def __init__(self, collection: ScheduleCollection, claimed: Claimed, claimed_at: float):
         self._collection = collection
@@ -186,6 +225,7 @@ class Task:
         self.claimed_at = claimed_at
         self.due_time = claimed.due_time
         self.has_extra = bool(claimed.has_extra)
+        self._advance: Advance | None = None
 
     @property
     def group(self) -> str | None:
@@ -211,10 +251,25 @@ class Task:
         self.done = True
 
     def next_advance(self) -> Advance:
-        """The holder-side write that finishing this occurrence means."""
+        """The holder-side write that finishing this occurrence means (computed once)."""
+        if self._advance is None:
+            self._advance = self._compute_advance()
+        return self._advance
+
+    @property
+    def exhausted(self) -> str | None:
+        """Why finishing did not move the schedule on (it has no next occurrence and is
+        paused), once finished; else None."""
+        return self._advance.pause_reason if self._advance is not None else None
+
+    def _compute_advance(self) -> Advance:
         if self.cron is None:
             return Advance(self.key, self.fence, None, None)
-        nxt = cron.next_after(self.cron, self.timezone, self.scheduled_time)
+        try:
+            nxt = cron.next_after(self.cron, self.timezone, self.scheduled_time)
+        except cron.NoNextOccurrence as exc:
+            return Advance(self.key, self.fence, None, None,
+                           pause_reason=f"paused by perfectschedd: {exc}")
         return Advance(self.key, self.fence, nxt, nxt + self.delay)
 
     def finish(self) -> None:
@@ -324,11 +379,13 @@ class Schedule:
             raise NotFoundError(f"schedule {self.key!r} not found")
 
     def pause(self) -> None:
-        if not self._collection.store.update(self.key, {"paused": 1}, take_lease=False):
+        if not self._collection.store.update(self.key, {"paused": 1, "paused_reason": None},
+                                             take_lease=False):
             raise NotFoundError(f"schedule {self.key!r} not found")
 
     def resume(self) -> None:
-        if not self._collection.store.update(self.key, {"paused": 0}, take_lease=False):
+        if not self._collection.store.update(self.key, {"paused": 0, "paused_reason": None},
+                                             take_lease=False):
             raise NotFoundError(f"schedule {self.key!r} not found")
 
     def run_now(self, now: float | None = None) -> str:

@@ -87,7 +87,7 @@ class SQLiteHotPath:
             finally:
                 pooled.close()
 
-    def finish_and_claim(self, finished: Sequence[tuple[str, int, int | None, int | None]],
+    def finish_and_claim(self, finished: Sequence[tuple[Any, ...]],
                          now: float, lease_seconds: int, owner: str, limit: int
                          ) -> tuple[set[str], list[tuple[Any, ...]]]:
         """Write `finished` (key, fence, next_time, next_run_time; next_time None deletes
@@ -98,7 +98,7 @@ class SQLiteHotPath:
         claimed: list[tuple[Any, ...]] = []
         with self._connection(write=True) as con:
             cur = con.cursor()
-            for key, fence, next_time, next_run_time in finished:
+            for key, fence, next_time, next_run_time, *_ in finished:
                 if next_time is None:
                     cur.execute(self._delete_sql, (key, fence))
                 else:

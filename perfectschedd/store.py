@@ -39,6 +39,7 @@ TYPE_MAX = 256
 CRON_MAX = 256
 TZ_MAX = 64
 DATA_MAX = 65536
+PAUSED_REASON_MAX = 400
 # How long a SQLite writer waits for the lock before giving up (busy_timeout + our retries).
 SQLITE_LOCK_WAIT = 60.0
 
@@ -60,6 +61,7 @@ class Row:
     attempt: int
     owner: str | None
     claimed_at: float | None
+    paused_reason: str | None = None
 
 
 class Claimed(NamedTuple):
@@ -87,6 +89,9 @@ class Advance(NamedTuple):
     fence: int
     next_time: int | None  # None: a one-off row, delete it
     next_run_time: int | None
+    # Set when the schedule has no next occurrence (its cron runs past year 9999): the
+    # row is paused with this reason instead of moved on.
+    pause_reason: str | None = None
 
 
 def engine_url(url: str) -> URL:
@@ -94,7 +99,8 @@ def engine_url(url: str) -> URL:
     try:
         u = make_url(url)
     except Exception as exc:  # noqa: BLE001 - any parse failure is a bad url
-        raise ConfigError(f"url: cannot parse {url!r}: {exc}") from None
+        # Not the URL itself: it may hold a password.
+        raise ConfigError(f"url: cannot parse it: {str(exc)[:200]}") from None
     backend, _, driver = u.drivername.partition("+")
     if backend == "postgres":
         backend = "postgresql"
@@ -106,6 +112,22 @@ def engine_url(url: str) -> URL:
     if backend not in ("sqlite", "postgresql", "mysql"):
         raise ConfigError(f"url: unsupported database {backend!r}")
     return u.set(drivername=f"{backend}+{driver}" if driver else backend)
+
+
+def check_url(url: str) -> None:
+    """Refuse, as ConfigError, a URL no Store could be made of: unparsable, an in-memory
+    SQLite database (each process would have its own), a driver that is not installed.
+    Connects to nothing."""
+    u = engine_url(url)
+    if u.get_backend_name() == "sqlite" and (u.database or "") in ("", ":memory:"):
+        raise ConfigError("url: the SQLite database must be a file (sqlite:///path)")
+    try:
+        dialect = u.get_dialect()
+        load_dbapi = getattr(dialect, "import_dbapi", None) or dialect.dbapi
+        load_dbapi()
+    except Exception as exc:  # noqa: BLE001 - NoSuchModuleError, ImportError: one line
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise ConfigError(f"url: no driver for {u.drivername}: {first}") from None
 
 
 # Unix seconds with a fraction: double precision everywhere (MySQL's plain FLOAT is 4 bytes
@@ -144,6 +166,8 @@ def _schedules_table(metadata: sa.MetaData, name: str, dialect: str) -> sa.Table
         sa.Column("due_time", sa.BigInteger, nullable=True),
         # Set by `run KEY`: the schedule has had extra runs, which must not overlap it.
         sa.Column("has_extra", sa.SmallInteger, nullable=True),
+        # Why the daemon paused the schedule (no next occurrence); NULL when a user did.
+        sa.Column("paused_reason", sa.String(PAUSED_REASON_MAX), nullable=True),
     )
     # The claim reads "unpaused rows, smallest next_run_time first": O(log n) on this index.
     sa.Index(f"{name}_due", t.c.paused, t.c.next_run_time)
@@ -411,6 +435,11 @@ class Store:
     def close(self) -> None:
         self.engine.dispose()
 
+    def reset_connections(self) -> None:
+        """Drop pooled connections (after an error): later calls connect afresh.  Those
+        in use by other threads are closed when they are given back."""
+        self.engine.dispose()
+
     # -- schema ---------------------------------------------------------------------------
 
     def init(self) -> bool:
@@ -589,7 +618,7 @@ class Store:
             timezone=m["timezone"], data=m["data"], next_time=int(m["next_time"]),
             next_run_time=int(m["next_run_time"]), paused=bool(m["paused"]),
             fence=int(m["fence"]), attempt=int(m["attempt"]), owner=m["owner"],
-            claimed_at=m["claimed_at"],
+            claimed_at=m["claimed_at"], paused_reason=m.get("paused_reason"),
         )
 
     # -- holder-side: claim, heartbeat, finish, retry, release ----------------------------
@@ -609,13 +638,15 @@ class Store:
 
         Returns the preempted keys of `finished` and the newly claimed rows.
         """
+        finished, pauses = _split_pauses(finished)
+        paused_lost = self.pause_exhausted(pauses) if pauses else set()
         if self._hot is not None:
             lost, rows = self._hot.finish_and_claim(finished, now, lease_seconds, owner, limit)
-            return lost, _claimed(rows)
+            return lost | paused_lost, _claimed(rows)
         with self._tx() as conn:
             lost = self._advance_in(conn, finished) if finished else set()
             claimed = self._claim_in(conn, now, lease_seconds, owner, limit) if limit > 0 else []
-        return lost, claimed
+        return lost | paused_lost, claimed
 
     def _claim_in(self, conn: Connection, now: float, lease_seconds: int, owner: str,
                   limit: int) -> list[Claimed]:
@@ -727,10 +758,30 @@ class Store:
         """
         if not items:
             return set()
+        items, pauses = _split_pauses(items)
+        lost = self.pause_exhausted(pauses) if pauses else set()
+        if not items:
+            return lost
         if self._hot is not None:
-            return self._hot.finish_and_claim(items, 0, 0, "", 0)[0]
+            return lost | self._hot.finish_and_claim(items, 0, 0, "", 0)[0]
         with self._tx() as conn:
-            return self._advance_in(conn, items)
+            return lost | self._advance_in(conn, items)
+
+    @_retried
+    def pause_exhausted(self, items: Sequence[Advance]) -> set[str]:
+        """Pause schedules that have no next occurrence, with the reason, ending their
+        leases (fenced like any holder-side write); returns the keys that were preempted."""
+        t = self.t
+        lost: set[str] = set()
+        with self._tx() as conn:
+            for a in items:
+                done = conn.execute(
+                    t.update().where(t.c.key == a.key, t.c.fence == a.fence)
+                    .values(paused=1, paused_reason=(a.pause_reason or "")[:PAUSED_REASON_MAX],
+                            owner=None, claimed_at=None, attempt=0, fence=t.c.fence + 1))
+                if done.rowcount != 1:
+                    lost.add(a.key)
+        return lost
 
     def _advance_in(self, conn: Connection, items: Sequence[Advance]) -> set[str]:
         if self.dialect == "postgresql":
@@ -887,6 +938,14 @@ class Store:
                 removed += conn.execute(
                     h.delete().where(h.c.key == key, h.c.id < oldest_kept)).rowcount
         return removed
+
+
+def _split_pauses(items: Sequence[Advance]) -> tuple[Sequence[Advance], list[Advance]]:
+    """(advances, pauses): the rare exhausted schedules apart from the hot path."""
+    pauses = [a for a in items if a.pause_reason is not None]
+    if not pauses:
+        return items, pauses
+    return [a for a in items if a.pause_reason is None], pauses
 
 
 def dumps_data(data: Any) -> str:

@@ -34,7 +34,7 @@ from . import config as config_mod
 from .config import Config
 from .errors import ConfigError, InvalidInputError, NotSupportedError
 from .masterdb import MasterDatabase
-from .store import engine_url
+from .store import check_url, engine_url
 from .workerprocs import Processes
 from .workertable import WorkerProc, WorkerTable
 
@@ -442,6 +442,8 @@ class Supervisor:
         old = self.config
         try:
             new = config_mod.load(self.config_source, self.environment)
+            if (new.url, new.table) != (old.url, old.table):
+                check_url(new.url)  # the old store stays unless the new one can be made
             self._swap_listeners(old, new)
         except Exception as exc:  # noqa: BLE001 - whatever the new file does, the old one runs
             # One bounded line, never a repr() of what the file holds.
@@ -477,8 +479,11 @@ class Supervisor:
 
         new_control = new_metrics = None
         try:
+            # A socket file someone deleted (tmpfiles cleaning, a careless rm) comes back
+            # with a reload, as with a restart.
             if new.control_socket != old.control_socket or \
-                    new.control_group != old.control_group:
+                    new.control_group != old.control_group or \
+                    (self.control is not None and not self.control.file_intact()):
                 new_control = control.ControlServer(new, self.dispatch, log=log)
                 if new.control_socket == old.control_socket and self.control is not None:
                     self.control.stop()  # same path: it must be free to bind again
@@ -649,6 +654,7 @@ class Supervisor:
         for obj in (self.control, self.metrics_server, self.dbus):
             if obj is not None and hasattr(obj, "fds"):
                 fds.extend(obj.fds())
+        fds.extend(metrics.master_fds())
         return fds
 
     def _stop_listeners(self) -> None:

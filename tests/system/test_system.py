@@ -537,6 +537,25 @@ def test_10_killed_worker_is_replaced_without_restart(ns: Namespace, systest) ->
     print(f"worker {victim} killed; workers now {new}")
 
 
+def test_10b_control_group_other_than_the_units(ns: Namespace, systest) -> None:
+    """control_group names a group the service user belongs to besides its own: the
+    unit's system call filter must let the daemon hand the socket to it (chown)."""
+    ns.run("groupadd", "-f", "systest-ops")
+    ns.run("usermod", "-aG", "systest-ops", "perfectsched")
+    ns.run("useradd", "-M", "-G", "systest-ops", "systest-opsmember", check=False)
+    conf = json.loads(systest_config(systest["port"]))
+    ns.write(CONF, json.dumps({**conf, "control_group": "systest-ops"}) + "\n")
+    try:
+        ns.run("systemctl", "restart", UNIT, timeout=150)
+        ensure_active(ns)
+        group = ns.out("stat", "-c", "%G", SOCK)
+        assert group == "systest-ops", (group, ns.journal(30))
+        ns.run("runuser", "-u", "systest-opsmember", "--", "perfectschedctl", "status")
+    finally:
+        ns.write(CONF, systest_config(systest["port"]))
+        ns.run("systemctl", "restart", UNIT, check=False, timeout=150)
+
+
 def test_11_stop_leaves_no_process(ns: Namespace, systest) -> None:
     ensure_active(ns)
     cg = "/sys/fs/cgroup/system.slice/perfectschedd.service"
