@@ -209,7 +209,10 @@ def test_reload_starts_new_workers_before_retiring_old(daemon_factory: Any, tmp_
     new_workers = wait_until(lambda: len(d.children()) == 3 and d.children(),
                              what="3 new workers")
     assert not set(new_workers) & set(old_workers)
-    # New workers were up (logged "started") before any old one exited.
+    # New workers were up (logged "started") before any old one exited.  (A worker is
+    # gone from /proc once reaped, a moment before the master logs its exit.)
+    wait_until(lambda: all(f"(pid {p}) exited" in d.log() for p in old_workers),
+               what="the old workers' exits in the log")
     log = d.log()
     last_new_start = max(log.index(f"[{p}]: worker {i} started")
                          for p, i in ((p, _index(log, p)) for p in new_workers))
