@@ -88,6 +88,61 @@ def _error(type_: str, message: str) -> DBusError:
     return DBusError(ERROR_PREFIX + type_, (str(message).splitlines() or ["error"])[0])
 
 
+class _WouldBlockIsZero:
+    """The bus socket as dbus-next's writer sees it: a send that would block sends 0
+    bytes (the writer then waits for the socket to be writable) instead of raising."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    def send(self, data: Any) -> int:
+        try:
+            return self._sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            return 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+class _Bus(MessageBus):
+    """dbus-next's asyncio bus, with two fixes to dbus-next 0.2.3 (Debian 12's, and the
+    last on PyPI):
+
+    - its writer treats a send() that would block as a broken connection: a burst of
+      ScheduleChanged signals (an add_many of a thousand keys) filled the socket buffer
+      and dropped the daemon off the bus, with the requests in flight;
+    - an async method that raises (every refused request: DBusError) is answered with the
+      error, and that is all: the reply context's __exit__ drops _exit's True, so the
+      error, already answered, was re-raised into the event loop, which logged a
+      traceback for each refused call.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._writer.sock = _WouldBlockIsZero(self._writer.sock)
+
+    def _make_method_handler(self, interface: Any, method: Any) -> Any:
+        if not asyncio.iscoroutinefunction(method.fn):
+            return super()._make_method_handler(interface, method)
+
+        def handler(msg: Message, send_reply: Any) -> None:
+            def done(fut: "asyncio.Future[Any]") -> None:
+                try:
+                    body, unix_fds = ServiceInterface._fn_result_to_body(  # noqa: SLF001
+                        fut.result(), method.out_signature_tree)
+                except Exception as exc:  # noqa: BLE001 - answered as a D-Bus error
+                    send_reply.send_error(exc)
+                    return
+                send_reply(Message.new_method_return(msg, method.out_signature, body,
+                                                     unix_fds))
+
+            args = ServiceInterface._msg_body_to_args(msg)  # noqa: SLF001
+            asyncio.ensure_future(method.fn(interface, *args)).add_done_callback(done)
+
+        return handler
+
+
 class Manager(ServiceInterface):
     """org.perfectsched1.Manager: each method is one control request."""
 
@@ -258,9 +313,9 @@ class DBusService:
 
     async def _connect(self) -> MessageBus:
         if self.address:
-            bus = MessageBus(bus_address=self.address)
+            bus = _Bus(bus_address=self.address)
         else:
-            bus = MessageBus(bus_type=BusType.SYSTEM)
+            bus = _Bus(bus_type=BusType.SYSTEM)
         await bus.connect()
         self.manager = Manager(self)
         bus.export(OBJECT_PATH, self.manager)

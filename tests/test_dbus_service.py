@@ -24,6 +24,7 @@ from dbus_next import DBusError, Variant
 from dbus_next.aio import MessageBus
 
 import perfectschedd
+from perfectschedd import protocol
 from perfectschedd.dbus_service import BUS_NAME, INTERFACE, OBJECT_PATH
 
 REPO = Path(__file__).resolve().parent.parent
@@ -310,3 +311,105 @@ def test_the_name_is_owned_once_the_bus_reads_the_policy(open_dir: Path) -> None
     finally:
         d.kill()
         bus.stop()
+
+
+def test_hostile_requests_over_dbus(daemon_factory: Any, open_bus: Bus) -> None:
+    """Issue #19: the depth limits hold on D-Bus too (Call had none), and List is a page."""
+    d: Daemon = daemon_factory({"dbus": True, "dbus_address": open_bus.address}).start()
+    d.ctl("add", "keep", "t", "@daily")
+    deep = "[" * 100_000 + "]" * 100_000
+    nested = json.dumps({"key": "k", "type": "t", "cron": "@daily",
+                         "data": {"a": json.loads("[" * 70 + "]" * 70)}})
+
+    async def scenario() -> None:
+        bus, m = await manager(open_bus.address)
+        await refused(m.call_call("add", '{"key":"k","type":"t","cron":"@daily","data":'
+                                  + json.dumps(deep) + "}"), "InvalidInputError", "data")
+        await refused(m.call_call("add", nested), "ProtocolError", "nested deeper")
+        await refused(m.call_call("list", deep), "ProtocolError", "nested deeper")
+        await refused(m.call_call("list", '{"limit": NaN}'), "ProtocolError", "NaN")
+        await refused(m.call_add("k", "t", "@daily", deep, {}), "InvalidInputError", "data")
+        await refused(m.call_add("k", "t", "@daily", "", {"at": Variant("t", 2 ** 63)}),
+                      "InvalidInputError", "at")
+        many = [{"key": f"m{i:04d}", "type": "t", "cron": "@daily"}
+                for i in range(protocol.LIST_PAGE + 50)]
+        await m.call_call("add_many", json.dumps({"schedules": many}))
+        page = json.loads(await m.call_list(""))
+        assert len(page) == protocol.LIST_PAGE
+        rest = json.loads(await m.call_call("list", json.dumps({"after": page[-1]["key"]})))
+        assert len(page) + len(rest) == protocol.LIST_PAGE + 51
+        bus.disconnect()
+
+    run(scenario())
+    assert d.alive() and "Traceback" not in d.log()
+    assert "k" not in {s["key"] for s in d.ctl_json("list")}
+
+
+LISTENER = """
+import asyncio, sys
+from dbus_next.aio import MessageBus
+from dbus_next import Message
+
+async def main():
+    bus = await MessageBus(bus_address=sys.argv[1]).connect()
+    got = []
+    bus.add_message_handler(lambda m: got.append(m.body) if m.member == "ScheduleChanged"
+                            else None)
+    await bus.call(Message(destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
+                           interface="org.freedesktop.DBus", member="AddMatch", signature="s",
+                           body=["type='signal',interface='org.perfectsched1.Manager'"]))
+    print("READY", flush=True)
+    await asyncio.sleep(float(sys.argv[2]))
+    print(len(got), flush=True)
+
+asyncio.run(main())
+"""
+
+
+def _listen_as(user: list[str], address: str, seconds: float) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([*user, *foreign_python(), "-c", LISTENER, address, str(seconds)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "READY", proc.stderr.read() if proc.stderr else ""
+    return proc
+
+
+@needs_root
+def test_signals_reach_only_root_and_the_group(open_dir: Path) -> None:
+    """With the packaged policy, ScheduleChanged (every key added, paused, deleted) is not
+    broadcast to every local user."""
+    text = POLICY.read_text().replace('user="perfectsched"', 'user="root"') \
+        .replace('group="perfectsched"', 'group="nogroup"')
+    (open_dir / "policy.conf").write_text(text)
+    bus = Bus(open_dir, SYSTEM_POLICY)
+    d = Daemon(open_dir, {"dbus": True, "dbus_address": bus.address,
+                          "control_group": "nogroup"})
+    try:
+        d.start()
+        member = _listen_as(AS_NOBODY, bus.address, 4)
+        outsider = _listen_as(AS_DAEMON, bus.address, 4)
+        for i in range(3):
+            d.ctl("add", f"secret-{i}", "t", "@daily")
+        assert member.communicate(timeout=30)[0].split()[-1] == "3"
+        assert outsider.communicate(timeout=30)[0].split()[-1] == "0"
+    finally:
+        d.kill()
+        bus.stop()
+
+
+@needs_root
+def test_callers_are_judged_by_the_groups_their_process_holds(open_dir: Path,
+                                                              open_bus: Bus) -> None:
+    """The group database says user `daemon` is in group `daemon`; a process of that user
+    that dropped the group is refused, and a process of `nobody` holding it is let in."""
+    d = Daemon(open_dir, {"dbus": True, "dbus_address": open_bus.address,
+                          "control_group": "daemon"})
+    try:
+        d.start()
+        dropped = ["setpriv", "--reuid=daemon", "--regid=nogroup", "--clear-groups"]
+        name, message = _client_as(dropped, open_bus.address)
+        assert name == ERR + "PermissionDenied", (name, message)
+        holding = ["setpriv", "--reuid=nobody", "--regid=daemon", "--clear-groups"]
+        assert _client_as(holding, open_bus.address)[0] == "OK"
+    finally:
+        d.kill()
