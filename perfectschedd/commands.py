@@ -13,7 +13,7 @@ from typing import Any
 
 from .errors import InvalidInputError
 from .protocol import HISTORY_MAX
-from .schedules import ScheduleCollection, ScheduleInfo
+from .schedules import ScheduleCollection, ScheduleInfo, lookup_key
 
 # Fields of `list --json` (SPEC) and of `show`, in this order.
 LIST_FIELDS = ("key", "type", "cron", "delay", "timezone", "next_time", "next_run_time", "data")
@@ -54,11 +54,13 @@ def _add_many(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[
 
 def _list(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> list[dict[str, Any]]:
     prefix = a.get("prefix")
-    if prefix is not None and not isinstance(prefix, str):
-        raise InvalidInputError("prefix", "must be a string")
+    if prefix == "":
+        prefix = None
+    if prefix is not None:
+        lookup_key(prefix, "prefix")
     after = a.get("after")
-    if after is not None and not isinstance(after, str):
-        raise InvalidInputError("after", "must be a string (the last key of the previous page)")
+    if after is not None:
+        lookup_key(after, "after")
     limit = check_limit(a.get("limit"))
     fields = SHOW_FIELDS if a.get("verbose") else LIST_FIELDS
     return [_info(i, fields) for i in sc.list(prefix=prefix, limit=limit, after_key=after)]
@@ -114,7 +116,7 @@ def _run(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[str, 
 
 
 def _history(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> list[dict[str, Any]]:
-    key = _arg(a, "key")
+    key = lookup_key(_arg(a, "key"))
     limit = a.get("limit", 20)
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= HISTORY_MAX:
         raise InvalidInputError("limit", f"must be a whole number from 1 to {HISTORY_MAX}")

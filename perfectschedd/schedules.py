@@ -124,6 +124,12 @@ def check_key(key: Any) -> str:
     return key
 
 
+def lookup_key(key: Any, field: str = "key") -> str:
+    """A key to look up (or a prefix, or a paging cursor): text of a key's length, but not
+    held to check_key's rules, so keys stored before those rules keep working."""
+    return _check_text(field, key, KEY_MAX)
+
+
 def key_problem(key: str) -> str | None:
     """Why a stored key would be refused today (it still works), or None."""
     try:
@@ -436,8 +442,7 @@ class ScheduleCollection:
         return self.store.created_table
 
     def __getitem__(self, key: str) -> Schedule:
-        # Lookups accept what was stored before the key rules: such keys keep working.
-        return Schedule(self, _check_text("key", key, KEY_MAX))
+        return Schedule(self, lookup_key(key))
 
     def build_row(self, key: str, type: str, cron: str | None = None, *, delay: int = 0,
                   timezone: str | None = None, next_time: int | None = None,
@@ -475,6 +480,8 @@ class ScheduleCollection:
         from sqlalchemy.exc import IntegrityError
 
         rows = [self.build_row(**r) for r in requests]
+        if not rows:
+            return 0
         keys = [r.key for r in rows]
         if len(set(keys)) != len(keys):
             raise InvalidInputError("key", "duplicate keys in one request")
