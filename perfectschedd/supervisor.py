@@ -645,9 +645,13 @@ class Supervisor:
             return
 
     def _healthy(self) -> bool:
+        """Running, a worker alive, and the database reachable from the master and from
+        every worker (as each last saw it): a daemon that cannot write cannot run jobs."""
         now = time.monotonic()
+        procs = list(self.table)
         return self.state in ("running", "reloading") and any(
-            now - p.last_seen < self.config.worker_timeout for p in self.table)
+            now - p.last_seen < self.config.worker_timeout for p in procs) \
+            and self.db.health()[0] is not False and all(p.db_ok for p in procs)
 
     def _listener_fds(self) -> list[int]:
         fds: list[int] = []

@@ -12,6 +12,8 @@ import socket
 import sqlite3
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +52,15 @@ def stored(d: Daemon) -> list[tuple[Any, ...]]:
     db = d.config["url"].removeprefix("sqlite:///")
     with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
         return con.execute("SELECT * FROM perfectsched ORDER BY key").fetchall()
+
+
+def healthz(d: Daemon) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/healthz",
+                                    timeout=10) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
 
 
 def rss_kib(pid: int) -> int:
@@ -247,10 +258,12 @@ def test_workers_recover_from_a_database_made_read_only(daemon_factory: Any,
         for pid in d.children():
             os.kill(pid, signal.SIGKILL)  # replacements open the file while it is read-only
         wait_until(lambda: not d.status()["database_ok"], 30, what="status to say so")
+        assert healthz(d) == 503
     finally:
         subprocess.run(["chattr", "-i", db], check=True)
     restored = time.monotonic()
     wait_until(lambda: d.status()["database_ok"], 30, what="status to recover")
+    wait_until(lambda: healthz(d) == 200, 10, what="/healthz to recover")
     count = len(lines(out))
     wait_until(lambda: len(lines(out)) >= count + 2, 30, what="runs to go on")
     print(f"recovered {time.monotonic() - restored:.1f}s after the file became writable")
