@@ -37,11 +37,17 @@ log = logging.getLogger("perfectschedd.worker")
 # Most occurrences one claim takes at once: big enough for bursts, small enough that one
 # worker does not hoard a backlog another worker could start.
 CLAIM_BATCH = 64
-# While tasks take less than FAST_TASK seconds on average, a worker leases up to PREFETCH
-# times `concurrency` occurrences at once, so the pool never waits for the database; slow
+# A worker leases, beside the `concurrency` occurrences it runs, a queue of about
+# QUEUE_SECONDS of work per thread (by the average task duration; at most PREFETCH times
+# `concurrency`): the threads never wait for the database between short tasks, and slow
 # tasks never queue behind each other (another worker or host can take them).
-FAST_TASK = 0.05
+QUEUE_SECONDS = 0.25
+FAST_TASK = 0.05  # the average the estimate starts from is twice this
 PREFETCH = 8
+# While every thread has a queued task, finishes are written (and the queue refilled)
+# at most this long after the first of them ended: one transaction for several
+# finishes, instead of one per task.  Their leases still hold them meanwhile.
+FINISH_DEFER = 0.05
 HISTORY_FLUSH = 0.5
 DB_BACKOFF_MAX = 2.0  # a cron must resume soon after its database does
 # An occurrence whose schedule runs another one looks again after this (plus up to 1 s,
@@ -55,11 +61,12 @@ class BatchedTask:
     meanwhile is logged and counted when the batch is written, not raised in the handler.
     """
 
-    __slots__ = ("_task", "_queue")
+    __slots__ = ("_task", "_queue", "_pipeline")
 
-    def __init__(self, task: Task, queue: list[Task]) -> None:
+    def __init__(self, task: Task, pipeline: LeasePipeline) -> None:
         self._task = task
-        self._queue = queue
+        self._queue = pipeline.finished
+        self._pipeline = pipeline
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._task, name)
@@ -67,6 +74,8 @@ class BatchedTask:
     def finish(self) -> None:
         self._task._end()
         self._task.next_advance()  # now, so that a schedule with no next time is seen here
+        if not self._queue:
+            self._pipeline.first_finish = time.monotonic()
         self._queue.append(self._task)  # list.append is atomic under the GIL
 
     def retry(self, wait: float | None = None) -> None:
@@ -111,6 +120,8 @@ class LeasePipeline:
         # Seconds, a moving average quick to follow: it starts just "slow", so a few
         # short tasks turn prefetch on and one long task turns it off again.
         self.avg_duration = 2 * FAST_TASK
+        self.active = 0  # tasks a thread runs now (the rest of `running` is queued)
+        self.first_finish = 0.0  # when the oldest unwritten finish ended
         self.no_route_logged: set[str] = set()
         self.db_ok = True
         self.db_backoff = 0.5
@@ -149,17 +160,24 @@ class LeasePipeline:
                     exact, patterns, lambda t: self.router.match(t) is not None)
                 if self.sc.store.write_lock is not None:
                     self.sc.store.write_lock.while_waiting = self.while_waiting
+                self.sc.store.keep_connection()  # step() runs on the worker's main loop
                 self.sc.store.warm_up()
                 self._set_db(True)
             except (SQLAlchemyError, OSError) as exc:
                 self._set_db(False, exc)
                 return self._backoff()
         sc = self.sc
-        capacity = self.config.concurrency
-        if self.avg_duration < FAST_TASK:
-            capacity *= PREFETCH
+        threads = self.config.concurrency
+        queue_depth = min(PREFETCH, int(QUEUE_SECONDS / max(self.avg_duration, 1e-3)))
+        capacity = threads * (1 + queue_depth)
         with self.lock:
             free = capacity - len(self.running)
+            queued = len(self.running) - self.active
+        if self.finished and queued >= threads:
+            # Every thread has work waiting: let finishes gather (not long).
+            age = time.monotonic() - self.first_finish
+            if age < FINISH_DEFER:
+                return FINISH_DEFER - age
         claimed: list[Task] = []
         want = max(0, min(free, CLAIM_BATCH))
         batch = self._take_finished()
@@ -203,6 +221,15 @@ class LeasePipeline:
         return wait
 
     def run_one(self, task: Task) -> None:
+        with self.lock:
+            self.active += 1
+        try:
+            self._run_one(task)
+        finally:
+            with self.lock:
+                self.active -= 1
+
+    def _run_one(self, task: Task) -> None:
         started = time.time()
         # Due at the later of the occurrence (+delay) and this claim's due time: a retry or
         # a later --at is due after the occurrence; an --at before it runs early, never late.
@@ -246,7 +273,7 @@ class LeasePipeline:
                 self.report(f"s {run_id}")
             try:
                 result = handlers.run_task(
-                    BatchedTask(task, self.finished), handler, log=log, stop_event=control,
+                    BatchedTask(task, self), handler, log=log, stop_event=control,
                     kill_grace=self.config.kill_grace, run_id=run_id,
                     on_spawn=None if run_id is None else
                     (lambda pgid, r=run_id: self.report(f"g {r} {pgid}")))

@@ -438,7 +438,14 @@ class Store:
     def reset_connections(self) -> None:
         """Drop pooled connections (after an error): later calls connect afresh.  Those
         in use by other threads are closed when they are given back."""
+        if self._hot is not None:
+            self._hot.drop_connections()
         self.engine.dispose()
+
+    def keep_connection(self) -> None:
+        """The calling thread keeps a connection for the hot path (SQLite)."""
+        if self._hot is not None:
+            self._hot.keep_connection()
 
     # -- schema ---------------------------------------------------------------------------
 

@@ -50,6 +50,7 @@ DBUS_RETRY_MAX = 30.0
 SPAWN_RETRY = 2.0  # after a fork or pipe failed
 SWEEP_EVERY = 1.0  # looking for what ended runs left behind
 TURN_MIN = 0.05  # the loop's duties at most this often when only run reports arrive
+REPORT_GATHER = 0.01  # after a turn woken only by run reports, the next one waits this
 
 
 class Supervisor:
@@ -721,7 +722,10 @@ class Supervisor:
         if only_reports and not self.wake_pending and now - self.last_turn < TURN_MIN:
             # Workers report every exec run (thousands a second in a burst): read them,
             # but run the rest of the turn at most every TURN_MIN.  A death comes with
-            # SIGCHLD, a signal, which always gets a whole turn.
+            # SIGCHLD, a signal, which always gets a whole turn.  And let the next
+            # reports gather a moment: one wake-up reads many (a signal waits at most
+            # REPORT_GATHER for its turn).
+            time.sleep(REPORT_GATHER)
             return False
         self.last_turn = now
         if self.wake_pending:
