@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -65,6 +66,39 @@ def _count(text: str) -> int:
     return value
 
 
+# Schedule policies (SPEC "Schedule policies"): checked by the daemon, which names a bad
+# one in its refusal (exit 1).
+POLICY_FLAGS = {
+    "misfire": ("--misfire", "after downtime: all (default), latest or skip"),
+    "grace": ("--grace", "skip an occurrence that cannot start within SEC of its time"),
+    "max_attempts": ("--max-attempts", "give an occurrence up after N failed attempts "
+                     "(0: never)"),
+    "retry_wait": ("--retry-wait", "seconds before the 2nd attempt, doubling per attempt"),
+    "jitter": ("--jitter", "start each occurrence a fixed per-key 0..SEC later"),
+    "timeout": ("--timeout", "stop a run after SEC (default: the route's)"),
+}
+
+
+def _policy_options(parser: argparse.ArgumentParser) -> None:
+    for dest, (flag, text) in POLICY_FLAGS.items():
+        parser.add_argument(flag, dest=dest, type=_policy_value, help=text)
+
+
+def _policy_value(text: str) -> Any:
+    """A number when it reads as one; else the text, for the daemon to refuse by name."""
+    for kind in (int, float):
+        try:
+            value = kind(text)
+        except ValueError:
+            continue
+        return value if math.isfinite(value) else text
+    return text
+
+
+def _policies(ns: argparse.Namespace) -> dict[str, Any]:
+    return {k: getattr(ns, k) for k in POLICY_FLAGS if getattr(ns, k, None) is not None}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="perfectschedctl", description="Control PerfectSched schedules.")
     where = p.add_mutually_exclusive_group()
@@ -99,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument("-t", "--timezone")
     add.add_argument("-s", "--start", type=_unix_time)
     add.add_argument("-a", "--at", type=_unix_time)
+    _policy_options(add)
 
     ls = command("list", "list schedules")
     ls.add_argument("--prefix", help="only keys starting with this")
@@ -116,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     mod.add_argument("-d", "--delay", type=_seconds)
     mod.add_argument("-t", "--timezone")
     mod.add_argument("--data", help="JSON object replacing the data")
+    _policy_options(mod)
 
     hist = key_cmd("history", "recent runs of a schedule")
     hist.add_argument("-n", "--limit", type=_limit, default=20,
@@ -136,6 +172,7 @@ def request_of(ns: argparse.Namespace) -> tuple[str, dict[str, Any]]:
         for opt in ("timezone", "start", "at"):
             if getattr(ns, opt) is not None:
                 args[opt] = getattr(ns, opt)
+        args.update(_policies(ns))
         return cmd, args
     if cmd == "list":
         args = {"prefix": ns.prefix} if ns.prefix else {}
@@ -149,6 +186,7 @@ def request_of(ns: argparse.Namespace) -> tuple[str, dict[str, Any]]:
                 args[opt] = getattr(ns, opt)
         if ns.data is not None:
             args["data"] = _json_arg("--data", ns.data)
+        args.update(_policies(ns))
         return cmd, args
     if cmd == "history":
         return cmd, {"key": ns.key, "limit": ns.limit}

@@ -12,11 +12,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .errors import InvalidInputError
+from .policy import OPTIONS as POLICY_OPTIONS
 from .protocol import HISTORY_MAX
 from .schedules import ScheduleCollection, ScheduleInfo, lookup_key
 
 # Fields of `list --json` (SPEC) and of `show`, in this order.
-LIST_FIELDS = ("key", "type", "cron", "delay", "timezone", "next_time", "next_run_time", "data")
+LIST_FIELDS = ("key", "type", "cron", "delay", "timezone", "next_time", "next_run_time", "data",
+               *POLICY_OPTIONS)
 SHOW_FIELDS = LIST_FIELDS + ("paused", "paused_reason", "attempt", "owner", "claimed_at")
 
 
@@ -34,7 +36,7 @@ def _arg(args: Mapping[str, Any], name: str, required: bool = True) -> Any:
 
 
 def _add(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[str, Any]:
-    options = {k: a[k] for k in ("delay", "timezone", "start", "at", "data")
+    options = {k: a[k] for k in ("delay", "timezone", "start", "at", "data", *POLICY_OPTIONS)
                if a.get(k) is not None}
     sc.add(_arg(a, "key"), _arg(a, "type"), _arg(a, "cron"), now=now, **options)
     return _info(sc[a["key"]].info(), LIST_FIELDS)
@@ -44,7 +46,8 @@ def _add_many(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[
     items = _arg(a, "schedules")
     if not isinstance(items, list) or not all(isinstance(i, Mapping) for i in items):
         raise InvalidInputError("schedules", "must be a list of objects")
-    allowed = {"key", "type", "cron", "delay", "timezone", "start", "at", "data"}
+    allowed = {"key", "type", "cron", "delay", "timezone", "start", "at", "data",
+               *POLICY_OPTIONS}
     for item in items:
         unknown = set(item) - allowed
         if unknown:
@@ -90,7 +93,8 @@ def _delete(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[st
 
 
 def _modify(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[str, Any]:
-    changes = {k: a[k] for k in ("type", "cron", "delay", "timezone", "data") if k in a}
+    changes = {k: a[k] for k in ("type", "cron", "delay", "timezone", "data", *POLICY_OPTIONS)
+               if k in a}
     sc[_arg(a, "key")].modify(now=now, **changes)
     return _info(sc[a["key"]].info(), SHOW_FIELDS)
 
@@ -154,12 +158,14 @@ WAKING = frozenset({"add", "add_many", "modify", "resume", "run"})
 CHANGING = frozenset({"add", "add_many", "delete", "modify", "pause", "resume", "run"})
 # The arguments each command accepts; anything else is refused (a typo never goes unseen).
 ARGS: dict[str, frozenset[str]] = {
-    "add": frozenset({"key", "type", "cron", "delay", "timezone", "start", "at", "data"}),
+    "add": frozenset({"key", "type", "cron", "delay", "timezone", "start", "at", "data",
+                      *POLICY_OPTIONS}),
     "add_many": frozenset({"schedules"}),
     "list": frozenset({"prefix", "limit", "verbose", "after"}),
     "show": frozenset({"key"}),
     "delete": frozenset({"key"}),
-    "modify": frozenset({"key", "type", "cron", "delay", "timezone", "data"}),
+    "modify": frozenset({"key", "type", "cron", "delay", "timezone", "data",
+                         *POLICY_OPTIONS}),
     "pause": frozenset({"key"}),
     "resume": frozenset({"key"}),
     "run": frozenset({"key"}),

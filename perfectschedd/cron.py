@@ -51,10 +51,12 @@ def normalize(expr: str) -> str:
     if not isinstance(expr, str) or not expr.strip():
         raise InvalidInputError("cron", "empty cron expression")
     text = " ".join(expr.split())
+    if text.lower() == ONCE:
+        return ONCE
     if text.startswith("@"):
         if text.lower() not in ALIASES:
             raise InvalidInputError(
-                "cron", f"unknown alias {text!r} (known: {', '.join(sorted(ALIASES))})")
+                "cron", f"unknown alias {text!r} (known: {', '.join(sorted(ALIASES))}, @once)")
         return ALIASES[text.lower()]
     if len(text.split(" ")) != 5:
         raise InvalidInputError("cron", f"{expr!r} must have five fields (min hour dom mon dow)")
@@ -155,4 +157,50 @@ def _next_after(expr: str, fields: str, tz: ZoneInfo, after: int) -> int:
 
 
 def first_at_or_after(expr: str, tz_name: str, start: int) -> int:
+    if is_once(expr):
+        return start
     return next_after(expr, tz_name, start - 1)
+
+
+ONCE = "@once"
+
+
+def is_once(expr: str | None) -> bool:
+    """`@once`: a one-shot schedule (runs at its --at, then is removed)."""
+    return expr is not None and expr.strip().lower() == ONCE
+
+
+def occurrences_back(expr: str, tz_name: str, before: int, since: int,
+                     limit: int) -> list[int]:
+    """Occurrences in [since, before), newest first, at most `limit` of them: without
+    iterating over everything between (a catch-up may span 100,000 occurrences)."""
+    fields = normalize(expr)
+    tz = zone(tz_name)
+    found: list[int] = []
+    try:
+        start = datetime.fromtimestamp(before, UTC).astimezone(tz).replace(tzinfo=None)
+        # Walking back in wall time: past a clock step back, instants may come out of
+        # order; a margin of the longest step keeps the newest ones.
+        it = croniter(fields, start + _MAX_SHIFT)
+        floor = since - int(_MAX_SHIFT.total_seconds())
+        for _ in range(limit * 3 + 200):
+            candidate = it.get_prev(datetime)
+            instants = [t for t in _instants(candidate, tz) if since <= t < before]
+            found.extend(t for t in instants if t not in found)
+            if len(found) >= limit + 8 or (not instants and
+                                           _wall_ts(candidate) < floor):
+                break
+    except (CroniterBadDateError, OverflowError, ValueError, OSError):
+        pass
+    found.sort(reverse=True)
+    return found[:limit]
+
+
+def latest_at_or_before(expr: str, tz_name: str, at: int) -> int | None:
+    """The newest occurrence at or before Unix time `at` (None if there is none)."""
+    newest = occurrences_back(expr, tz_name, at + 1, at - 400 * 86400 * 10, 1)
+    return newest[0] if newest else None
+
+
+def _wall_ts(wall: datetime) -> int:
+    return int(wall.replace(tzinfo=UTC).timestamp())

@@ -36,6 +36,7 @@ from dbus_next.service import PropertyAccess, ServiceInterface, dbus_property, m
 
 from . import __version__, protocol
 from .errors import ConfigError, ScheduleError
+from .policy import OPTIONS as POLICY_OPTIONS
 
 BUS_NAME = "org.perfectsched1"
 OBJECT_PATH = "/org/perfectsched1"
@@ -157,7 +158,8 @@ class Manager(ServiceInterface):
     @method()
     async def Add(self, key: S, task_type: S, cron: S, data: S, options: ASV) -> S:
         args = {"key": key, "type": task_type, "cron": cron,
-                **_unwrap(options, "Add", {"delay", "timezone", "start", "at"})}
+                **_unwrap(options, "Add", {"delay", "timezone", "start", "at",
+                                           *POLICY_OPTIONS})}
         if data:
             args["data"] = data
         return await self._call("add", args)
@@ -176,7 +178,8 @@ class Manager(ServiceInterface):
 
     @method()
     async def Modify(self, key: S, changes: ASV) -> S:
-        args = _unwrap(changes, "Modify", {"type", "cron", "delay", "timezone", "data"})
+        args = _unwrap(changes, "Modify", {"type", "cron", "delay", "timezone", "data",
+                                           *POLICY_OPTIONS})
         return await self._call("modify", {"key": key, **args})
 
     @method()

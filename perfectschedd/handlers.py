@@ -96,7 +96,7 @@ class TaskLike(Protocol):
 
     def finish(self) -> None: ...
 
-    def retry(self, wait: float | None = None) -> None: ...
+    def retry(self, wait: float | None = None, *, later: bool = False) -> None: ...
 
     def release(self) -> None: ...
 
@@ -540,7 +540,7 @@ def _exec_verdict(task: TaskLike, last: str, code: int, log: Log) -> Outcome:
         return Outcome.FAILED
     wait = _later(last) if last else None
     if wait is not None:
-        task.retry(wait=wait)
+        task.retry(wait=wait, later=True)  # asked for, not a failure: max_attempts aside
         return Outcome.LATER
     if last.startswith("SCHED_LATER"):
         log.warning("%s: ignoring malformed %r (expected SCHED_LATER <seconds>)", task.key, last)

@@ -14,6 +14,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -26,9 +27,9 @@ from typing import Any
 
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
-from . import handlers, metrics
+from . import catchup, handlers, metrics
 from .config import Config
-from .errors import PreemptedError
+from .errors import InvalidInputError, PreemptedError
 from .handlers import RunControl, StopReason
 from .schedules import ScheduleCollection, Task
 
@@ -78,8 +79,8 @@ class BatchedTask:
             self._pipeline.first_finish = time.monotonic()
         self._queue.append(self._task)  # list.append is atomic under the GIL
 
-    def retry(self, wait: float | None = None) -> None:
-        self._task.retry(wait)
+    def retry(self, wait: float | None = None, *, later: bool = False) -> None:
+        self._task.retry(wait, later=later)
 
     def release(self) -> None:
         self._task.release()
@@ -191,6 +192,7 @@ class LeasePipeline:
                     want = 0
             if batch or want > 0:
                 claimed = self._finish_and_claim(batch, want)
+                claimed = [t for t in claimed if self._catch_up(t)]
                 for task in claimed:
                     # The claim wrote the lease as int(claimed_at) + alive_time.
                     control = RunControl(int(task.claimed_at) + self.config.alive_time
@@ -214,6 +216,45 @@ class LeasePipeline:
         if wait <= 0 and not claimed:
             wait = 0.005  # due rows held by another claimer this instant
         return max(0.0, min(wait, self.config.poll_interval))
+
+    def _catch_up(self, task: Task) -> bool:
+        """Apply the schedule's misfire and grace policy to an occurrence just claimed;
+        False when nothing is to run now (the schedule moved on, its lease ended)."""
+        now = time.time()
+        try:
+            plan = catchup.plan(task, now)
+        except InvalidInputError as exc:  # no occurrence left: the finish will say so
+            log.warning("key=%s: misfire policy not applied: %s", task.key, exc)
+            return True
+        if plan is None:
+            return True
+        assert self.sc is not None
+        if plan.skipped:
+            metrics.occurrences_skipped(task.type, len(plan.skipped))
+            more = "+" if len(plan.skipped) >= catchup.COUNT_CAP else ""
+            log.warning("key=%s: skipped %d%s missed occurrence(s) (misfire %s%s), %s",
+                        task.key, len(plan.skipped), more, task.policy.misfire,
+                        f", grace {task.policy.grace}s" if task.policy.grace is not None
+                        else "", f"running the one of {plan.run}" if plan.run is not None
+                        else f"next at {plan.next_time}")
+            keep = self.config.history_limit
+            with self.lock:
+                self.history.extend(
+                    {"key": task.key, "type": task.type, "scheduled_time": t,
+                     "attempt": 0, "started_at": now, "finished_at": now,
+                     "outcome": "skipped", "worker": self.sc.owner}
+                    for t in reversed(plan.skipped[:keep]))
+        if plan.run is None:
+            task._end()
+            assert plan.next_time is not None
+            if self.sc.store.advance([task.advance_to(plan.next_time)]):
+                log.warning("key=%s: lease lost while skipping missed occurrences", task.key)
+            return False
+        if plan.run != task.scheduled_time:
+            if not self.sc.store.retarget(task.key, task.fence, plan.run):
+                return False  # the lease is gone: nothing of it is ours to run
+            task.scheduled_time = plan.run
+        return True
 
     def _backoff(self) -> float:
         wait = self.db_backoff
@@ -271,6 +312,8 @@ class LeasePipeline:
                 # process of it can become the master's orphan.
                 run_id = next(self.run_ids)
                 self.report(f"s {run_id}")
+            if task.policy.timeout is not None:  # the schedule's, over the route's
+                handler = dataclasses.replace(handler, timeout=task.policy.timeout)
             try:
                 result = handlers.run_task(
                     BatchedTask(task, self), handler, log=log, stop_event=control,
@@ -284,6 +327,11 @@ class LeasePipeline:
             if task.exhausted:
                 outcome = "failed"
                 log.error("key=%s: %s", task.key, task.exhausted)
+            if task.gave_up:
+                metrics.occurrence_given_up(task.type)
+                log.error("key=%s: gave up the occurrence of %d after %d failed attempt(s) "
+                          "(max_attempts); the schedule moves on", task.key,
+                          task.scheduled_time, task.attempt)
             self.avg_duration = 0.8 * self.avg_duration + 0.2 * duration
             log.info("end key=%s scheduled=%d attempt=%d duration=%.3fs outcome=%s%s",
                      task.key, task.scheduled_time, task.attempt, duration, outcome,

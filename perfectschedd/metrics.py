@@ -84,6 +84,12 @@ class _WorkerMetrics:
         self.leases_lost = Counter(f"{p}_leases_lost",
                                    "Tasks whose lease was taken over while they ran.",
                                    ["type"], registry=None)
+        self.skipped = Counter(f"{p}_occurrences_skipped",
+                               "Occurrences not run by their misfire or grace policy.",
+                               ["type"], registry=None)
+        self.given_up = Counter(f"{p}_occurrences_given_up",
+                                "Occurrences given up after max_attempts failed attempts.",
+                                ["type"], registry=None)
         self.db_errors = Counter(f"{p}_database_errors",
                                  "Failed database operations of the workers.", registry=None)
         # livemin: 1 only while every live worker reaches the database.
@@ -149,6 +155,16 @@ def task_finished(task_type: str, outcome: str, duration: float) -> None:
     run_time.observe(max(0.0, duration))
     if outcome == "success":
         last_success.set(time.time())
+
+
+def occurrences_skipped(task_type: str, count: int) -> None:
+    if _worker is not None and count > 0:
+        _worker.skipped.labels(task_type).inc(count)
+
+
+def occurrence_given_up(task_type: str) -> None:
+    if _worker is not None:
+        _worker.given_up.labels(task_type).inc()
 
 
 def lease_lost(task_type: str) -> None:

@@ -16,6 +16,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from . import cron
+from . import cron as cron_mod
+from . import policy as policy_mod
 from .config import Config, load
 from .errors import (
     AlreadyExistsError,
@@ -57,6 +59,12 @@ class ScheduleInfo:
     owner: str | None = None
     claimed_at: float | None = None
     paused_reason: str | None = None
+    misfire: str = "all"
+    grace: int | None = None
+    max_attempts: int = 0
+    retry_wait: int | None = None
+    jitter: int = 0
+    timeout: float | None = None
 
     @property
     def running(self) -> bool:
@@ -74,7 +82,12 @@ class ScheduleInfo:
             next_time=row.next_time, next_run_time=row.next_run_time,
             data=_stored_data(row.data), paused=row.paused, attempt=row.attempt,
             owner=row.owner, claimed_at=row.claimed_at, paused_reason=row.paused_reason,
+            **policy_mod.from_text(row.policy).as_fields(),
         )
+
+    @property
+    def policy(self) -> policy_mod.Policy:
+        return policy_mod.Policy(**{k: getattr(self, k) for k in policy_mod.OPTIONS})
 
 
 def _stored_data(text: str) -> dict[str, Any]:
@@ -203,7 +216,7 @@ def check_cron(expr: Any) -> str:
     if len(expr) > CRON_MAX:
         raise InvalidInputError("cron", f"longer than {CRON_MAX} characters")
     cron.normalize(expr)
-    return expr.strip()
+    return cron.ONCE if cron.is_once(expr) else expr.strip()
 
 
 # -- tasks --------------------------------------------------------------------------------
@@ -213,7 +226,7 @@ class Task:
 
     __slots__ = ("_collection", "key", "type", "cron", "delay", "timezone", "scheduled_time",
                  "attempt", "fence", "_data_text", "_data", "done", "claimed_at",
-                 "due_time", "has_extra", "_advance")
+                 "due_time", "has_extra", "_advance", "policy", "gave_up")
 
     def __init__(self, collection: ScheduleCollection, claimed: Claimed, claimed_at: float):
         self._collection = collection
@@ -232,6 +245,8 @@ class Task:
         self.due_time = claimed.due_time
         self.has_extra = bool(claimed.has_extra)
         self._advance: Advance | None = None
+        self.policy = policy_mod.from_text(claimed.policy)
+        self.gave_up = False  # its last failed attempt was its last (max_attempts)
 
     @property
     def group(self) -> str | None:
@@ -269,14 +284,22 @@ class Task:
         return self._advance.pause_reason if self._advance is not None else None
 
     def _compute_advance(self) -> Advance:
-        if self.cron is None:
-            return Advance(self.key, self.fence, None, None)
+        if self.cron is None or cron.is_once(self.cron):
+            return Advance(self.key, self.fence, None, None)  # removed once it ran
         try:
             nxt = cron.next_after(self.cron, self.timezone, self.scheduled_time)
         except cron.NoNextOccurrence as exc:
             return Advance(self.key, self.fence, None, None,
                            pause_reason=f"paused by perfectschedd: {exc}")
-        return Advance(self.key, self.fence, nxt, nxt + self.delay)
+        return self.advance_to(nxt)
+
+    def advance_to(self, next_time: int) -> Advance:
+        """The write that moves the schedule on to its occurrence at `next_time`."""
+        return Advance(self.key, self.fence, next_time, self.due_of(next_time))
+
+    def due_of(self, occurrence: int) -> int:
+        """When an occurrence of this schedule is due: its time, the delay, the jitter."""
+        return occurrence + self.delay + self.policy.offset(self.key)
 
     def finish(self) -> None:
         """Mark the occurrence done; the schedule moves to its next cron time."""
@@ -284,15 +307,30 @@ class Task:
         if self._collection.store.advance([self.next_advance()]):
             raise PreemptedError(f"task {self.key!r} lost its lease before finish")
 
-    def retry(self, wait: float | None = None, now: float | None = None) -> None:
-        """Run the same occurrence again after `wait` seconds (default: retry_wait)."""
+    def retry(self, wait: float | None = None, now: float | None = None, *,
+              later: bool = False) -> None:
+        """Run the same occurrence again after `wait` seconds (default: the schedule's
+        back-off: retry_wait, doubled per attempt up to retry_wait_max).  After the
+        schedule's max_attempts the occurrence is given up instead: the schedule moves
+        on to its next one (`gave_up` says so).  `later`: the job asked to run again
+        (SCHED_LATER), which is not a failure."""
+        if not later and self.policy.gives_up(self.attempt):
+            self._end()
+            self.gave_up = True
+            if self._collection.store.advance([self.next_advance()]):
+                raise PreemptedError(f"task {self.key!r} lost its lease before giving up")
+            return
         self._end()
         if wait is None:
-            wait = self._collection.config.retry_wait
+            wait = self.backoff()
         now = time.time() if now is None else now
         if not self._collection.store.reschedule(self.key, self.fence, math.ceil(now + wait),
                                                  count_attempt=True):
             raise PreemptedError(f"task {self.key!r} lost its lease before retry")
+
+    def backoff(self) -> float:
+        config = self._collection.config
+        return self.policy.backoff(self.attempt, config.retry_wait, config.retry_wait_max)
 
     def release(self, now: float | None = None) -> None:
         """The application gives the occurrence back, to run again on any worker.
@@ -303,7 +341,9 @@ class Task:
         """
         self._end()
         now = time.time() if now is None else now
-        wait = 0 if self.attempt <= 1 else self._collection.config.retry_wait
+        wait = 0 if self.attempt <= 1 else self.policy.backoff(
+            self.attempt - 1, self._collection.config.retry_wait,
+            self._collection.config.retry_wait_max)
         if not self._collection.store.reschedule(self.key, self.fence, math.ceil(now + wait),
                                                  count_attempt=True):
             raise PreemptedError(f"task {self.key!r} lost its lease before release")
@@ -354,11 +394,17 @@ class Schedule:
             raise NotFoundError(f"schedule {self.key!r} not found")
 
     def modify(self, *, type: str = _UNSET, cron: str = _UNSET, delay: int = _UNSET,
-               timezone: str = _UNSET, data: Any = _UNSET, now: float | None = None) -> None:
-        """Change fields; new cron/timezone/delay recompute next_time/next_run_time.
+               timezone: str = _UNSET, data: Any = _UNSET, now: float | None = None,
+               **policies: Any) -> None:
+        """Change fields; new cron/timezone/delay/jitter recompute next_time and
+        next_run_time.  `policies`: policy options to change (None: back to the default).
 
         A task of this schedule running now loses its lease (PreemptedError on finish).
         """
+        unknown = set(policies) - set(policy_mod.OPTIONS)
+        if unknown:
+            raise InvalidInputError(sorted(unknown)[0], "unknown option")
+        policy_changes = policy_mod.check(policies)
         values: dict[str, Any] = {}
         if type is not _UNSET:
             values["type"] = _check_text("type", type, TYPE_MAX)
@@ -370,17 +416,22 @@ class Schedule:
             values["timezone"] = check_timezone(timezone)
         if data is not _UNSET:
             values["data"] = check_data(data)
-        if not values:
+        if not values and not policy_changes:
             raise InvalidInputError("modify", "nothing to change")
         current = self.info()
+        new_policy = current.policy.changed(policy_changes)
+        values["policy"] = new_policy.to_text()
         new_cron = values.get("cron", current.cron)
         new_tz = values.get("timezone", current.timezone)
         new_delay = values.get("delay", current.delay)
         next_time = current.next_time
-        if ("cron" in values or "timezone" in values) and new_cron is not None:
+        if ("cron" in values or "timezone" in values) and new_cron is not None \
+                and not cron_mod.is_once(new_cron):
             now_s = int(time.time() if now is None else now)
             next_time = cron_first(new_cron, new_tz, now_s)
-        values.update(next_time=next_time, next_run_time=next_time + new_delay, attempt=0)
+        values.update(next_time=next_time,
+                      next_run_time=next_time + new_delay + new_policy.offset(self.key),
+                      attempt=0)
         if not self._collection.store.update(self.key, values, take_lease=True):
             raise NotFoundError(f"schedule {self.key!r} not found")
 
@@ -448,8 +499,13 @@ class ScheduleCollection:
                   timezone: str | None = None, next_time: int | None = None,
                   next_run_time: int | None = None, data: Any = None,
                   now: float | None = None, start: int | None = None,
-                  at: int | None = None) -> Row:
-        """Validate an `add` request into a row (no I/O)."""
+                  at: int | None = None, **policies: Any) -> Row:
+        """Validate an `add` request into a row (no I/O).  `policies`: the schedule
+        policy options (policy.OPTIONS)."""
+        unknown = set(policies) - set(policy_mod.OPTIONS)
+        if unknown:
+            raise InvalidInputError(sorted(unknown)[0], "unknown option")
+        chosen = policy_mod.DEFAULT.changed(policies)
         check_key(key)
         _check_text("type", type, TYPE_MAX)
         tz = check_timezone(timezone if timezone is not None else self.config.timezone)
@@ -462,11 +518,15 @@ class ScheduleCollection:
         if cron is None:
             raise InvalidInputError("cron", "required")
         expr = check_cron(cron)
-        first = cron_first(expr, tz, start)
-        run_at = check_int("at", at) if at is not None else first + delay
+        at = check_int("at", at) if at is not None else None
+        if cron_mod.is_once(expr):  # one run, at --at (default: now)
+            first = at if at is not None else start
+        else:
+            first = cron_first(expr, tz, start)
+        run_at = at if at is not None else first + delay + chosen.offset(key)
         return Row(key=key, type=type, cron=expr, delay=delay, timezone=tz, data=data_text,
                    next_time=first, next_run_time=run_at, paused=False, fence=0, attempt=0,
-                   owner=None, claimed_at=None)
+                   owner=None, claimed_at=None, policy=chosen.to_text())
 
     def add(self, key: str, type: str, cron: str | None = None, **options: Any) -> Schedule:
         """Register a schedule (SPEC `add`); AlreadyExistsError if the key is taken."""

@@ -31,7 +31,7 @@ MIN_SQLITE = (3, 35, 0)
 
 # The order of Claimed's fields.
 CLAIMED_COLUMNS = ("key", "type", "cron", "delay", "timezone", "data", "next_time", "fence",
-                   "attempt", "due_time", "has_extra")
+                   "attempt", "due_time", "has_extra", "policy")
 
 
 class SQLiteHotPath:

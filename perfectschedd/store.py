@@ -40,6 +40,7 @@ CRON_MAX = 256
 TZ_MAX = 64
 DATA_MAX = 65536
 PAUSED_REASON_MAX = 400
+POLICY_MAX = 400
 # How long a SQLite writer waits for the lock before giving up (busy_timeout + our retries).
 SQLITE_LOCK_WAIT = 60.0
 
@@ -62,6 +63,7 @@ class Row:
     owner: str | None
     claimed_at: float | None
     paused_reason: str | None = None
+    policy: str | None = None  # policy.Policy.to_text(): NULL for the defaults
 
 
 class Claimed(NamedTuple):
@@ -80,6 +82,7 @@ class Claimed(NamedTuple):
     attempt: int
     due_time: int  # next_run_time before the claim: when it was due (lateness counts from it)
     has_extra: int | None  # `run` made extra runs of it (KEY@run-...): they must not overlap
+    policy: str | None = None  # the schedule's policies (policy.from_text)
 
 
 class Advance(NamedTuple):
@@ -168,6 +171,8 @@ def _schedules_table(metadata: sa.MetaData, name: str, dialect: str) -> sa.Table
         sa.Column("has_extra", sa.SmallInteger, nullable=True),
         # Why the daemon paused the schedule (no next occurrence); NULL when a user did.
         sa.Column("paused_reason", sa.String(PAUSED_REASON_MAX), nullable=True),
+        # Policies other than the defaults, as JSON (policy.py); NULL: all defaults.
+        sa.Column("policy", sa.String(POLICY_MAX), nullable=True),
     )
     # The claim reads "unpaused rows, smallest next_run_time first": O(log n) on this index.
     sa.Index(f"{name}_due", t.c.paused, t.c.next_run_time)
@@ -498,6 +503,7 @@ class Store:
             "timezone": row.timezone, "data": row.data, "next_time": row.next_time,
             "next_run_time": row.next_run_time, "paused": int(row.paused),
             "fence": 0, "attempt": 0, "owner": None, "claimed_at": None,
+            "policy": row.policy,
         }
         try:
             with self._tx() as conn:
@@ -513,7 +519,7 @@ class Store:
             {"key": r.key, "type": r.type, "cron": r.cron, "delay": r.delay,
              "timezone": r.timezone, "data": r.data, "next_time": r.next_time,
              "next_run_time": r.next_run_time, "paused": int(r.paused), "fence": 0,
-             "attempt": 0, "owner": None, "claimed_at": None}
+             "attempt": 0, "owner": None, "claimed_at": None, "policy": r.policy}
             for r in rows
         ]
         with self._tx() as conn:
@@ -626,6 +632,7 @@ class Store:
             next_run_time=int(m["next_run_time"]), paused=bool(m["paused"]),
             fence=int(m["fence"]), attempt=int(m["attempt"]), owner=m["owner"],
             claimed_at=m["claimed_at"], paused_reason=m.get("paused_reason"),
+            policy=m.get("policy"),
         )
 
     # -- holder-side: claim, heartbeat, finish, retry, release ----------------------------
@@ -669,7 +676,7 @@ class Store:
             return []
         conn.execute(self._claim_update_stmt, {**params, "keys": [r[0] for r in found]})
         return [Claimed(*r[:7], fence=r[7] + 1, attempt=r[8] + 1, due_time=r[9],
-                        has_extra=r[10]) for r in found]
+                        has_extra=r[10], policy=r[11]) for r in found]
 
     def restrict_types(self, exact: Sequence[str], patterns: Sequence[str],
                        routed: Callable[[str], bool]) -> None:
@@ -719,9 +726,10 @@ class Store:
         self._claim_returning_stmt = (
             t.update().where(t.c.key.in_(due.scalar_subquery()))
             .values(**changes, due_time=t.c.next_run_time)
-            .returning(*cols, t.c.due_time, t.c.has_extra))
+            .returning(*cols, t.c.due_time, t.c.has_extra, t.c.policy))
         # MySQL assigns SET values left to right, so there due_time comes from the read.
-        select_rows = (sa.select(*cols, t.c.next_run_time, t.c.has_extra).where(*due_rows)
+        select_rows = (sa.select(*cols, t.c.next_run_time, t.c.has_extra, t.c.policy)
+                       .where(*due_rows)
                        .order_by(t.c.next_run_time).limit(batch))
         if self.dialect == "mysql":
             select_rows = select_rows.with_for_update(skip_locked=True)
@@ -773,6 +781,16 @@ class Store:
             return lost | self._hot.finish_and_claim(items, 0, 0, "", 0)[0]
         with self._tx() as conn:
             return lost | self._advance_in(conn, items)
+
+    @_retried
+    def retarget(self, key: str, fence: int, next_time: int) -> bool:
+        """The lease holder runs a later occurrence than it claimed (misfire `latest`):
+        the row says which, so a worker that dies running it leaves that one to redo.
+        Fenced; the lease is kept.  False when the lease was lost."""
+        t = self.t
+        with self._tx() as conn:
+            return conn.execute(t.update().where(t.c.key == key, t.c.fence == fence)
+                                .values(next_time=next_time)).rowcount == 1
 
     @_retried
     def pause_exhausted(self, items: Sequence[Advance]) -> set[str]:

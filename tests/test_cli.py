@@ -24,7 +24,9 @@ from daemon_harness import CTL, Daemon, foreign_ctl, wait_until
 
 from perfectschedctl import cli
 
-LIST_KEYS = ["key", "type", "cron", "delay", "timezone", "next_time", "next_run_time", "data"]
+# The table's columns (SPEC `list`); --json adds the schedule policies.
+TABLE_KEYS = ["key", "type", "cron", "delay", "timezone", "next_time", "next_run_time", "data"]
+LIST_KEYS = [*TABLE_KEYS, "misfire", "grace", "max_attempts", "retry_wait", "jitter", "timeout"]
 # 2030-01-01 00:00:00 UTC, a Tuesday
 T2030 = 1893456000
 
@@ -100,7 +102,7 @@ def test_direct_add_list_delete_and_output_format(direct: list[str], ctl: Ctl) -
                "-a", str(T2030 + 5)).returncode == 0
 
     out = ctl(*direct, "list").stdout.splitlines()
-    assert out[0].split() == LIST_KEYS
+    assert out[0].split() == TABLE_KEYS
     assert out[-1] == "2 entries."
     assert out[1].split()[:5] == ["k1", "backup", "0", "3", "*"]
     assert '{"a":1}' in out[1] and "Asia/Tokyo" in out[1]
@@ -216,7 +218,7 @@ def test_every_command_through_the_socket(daemon_factory: Any, tmp_path: Path,
     assert list(added) == LIST_KEYS and added["key"] == "k2"
 
     out = sctl("list").stdout.splitlines()
-    assert out[0].split() == LIST_KEYS and out[-1] == "2 entries."
+    assert out[0].split() == TABLE_KEYS and out[-1] == "2 entries."
     rows = json.loads(sctl("list", "--json").stdout)
     assert [r["key"] for r in rows] == ["k1", "k2"] and all(list(r) == LIST_KEYS for r in rows)
 

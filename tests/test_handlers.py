@@ -127,7 +127,7 @@ def test_exec_sched_later_wins_over_exit_code(code: int) -> None:
     task = FakeTask()
     result = run(task, sh(f"echo working; echo 'SCHED_LATER 7'; echo; exit {code}"))
     assert result.outcome == Outcome.LATER
-    assert task.calls == [("retry", (), {"wait": 7})]
+    assert task.calls == [("retry", (), {"wait": 7, "later": True})]
 
 
 def test_exec_sched_later_only_as_last_line(caplog: pytest.LogCaptureFixture) -> None:

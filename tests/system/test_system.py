@@ -543,7 +543,8 @@ def test_10b_control_group_other_than_the_units(ns: Namespace, systest) -> None:
     ns.run("groupadd", "-f", "systest-ops")
     ns.run("usermod", "-aG", "systest-ops", "perfectsched")
     ns.run("useradd", "-M", "-G", "systest-ops", "systest-opsmember", check=False)
-    conf = json.loads(systest_config(systest["port"]))
+    before = ns.out("cat", CONF)
+    conf = json.loads(before)
     ns.write(CONF, json.dumps({**conf, "control_group": "systest-ops"}) + "\n")
     try:
         ns.run("systemctl", "restart", UNIT, timeout=150)
@@ -552,7 +553,7 @@ def test_10b_control_group_other_than_the_units(ns: Namespace, systest) -> None:
         assert group == "systest-ops", (group, ns.journal(30))
         ns.run("runuser", "-u", "systest-opsmember", "--", "perfectschedctl", "status")
     finally:
-        ns.write(CONF, systest_config(systest["port"]))
+        ns.write(CONF, before + "\n")
         ns.run("systemctl", "restart", UNIT, check=False, timeout=150)
 
 
