@@ -660,7 +660,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", default="sqlite,postgresql")
     p.add_argument("--only", default="burst,steady,scale,execburst",
-                   help="workloads to run (burst, steady, scale, execburst)")
+                   help="workloads to run (burst, steady, scale, execburst, catchup)")
     p.add_argument("--bursts", default="2000,20000")
     p.add_argument("--repeat", type=int, default=3, help="runs of each small burst (median)")
     p.add_argument("--repeat-large", type=int, default=1,
@@ -742,6 +742,12 @@ def main(argv: list[str] | None = None) -> int:
                     ex = execburst.run(PS, env, a.exec_burst, tmp, a.repeat, log)
                     raw["runs"].append({"backend": env.name,
                                         "workload": f"exec burst {a.exec_burst}", **ex})
+                if "catchup" in only:
+                    import catchup
+
+                    log(f"{env.name}: catch-up")
+                    cu = catchup.run(env.fresh_url("catchup"), tmp, log)
+                    raw["runs"].append({"backend": env.name, "workload": "catch-up", **cu})
                 if "scale" in only:
                     for n in scales:
                         label = f"scale {n:,}"

@@ -453,6 +453,8 @@ def test_dead_workers_files_are_folded_and_totals_never_go_down(
         now = value(scrape(d.metrics_port)[1], finished, type="t", outcome="success") or 0
         assert now >= last, (now, last)  # never down
         last = now
+    # The last reload's old generation may still be exiting: wait for it, then its folds.
+    wait_until(lambda: len(d.children()) == 2, what="the old generation to exit")
     wait_until(lambda: not any(f.name.startswith(("counter_", "histogram_"))
                                and not f.name.endswith("_archive.db")
                                and int(f.name.split("_")[1].split(".")[0]) not in d.children()
