@@ -74,9 +74,10 @@ def test_misfire_after_ten_missed_hours(daemon_factory: Any, db_url: str, tmp_pa
     assert d.log().count("missed occurrence(s)") == 1  # logged once, not per occurrence
 
 
-def test_grace_skips_what_cannot_start_in_time(daemon_factory: Any, tmp_path: Path) -> None:
+def test_grace_skips_what_cannot_start_in_time(daemon_factory: Any, db_url: str,
+                                               tmp_path: Path) -> None:
     out = tmp_path / "ran"
-    d: Daemon = daemon_factory({"routes": [log_job(out)]}).start()
+    d: Daemon = daemon_factory({"routes": [log_job(out)]}, url=db_url).start()
     hour = this_hour()
     late = int(time.time()) - hour  # how late this hour's occurrence is now (>= 20 s)
     # Could start within its grace: runs.  Could not: skipped, and the schedule moves on.
@@ -116,8 +117,9 @@ def test_max_attempts_backs_off_then_gives_up(daemon_factory: Any, db_url: str,
     assert value(samples, "perfectsched_occurrences_given_up_total", type="t") == 1
 
 
-def test_jitter_is_a_fixed_per_key_offset(daemon_factory: Any, tmp_path: Path) -> None:
-    d: Daemon = daemon_factory({"routes": [sh("j", "true")]}).start()
+def test_jitter_is_a_fixed_per_key_offset(daemon_factory: Any, db_url: str,
+                                          tmp_path: Path) -> None:
+    d: Daemon = daemon_factory({"routes": [sh("j", "true")]}, url=db_url).start()
     hour = this_hour()
     many = [{"key": f"j{i:04d}", "type": "unrouted", "cron": "0 * * * *",
              "start": hour + HOUR, "jitter": 30} for i in range(1000)]
