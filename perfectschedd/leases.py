@@ -293,7 +293,7 @@ class LeasePipeline:
                 return
             group = task.group
             if group is not None and self.sc is not None and \
-                    self.sc.store.group_busy(task.key, group, int(time.time())):
+                    not self.sc.store.group_acquire(task.key, group, int(time.time())):
                 # One schedule never runs two occurrences at once (`run KEY` while KEY
                 # runs): this one waits for the other to end.
                 log.info("key=%s: waiting for the running occurrence of %s to end",

@@ -173,6 +173,9 @@ def _schedules_table(metadata: sa.MetaData, name: str, dialect: str) -> sa.Table
         sa.Column("paused_reason", sa.String(PAUSED_REASON_MAX), nullable=True),
         # Policies other than the defaults, as JSON (policy.py); NULL: all defaults.
         sa.Column("policy", sa.String(POLICY_MAX), nullable=True),
+        # The member of this schedule's group (itself, or an extra run KEY@run-...) that
+        # runs now, or ran last: the others wait while it holds a live lease.
+        sa.Column("group_holder", sa.String(KEY_MAX), nullable=True),
     )
     # The claim reads "unpaused rows, smallest next_run_time first": O(log n) on this index.
     sa.Index(f"{name}_due", t.c.paused, t.c.next_run_time)
@@ -874,6 +877,34 @@ class Store:
                                       t.c.next_run_time > now).limit(1))
         with self._tx(readonly=True) as conn:
             return conn.execute(q).first() is not None
+
+    @_retried
+    def group_acquire(self, key: str, base: str, now: int) -> bool:
+        """Whether `key`, a member of `base`'s group (the schedule and its extra runs
+        `base@run-...`), may start now; if so it becomes the group's holder.  Decided under
+        the base row's lock (one transaction), so of members claimed at the same time
+        exactly one starts and the others wait: no overlap and no livelock, as there would
+        be if each gave way to every other's lease.  A running base claimed before `run`
+        marked it (so it did not ask) blocks the extra runs through its own lease."""
+        t = self.t
+        with self._tx() as conn:
+            row = conn.execute(
+                sa.select(t.c.group_holder, t.c.owner, t.c.next_run_time)
+                .where(t.c.key == base).with_for_update()).first()
+            if row is None:
+                return True  # the schedule is gone: its extra runs are on their own
+            holder, base_owner, base_lease = row
+            if key != base and base_owner is not None and base_lease > now:
+                return False
+            if holder is not None and holder != key:
+                live = conn.execute(sa.select(t.c.key).where(
+                    t.c.key == holder, t.c.owner.isnot(None),
+                    t.c.next_run_time > now)).first()
+                if live is not None:
+                    return False
+            if holder != key:
+                conn.execute(t.update().where(t.c.key == base).values(group_holder=key))
+            return True
 
     @_retried
     def reschedule(self, key: str, fence: int, run_at: int, *, count_attempt: bool) -> bool:

@@ -287,6 +287,43 @@ def test_run_now_is_a_one_off_that_leaves_the_schedule_alone(sc: ScheduleCollect
     assert row(sc, "k")["next_time"] == T0 + H
 
 
+def test_group_members_take_turns(sc: ScheduleCollection) -> None:
+    """A schedule and its extra runs (`run KEY`): of members claimed at the same time
+    exactly one may start; the others may once it no longer holds a live lease."""
+    sc.add("k", "t", cron="* * * * *", next_time=T0 + 60, now=T0)
+    extra = [sc["k"].run_now(now=T0) for _ in range(8)]
+    claimed = sc.poll_many(limit=20, now=T0)
+    assert sorted(t.key for t in claimed) == sorted(extra)
+    store = sc.store
+    results: dict[str, bool] = {}
+
+    def acquire(key: str) -> None:
+        with open_sc(sc.config.url) as other:
+            results[key] = other.store.group_acquire(key, "k", T0)
+
+    threads = [threading.Thread(target=acquire, args=(k,)) for k in extra]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    winners = [k for k, ok in results.items() if ok]
+    assert len(winners) == 1, results
+    assert store.group_acquire(winners[0], "k", T0)  # the holder may ask again
+    for task in claimed:
+        if task.key != winners[0]:
+            task.give_back(now=T0)
+    # The schedule's own occurrence waits for the running extra run, then takes its turn.
+    base = next(t for t in sc.poll_many(limit=20, now=T0 + 60) if t.key == "k")
+    assert not store.group_acquire("k", "k", T0 + 60)
+    next(t for t in claimed if t.key == winners[0]).finish()
+    assert store.group_acquire("k", "k", T0 + 60)
+    # ... and an extra run waits for the schedule's running occurrence.
+    waiting = next(k for k in extra if k != winners[0])
+    assert not store.group_acquire(waiting, "k", T0 + 60)
+    base.finish()
+    assert store.group_acquire(waiting, "k", T0 + 61)
+
+
 def test_add_many_is_all_or_nothing(sc: ScheduleCollection) -> None:
     sc.add("taken", "t", cron="* * * * *", now=T0)
     reqs = [{"key": f"m{i}", "type": "t", "cron": "0 * * * *", "now": T0} for i in range(50)]
