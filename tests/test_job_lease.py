@@ -51,8 +51,10 @@ out={out}
 now() {{ date +%s.%N; }}
 echo "start $PERFECTSCHED_ATTEMPT $$ $(now)" >> $out
 if [ "$PERFECTSCHED_ATTEMPT" = 1 ]; then
-  setsid sleep 120 < /dev/null > /dev/null 2>&1 &
-  echo "escapee $!" >> $out
+  # Written by the escapee itself, once it has left the session (not $! right after
+  # the fork: the test could look before setsid(2) had run).
+  setsid sh -c 'echo "escapee $$" >> "$0"; exec sleep 120' "$out" \
+    < /dev/null > /dev/null 2>&1 &
   sleep 120
 else
   for p in $(awk '$1 == "start" || $1 == "escapee" {{print $3 == "" ? $2 : $3}}' $out); do
