@@ -1,100 +1,47 @@
-"""Schedules and run history in SQL, through SQLAlchemy Core (and, for the worker's few
-statements on SQLite, sqlite_hotpath.py on the driver's connection).
+"""Schedules and run history in SQL, through SQLAlchemy Core: what every database does
+alike.  What differs (engine options, the worker's claim and finish, history appends,
+which errors mean "try again") is a backend's (backends/).
 
-One row per schedule.  `next_run_time` is both "when it may run" and, while a worker
-holds the row, the lease expiry; `fence` grows on every claim and every write that takes
-the row away from its holder, and every holder-side write names the fence it was given,
-so a worker that lost its lease changes nothing (PreemptedError upstream).
+The tables and their rules are in schema.py.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import operator
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
-from sqlalchemy import event
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import Connection
 from sqlalchemy.engine.url import URL, make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
+from .backends import open_backend
 from .errors import ConfigError
-from .writelock import HostWriteLock
+from .schema import (
+    CRON_MAX,
+    DATA_MAX,
+    KEY_MAX,
+    PAUSED_REASON_MAX,
+    POLICY_MAX,
+    RUN_NOW_MARK,
+    TRY_AGAIN_FOR,
+    TYPE_MAX,
+    TZ_MAX,
+    Advance,
+    Claimed,
+    Row,
+)
 
-if TYPE_CHECKING:
-    from .sqlite_hotpath import SQLiteHotPath
+__all__ = ["CRON_MAX", "DATA_MAX", "KEY_MAX", "POLICY_MAX", "RUN_NOW_MARK", "TYPE_MAX",
+           "TZ_MAX", "Advance", "Claimed", "Row", "Store", "check_url", "dumps_data",
+           "engine_url"]
 
 F = TypeVar("F", bound=Callable[..., Any])
-# Extra runs of a schedule (perfectschedctl run) are one-off rows keyed KEY@run-....
-RUN_NOW_MARK = "@run-"
 SA_MAJOR = int(sa.__version__.split(".")[0])
-KEY_MAX = 256
-TYPE_MAX = 256
-CRON_MAX = 256
-TZ_MAX = 64
-DATA_MAX = 65536
-PAUSED_REASON_MAX = 400
-POLICY_MAX = 400
-# How long a SQLite writer waits for the lock before giving up (busy_timeout + our retries).
-SQLITE_LOCK_WAIT = 60.0
-
-
-@dataclass(frozen=True)
-class Row:
-    """One schedule as stored."""
-
-    key: str
-    type: str
-    cron: str | None
-    delay: int
-    timezone: str
-    data: str
-    next_time: int
-    next_run_time: int
-    paused: bool
-    fence: int
-    attempt: int
-    owner: str | None
-    claimed_at: float | None
-    paused_reason: str | None = None
-    policy: str | None = None  # policy.Policy.to_text(): NULL for the defaults
-
-
-class Claimed(NamedTuple):
-    """A row just leased to the caller, as it is after the claim.  (Named tuples, here
-    and in Advance: one is made per fire, and a frozen dataclass costs several times as
-    much to build.)"""
-
-    key: str
-    type: str
-    cron: str | None
-    delay: int
-    timezone: str
-    data: str
-    next_time: int
-    fence: int
-    attempt: int
-    due_time: int  # next_run_time before the claim: when it was due (lateness counts from it)
-    has_extra: int | None  # `run` made extra runs of it (KEY@run-...): they must not overlap
-    policy: str | None = None  # the schedule's policies (policy.from_text)
-
-
-class Advance(NamedTuple):
-    """A holder-side write: the new times of a schedule whose occurrence finished."""
-
-    key: str
-    fence: int
-    next_time: int | None  # None: a one-off row, delete it
-    next_run_time: int | None
-    # Set when the schedule has no next occurrence (its cron runs past year 9999): the
-    # row is paused with this reason instead of moved on.
-    pause_reason: str | None = None
 
 
 def engine_url(url: str) -> URL:
@@ -133,173 +80,21 @@ def check_url(url: str) -> None:
         raise ConfigError(f"url: no driver for {u.drivername}: {first}") from None
 
 
-# Unix seconds with a fraction: double precision everywhere (MySQL's plain FLOAT is 4 bytes
-# and would round today's times to ~2 minutes).
-_SECONDS = sa.Float(precision=53)
-
-
-def _data_type(dialect: str) -> sa.types.TypeEngine[Any]:
-    """JSON text up to DATA_MAX bytes: MySQL's TEXT stops at 65535 bytes.  The MySQL
-    dialect is imported only where it is used: every dialect module loaded costs each
-    process about a megabyte."""
-    if dialect != "mysql":
-        return sa.Text()
-    from sqlalchemy.dialects.mysql import MEDIUMTEXT
-
-    return MEDIUMTEXT()
-
-
-def _schedules_table(metadata: sa.MetaData, name: str, dialect: str) -> sa.Table:
-    t = sa.Table(
-        name, metadata,
-        sa.Column("key", sa.String(KEY_MAX), primary_key=True),
-        sa.Column("type", sa.String(TYPE_MAX), nullable=False),
-        sa.Column("cron", sa.String(CRON_MAX), nullable=True),  # NULL: a one-off run
-        sa.Column("delay", sa.Integer, nullable=False, default=0),
-        sa.Column("timezone", sa.String(TZ_MAX), nullable=False),
-        sa.Column("data", _data_type(dialect), nullable=False),
-        sa.Column("next_time", sa.BigInteger, nullable=False),
-        sa.Column("next_run_time", sa.BigInteger, nullable=False),
-        sa.Column("paused", sa.SmallInteger, nullable=False, default=0),
-        sa.Column("fence", sa.BigInteger, nullable=False, default=0),
-        sa.Column("attempt", sa.Integer, nullable=False, default=0),
-        sa.Column("owner", sa.String(128), nullable=True),
-        sa.Column("claimed_at", _SECONDS, nullable=True),
-        # next_run_time as it was when the current holder claimed the row.
-        sa.Column("due_time", sa.BigInteger, nullable=True),
-        # Set by `run KEY`: the schedule has had extra runs, which must not overlap it.
-        sa.Column("has_extra", sa.SmallInteger, nullable=True),
-        # Why the daemon paused the schedule (no next occurrence); NULL when a user did.
-        sa.Column("paused_reason", sa.String(PAUSED_REASON_MAX), nullable=True),
-        # Policies other than the defaults, as JSON (policy.py); NULL: all defaults.
-        sa.Column("policy", sa.String(POLICY_MAX), nullable=True),
-        # The member of this schedule's group (itself, or an extra run KEY@run-...) that
-        # runs now, or ran last: the others wait while it holds a live lease.
-        sa.Column("group_holder", sa.String(KEY_MAX), nullable=True),
-    )
-    # The claim reads "unpaused rows, smallest next_run_time first": O(log n) on this index.
-    sa.Index(f"{name}_due", t.c.paused, t.c.next_run_time)
-    if dialect != "mysql":
-        # Leased rows only (status, release_owner): tiny, so claims and finishes barely
-        # pay for it.  MySQL has no partial indexes; there those reads scan the table.
-        # Only this dialect's keyword: naming another one makes SQLAlchemy import it.
-        sa.Index(f"{name}_held", t.c.owner, **{f"{dialect}_where": t.c.owner.isnot(None)})
-    return t
-
-
-def _history_table(metadata: sa.MetaData, name: str) -> sa.Table:
-    t = sa.Table(
-        f"{name}_history", metadata,
-        sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"),
-                  primary_key=True, autoincrement=True),
-        sa.Column("key", sa.String(KEY_MAX), nullable=False),
-        sa.Column("type", sa.String(TYPE_MAX), nullable=False),
-        sa.Column("scheduled_time", sa.BigInteger, nullable=False),
-        sa.Column("attempt", sa.Integer, nullable=False),
-        sa.Column("started_at", _SECONDS, nullable=False),
-        sa.Column("finished_at", _SECONDS, nullable=False),
-        sa.Column("outcome", sa.String(32), nullable=False),
-        sa.Column("worker", sa.String(128), nullable=False),
-    )
-    sa.Index(f"{name}_history_key", t.c.key, t.c.id)
-    return t
-
-
-HISTORY_COLUMNS = ("key", "type", "scheduled_time", "attempt", "started_at", "finished_at",
-                   "outcome", "worker")
-
-
-class _DriverStatement:
-    """A statement compiled once to the driver's own SQL, for executemany on the hot path.
-
-    SQLAlchemy processes every row's parameters on each execute; for the 64 finishes or
-    history rows of a batch that cost more than the database spent on them.  None of the
-    types these statements bind (text, integers, doubles, NULL) needs bind processing on
-    sqlite3, psycopg or PyMySQL, so the rows go to the driver as they are.
-    """
-
-    def __init__(self, stmt: Any, dialect: Any, column_keys: Sequence[str] | None = None
-                 ) -> None:
-        compiled = stmt.compile(dialect=dialect, column_keys=column_keys)
-        self.sql = compiled.string
-        # Values written into the statement itself (attempt=0, fence + 1, owner=NULL).
-        self.fixed = {name: b.value for b, name in compiled.bind_names.items()
-                      if not b.required}
-        names = list(compiled.positiontup or ()) if compiled.positional else []
-        # Positional drivers (sqlite3's "?"): the row's values in the statement's order.
-        self.positional: Callable[[dict[str, Any]], Any] | None = None
-        if len(names) > 1:
-            self.positional = operator.itemgetter(*names)
-        elif names:
-            self.positional = lambda row, name=names[0]: (row[name],)
-
-    def executemany(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> int:
-        fixed, get = self.fixed, self.positional
-        params: Any = ([{**fixed, **r} for r in rows] if get is None
-                       else [get({**fixed, **r}) for r in rows])
-        return int(conn.exec_driver_sql(self.sql, params).rowcount)
-
-
-def _claimed(rows: Iterable[Sequence[Any]]) -> list[Claimed]:
-    """Claimed rows in cron order (RETURNING gives no order)."""
-    return sorted((Claimed(*r) for r in rows), key=operator.attrgetter("next_time"))
-
-
-def _sqlite_hot_path(engine: Engine, table: sa.Table, write_lock: HostWriteLock | None
-                     ) -> SQLiteHotPath:
-    """Imported here: the other dialects never load sqlite3."""
-    import sqlite3
-
-    from .sqlite_hotpath import MIN_SQLITE, SQLiteHotPath
-
-    if sqlite3.sqlite_version_info < MIN_SQLITE:
-        raise ConfigError(
-            f"url: SQLite {'.'.join(map(str, MIN_SQLITE))} or newer is needed"
-            f" (this Python has {sqlite3.sqlite_version})")
-    return SQLiteHotPath(engine, table, write_lock)
-
-
-# A transaction the database rolled back to break a deadlock or a serialization conflict:
-# running it again is the documented remedy (PostgreSQL 40P01/40001, MySQL 1213/1205).
-# A worker's heartbeat and its finish touch the same rows from two connections.
-_TRY_AGAIN_STATES = frozenset({"40P01", "40001"})
-_TRY_AGAIN_MYSQL = frozenset({1213, 1205})
-
-
-def _is_transient(exc: DBAPIError) -> bool:
-    orig = exc.orig
-    state = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
-    if state in _TRY_AGAIN_STATES:
-        return True
-    args = getattr(orig, "args", ())
-    return bool(args) and isinstance(args[0], int) and args[0] in _TRY_AGAIN_MYSQL
-
-
-def _is_sqlite_busy(exc: OperationalError) -> bool:
-    text = str(exc.orig).lower()
-    return "locked" in text or "busy" in text
-
-
 def _retried(method: F) -> F:
-    """Re-run a whole store operation when the database says "try again":
-    SQLite busy/locked (never shown to users), or a connection found dead (a server
+    """Re-run a whole store operation when the database says "try again" (the
+    backend's should_try_again: never shown to users), or a connection found dead (a server
     restart: the pool was invalidated; one retry on a fresh connection)."""
 
     @functools.wraps(method)
     def wrapper(self: Store, *args: Any, **kwargs: Any) -> Any:
-        deadline = time.monotonic() + SQLITE_LOCK_WAIT
+        deadline = time.monotonic() + TRY_AGAIN_FOR
         delay = 0.005
         reconnected = False
         while True:
             try:
                 return method(self, *args, **kwargs)
             except DBAPIError as exc:
-                if (self.dialect == "sqlite" and isinstance(exc, OperationalError)
-                        and _is_sqlite_busy(exc) and time.monotonic() < deadline):
-                    time.sleep(delay)
-                    delay = min(delay * 2, 0.2)
-                    continue
-                if _is_transient(exc) and time.monotonic() < deadline:
+                if self.backend.should_try_again(exc) and time.monotonic() < deadline:
                     time.sleep(delay)
                     delay = min(delay * 2, 0.2)
                     continue
@@ -319,141 +114,33 @@ class Store:
 
     def __init__(self, url: str, table: str = "perfectsched") -> None:
         self.url = engine_url(url)
-        self.dialect = self.url.get_backend_name()
-        self._routed: Callable[[str], bool] | None = None  # SQLite: perfectsched_routed()
-        self.engine = self._create_engine()
-        self.write_lock = (HostWriteLock(self.url.database or "", SQLITE_LOCK_WAIT)
-                            if self.dialect == "sqlite" else None)
-        self.metadata = sa.MetaData()
-        self.t = _schedules_table(self.metadata, table, self.dialect)
-        self.h = _history_table(self.metadata, table)
-        self._hot: SQLiteHotPath | None = None
-        if self.dialect == "sqlite":
-            self._hot = _sqlite_hot_path(self.engine, self.t, self.write_lock)
-        self._build_claim_statements(sa.true())
-        t = self.t
-        self._advance_stmt = t.update().where(
-            t.c.key == sa.bindparam("k"), t.c.fence == sa.bindparam("f")).values(
-            next_time=sa.bindparam("nt"), next_run_time=sa.bindparam("nrt"), attempt=0,
-            owner=None, claimed_at=None, fence=t.c.fence + 1)
-        fences = sa.select(t.c.key, t.c.fence).where(
-            t.c.key.in_(sa.bindparam("keys", expanding=True)))
-        self._fences_stmt = (fences.with_for_update() if self.dialect == "mysql" else fences)
-        self._delete_fenced_stmt = t.delete().where(
-            t.c.key == sa.bindparam("k"), t.c.fence == sa.bindparam("f"))
-        dialect = self.engine.dialect
-        if self.dialect == "postgresql":
-            # The driver's own SQL ("%" escaped for its paramstyle).  A batch travels as
-            # one JSON text: json.dumps is C, where psycopg dumps array items one by one
-            # in Python.
-            table = dialect.identifier_preparer.format_table(t).replace("%", "%%")
-            self._pg_advance_sql = (
-                f"UPDATE {table} AS t SET next_time = adv.nt, next_run_time = adv.nrt,"
-                " attempt = 0, owner = NULL, claimed_at = NULL, fence = t.fence + 1"
-                " FROM json_to_recordset(%(rows)s::json) AS adv(k text, f bigint, nt bigint,"
-                " nrt bigint) WHERE t.key = adv.k AND t.fence = adv.f RETURNING t.key")
-            self._pg_delete_sql = (
-                f"DELETE FROM {table} AS t USING json_to_recordset(%(rows)s::json)"
-                " AS d(k text, f bigint) WHERE t.key = d.k AND t.fence = d.f RETURNING t.key")
-            history = dialect.identifier_preparer.format_table(self.h).replace("%", "%%")
-            columns = ", ".join(HISTORY_COLUMNS)
-            typed = ", ".join(f"{c} {pg_type}" for c, pg_type in zip(
-                HISTORY_COLUMNS, ("text", "text", "bigint", "integer", "double precision",
-                                  "double precision", "text", "text"), strict=True))
-            self._pg_history_sql = (
-                f"INSERT INTO {history} ({columns}) SELECT {columns}"
-                f" FROM json_to_recordset(%(rows)s::json) AS r({typed})")
-        else:  # SQLite, MySQL: executemany of SQL compiled once
-            if self.dialect == "mysql":
-                self._advance_many = _DriverStatement(self._advance_stmt, dialect)
-                self._delete_fenced_many = _DriverStatement(self._delete_fenced_stmt, dialect)
-            self._record_runs_many = _DriverStatement(self.h.insert().inline(), dialect,
-                                                     HISTORY_COLUMNS)
+        self.backend = open_backend(self.url, table)
+        self.dialect = self.backend.name
+        self.engine = self.backend.engine
+        self.write_lock = self.backend.write_lock
+        self.metadata = self.backend.metadata
+        self.t = self.backend.t
+        self.h = self.backend.h
         self._initialized = False
         self.created_table = False  # by this Store (opening one creates a missing table)
 
-    # -- engine ---------------------------------------------------------------------------
-
-    def _create_engine(self) -> Engine:
-        if self.dialect == "sqlite":
-            db = self.url.database or ""
-            if db in ("", ":memory:"):
-                raise ConfigError("url: the SQLite database must be a file (sqlite:///path)")
-            engine = sa.create_engine(
-                self.url,
-                poolclass=sa.pool.QueuePool, pool_size=4, max_overflow=16,
-                connect_args={"timeout": SQLITE_LOCK_WAIT, "check_same_thread": False,
-                              "isolation_level": None},
-            )
-
-            @event.listens_for(engine, "connect")
-            def _on_connect(dbapi_conn: Any, _record: Any) -> None:
-                # The worker's route predicate (restrict_types); every type until it is set.
-                dbapi_conn.create_function(
-                    "perfectsched_routed", 1,
-                    lambda type_: self._routed is None or bool(self._routed(type_)),
-                    deterministic=True)
-                cur = dbapi_conn.cursor()
-                cur.execute("PRAGMA journal_mode=WAL")
-                cur.execute(f"PRAGMA busy_timeout={int(SQLITE_LOCK_WAIT * 1000)}")
-                cur.execute("PRAGMA synchronous=NORMAL")
-                # Statement journals in memory: a multi-row UPDATE in a transaction would
-                # otherwise write one to a temporary file.
-                cur.execute("PRAGMA temp_store=MEMORY")
-                cur.close()
-
-            @event.listens_for(engine, "begin")
-            def _on_begin(conn: Connection) -> None:
-                # Writers take the lock up front: a deferred transaction that upgrades to a
-                # writer can fail with "database is locked" without waiting for busy_timeout.
-                mode = "BEGIN" if conn.get_execution_options().get("readonly") else (
-                    "BEGIN IMMEDIATE")
-                conn.exec_driver_sql(mode)
-
-            return engine
-        # No pre-ping: it costs a round trip per transaction; a dead connection is caught
-        # by _retried instead (the pool is invalidated and the operation re-run once).
-        kwargs: dict[str, Any] = {"pool_size": 4, "max_overflow": 16, "pool_recycle": 3600}
-        # A server that stops answering must surface as an error (and a retry), never as
-        # a worker blocked for good: bounded connects, TCP keepalives, unacknowledged
-        # data timeout (libpq parameters; ignored on Unix sockets).
-        if self.dialect == "postgresql":
-            kwargs["connect_args"] = {
-                "connect_timeout": 10, "keepalives": 1, "keepalives_idle": 30,
-                "keepalives_interval": 10, "keepalives_count": 3, "tcp_user_timeout": 60000}
-        if self.dialect == "mysql":
-            kwargs["isolation_level"] = "READ COMMITTED"
-            kwargs["connect_args"] = {"connect_timeout": 10, "read_timeout": 120,
-                                      "write_timeout": 120}
-        return sa.create_engine(self.url, **kwargs)
-
     @contextmanager
     def _tx(self, readonly: bool = False) -> Iterator[Connection]:
-        """One transaction (SQLite: BEGIN IMMEDIATE unless readonly)."""
-        if self.write_lock is not None and not readonly:
-            with self.write_lock.held(), self.engine.connect() as conn, conn.begin():
-                yield conn
-            return
-        conn = self.engine.connect()
-        if readonly and self.dialect == "sqlite":
-            conn = conn.execution_options(readonly=True)
-        with conn, conn.begin():
+        with self.backend.transaction(readonly) as conn:
             yield conn
 
     def close(self) -> None:
-        self.engine.dispose()
+        self.backend.close()
 
     def reset_connections(self) -> None:
         """Drop pooled connections (after an error): later calls connect afresh.  Those
         in use by other threads are closed when they are given back."""
-        if self._hot is not None:
-            self._hot.drop_connections()
+        self.backend.drop_connections()
         self.engine.dispose()
 
     def keep_connection(self) -> None:
-        """The calling thread keeps a connection for the hot path (SQLite)."""
-        if self._hot is not None:
-            self._hot.keep_connection()
+        """The calling thread keeps a connection for the hot path (where it pays)."""
+        self.backend.keep_connection()
 
     # -- schema ---------------------------------------------------------------------------
 
@@ -578,11 +265,8 @@ class Store:
 
     @_retried
     def earliest_due(self) -> int | None:
-        """Smallest next_run_time of an unpaused row: one index probe."""
-        if self._hot is not None:
-            return self._hot.earliest_due()
-        with self._tx(readonly=True) as conn:
-            return conn.execute(self._earliest_stmt).scalar()
+        """Smallest next_run_time of an unpaused routed row: one index probe."""
+        return self.backend.earliest_due()
 
     @_retried
     def counts(self, now: int) -> dict[str, int]:
@@ -643,10 +327,7 @@ class Store:
     @_retried
     def claim(self, now: float, lease_seconds: int, owner: str, limit: int = 1) -> list[Claimed]:
         """Lease up to `limit` due rows, oldest first; one winner per row across all hosts."""
-        if self._hot is not None:
-            return _claimed(self._hot.finish_and_claim([], now, lease_seconds, owner, limit)[1])
-        with self._tx() as conn:
-            return self._claim_in(conn, now, lease_seconds, owner, limit)
+        return self.backend.finish_and_claim([], now, lease_seconds, owner, limit)[1]
 
     @_retried
     def finish_and_claim(self, finished: Sequence[Advance], now: float, lease_seconds: int,
@@ -657,101 +338,22 @@ class Store:
         """
         finished, pauses = _split_pauses(finished)
         paused_lost = self.pause_exhausted(pauses) if pauses else set()
-        if self._hot is not None:
-            lost, rows = self._hot.finish_and_claim(finished, now, lease_seconds, owner, limit)
-            return lost | paused_lost, _claimed(rows)
-        with self._tx() as conn:
-            lost = self._advance_in(conn, finished) if finished else set()
-            claimed = self._claim_in(conn, now, lease_seconds, owner, limit) if limit > 0 else []
+        lost, claimed = self.backend.finish_and_claim(finished, now, lease_seconds, owner,
+                                                      limit)
         return lost | paused_lost, claimed
-
-    def _claim_in(self, conn: Connection, now: float, lease_seconds: int, owner: str,
-                  limit: int) -> list[Claimed]:
-        ts = int(now)
-        params = {"due_by": ts, "lease_until": ts + lease_seconds, "holder": owner,
-                  "claim_ts": now, "batch": limit}
-        if self.dialect == "postgresql":
-            return _claimed(conn.execute(self._claim_returning_stmt, params))
-        # MySQL/MariaDB (no UPDATE ... RETURNING): read and write in one transaction that
-        # holds the rows (SKIP LOCKED).
-        found = conn.execute(self._claim_select_stmt, params).all()
-        if not found:
-            return []
-        conn.execute(self._claim_update_stmt, {**params, "keys": [r[0] for r in found]})
-        return [Claimed(*r[:7], fence=r[7] + 1, attempt=r[8] + 1, due_time=r[9],
-                        has_extra=r[10], policy=r[11]) for r in found]
 
     def restrict_types(self, exact: Sequence[str], patterns: Sequence[str],
                        routed: Callable[[str], bool]) -> None:
         """Claim, and look for, only occurrences of types this process routes: `exact`
         names or `patterns` (Python regular expressions searched in the type, as routes'
         /re/ are), `routed` being the exact predicate.  Set once, by a worker, before its
-        first claim; the statements are rebuilt once here, never per claim.
-
-        SQLite asks `routed` itself (a function on the connection); PostgreSQL and MySQL
-        use their own regular expressions (`~`, REGEXP), which agree with Python's on
-        everyday patterns: a type they match that Python does not is given back by the
-        worker untried (see leases.py)."""
-        t = self.t
-        conds: list[Any] = []
-        if exact:
-            conds.append(t.c.type.in_(list(exact)))
-        conds.extend(t.c.type.regexp_match(p) for p in patterns)
-        cond = sa.or_(*conds) if conds else sa.false()
-        self._build_claim_statements(cond)
-        if self._hot is not None:
-            self._routed = routed
-            if patterns:
-                self._hot.restrict("perfectsched_routed(type)", ())
-            else:
-                self._hot.restrict(f"type IN ({', '.join('?' * len(exact))})" if exact
-                                   else "0", tuple(exact))
-
-    def _build_claim_statements(self, routed: Any) -> None:
-        """The claim statements, built once: building them per claim cost more Python time
-        than the database spent running them.  `routed`: the types this process claims."""
-        t = self.t
-        # Built once: each worker asks every poll_interval, and building it cost more
-        # than running it (idle CPU).
-        self._earliest_stmt = (sa.select(t.c.next_run_time).where(t.c.paused == 0, routed)
-                               .order_by(t.c.next_run_time).limit(1))
-        cols = (t.c.key, t.c.type, t.c.cron, t.c.delay, t.c.timezone, t.c.data, t.c.next_time,
-                t.c.fence, t.c.attempt)
-        due_rows = (t.c.paused == 0, t.c.next_run_time <= sa.bindparam("due_by"), routed)
-        changes = {"next_run_time": sa.bindparam("lease_until"), "fence": t.c.fence + 1,
-                   "attempt": t.c.attempt + 1, "owner": sa.bindparam("holder"),
-                   "claimed_at": sa.bindparam("claim_ts")}
-        batch = sa.bindparam("batch", type_=sa.Integer)
-        due = sa.select(t.c.key).where(*due_rows).order_by(t.c.next_run_time).limit(batch)
-        if self.dialect == "postgresql":
-            due = due.with_for_update(skip_locked=True)
-        # due_time = next_run_time: SET reads the row as it was before the UPDATE.
-        self._claim_returning_stmt = (
-            t.update().where(t.c.key.in_(due.scalar_subquery()))
-            .values(**changes, due_time=t.c.next_run_time)
-            .returning(*cols, t.c.due_time, t.c.has_extra, t.c.policy))
-        # MySQL assigns SET values left to right, so there due_time comes from the read.
-        select_rows = (sa.select(*cols, t.c.next_run_time, t.c.has_extra, t.c.policy)
-                       .where(*due_rows)
-                       .order_by(t.c.next_run_time).limit(batch))
-        if self.dialect == "mysql":
-            select_rows = select_rows.with_for_update(skip_locked=True)
-        self._claim_select_stmt = select_rows
-        self._claim_update_stmt = (t.update()
-                                   .where(t.c.key.in_(sa.bindparam("keys", expanding=True)))
-                                   .values(**changes))
+        first claim (see Backend.restrict_types)."""
+        self.backend.restrict_types(exact, patterns, routed)
 
     @_retried
     def warm_up(self) -> None:
-        """Run the hot-path statements once on nothing, so SQLAlchemy has compiled them
-        before the first burst (a first claim cost ~3 ms of compilation)."""
-        if self._hot is not None:  # sqlite3 prepares them: run the claim once on nothing
-            self._hot.finish_and_claim([], -1, 0, "", 1)
-            return
-        with self._tx() as conn:
-            self._claim_in(conn, -1, 0, "", 0)
-            if self.dialect == "mysql":  # PostgreSQL's finishes are driver SQL, not compiled
-                conn.execute(self._fences_stmt, {"keys": [""]}).all()
+        """Run the hot path once on nothing, so it is ready before the first burst."""
+        self.backend.warm_up()
 
     @_retried
     def heartbeat(self, held: Sequence[tuple[str, int]], lease_until: int) -> set[str]:
@@ -780,10 +382,7 @@ class Store:
         lost = self.pause_exhausted(pauses) if pauses else set()
         if not items:
             return lost
-        if self._hot is not None:
-            return lost | self._hot.finish_and_claim(items, 0, 0, "", 0)[0]
-        with self._tx() as conn:
-            return lost | self._advance_in(conn, items)
+        return lost | self.backend.finish_and_claim(items, 0, 0, "", 0)[0]
 
     @_retried
     def retarget(self, key: str, fence: int, next_time: int) -> bool:
@@ -810,41 +409,6 @@ class Store:
                 if done.rowcount != 1:
                     lost.add(a.key)
         return lost
-
-    def _advance_in(self, conn: Connection, items: Sequence[Advance]) -> set[str]:
-        if self.dialect == "postgresql":
-            return self._advance_pg(conn, items)
-        # MySQL: which rows still carry the caller's fence, read (and locked) inside the
-        # transaction; the writes below then match exactly those.
-        fences = {a.key: a.fence for a in items}
-        held = {k for k, f in conn.execute(self._fences_stmt, {"keys": list(fences)})
-                if fences.get(k) == f}
-        moves = [{"k": a.key, "f": a.fence, "nt": a.next_time, "nrt": a.next_run_time}
-                 for a in items if a.key in held and a.next_time is not None]
-        oneoffs = [{"k": a.key, "f": a.fence} for a in items
-                   if a.key in held and a.next_time is None]
-        if moves:
-            self._advance_many.executemany(conn, moves)
-        if oneoffs:
-            self._delete_fenced_many.executemany(conn, oneoffs)
-        return set(fences) - held
-
-    def _advance_pg(self, conn: Connection, items: Sequence[Advance]) -> set[str]:
-        """One statement for all advances, one for all one-offs, whatever the batch size:
-        the batch goes as one parameter to a fixed statement, so nothing is compiled per
-        call (a VALUES list built per batch cost half a worker's time in SQL compilation).
-        """
-        done: set[str] = set()
-        moves = sorted(({"k": a.key, "f": a.fence, "nt": a.next_time, "nrt": a.next_run_time}
-                        for a in items if a.next_time is not None), key=operator.itemgetter("k"))
-        if moves:
-            done.update(r[0] for r in conn.exec_driver_sql(
-                self._pg_advance_sql, {"rows": json.dumps(moves)}))
-        oneoffs = [{"k": a.key, "f": a.fence} for a in items if a.next_time is None]
-        if oneoffs:
-            done.update(r[0] for r in conn.exec_driver_sql(
-                self._pg_delete_sql, {"rows": json.dumps(oneoffs)}))
-        return {a.key for a in items} - done
 
     @_retried
     def mark_extra(self, key: str) -> bool:
@@ -956,11 +520,7 @@ class Store:
         payload = list(runs)
         if not payload:
             return
-        with self._tx() as conn:
-            if self.dialect == "postgresql":  # one statement, as in advance
-                conn.exec_driver_sql(self._pg_history_sql, {"rows": json.dumps(payload)})
-            else:
-                self._record_runs_many.executemany(conn, payload)
+        self.backend.record_runs(payload)
 
     @_retried
     def history(self, key: str, limit: int) -> list[dict[str, Any]]:

@@ -15,7 +15,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 
 import perfectschedd
 from perfectschedd import ScheduleCollection
-from perfectschedd.sqlite_hotpath import CLAIMED_COLUMNS
+from perfectschedd.backends.sqlite import CLAIMED_COLUMNS, SQLiteBackend
 from perfectschedd.store import Advance, Claimed
 
 T0 = 1_700_002_800
@@ -44,7 +44,7 @@ def row(db: Path, key: str) -> tuple[int, int, str | None]:
 
 
 def test_the_hot_path_is_what_sqlite_stores_use(sc: ScheduleCollection) -> None:
-    assert sc.store._hot is not None
+    assert isinstance(sc.store.backend, SQLiteBackend)
     assert Claimed._fields == CLAIMED_COLUMNS  # its rows become Claimed(*row)
 
 

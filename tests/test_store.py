@@ -455,11 +455,20 @@ def test_a_sqlite_store_loads_no_other_dialect(tmp_path: Path) -> None:
     code = ("import sys, perfectschedd\n"
             f"sc = perfectschedd.open({{'type': 'rdb_compat', 'url': 'sqlite:///{tmp_path}/x.db'}})\n"
             "sc.init(); sc.add('k', 't', cron='@daily'); sc.list(); sc.close()\n"
-            "print(sorted(m for m in sys.modules if m.startswith('sqlalchemy.dialects.')))\n")
+            "print(sorted(m for m in sys.modules if m.startswith(\n"
+            "    ('sqlalchemy.dialects.', 'perfectschedd.backends.'))))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
-    assert "sqlalchemy.dialects.sqlite" in out
+    assert "sqlalchemy.dialects.sqlite" in out and "perfectschedd.backends.sqlite" in out
     assert "postgresql" not in out and "mysql" not in out
+
+
+def test_each_database_has_its_own_backend(sc: ScheduleCollection) -> None:
+    """One class per database: its hot path, its "try again" errors, its engine."""
+    backend = sc.store.backend
+    assert backend.name == sc.store.url.get_backend_name()
+    assert type(backend).__module__ == f"perfectschedd.backends.{backend.name}"
+    assert (backend.write_lock is not None) == (backend.name == "sqlite")
 
 
 def test_run_history_is_recorded_in_batches_newest_first(sc: ScheduleCollection) -> None:
