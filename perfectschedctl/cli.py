@@ -157,6 +157,15 @@ def build_parser() -> argparse.ArgumentParser:
     hist.add_argument("-n", "--limit", type=_limit, default=20,
                       help=f"at most this many runs, newest first (1-{HISTORY_MAX}, default 20)")
 
+    app = command("apply", "converge the database to schedules files (added|changed|"
+                           "removed|unchanged KEY)")
+    app.add_argument("paths", nargs="+", metavar="FILE|DIR",
+                     help="schedules files, or directories of *.yml files")
+    app.add_argument("--dry-run", action="store_true", help="say what would change, write "
+                     "nothing")
+    app.add_argument("--prune", action="store_true", help="also remove schedules from "
+                     "schedules files (source file:*) that these files do not hold")
+
     command("status", "daemon status: workers, running tasks, backlog")
     command("reload", "reload the daemon's configuration (like SIGHUP)")
     command("init", "create the table (with -c)")
@@ -192,7 +201,29 @@ def request_of(ns: argparse.Namespace) -> tuple[str, dict[str, Any]]:
         return cmd, {"key": ns.key, "limit": ns.limit}
     if cmd in ("show", "delete", "pause", "resume", "run"):
         return cmd, {"key": ns.key}
+    if cmd == "apply":
+        return cmd, _apply_request(ns)
     return cmd, {}
+
+
+def _apply_request(ns: argparse.Namespace) -> dict[str, Any]:
+    """Read and check the files here; only what is stored travels (no command, env or
+    user).  Every problem is a line on stderr, and nothing is sent."""
+    from perfectschedd import converge, schedfiles
+
+    missing = [p for p in ns.paths if not os.path.exists(p)]
+    if missing:
+        raise _BadArgument(f"{missing[0]}: no such file or directory")
+    loaded = schedfiles.load(ns.paths, need_user_support=False)
+    if loaded.errors:
+        raise _BadArgument("\n".join(f"perfectschedctl: {e}" for e in loaded.errors)
+                           .removeprefix("perfectschedctl: "))
+    execs = sum(e.exec is not None for e in loaded.entries.values())
+    if execs:
+        print(f"perfectschedctl: note: {execs} exec entr{'y runs' if execs == 1 else 'ies run'}"
+              " only on hosts whose schedules_dir holds the file", file=sys.stderr)
+    return {"entries": converge.to_wire(loaded.entries), "prune": ns.prune,
+            "dry_run": ns.dry_run}
 
 
 class _BadArgument(Exception):
@@ -221,14 +252,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cmd, args = request_of(ns)
         if ns.config:
-            result = _direct(ns, cmd, args)
+            def send(cmd: str, args: dict[str, Any]) -> Any:
+                return _direct(ns, cmd, args)
         else:
             if cmd == "init":
                 raise _BadArgument("init opens the database directly: give -c CONFIG")
             if ns.environment:
                 raise _BadArgument("-e needs -c CONFIG")
             path = ns.socket or os.environ.get("PERFECTSCHED_SOCKET") or DEFAULT_SOCKET
-            result = SocketClient(path).call(cmd, args)
+            send = SocketClient(path).call
+        if cmd == "apply" and not args["dry_run"]:
+            # A key that belongs elsewhere refuses the whole apply before anything is
+            # written (asked first as a dry run).
+            refused = [c for c in send(cmd, {**args, "dry_run": True})["changes"]
+                       if c.startswith("refused ")]
+            if refused:
+                raise _BadArgument("\n".join(f"perfectschedctl: {c}" for c in refused)
+                                   .removeprefix("perfectschedctl: "))
+        result = send(cmd, args)
     except (_BadArgument, ScheduleError, ConfigError, DaemonUnavailable,
             protocol.ProtocolError, protocol.RemoteError) as exc:
         print(f"perfectschedctl: {exc}", file=sys.stderr)

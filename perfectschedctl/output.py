@@ -110,6 +110,9 @@ def print_result(cmd: str, result: Any, *, as_json: bool) -> None:
         # Not "ready": scripts and people wait for the daemon's "ready" line.
         print(f"created table {result['table']}" if result.get("created")
               else f"table {result['table']} exists")
+    elif cmd == "apply":
+        for line in result.get("changes", []):
+            print(line)
     elif cmd == "reload":
         if result.get("reload") == "done":
             print(f"reloaded: the new configuration runs, {result.get('workers')} new "

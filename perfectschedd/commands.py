@@ -18,7 +18,7 @@ from .schedules import ScheduleCollection, ScheduleInfo, lookup_key
 
 # Fields of `list --json` (SPEC) and of `show`, in this order.
 LIST_FIELDS = ("key", "type", "cron", "delay", "timezone", "next_time", "next_run_time", "data",
-               *POLICY_OPTIONS)
+               *POLICY_OPTIONS, "source")
 SHOW_FIELDS = LIST_FIELDS + ("paused", "paused_reason", "attempt", "owner", "claimed_at")
 
 
@@ -137,6 +137,21 @@ def _init(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[str,
     return {"table": sc.config.table, "initialized": True, "created": created}
 
 
+def _apply(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[str, Any]:
+    """Converge to schedules files read by the caller (perfectschedctl apply): their
+    entries, without commands.  Adds and changes; with `prune`, also removes."""
+    from . import converge
+
+    entries = converge.from_wire(_arg(a, "entries"))
+    prune, dry_run = a.get("prune", False), a.get("dry_run", False)
+    if not isinstance(prune, bool) or not isinstance(dry_run, bool):
+        raise InvalidInputError("prune", "prune and dry_run must be true or false")
+    # --prune: every schedule that came from a file and is not in these files goes.
+    remove_from = sc.store.file_sources() if prune else []
+    changes = converge.converge(sc, entries, remove_from, dry_run=dry_run, now=now)
+    return converge.summary(changes)
+
+
 Handler = Callable[[ScheduleCollection, Mapping[str, Any], float], Any]
 
 COMMANDS: dict[str, Handler] = {
@@ -151,9 +166,10 @@ COMMANDS: dict[str, Handler] = {
     "run": _run,
     "history": _history,
     "init": _init,
+    "apply": _apply,
 }
 # Commands that change what workers should do next: the daemon wakes its workers after them.
-WAKING = frozenset({"add", "add_many", "modify", "resume", "run"})
+WAKING = frozenset({"add", "add_many", "modify", "resume", "run", "apply"})
 # Commands that change a stored schedule (D-Bus signals ScheduleChanged after them).
 CHANGING = frozenset({"add", "add_many", "delete", "modify", "pause", "resume", "run"})
 # The arguments each command accepts; anything else is refused (a typo never goes unseen).
@@ -171,6 +187,7 @@ ARGS: dict[str, frozenset[str]] = {
     "run": frozenset({"key"}),
     "history": frozenset({"key", "limit"}),
     "init": frozenset(),
+    "apply": frozenset({"entries", "prune", "dry_run"}),
     # Answered by the daemon itself (supervisor.dispatch), listed for check_args.
     "status": frozenset(),
     "reload": frozenset(),

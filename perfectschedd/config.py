@@ -18,6 +18,7 @@ from .errors import ConfigError, NotSupportedError, describe
 
 DEFAULT_CONFIG_PATH = "/etc/perfectsched/perfectsched.yml"
 DEFAULT_SOCKET = "/run/perfectsched/perfectschedd.sock"
+DEFAULT_SCHEDULES_DIR = "/etc/perfectsched/schedules.d"
 # Documented default port of /metrics (README, perfectschedd(8)); not registered with IANA.
 DEFAULT_METRICS_PORT = 9839
 DEFAULT_METRICS_LISTEN = f"127.0.0.1:{DEFAULT_METRICS_PORT}"
@@ -34,6 +35,10 @@ class RouteConfig:
     exec: tuple[str, ...] | None = None
     python: str | None = None
     timeout: float | None = None
+    # Set by a schedules file's exec entry (schedfiles.py), never by `routes`:
+    env: tuple[tuple[str, str], ...] = ()  # added to the job's environment
+    user: str | None = None                # run the job as this user (the daemon is root)
+    append_key: bool = True                # the key as last argument (an entry's is fixed)
 
     @property
     def regexp(self) -> re.Pattern[str] | None:
@@ -78,6 +83,8 @@ class Config:
     worker_timeout: float = 30.0
     routes: tuple[RouteConfig, ...] = ()
     history_limit: int = 100
+    # Schedules files (*.yml) the daemon converges the database to; None: none.
+    schedules_dir: str | None = DEFAULT_SCHEDULES_DIR
     # This host's name in lease owners ("node:pid") and status; default: the hostname.
     node_name: str | None = None
     source: str | None = field(default=None, compare=False)
@@ -98,7 +105,7 @@ _KNOWN_KEYS = {
     "workers", "concurrency", "control_socket", "control_group", "metrics_listen", "dbus",
     "dbus_address",
     "shutdown_timeout", "kill_grace", "worker_timeout", "routes", "history_limit",
-    "node_name",
+    "node_name", "schedules_dir",
 }
 
 
@@ -219,6 +226,13 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
                                   or not _NODE_NAME.match(node_name)):
         raise ConfigError(f"node_name: must be 1-64 letters, digits, '.', '_' or '-', "
                           f"got {describe(node_name)}")
+    schedules_dir = raw.get("schedules_dir", DEFAULT_SCHEDULES_DIR)
+    if schedules_dir in (False, "off"):
+        schedules_dir = None
+    if schedules_dir is not None and (not isinstance(schedules_dir, str) or not schedules_dir
+                                      or "\0" in schedules_dir):
+        raise ConfigError(f"schedules_dir: must be a directory path or off, got "
+                          f"{describe(schedules_dir)}")
     dbus = raw.get("dbus", False)
     if not isinstance(dbus, bool):
         raise ConfigError("dbus: must be true or false")
@@ -248,6 +262,7 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
         routes=_routes(raw.get("routes")),
         history_limit=_number(raw, "history_limit", 100, minimum=0, integer=True),
         node_name=node_name,
+        schedules_dir=schedules_dir,
         source=source,
     )
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import errno
 import heapq
 import importlib
 import itertools
@@ -31,6 +32,7 @@ import json
 import logging
 import math
 import os
+import pwd
 import re
 import select
 import signal
@@ -474,6 +476,23 @@ def _exec_env(task: TaskLike, run_id: str | None) -> dict[bytes, bytes]:
     return env
 
 
+def _as_user(name: str, env: dict[bytes, bytes]) -> dict[str, Any]:
+    """Popen's arguments to run a job as user `name` (a schedules file's `user:`), as
+    cron does: its uid, primary and supplementary groups, HOME/USER/LOGNAME, and its home
+    as working directory.  Nothing when the daemon already runs as that user."""
+    try:
+        pw = pwd.getpwnam(name)
+    except KeyError:  # removed since the file was read: this run fails, logged
+        raise OSError(errno.ESRCH, f"no such user {name!r}") from None
+    if pw.pw_uid == os.geteuid():
+        return {}
+    env[b"HOME"] = os.fsencode(pw.pw_dir)
+    env[b"USER"] = env[b"LOGNAME"] = os.fsencode(pw.pw_name)
+    return {"user": pw.pw_uid, "group": pw.pw_gid,
+            "extra_groups": os.getgrouplist(pw.pw_name, pw.pw_gid),
+            "cwd": pw.pw_dir if os.path.isdir(pw.pw_dir) else "/"}
+
+
 def _later(line: str) -> float | None:
     m = _SCHED_LATER.fullmatch(line.strip())
     if m is None:
@@ -486,12 +505,17 @@ def _run_exec(task: TaskLike, handler: ExecHandler, log: Log, stop_event: Stop |
               kill_grace: float, run_id: str | None,
               on_spawn: Callable[[int], None] | None) -> tuple[Outcome, int | None]:
     key = task.key
-    argv = [*handler.argv, key]
+    route = handler.route
+    argv = [*handler.argv, key] if route.append_key else list(handler.argv)
     try:
         payload = json.dumps(task.data).encode()
+        env = _exec_env(task, run_id)
+        for name, value in route.env:
+            env[os.fsencode(name)] = os.fsencode(value)
+        as_user = _as_user(route.user, env) if route.user is not None else {}
         proc = subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env=_exec_env(task, run_id), start_new_session=True, close_fds=True,
+            env=env, start_new_session=True, close_fds=True, **as_user,
         )
     except OSError as exc:
         log.error("%s: cannot run %s: %s", key, argv[0], exc.strerror or exc)

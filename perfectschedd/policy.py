@@ -40,9 +40,13 @@ class Policy:
     # -- stored form ----------------------------------------------------------------------
 
     def to_text(self) -> str | None:
-        changed = {f.name: getattr(self, f.name) for f in fields(self)
-                   if getattr(self, f.name) != f.default}
+        changed = self.to_fields_changed()
         return json.dumps(changed, separators=(",", ":"), sort_keys=True) if changed else None
+
+    def to_fields_changed(self) -> dict[str, Any]:
+        """The options that differ from the defaults."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if getattr(self, f.name) != f.default}
 
     def as_fields(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

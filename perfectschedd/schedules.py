@@ -65,6 +65,7 @@ class ScheduleInfo:
     retry_wait: int | None = None
     jitter: int = 0
     timeout: float | None = None
+    source: str = "api"  # file:NAME for a schedule from a schedules file
 
     @property
     def running(self) -> bool:
@@ -82,7 +83,7 @@ class ScheduleInfo:
             next_time=row.next_time, next_run_time=row.next_run_time,
             data=_stored_data(row.data), paused=row.paused, attempt=row.attempt,
             owner=row.owner, claimed_at=row.claimed_at, paused_reason=row.paused_reason,
-            **policy_mod.from_text(row.policy).as_fields(),
+            source=row.source or "api", **policy_mod.from_text(row.policy).as_fields(),
         )
 
     @property
@@ -100,7 +101,7 @@ def _stored_data(text: str) -> dict[str, Any]:
 
 # -- validation of user input -------------------------------------------------------------
 
-def _check_text(field: str, value: Any, limit: int) -> str:
+def check_text(field: str, value: Any, limit: int) -> str:
     if not isinstance(value, str) or not value:
         raise InvalidInputError(field, "must be a non-empty string")
     if len(value) > limit:
@@ -124,7 +125,7 @@ def check_key(key: Any) -> str:
     argument, so it never starts with `-` (GNU tools read options after operands), and it
     is written to logs, so it holds no control or separator character; `@run-` is kept
     for the keys of extra runs."""
-    _check_text("key", key, KEY_MAX)
+    check_text("key", key, KEY_MAX)
     if key.startswith("-"):
         raise InvalidInputError("key", "must not start with '-' (it reaches jobs as an "
                                 "argument)")
@@ -140,7 +141,7 @@ def check_key(key: Any) -> str:
 def lookup_key(key: Any, field: str = "key") -> str:
     """A key to look up (or a prefix, or a paging cursor): text of a key's length, but not
     held to check_key's rules, so keys stored before those rules keep working."""
-    return _check_text(field, key, KEY_MAX)
+    return check_text(field, key, KEY_MAX)
 
 
 def key_problem(key: str) -> str | None:
@@ -407,7 +408,7 @@ class Schedule:
         policy_changes = policy_mod.check(policies)
         values: dict[str, Any] = {}
         if type is not _UNSET:
-            values["type"] = _check_text("type", type, TYPE_MAX)
+            values["type"] = check_text("type", type, TYPE_MAX)
         if cron is not _UNSET:
             values["cron"] = check_cron(cron)
         if delay is not _UNSET:
@@ -499,7 +500,8 @@ class ScheduleCollection:
                   timezone: str | None = None, next_time: int | None = None,
                   next_run_time: int | None = None, data: Any = None,
                   now: float | None = None, start: int | None = None,
-                  at: int | None = None, **policies: Any) -> Row:
+                  at: int | None = None, source: str | None = None,
+                  **policies: Any) -> Row:
         """Validate an `add` request into a row (no I/O).  `policies`: the schedule
         policy options (policy.OPTIONS)."""
         unknown = set(policies) - set(policy_mod.OPTIONS)
@@ -507,7 +509,7 @@ class ScheduleCollection:
             raise InvalidInputError(sorted(unknown)[0], "unknown option")
         chosen = policy_mod.DEFAULT.changed(policies)
         check_key(key)
-        _check_text("type", type, TYPE_MAX)
+        check_text("type", type, TYPE_MAX)
         tz = check_timezone(timezone if timezone is not None else self.config.timezone)
         delay = check_int("delay", delay)
         data_text = check_data(data)
@@ -526,7 +528,7 @@ class ScheduleCollection:
         run_at = at if at is not None else first + delay + chosen.offset(key)
         return Row(key=key, type=type, cron=expr, delay=delay, timezone=tz, data=data_text,
                    next_time=first, next_run_time=run_at, paused=False, fence=0, attempt=0,
-                   owner=None, claimed_at=None, policy=chosen.to_text())
+                   owner=None, claimed_at=None, policy=chosen.to_text(), source=source)
 
     def add(self, key: str, type: str, cron: str | None = None, **options: Any) -> Schedule:
         """Register a schedule (SPEC `add`); AlreadyExistsError if the key is taken."""

@@ -22,6 +22,7 @@ TZ_MAX = 64
 DATA_MAX = 65536
 PAUSED_REASON_MAX = 400
 POLICY_MAX = 400
+SOURCE_MAX = 300
 # How long an operation is tried again while the database says "try again" (a SQLite
 # writer waiting for the lock: busy_timeout and our retries; a deadlock victim).
 TRY_AGAIN_FOR = 60.0
@@ -46,6 +47,7 @@ class Row:
     claimed_at: float | None
     paused_reason: str | None = None
     policy: str | None = None  # policy.Policy.to_text(): NULL for the defaults
+    source: str | None = None  # file:NAME; None: made with `add`
 
 
 class Claimed(NamedTuple):
@@ -115,6 +117,8 @@ def schedules_table(metadata: sa.MetaData, name: str, data_type: sa.types.TypeEn
         # The member of this schedule's group (itself, or an extra run KEY@run-...) that
         # runs now, or ran last: the others wait while it holds a live lease.
         sa.Column("group_holder", sa.String(KEY_MAX), nullable=True),
+        # Where the schedule comes from: file:NAME (a schedules file); NULL: `add`.
+        sa.Column("source", sa.String(SOURCE_MAX), nullable=True),
     )
     # The claim reads "unpaused rows, smallest next_run_time first": O(log n) on this index.
     sa.Index(f"{name}_due", t.c.paused, t.c.next_run_time)

@@ -193,7 +193,7 @@ class Store:
             "timezone": row.timezone, "data": row.data, "next_time": row.next_time,
             "next_run_time": row.next_run_time, "paused": int(row.paused),
             "fence": 0, "attempt": 0, "owner": None, "claimed_at": None,
-            "policy": row.policy,
+            "policy": row.policy, "source": row.source,
         }
         try:
             with self._tx() as conn:
@@ -209,7 +209,8 @@ class Store:
             {"key": r.key, "type": r.type, "cron": r.cron, "delay": r.delay,
              "timezone": r.timezone, "data": r.data, "next_time": r.next_time,
              "next_run_time": r.next_run_time, "paused": int(r.paused), "fence": 0,
-             "attempt": 0, "owner": None, "claimed_at": None, "policy": r.policy}
+             "attempt": 0, "owner": None, "claimed_at": None, "policy": r.policy,
+             "source": r.source}
             for r in rows
         ]
         with self._tx() as conn:
@@ -230,6 +231,28 @@ class Store:
             return res.rowcount > 0
 
     # -- reads ----------------------------------------------------------------------------
+
+    @_retried
+    def rows_of(self, keys: Sequence[str] = (), sources: Sequence[str] = ()) -> list[Row]:
+        """The rows with these keys or from these sources (schedules files), read in
+        slices of IN lists."""
+        t = self.t
+        found: dict[str, Row] = {}
+        with self._tx(readonly=True) as conn:
+            for column, values in ((t.c.key, list(keys)), (t.c.source, list(sources))):
+                for i in range(0, len(values), 500):
+                    q = sa.select(t).where(column.in_(values[i:i + 500]))
+                    for r in conn.execute(q):
+                        found.setdefault(r._mapping["key"], self._row(r))
+        return list(found.values())
+
+    @_retried
+    def file_sources(self) -> list[str]:
+        """The sources of schedules that came from schedules files (file:NAME)."""
+        t = self.t
+        q = sa.select(t.c.source).where(t.c.source.startswith("file:")).distinct()
+        with self._tx(readonly=True) as conn:
+            return [r[0] for r in conn.execute(q)]
 
     @_retried
     def get(self, key: str) -> Row | None:
@@ -319,7 +342,7 @@ class Store:
             next_run_time=int(m["next_run_time"]), paused=bool(m["paused"]),
             fence=int(m["fence"]), attempt=int(m["attempt"]), owner=m["owner"],
             claimed_at=m["claimed_at"], paused_reason=m.get("paused_reason"),
-            policy=m.get("policy"),
+            policy=m.get("policy"), source=m.get("source"),
         )
 
     # -- holder-side: claim, heartbeat, finish, retry, release ----------------------------

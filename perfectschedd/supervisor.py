@@ -32,6 +32,7 @@ import sdnotify
 from . import __version__, commands, jobreaper, logsetup, metrics
 from . import config as config_mod
 from .config import Config
+from .converge import FileSchedules
 from .errors import ConfigError, InvalidInputError, NotSupportedError
 from .masterdb import MasterDatabase
 from .store import check_url, engine_url
@@ -75,6 +76,8 @@ class Supervisor:
         self.started = time.time()
         self.ready = False
         self.db = MasterDatabase(config)
+        self.files = FileSchedules()
+        self.config = self.files.load(config)
         self.spawn_postponed = False
         self.gc_frozen = False
         self.dbus_attempt = 0  # a retry thread gives up when this moves on
@@ -457,6 +460,7 @@ class Supervisor:
             return why
         if self.last_error is not None and self.last_error.startswith("reload: "):
             self.last_error = None  # that error is over: this configuration loaded
+        new = self.files.load(new)  # a bad schedules file is its own error, never fatal
         self.config = new
         if (new.url, new.table) != (old.url, old.table):
             self.db.stop_in_background()
@@ -751,6 +755,8 @@ class Supervisor:
         self.reap()
         self.sweep_orphans()
         self.manage_workers()
+        if self.db.sc is not None and self.files.take_pending():
+            self.db.in_background("applying schedules files", self.files.apply)
         self._finish_reload()
         if not self.ready and self.table.all_pinged():
             self.ready = True

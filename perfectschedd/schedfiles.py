@@ -1,0 +1,268 @@
+"""Schedules as files (SPEC "Declarative schedules and migration"): reading and checking
+them.  Converging the database to them is converge.py's.
+
+A schedules file is a YAML list of entries.  Each file is checked whole: one bad entry
+rejects the file (its schedules keep their previous state), and every problem is
+reported, one line each, naming the file, the entry and the field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from . import cron as cron_mod
+from . import policy as policy_mod
+from .config import RouteConfig
+from .errors import InvalidInputError, describe
+from .schedules import check_cron, check_data, check_int, check_key, check_text, check_timezone
+from .schema import TYPE_MAX
+
+# The source of a schedule made with `add` (stored as NULL).
+SOURCE_API = "api"
+SOURCE_FILE = "file:"
+# An exec entry's task type: only hosts whose files hold the entry route it.
+EXEC_TYPE = "exec:"
+FILE_MAX = 4 << 20      # bytes of one schedules file
+ENTRIES_MAX = 20_000    # entries of one file
+SUFFIX = ".yml"
+ENTRY_KEYS = frozenset({"key", "cron", "type", "exec", "timezone", "delay", "data", "user",
+                        "env", *policy_mod.OPTIONS})
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One schedule of a file, checked.  What is stored (`stored()`) is all that leaves
+    this host: the command, its environment and its user stay in the host's files."""
+
+    key: str
+    source: str                          # file:NAME
+    cron: str
+    type: str                            # the entry's, or exec:KEY
+    timezone: str | None                 # None: the configuration's default
+    delay: int
+    data: str                            # canonical JSON text
+    policy: policy_mod.Policy
+    exec: tuple[str, ...] | None = None  # argv; a shell line is ("/bin/sh", "-c", LINE)
+    env: tuple[tuple[str, str], ...] = ()
+    user: str | None = None
+
+    def stored(self, default_timezone: str) -> dict[str, Any]:
+        """The fields the database holds, as `add` takes them."""
+        return {"type": self.type, "cron": self.cron,
+                "timezone": self.timezone or default_timezone, "delay": self.delay,
+                "data": json.loads(self.data), **self.policy.as_fields()}
+
+    def route(self) -> RouteConfig | None:
+        """The route of an exec entry: its own type, on this host only."""
+        if self.exec is None:
+            return None
+        return RouteConfig(pattern=self.type, exec=self.exec, timeout=self.policy.timeout,
+                           env=self.env, user=self.user, append_key=False)
+
+
+@dataclass
+class Loaded:
+    """What a set of files holds."""
+
+    entries: dict[str, Entry] = field(default_factory=dict)  # by key, in file order
+    sources: set[str] = field(default_factory=set)           # files read whole
+    broken: set[str] = field(default_factory=set)            # files rejected whole
+    errors: list[str] = field(default_factory=list)          # one line per problem
+
+    def routes(self) -> tuple[RouteConfig, ...]:
+        return tuple(r for e in self.entries.values() if (r := e.route()) is not None)
+
+
+def source_of(path: Path) -> str:
+    return f"{SOURCE_FILE}{path.name}"
+
+
+def files_in(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
+    """The files named, and the *.yml files of the directories named (sorted)."""
+    out: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            out.extend(sorted(f for f in p.iterdir()
+                              if f.name.endswith(SUFFIX) and not f.name.startswith(".")
+                              and f.is_file()))
+        else:
+            out.append(p)
+    return out
+
+
+def load(paths: Iterable[str | os.PathLike[str]], *, need_user_support: bool = True
+         ) -> Loaded:
+    """Read and check files and directories.  `need_user_support`: refuse `user` unless
+    this process could run a job as another user (root), as the daemon must; `apply`
+    from a workstation only stores what is stored and does not ask."""
+    loaded = Loaded()
+    for path in files_in(paths):
+        source = source_of(path)
+        entries, errors = _load_file(path, need_user_support)
+        taken = [e.key for e in entries if e.key in loaded.entries]
+        errors += [f"{path}: key {k!r} is also in "
+                   f"{loaded.entries[k].source[len(SOURCE_FILE):]}" for k in taken]
+        if source in loaded.sources or source in loaded.broken:
+            errors.append(f"{path}: another file named {path.name} was read already")
+        if errors:
+            loaded.errors.extend(errors)
+            loaded.broken.add(source)
+            continue
+        loaded.sources.add(source)
+        for e in entries:
+            loaded.entries[e.key] = e
+    return loaded
+
+
+def _load_file(path: Path, need_user_support: bool) -> tuple[list[Entry], list[str]]:
+    try:
+        with path.open("rb") as f:
+            raw = f.read(FILE_MAX + 1)
+    except OSError as exc:
+        return [], [f"{path}: cannot read: {exc.strerror}"]
+    if len(raw) > FILE_MAX:
+        return [], [f"{path}: larger than {FILE_MAX} bytes"]
+    try:
+        data = yaml.safe_load(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        return [], [f"{path}: not UTF-8 text"]
+    except yaml.YAMLError as exc:
+        return [], [f"{path}: not valid YAML: {str(exc).splitlines()[0]}"]
+    except RecursionError:
+        return [], [f"{path}: nested too deeply"]
+    if data is None:
+        return [], []  # an empty file (or only comments): no schedules
+    if not isinstance(data, list):
+        return [], [f"{path}: must be a list of schedule entries"]
+    if len(data) > ENTRIES_MAX:
+        return [], [f"{path}: more than {ENTRIES_MAX} entries"]
+    source = source_of(path)
+    entries: list[Entry] = []
+    errors: list[str] = []
+    seen: set[str] = set()
+    for i, raw_entry in enumerate(data, 1):
+        where = f"{path}: entry {i}"
+        if isinstance(raw_entry, Mapping) and isinstance(raw_entry.get("key"), str):
+            where += f" ({raw_entry['key'][:80]})"
+        try:
+            entry = check_entry(raw_entry, source, need_user_support)
+        except InvalidInputError as exc:
+            errors.append(f"{where}: {exc}")
+            continue
+        except RecursionError:
+            errors.append(f"{where}: nested too deeply")
+            continue
+        if entry.key in seen:
+            errors.append(f"{where}: key {entry.key!r} appears twice in this file")
+            continue
+        seen.add(entry.key)
+        entries.append(entry)
+    return entries, errors
+
+
+def check_entry(raw: Any, source: str, need_user_support: bool = True,
+                stored_only: bool = False) -> Entry:
+    """One entry, checked as `add` checks its arguments; InvalidInputError names the
+    field.  `stored_only`: an entry as `apply` sends it to the daemon, whose exec entries
+    come as their type (exec:KEY) without the command."""
+    if not isinstance(raw, Mapping):
+        raise InvalidInputError("entry", f"must be a mapping, got {describe(raw)}")
+    unknown = sorted(str(k) for k in raw if k not in ENTRY_KEYS)
+    if unknown:
+        raise InvalidInputError(unknown[0], "unknown field (known: "
+                                f"{', '.join(sorted(ENTRY_KEYS))})")
+    key = check_key(raw.get("key"))
+    if "cron" not in raw:
+        raise InvalidInputError("cron", "required")
+    expr = check_cron(raw["cron"])
+    if cron_mod.is_once(expr):
+        raise InvalidInputError("cron", "@once is not for schedules files (it would run "
+                                "again after every reload); use perfectschedctl add")
+    has_type, has_exec = raw.get("type") is not None, raw.get("exec") is not None
+    if has_type == has_exec:
+        raise InvalidInputError("type", "needs exactly one of type or exec")
+    argv: tuple[str, ...] | None = None
+    if has_exec:
+        argv = _check_exec(raw["exec"])
+        task_type = f"{EXEC_TYPE}{key}"
+        if len(task_type) > TYPE_MAX:
+            raise InvalidInputError("key", f"longer than {TYPE_MAX - len(EXEC_TYPE)} "
+                                    "characters (an exec entry's type is exec:KEY)")
+    else:
+        task_type = check_text("type", raw["type"], TYPE_MAX)
+        if task_type.startswith(EXEC_TYPE) and not (
+                stored_only and task_type == f"{EXEC_TYPE}{key}"):
+            raise InvalidInputError("type", f"{EXEC_TYPE!r} is kept for exec entries")
+    tz = raw.get("timezone")
+    if tz is not None:
+        tz = check_timezone(tz)
+    delay = check_int("delay", raw.get("delay", 0))
+    data = check_data(raw.get("data"))
+    chosen = policy_mod.DEFAULT.changed({k: raw[k] for k in policy_mod.OPTIONS if k in raw})
+    env = _check_env(raw.get("env"))
+    if env and argv is None:
+        raise InvalidInputError("env", "only for exec entries (a type's route has its own)")
+    user = raw.get("user")
+    if user is not None:
+        if argv is None:
+            raise InvalidInputError("user", "only for exec entries")
+        user = _check_user(user, need_user_support)
+    return Entry(key=key, source=source, cron=expr, type=task_type, timezone=tz, delay=delay,
+                 data=data, policy=chosen, exec=argv, env=env, user=user)
+
+
+def _check_exec(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        if not value.strip():
+            raise InvalidInputError("exec", "must not be empty")
+        if "\0" in value:
+            raise InvalidInputError("exec", "contains a NUL character")
+        return ("/bin/sh", "-c", value)  # as cron runs a crontab line
+    if not isinstance(value, list) or not value or not all(isinstance(a, str) for a in value):
+        raise InvalidInputError("exec", "must be a shell line or a non-empty list of strings")
+    if any("\0" in a for a in value) or not value[0]:
+        raise InvalidInputError("exec", "an empty program or a NUL character")
+    return tuple(value)
+
+
+def _check_env(value: Any) -> tuple[tuple[str, str], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, Mapping):
+        raise InvalidInputError("env", "must be a mapping of NAME: value")
+    out = []
+    for name, text in value.items():
+        if not isinstance(name, str) or not _ENV_NAME.match(name):
+            raise InvalidInputError("env", f"bad variable name {describe(name)}")
+        if isinstance(text, bool) or not isinstance(text, str | int | float):
+            raise InvalidInputError("env", f"{name}: must be text, got {describe(text)}")
+        text = str(text)
+        if "\0" in text:
+            raise InvalidInputError("env", f"{name}: contains a NUL character")
+        out.append((name, text))
+    return tuple(out)
+
+
+def _check_user(value: Any, need_user_support: bool) -> str:
+    if not isinstance(value, str) or not value:
+        raise InvalidInputError("user", "must be a user name")
+    if not need_user_support:
+        return value
+    try:
+        uid = pwd.getpwnam(value).pw_uid
+    except KeyError:
+        raise InvalidInputError("user", f"no such user {value!r} on this host") from None
+    if os.geteuid() not in (0, uid):
+        raise InvalidInputError("user", f"running as {value!r} needs the daemon to run as "
+                                "root (this one does not)")
+    return value

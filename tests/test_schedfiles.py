@@ -1,0 +1,220 @@
+"""Schedules as files (SPEC "Declarative schedules and migration", issue #16) against real
+daemons: convergence at start and on reload, exec entries as their own routes, two hosts
+with the same files, broken files, and `perfectschedctl apply`."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import yaml
+from daemon_harness import Daemon, lines, sh, wait_until
+
+import perfectschedd
+
+
+def write(path: Path, entries: list[dict[str, Any]] | str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = entries if isinstance(entries, str) else yaml.safe_dump(entries, sort_keys=False)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def listed(d: Daemon) -> dict[str, dict[str, Any]]:
+    return {s["key"]: s for s in d.ctl_json("list")}
+
+
+def fences(url: str, keys: list[str]) -> dict[str, int]:
+    with perfectschedd.open({"type": "rdb_compat", "url": url}) as sc:
+        return {k: row.fence for k in keys if (row := sc.store.get(k)) is not None}
+
+
+def applies(d: Daemon) -> int:
+    """How many times the daemon has applied its files (one summary line each)."""
+    return d.log().count("schedules files: applied")
+
+
+def reload(d: Daemon) -> None:
+    """Reload, and wait for the apply that follows it (run once the store answers)."""
+    before = applies(d)
+    d.ctl("reload")
+    wait_until(lambda: applies(d) > before, what="the reload's apply")
+
+
+ENTRIES = [
+    {"key": "nightly", "cron": "0 3 * * *", "type": "t", "data": {"n": 1}},
+    {"key": "hourly", "cron": "@hourly", "type": "t", "timezone": "Asia/Tokyo",
+     "max_attempts": 3},
+    {"key": "report", "cron": "30 6 * * 1", "type": "t", "jitter": 60},
+]
+
+
+def test_files_converge_at_start_and_on_reload(daemon_factory: Any, db_url: str,
+                                               tmp_path: Path) -> None:
+    sdir = tmp_path / "schedules.d"
+    write(sdir / "jobs.yml", ENTRIES)
+    write(sdir / "other.yml", [{"key": "weekly", "cron": "@weekly", "type": "t"}])
+    (sdir / "README").write_text("not a *.yml file: ignored\n")
+    d: Daemon = daemon_factory({"schedules_dir": str(sdir), "routes": [sh("t", "true")]},
+                               url=db_url).start()
+    wait_until(lambda: len(d.ctl_json("list")) == 4, what="four schedules from the files")
+    got = listed(d)
+    assert {k: v["source"] for k, v in got.items()} == {
+        "nightly": "file:jobs.yml", "hourly": "file:jobs.yml", "report": "file:jobs.yml",
+        "weekly": "file:other.yml"}
+    assert got["hourly"]["timezone"] == "Asia/Tokyo" and got["hourly"]["max_attempts"] == 3
+    assert got["nightly"]["data"] == {"n": 1} and got["report"]["jitter"] == 60
+    d.ctl("add", "manual", "t", "@daily")
+    assert d.ctl_json("show", "manual")["source"] == "api"
+    before = listed(d)
+    fence_before = fences(db_url, ["nightly", "report", "manual"])
+
+    # Edit one cron, delete one entry, add one; the rest stays as it was.
+    edited = [dict(ENTRIES[0], cron="0 4 * * *"), ENTRIES[2],
+              {"key": "fresh", "cron": "*/5 * * * *", "type": "t"}]
+    write(sdir / "jobs.yml", edited)
+    reload(d)
+    after = listed(d)
+    assert set(after) == {"nightly", "report", "fresh", "weekly", "manual"}
+    assert after["nightly"]["cron"] == "0 4 * * *"
+    assert after["nightly"]["next_time"] != before["nightly"]["next_time"]
+    assert after["report"] == before["report"]  # unchanged: same times
+    assert after["manual"] == before["manual"]
+    assert after["fresh"]["source"] == "file:jobs.yml"
+    now = fences(db_url, ["nightly", "report", "manual"])
+    assert now["report"] == fence_before["report"] and now["manual"] == fence_before["manual"]
+    assert now["nightly"] > fence_before["nightly"]
+    log = d.log()
+    assert "changed nightly (cron)" in log and "added fresh" in log
+    assert "report" not in log.split("removed hourly")[1]  # nothing written for it
+
+    # A broken file: rejected whole, logged, its schedules as they were; the daemon runs.
+    write(sdir / "other.yml", [{"key": "weekly", "cron": "@weekly", "type": "t"},
+                               {"key": "bad", "cron": "61 * * * *", "type": "t"}])
+    reload(d)
+    assert "schedules file rejected" in d.log()
+    assert "other.yml: entry 2 (bad): cron" in d.log()
+    assert set(listed(d)) == {"nightly", "report", "fresh", "weekly", "manual"}
+    assert d.alive()
+    # Fixed again, and emptied: its schedule goes.
+    write(sdir / "other.yml", "# nothing here any more\n")
+    reload(d)
+    assert "removed weekly" in d.log()
+    assert set(listed(d)) == {"nightly", "report", "fresh", "manual"}
+    assert d.stop() == 0
+
+
+def test_two_hosts_with_the_same_files_do_not_flap(daemon_factory: Any, db_url: str,
+                                                   tmp_path: Path) -> None:
+    dir_a, dir_b = tmp_path / "a.d", tmp_path / "b.d"
+    write(dir_a / "jobs.yml", ENTRIES)
+    write(dir_b / "jobs.yml", ENTRIES)
+    a: Daemon = daemon_factory({"schedules_dir": str(dir_a), "routes": [sh("t", "true")]},
+                               url=db_url).start()
+    b: Daemon = daemon_factory({"schedules_dir": str(dir_b), "routes": [sh("t", "true")]},
+                               url=db_url).start()
+    wait_until(lambda: applies(a) == 1 and applies(b) == 1, what="both first applies")
+    keys = [e["key"] for e in ENTRIES]
+    settled = fences(db_url, keys)
+    for i in range(10):
+        reload(a if i % 2 else b)
+    assert fences(db_url, keys) == settled  # no write at all
+    for d in (a, b):
+        assert "changed " not in d.log() and "removed " not in d.log()
+    # Only a's file changes: a writes it; b, which did not change its file, says once
+    # that it disagrees, and does not write its version back.
+    write(dir_a / "jobs.yml", [dict(ENTRIES[0], cron="0 6 * * *"), *ENTRIES[1:]])
+    reload(a)
+    assert "changed nightly (cron)" in a.log()
+    for _ in range(3):
+        reload(b)
+    assert b.log().count("differs nightly") == 1
+    assert a.ctl_json("show", "nightly")["cron"] == "0 6 * * *"
+    assert a.stop() == 0 and b.stop() == 0
+
+
+def test_exec_entry_runs_on_the_hosts_that_hold_it(daemon_factory: Any, db_url: str,
+                                                   tmp_path: Path) -> None:
+    out = tmp_path / "ran"
+    sdir = tmp_path / "schedules.d"
+    write(sdir / "exec.yml", [{
+        "key": "shell-job", "cron": "0 0 1 1 *",
+        "exec": f'echo "$GREETING $PERFECTSCHED_KEY $0" >> {out}',
+        "env": {"GREETING": "hello from the file"}}])
+    holder: Daemon = daemon_factory({"schedules_dir": str(sdir), "node_name": "holder",
+                                     "workers": 1}, url=db_url).start()
+    other: Daemon = daemon_factory({"schedules_dir": str(tmp_path / "none"),
+                                    "node_name": "other", "workers": 2,
+                                    "poll_interval": 0.1}, url=db_url).start()
+    wait_until(lambda: "shell-job" in listed(other), what="the entry stored")
+    assert listed(other)["shell-job"]["type"] == "exec:shell-job"
+    for _ in range(6):
+        other.ctl("run", "shell-job")
+    wait_until(lambda: len(lines(out)) == 6, timeout=60, what="six runs")
+    # The command line of a file is a shell line: no key appended, env from the file.
+    for line in lines(out):  # extra runs are keyed KEY@run-...
+        greeting, key, argv0 = line.rsplit(" ", 2)
+        assert (greeting, argv0) == ("hello from the file", "/bin/sh")
+        assert key.startswith("shell-job@run-")
+    runs = wait_until(lambda: len(h := other.ctl_json("history", "shell-job")) == 6 and h,
+                      what="six runs in history (written in batches)")
+    assert all(r["worker"].startswith("holder:") for r in runs)
+    assert holder.stop() == 0 and other.stop() == 0
+
+
+def test_apply_prints_changes_and_refuses_bad_files(daemon_factory: Any, tmp_path: Path
+                                                    ) -> None:
+    d: Daemon = daemon_factory({"schedules_dir": "off", "routes": [sh("t", "true")]}).start()
+    f = tmp_path / "apply" / "team.yml"
+    write(f, ENTRIES)
+    assert d.ctl("apply", str(f), "--dry-run").stdout.splitlines() == [
+        "added nightly", "added hourly", "added report"]
+    assert d.ctl_json("list") == []
+    out = d.ctl("apply", str(f)).stdout.splitlines()
+    assert out == ["added nightly", "added hourly", "added report"]
+    assert d.ctl("apply", str(f)).stdout.splitlines() == [
+        "unchanged nightly", "unchanged hourly", "unchanged report"]
+    write(f, [dict(ENTRIES[0], data={"n": 2}), ENTRIES[1]])
+    assert d.ctl("apply", str(f)).stdout.splitlines() == [
+        "changed nightly (data)", "unchanged hourly"]  # no removal without --prune
+    assert d.ctl("apply", str(f), "--prune").stdout.splitlines() == [
+        "unchanged nightly", "unchanged hourly", "removed report"]
+    # A key made with add is never taken over: refused, nothing written.
+    d.ctl("add", "mine", "t", "@daily")
+    write(f, [ENTRIES[0], {"key": "mine", "cron": "@hourly", "type": "t"},
+              {"key": "new", "cron": "@hourly", "type": "t"}])
+    res = d.ctl("apply", str(f), check=False)
+    assert res.returncode == 1
+    assert res.stderr.strip() == ("perfectschedctl: refused mine (the key belongs to api "
+                                  "(made with add))")
+    assert "new" not in listed(d) and listed(d)["mine"]["cron"] == "@daily"
+    # Invalid entries: one line per problem, exit 1, nothing written.
+    write(f, textwrap.dedent("""\
+        - key: ok
+          cron: "@daily"
+          type: t
+        - key: -dash
+          cron: "@daily"
+          type: t
+        - key: two
+          cron: "@daily"
+          type: t
+          exec: [/bin/true]
+        - key: three
+          cron: "* * *"
+          type: t
+          misfire: sometimes
+        """))
+    res = d.ctl("apply", str(f), check=False)
+    assert res.returncode == 1
+    errors = res.stderr.strip().splitlines()
+    assert len(errors) == 3, errors
+    assert errors[0].startswith(f"perfectschedctl: {f}: entry 2 (-dash): key: ")
+    assert "entry 3 (two): type: needs exactly one of type or exec" in errors[1]
+    assert "entry 4 (three): " in errors[2]
+    assert "ok" not in listed(d)
+    res = d.ctl("apply", str(tmp_path / "missing.yml"), check=False)
+    assert res.returncode == 1 and "no such file" in res.stderr
+    assert d.alive() and d.stop() == 0
