@@ -166,6 +166,16 @@ def build_parser() -> argparse.ArgumentParser:
     app.add_argument("--prune", action="store_true", help="also remove schedules from "
                      "schedules files (source file:*) that these files do not hold")
 
+    imp = command("import-crontab", "print a schedules file made from a crontab "
+                                    "(nothing is written)")
+    imp.add_argument("file", nargs="?", default="-", metavar="FILE|-",
+                     help="a user crontab, /etc/crontab or an /etc/cron.d file (default: "
+                          "standard input)")
+    imp.add_argument("--user", metavar="NAME", help="the owner of a user crontab: its "
+                     "entries run as NAME")
+    imp.add_argument("--system", action="store_true", help="the lines have a user column "
+                     "(implied for /etc/crontab and /etc/cron.d/*)")
+
     command("status", "daemon status: workers, running tasks, backlog")
     command("reload", "reload the daemon's configuration (like SIGHUP)")
     command("init", "create the table (with -c)")
@@ -246,9 +256,34 @@ def _direct(ns: argparse.Namespace, cmd: str, args: dict[str, Any]) -> Any:
         return commands.execute(sc, cmd, args)
 
 
+def _import_crontab(ns: argparse.Namespace) -> int:
+    """Local only: reads a file, prints a schedules file, talks to no daemon."""
+    from perfectschedd import crontab
+
+    if ns.system and ns.user:
+        raise _BadArgument("--user is for a user crontab; a system crontab names its users")
+    try:
+        text, name = crontab.read(ns.file)
+    except OSError as exc:
+        raise _BadArgument(f"{ns.file}: {exc.strerror}") from None
+    system = ns.system or (ns.file != "-" and crontab.is_system_path(ns.file))
+    done = crontab.convert(text, name=name, system=system, user=ns.user,
+                           default_timezone=crontab.system_timezone())
+    sys.stdout.write(done.text)
+    for warning in done.warnings:
+        print(f"perfectschedctl: warning: {warning}", file=sys.stderr)
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
+    if ns.command == "import-crontab":
+        try:
+            return _import_crontab(ns)
+        except _BadArgument as exc:
+            print(f"perfectschedctl: {exc}", file=sys.stderr)
+            return EXIT_REFUSED
     try:
         cmd, args = request_of(ns)
         if ns.config:
