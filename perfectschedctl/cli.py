@@ -10,7 +10,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from perfectschedd import ConfigError, ScheduleError, __version__, protocol
@@ -176,6 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--system", action="store_true", help="the lines have a user column "
                      "(implied for /etc/crontab and /etc/cron.d/*)")
 
+    leg = command("import-legacy", "copy the schedules of a Ruby PerfectSched table into "
+                                   "this one (keys that exist are refused)")
+    leg.add_argument("url", help="the legacy database (SQLAlchemy URL, read only)")
+    leg.add_argument("--table", default="perfectsched", help="the legacy table (default "
+                     "perfectsched)")
+    leg.add_argument("--dry-run", action="store_true", help="say what would be imported")
+
     command("status", "daemon status: workers, running tasks, backlog")
     command("reload", "reload the daemon's configuration (like SIGHUP)")
     command("init", "create the table (with -c)")
@@ -275,6 +282,50 @@ def _import_crontab(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+IMPORT_BATCH = 500  # schedules per add_many request (well inside a request's size)
+
+
+def _existing_keys(send: Callable[[str, dict[str, Any]], Any]) -> set[str]:
+    keys: set[str] = set()
+    after: str | None = None
+    while True:
+        page = send("list", {"limit": protocol.LIST_PAGE, **({"after": after} if after
+                                                              else {})})
+        keys.update(s["key"] for s in page)
+        if len(page) < protocol.LIST_PAGE:
+            return keys
+        after = page[-1]["key"]
+
+
+def _import_legacy(ns: argparse.Namespace, send: Callable[[str, dict[str, Any]], Any]
+                   ) -> int:
+    """Read the legacy table here; add its schedules through the usual channel (the
+    daemon, or the database of -c), all checked before the first is written."""
+    from perfectschedd import legacy
+
+    found, problems = legacy.read(ns.url, ns.table)
+    if problems:
+        raise _BadArgument("\n".join(f"perfectschedctl: cannot import {p}" for p in problems)
+                           .removeprefix("perfectschedctl: "))
+    taken = sorted(_existing_keys(send) & {s.key for s in found})
+    if taken:
+        raise _BadArgument("\n".join(f"perfectschedctl: exists {k} (nothing imported)"
+                                     for k in taken).removeprefix("perfectschedctl: "))
+    for s in found:
+        if s.data_note is not None:
+            print(f"perfectschedctl: warning: {s.key}: data {s.data_note}; imported as {{}}"
+                  " (as the Ruby gem read it)", file=sys.stderr)
+    verb = "would import" if ns.dry_run else "imported"
+    if not ns.dry_run:
+        for i in range(0, len(found), IMPORT_BATCH):
+            send("add_many", {"schedules": [s.request()
+                                            for s in found[i:i + IMPORT_BATCH]]})
+    for s in found:
+        print(f"{verb} {s.key} (type {s.type}, cron {s.cron}, next run {s.next_run_time})")
+    print(f"{len(found)} schedule(s) {verb} from table {ns.table}")
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
@@ -296,6 +347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise _BadArgument("-e needs -c CONFIG")
             path = ns.socket or os.environ.get("PERFECTSCHED_SOCKET") or DEFAULT_SOCKET
             send = SocketClient(path).call
+        if cmd == "import-legacy":
+            return _import_legacy(ns, send)
         if cmd == "apply" and not args["dry_run"]:
             # A key that belongs elsewhere refuses the whole apply before anything is
             # written (asked first as a dry run).
