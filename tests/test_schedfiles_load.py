@@ -1,0 +1,138 @@
+"""Reading schedules files (perfectschedd/schedfiles.py): what an entry may hold, and the
+one-line errors for what it may not; `user:` only where the daemon can honour it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from daemon_harness import Daemon, foreign_python, wait_until
+
+from perfectschedd import schedfiles
+
+
+def load_one(tmp_path: Path, entries: Any, **kw: Any) -> schedfiles.Loaded:
+    f = tmp_path / "one.yml"
+    f.write_text(entries if isinstance(entries, str) else yaml.safe_dump(entries))
+    return schedfiles.load([f], **kw)
+
+
+GOOD = {"key": "k", "cron": "@daily", "type": "t"}
+
+
+def test_a_good_file(tmp_path: Path) -> None:
+    loaded = load_one(tmp_path, [
+        GOOD, {"key": "e", "cron": "0 * * * *", "exec": ["/bin/echo", "hi"],
+               "env": {"A": "1", "B": 2}, "timeout": 30, "misfire": "latest",
+               "data": {"x": [1]}}])
+    assert loaded.errors == [] and loaded.sources == {"file:one.yml"}
+    e = loaded.entries["e"]
+    assert e.type == "exec:e" and e.exec == ("/bin/echo", "hi")
+    assert e.env == (("A", "1"), ("B", "2")) and e.policy.timeout == 30
+    route = e.route()
+    assert route is not None and route.pattern == "exec:e" and not route.append_key
+    assert loaded.entries["k"].route() is None  # a type entry runs on the config's routes
+    assert schedfiles.load([tmp_path / "nothing-here"]).errors[0].endswith(
+        "cannot read: No such file or directory")
+
+
+@pytest.mark.parametrize("entry,error", [
+    ({**GOOD, "colour": "red"}, "colour: unknown field"),
+    ({"cron": "@daily", "type": "t"}, "key: must be a non-empty string"),
+    ({**GOOD, "key": "-x"}, "key: must not start with '-'"),
+    ({"key": "k", "type": "t"}, "cron: required"),
+    ({**GOOD, "cron": "61 * * * *"}, "cron: "),
+    ({**GOOD, "cron": "@once"}, "cron: @once is not for schedules files"),
+    ({"key": "k", "cron": "@daily"}, "type: needs exactly one of type or exec"),
+    ({**GOOD, "exec": "true"}, "type: needs exactly one of type or exec"),
+    ({**GOOD, "type": "exec:k"}, "type: 'exec:' is kept for exec entries"),
+    ({"key": "k", "cron": "@daily", "exec": []}, "exec: must be a shell line or"),
+    ({"key": "k", "cron": "@daily", "exec": "  "}, "exec: must not be empty"),
+    ({**GOOD, "timezone": "Mars/Base"}, "timezone: unknown time zone"),
+    ({**GOOD, "delay": -1}, "delay: must be a whole number"),
+    ({**GOOD, "misfire": "sometimes"}, "misfire: must be one of all, latest, skip"),
+    ({**GOOD, "max_attempts": "many"}, "max_attempts: must be a number of seconds"),
+    ({**GOOD, "data": [1]}, "data: must be a JSON object"),
+    ({**GOOD, "env": {"A": "1"}}, "env: only for exec entries"),
+    ({"key": "k", "cron": "@daily", "exec": "true", "env": {"1A": "x"}},
+     "env: bad variable name"),
+    ({"key": "k", "cron": "@daily", "exec": "true", "env": {"A": ["x"]}},
+     "env: A: must be text"),
+    ({**GOOD, "user": "root"}, "user: only for exec entries"),
+    ({"key": "k", "cron": "@daily", "exec": "true", "user": "no-such-user-here"},
+     "user: no such user 'no-such-user-here' on this host"),
+])
+def test_bad_entries_reject_the_file_with_one_line_each(tmp_path: Path, entry: Any,
+                                                        error: str) -> None:
+    loaded = load_one(tmp_path, [{"key": "fine", "cron": "@daily", "type": "t"}, entry])
+    assert loaded.entries == {} and loaded.broken == {"file:one.yml"}
+    assert len(loaded.errors) == 1
+    assert "one.yml: entry 2" in loaded.errors[0]
+    assert error in loaded.errors[0], loaded.errors[0]
+
+
+@pytest.mark.parametrize("text,error", [
+    ("key: k\n", "must be a list of schedule entries"),
+    ("- [unclosed\n", "not valid YAML"),
+    ("- 5\n", "entry 1: entry: must be a mapping"),
+    ("- {key: a, cron: '@daily', type: t}\n- {key: a, cron: '@daily', type: t}\n",
+     "entry 2 (a): key 'a' appears twice in this file"),
+])
+def test_bad_files(tmp_path: Path, text: str, error: str) -> None:
+    loaded = load_one(tmp_path, text)
+    assert loaded.entries == {} and error in loaded.errors[0], loaded.errors
+
+
+def test_a_key_in_two_files_rejects_the_second(tmp_path: Path) -> None:
+    (tmp_path / "a.yml").write_text(yaml.safe_dump([GOOD]))
+    (tmp_path / "b.yml").write_text(yaml.safe_dump([GOOD, {**GOOD, "key": "other"}]))
+    loaded = schedfiles.load([tmp_path])
+    assert loaded.sources == {"file:a.yml"} and loaded.broken == {"file:b.yml"}
+    assert set(loaded.entries) == {"k"}
+    assert loaded.errors == [f"{tmp_path / 'b.yml'}: key 'k' is also in a.yml"]
+    assert load_one(tmp_path, "# only comments\n").entries == {}  # empty: no schedules
+
+
+def test_user_needs_a_daemon_that_can_switch_users(tmp_path: Path) -> None:
+    """As an unprivileged user, `user:` of anyone else is refused at load (the daemon
+    could not honour it); `apply` from a workstation does not ask."""
+    f = tmp_path / "u.yml"
+    f.write_text(yaml.safe_dump([{"key": "k", "cron": "@daily", "exec": "id",
+                                  "user": "daemon"}]))
+    code = textwrap.dedent(f"""
+        from perfectschedd import schedfiles
+        print(schedfiles.load([{str(f)!r}]).errors)
+        print(schedfiles.load([{str(f)!r}], need_user_support=False).errors)
+    """)
+    f_copy = Path(tempfile.mkdtemp(prefix="perfectsched-user-")) / "u.yml"
+    f_copy.parent.chmod(0o755)
+    f_copy.write_text(f.read_text())
+    code = code.replace(str(f), str(f_copy))
+    out = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+                          *foreign_python(), "-c", code], capture_output=True, text=True,
+                         cwd="/", check=True).stdout.splitlines()
+    shutil.rmtree(f_copy.parent)
+    assert "user: running as 'daemon' needs the daemon to run as root" in out[0]
+    assert out[1] == "[]"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs a job as another user: needs root")
+def test_an_exec_entry_runs_as_its_user(daemon_factory: Any, tmp_path: Path) -> None:
+    sdir = tmp_path / "schedules.d"
+    sdir.mkdir()
+    (sdir / "u.yml").write_text(yaml.safe_dump([{
+        "key": "as-nobody", "cron": "0 0 1 1 *", "user": "nobody",
+        "exec": 'echo "ran as $(id -u):$(id -g) home=$HOME user=$USER in $(pwd)"'}]))
+    d: Daemon = daemon_factory({"schedules_dir": str(sdir)}).start()
+    wait_until(lambda: d.ctl_json("list"), what="the entry")
+    d.ctl("run", "as-nobody")
+    wait_until(lambda: "ran as 65534:65534" in d.log(), what="the job's output")
+    assert "home=/nonexistent user=nobody in /" in d.log()  # nobody's home does not exist
+    assert d.stop() == 0
