@@ -90,7 +90,10 @@ def read(url: str, table: str) -> tuple[list[LegacySchedule], list[str]]:
     problems: list[str] = []
     try:
         with engine.connect() as conn:
-            have = {c["name"].lower() for c in sa.inspect(conn).get_columns(table)}
+            inspector = sa.inspect(conn)
+            if not inspector.has_table(table):  # SQLAlchemy 1.4 on SQLite: no error below
+                raise ConfigError(f"table {table} not found")
+            have = {c["name"].lower() for c in inspector.get_columns(table)}
             missing = [c for c in LEGACY_COLUMNS if c not in have]
             if missing:
                 raise ConfigError(f"table {table}: not a PerfectSched table (no column "
