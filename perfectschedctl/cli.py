@@ -13,14 +13,14 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from perfectschedd import ConfigError, ScheduleError, __version__, protocol
+from perfectschedd import ConfigError, ScheduleError, __version__, protocol, registry
 from perfectschedd.config import DEFAULT_SOCKET
 from perfectschedd.protocol import HISTORY_MAX
 
 from .client import DaemonUnavailable, SocketClient
 from .output import print_result
 
-EXIT_OK, EXIT_REFUSED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_REFUSED, EXIT_USAGE = 0, protocol.EXIT_REFUSED, 2
 
 
 class _Parser(argparse.ArgumentParser):
@@ -66,24 +66,6 @@ def _count(text: str) -> int:
     return value
 
 
-# Schedule policies (SPEC "Schedule policies"): checked by the daemon, which names a bad
-# one in its refusal (exit 1).
-POLICY_FLAGS = {
-    "misfire": ("--misfire", "after downtime: all (default), latest or skip"),
-    "grace": ("--grace", "skip an occurrence that cannot start within SEC of its time"),
-    "max_attempts": ("--max-attempts", "give an occurrence up after N failed attempts "
-                     "(0: never)"),
-    "retry_wait": ("--retry-wait", "seconds before the 2nd attempt, doubling per attempt"),
-    "jitter": ("--jitter", "start each occurrence a fixed per-key 0..SEC later"),
-    "timeout": ("--timeout", "stop a run after SEC (default: the route's)"),
-}
-
-
-def _policy_options(parser: argparse.ArgumentParser) -> None:
-    for dest, (flag, text) in POLICY_FLAGS.items():
-        parser.add_argument(flag, dest=dest, type=_policy_value, help=text)
-
-
 def _policy_value(text: str) -> Any:
     """A number when it reads as one; else the text, for the daemon to refuse by name."""
     for kind in (int, float):
@@ -95,8 +77,29 @@ def _policy_value(text: str) -> Any:
     return text
 
 
-def _policies(ns: argparse.Namespace) -> dict[str, Any]:
-    return {k: getattr(ns, k) for k in POLICY_FLAGS if getattr(ns, k, None) is not None}
+# How perfectschedctl reads each kind of argument (registry.Arg.kind).
+_TYPES: dict[str, Any] = {"seconds": _seconds, "unix_time": _unix_time, "limit": _limit,
+                          "count": _count, "policy": _policy_value}
+
+
+def _add_argument(parser: argparse.ArgumentParser, arg: registry.Arg) -> None:
+    kwargs: dict[str, Any] = {"help": arg.help or None}
+    if arg.metavar:
+        kwargs["metavar"] = arg.metavar
+    if arg.kind == "flag":
+        kwargs["action"] = "store_true"
+    elif arg.kind == "paths":
+        kwargs["nargs"] = "+"
+    else:
+        if arg.kind in _TYPES:
+            kwargs["type"] = _TYPES[arg.kind]
+        if arg.optional:
+            kwargs["nargs"] = "?"
+        kwargs["default"] = arg.default
+    if arg.positional:
+        parser.add_argument(arg.dest, **kwargs)
+    else:
+        parser.add_argument(*arg.flags, dest=arg.dest, **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,115 +115,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"perfectschedctl {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
-
-    def command(name: str, help_: str) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help_, description=help_)
+    for command in registry.COMMANDS.values():
+        if not command.in_cli:
+            continue
+        sp = sub.add_parser(command.name, help=command.help, description=command.help)
         sp.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
                         help="print JSON for programs")
-        return sp
-
-    def key_cmd(name: str, help_: str) -> argparse.ArgumentParser:
-        sp = command(name, help_)
-        sp.add_argument("key")
-        return sp
-
-    add = command("add", "register a schedule")
-    add.add_argument("key")
-    add.add_argument("type")
-    add.add_argument("cron", help="five cron fields or @hourly-style alias")
-    add.add_argument("data", nargs="?", default=None, help="JSON object (default {})")
-    add.add_argument("-d", "--delay", type=_seconds, default=0)
-    add.add_argument("-t", "--timezone")
-    add.add_argument("-s", "--start", type=_unix_time)
-    add.add_argument("-a", "--at", type=_unix_time)
-    _policy_options(add)
-
-    ls = command("list", "list schedules")
-    ls.add_argument("--prefix", help="only keys starting with this")
-    ls.add_argument("-n", "--limit", type=_count, help="at most this many (default: all)")
-
-    key_cmd("show", "show one schedule in full")
-    key_cmd("delete", "remove a schedule")
-    key_cmd("pause", "stop a schedule from firing")
-    key_cmd("resume", "let a paused schedule fire again (missed occurrences run)")
-    key_cmd("run", "run one occurrence now without moving the schedule")
-
-    mod = key_cmd("modify", "change a schedule (new cron/timezone recompute its next time)")
-    mod.add_argument("--type")
-    mod.add_argument("--cron")
-    mod.add_argument("-d", "--delay", type=_seconds)
-    mod.add_argument("-t", "--timezone")
-    mod.add_argument("--data", help="JSON object replacing the data")
-    _policy_options(mod)
-
-    hist = key_cmd("history", "recent runs of a schedule")
-    hist.add_argument("-n", "--limit", type=_limit, default=20,
-                      help=f"at most this many runs, newest first (1-{HISTORY_MAX}, default 20)")
-
-    app = command("apply", "converge the database to schedules files (added|changed|"
-                           "removed|unchanged KEY)")
-    app.add_argument("paths", nargs="+", metavar="FILE|DIR",
-                     help="schedules files, or directories of *.yml files")
-    app.add_argument("--dry-run", action="store_true", help="say what would change, write "
-                     "nothing")
-    app.add_argument("--prune", action="store_true", help="also remove schedules from "
-                     "schedules files (source file:*) that these files do not hold")
-
-    imp = command("import-crontab", "print a schedules file made from a crontab "
-                                    "(nothing is written)")
-    imp.add_argument("file", nargs="?", default="-", metavar="FILE|-",
-                     help="a user crontab, /etc/crontab or an /etc/cron.d file (default: "
-                          "standard input)")
-    imp.add_argument("--user", metavar="NAME", help="the owner of a user crontab: its "
-                     "entries run as NAME")
-    imp.add_argument("--system", action="store_true", help="the lines have a user column "
-                     "(implied for /etc/crontab and /etc/cron.d/*)")
-
-    leg = command("import-legacy", "copy the schedules of a Ruby PerfectSched table into "
-                                   "this one (keys that exist are refused)")
-    leg.add_argument("url", help="the legacy database (SQLAlchemy URL, read only)")
-    leg.add_argument("--table", default="perfectsched", help="the legacy table (default "
-                     "perfectsched)")
-    leg.add_argument("--dry-run", action="store_true", help="say what would be imported")
-
-    command("status", "daemon status: workers, running tasks, backlog")
-    command("reload", "reload the daemon's configuration (like SIGHUP)")
-    command("init", "create the table (with -c)")
+        for arg in command.cli:
+            _add_argument(sp, arg)
     return p
 
 
 def request_of(ns: argparse.Namespace) -> tuple[str, dict[str, Any]]:
-    cmd = ns.command
-    if cmd == "add":
-        args = {"key": ns.key, "type": ns.type, "cron": ns.cron, "delay": ns.delay}
-        if ns.data is not None:
-            args["data"] = _json_arg("DATA", ns.data)
-        for opt in ("timezone", "start", "at"):
-            if getattr(ns, opt) is not None:
-                args[opt] = getattr(ns, opt)
-        args.update(_policies(ns))
-        return cmd, args
-    if cmd == "list":
-        args = {"prefix": ns.prefix} if ns.prefix else {}
-        if ns.limit is not None:
-            args["limit"] = ns.limit
-        return cmd, args
-    if cmd == "modify":
-        args = {"key": ns.key}
-        for opt in ("type", "cron", "delay", "timezone"):
-            if getattr(ns, opt) is not None:
-                args[opt] = getattr(ns, opt)
-        if ns.data is not None:
-            args["data"] = _json_arg("--data", ns.data)
-        args.update(_policies(ns))
-        return cmd, args
-    if cmd == "history":
-        return cmd, {"key": ns.key, "limit": ns.limit}
-    if cmd in ("show", "delete", "pause", "resume", "run"):
-        return cmd, {"key": ns.key}
-    if cmd == "apply":
-        return cmd, _apply_request(ns)
-    return cmd, {}
+    command = registry.COMMANDS[ns.command]
+    if command.name == "apply":
+        return command.name, _apply_request(ns)
+    args: dict[str, Any] = {}
+    for arg in command.cli:
+        value = getattr(ns, arg.dest, None)
+        if not arg.sent or value is None or (arg.kind == "flag" and not value) or \
+                (arg.dest == "prefix" and value == ""):
+            continue
+        args[arg.dest] = _json_arg(arg.flags[-1].upper() if arg.positional else
+                                   arg.flags[-1], value) if arg.kind == "json" else value
+    return command.name, args
 
 
 def _apply_request(ns: argparse.Namespace) -> dict[str, Any]:
@@ -257,10 +175,9 @@ def _json_arg(name: str, text: str) -> Any:
 def _direct(ns: argparse.Namespace, cmd: str, args: dict[str, Any]) -> Any:
     from perfectschedd import commands, schedules
 
-    if cmd in ("status", "reload"):
-        raise _BadArgument(f"{cmd} needs the daemon: use --socket, not -c")
+    registry.command(cmd, registry.DIRECT)  # before opening anything
     with schedules.open(ns.config, ns.environment) as sc:
-        return commands.execute(sc, cmd, args)
+        return commands.execute(sc, cmd, args, where=registry.DIRECT)
 
 
 def _import_crontab(ns: argparse.Namespace) -> int:
@@ -329,20 +246,20 @@ def _import_legacy(ns: argparse.Namespace, send: Callable[[str, dict[str, Any]],
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
-    if ns.command == "import-crontab":
-        try:
-            return _import_crontab(ns)
-        except _BadArgument as exc:
-            print(f"perfectschedctl: {exc}", file=sys.stderr)
-            return EXIT_REFUSED
     try:
+        if ns.command == "import-crontab":
+            return _import_crontab(ns)
         cmd, args = request_of(ns)
+        local = registry.LOCAL in registry.COMMANDS[cmd].where  # import-legacy
         if ns.config:
+            if not local:
+                registry.command(cmd, registry.DIRECT)
+
             def send(cmd: str, args: dict[str, Any]) -> Any:
                 return _direct(ns, cmd, args)
         else:
-            if cmd == "init":
-                raise _BadArgument("init opens the database directly: give -c CONFIG")
+            if not local:
+                registry.command(cmd, registry.DAEMON)
             if ns.environment:
                 raise _BadArgument("-e needs -c CONFIG")
             path = ns.socket or os.environ.get("PERFECTSCHED_SOCKET") or DEFAULT_SOCKET
@@ -358,10 +275,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise _BadArgument("\n".join(f"perfectschedctl: {c}" for c in refused)
                                    .removeprefix("perfectschedctl: "))
         result = send(cmd, args)
-    except (_BadArgument, ScheduleError, ConfigError, DaemonUnavailable,
-            protocol.ProtocolError, protocol.RemoteError) as exc:
+    except protocol.RemoteError as exc:
         print(f"perfectschedctl: {exc}", file=sys.stderr)
-        return EXIT_REFUSED
+        return protocol.refusal(exc.type).exit_status
+    except (_BadArgument, ScheduleError, ConfigError, DaemonUnavailable,
+            protocol.ProtocolError) as exc:
+        print(f"perfectschedctl: {exc}", file=sys.stderr)
+        return protocol.refusal(protocol.error_type(exc)).exit_status if isinstance(
+            exc, ScheduleError) else EXIT_REFUSED
     except Exception as exc:  # noqa: BLE001 - database errors in direct mode, one line
         print(f"perfectschedctl: {type(exc).__name__}: {str(exc).splitlines()[0]}",
               file=sys.stderr)

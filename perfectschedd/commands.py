@@ -1,8 +1,9 @@
 """One request (a JSON-able dict) -> one schedules.py call -> a JSON-able result.
 
 Shared by the control socket, D-Bus and `perfectschedctl -c` (direct mode), so the three
-accept the same arguments and refuse the same bad input with the same messages.
-Daemon-only commands (status, reload) are answered by the daemon itself.
+accept the same arguments and refuse the same bad input with the same messages.  What
+each command is, takes and may be called by is registry.py's; this module implements
+those that run on the database.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from . import registry
 from .errors import InvalidInputError
 from .policy import OPTIONS as POLICY_OPTIONS
 from .protocol import HISTORY_MAX
@@ -154,63 +156,28 @@ def _apply(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[str
 
 Handler = Callable[[ScheduleCollection, Mapping[str, Any], float], Any]
 
-COMMANDS: dict[str, Handler] = {
-    "add": _add,
-    "add_many": _add_many,
-    "list": _list,
-    "show": _show,
-    "delete": _delete,
-    "modify": _modify,
-    "pause": _pause,
-    "resume": _resume,
-    "run": _run,
-    "history": _history,
-    "init": _init,
-    "apply": _apply,
+# The implementation of each command that runs on the database (registry.COMMANDS says
+# everything else about it; status and reload are answered by the daemon itself).
+HANDLERS: dict[str, Handler] = {
+    "add": _add, "add_many": _add_many, "list": _list, "show": _show, "delete": _delete,
+    "modify": _modify, "pause": _pause, "resume": _resume, "run": _run,
+    "history": _history, "init": _init, "apply": _apply,
 }
-# Commands that change what workers should do next: the daemon wakes its workers after them.
-WAKING = frozenset({"add", "add_many", "modify", "resume", "run", "apply"})
-# Commands that change a stored schedule (D-Bus signals ScheduleChanged after them).
-CHANGING = frozenset({"add", "add_many", "delete", "modify", "pause", "resume", "run"})
-# The arguments each command accepts; anything else is refused (a typo never goes unseen).
-ARGS: dict[str, frozenset[str]] = {
-    "add": frozenset({"key", "type", "cron", "delay", "timezone", "start", "at", "data",
-                      *POLICY_OPTIONS}),
-    "add_many": frozenset({"schedules"}),
-    "list": frozenset({"prefix", "limit", "verbose", "after"}),
-    "show": frozenset({"key"}),
-    "delete": frozenset({"key"}),
-    "modify": frozenset({"key", "type", "cron", "delay", "timezone", "data",
-                         *POLICY_OPTIONS}),
-    "pause": frozenset({"key"}),
-    "resume": frozenset({"key"}),
-    "run": frozenset({"key"}),
-    "history": frozenset({"key", "limit"}),
-    "init": frozenset(),
-    "apply": frozenset({"entries", "prune", "dry_run"}),
-    # Answered by the daemon itself (supervisor.dispatch), listed for check_args.
-    "status": frozenset(),
-    "reload": frozenset(),
-}
-
-
-def check_args(command: str, args: Mapping[str, Any]) -> None:
-    """Refuse arguments a command does not know, naming them."""
-    unknown = set(args) - ARGS.get(command, frozenset())
-    if unknown:
-        raise InvalidInputError(
-            "args", f"unknown argument(s) for {command}: {', '.join(sorted(map(str, unknown)))}")
 
 
 def execute(sc: ScheduleCollection, command: str, args: Mapping[str, Any] | None = None,
-            now: float | None = None) -> Any:
-    """Run one command; raises ScheduleError subclasses for refused requests."""
-    handler = COMMANDS.get(command)
-    if handler is None:
-        raise InvalidInputError("command", f"unknown command {command!r}")
+            now: float | None = None, where: str = registry.DIRECT) -> Any:
+    """Run one command as a caller reaching it `where` (registry.DAEMON: the daemon's
+    dispatch; DIRECT: perfectschedctl -c); raises ScheduleError subclasses for refused
+    requests."""
+    cmd = registry.command(command, where)
+    handler = HANDLERS.get(cmd.name)
+    if handler is None:  # the daemon's own (status, reload): never on the database
+        raise InvalidInputError("command", f"{cmd.name} needs the daemon: use --socket, "
+                                "not -c")
     if args is None:
         args = {}
     if not isinstance(args, Mapping):
         raise InvalidInputError("args", "must be an object")
-    check_args(command, args)
+    registry.check_args(cmd, args)
     return handler(sc, args, time.time() if now is None else now)

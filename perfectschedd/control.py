@@ -34,7 +34,7 @@ from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import commands, protocol
+from . import commands, protocol, registry
 from .config import Config
 from .errors import ConfigError, ScheduleError
 from .fdguard import AcceptGuard
@@ -589,11 +589,15 @@ def _has_after(dispatch: Dispatch, args: dict[str, Any], after: str | None) -> b
 
 
 def _is_quick(line: bytes) -> bool:
-    """A small request for one of protocol.QUICK_COMMANDS (handle() checks it fully)."""
+    """A small request for a quick command (registry: answered from the daemon's own
+    state); handle() checks it fully."""
     if len(line) > 512:
         return False
     try:
         request = json.loads(line)
     except ValueError:
         return False
-    return isinstance(request, dict) and request.get("cmd") in protocol.QUICK_COMMANDS
+    if not isinstance(request, dict) or not isinstance(request.get("cmd"), str):
+        return False
+    cmd = registry.COMMANDS.get(request["cmd"])
+    return cmd is not None and cmd.quick

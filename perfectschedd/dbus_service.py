@@ -34,14 +34,13 @@ from dbus_next import Variant as DBusVariant
 from dbus_next.aio import MessageBus
 from dbus_next.service import PropertyAccess, ServiceInterface, dbus_property, method, signal
 
-from . import __version__, protocol
+from . import __version__, protocol, registry
 from .errors import ConfigError, ScheduleError
-from .policy import OPTIONS as POLICY_OPTIONS
 
 BUS_NAME = "org.perfectsched1"
 OBJECT_PATH = "/org/perfectsched1"
 INTERFACE = "org.perfectsched1.Manager"
-ERROR_PREFIX = "org.perfectsched1.Error."
+ERROR_PREFIX = protocol.DBUS_ERROR_PREFIX
 START_TIMEOUT = 10.0
 LIST_PAGE = protocol.LIST_PAGE
 RECONNECT_EVERY = 5.0
@@ -53,9 +52,8 @@ ASV = "a{sv}"
 SS = "ss"
 
 Dispatch = Callable[[str, dict[str, Any]], Any]
+_ADD, _MODIFY = registry.COMMANDS["add"], registry.COMMANDS["modify"]
 
-CHANGE_NAMES = {"add": "added", "add_many": "added", "delete": "deleted", "modify": "modified",
-                "pause": "paused", "resume": "resumed", "run": "run"}
 
 
 def _unwrap(options: dict[str, Any], what: str, allowed: set[str]) -> dict[str, Any]:
@@ -84,9 +82,8 @@ def process_groups(pid: int) -> set[int]:
 
 
 def _error(type_: str, message: str) -> DBusError:
-    if type_ not in protocol.ERROR_TYPES:
-        type_ = "InternalError"
-    return DBusError(ERROR_PREFIX + type_, (str(message).splitlines() or ["error"])[0])
+    return DBusError(protocol.refusal(type_).dbus_name,
+                     (str(message).splitlines() or ["error"])[0])
 
 
 class _WouldBlockIsZero:
@@ -158,8 +155,7 @@ class Manager(ServiceInterface):
     @method()
     async def Add(self, key: S, task_type: S, cron: S, data: S, options: ASV) -> S:
         args = {"key": key, "type": task_type, "cron": cron,
-                **_unwrap(options, "Add", {"delay", "timezone", "start", "at",
-                                           *POLICY_OPTIONS})}
+                **_unwrap(options, "Add", set(_ADD.args - {"key", "type", "cron", "data"}))}
         if data:
             args["data"] = data
         return await self._call("add", args)
@@ -178,8 +174,7 @@ class Manager(ServiceInterface):
 
     @method()
     async def Modify(self, key: S, changes: ASV) -> S:
-        args = _unwrap(changes, "Modify", {"type", "cron", "delay", "timezone", "data",
-                                           *POLICY_OPTIONS})
+        args = _unwrap(changes, "Modify", set(_MODIFY.args - {"key"}))
         return await self._call("modify", {"key": key, **args})
 
     @method()
@@ -378,7 +373,8 @@ class DBusService:
                 args = {**args, "limit": LIST_PAGE}
         try:
             # Status never queues behind requests waiting on the database.
-            pool = self.quick_pool if cmd in protocol.QUICK_COMMANDS else self.pool
+            quick = cmd in registry.COMMANDS and registry.COMMANDS[cmd].quick
+            pool = self.quick_pool if quick else self.pool
             result = await loop.run_in_executor(pool, self.dispatch, cmd, args)
         except ScheduleError as exc:
             raise _error(protocol.error_type(exc), str(exc)) from None

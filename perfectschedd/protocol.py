@@ -12,6 +12,7 @@ requests, answered in order.  The full description is docs/protocol.md.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 # Most runs one `history` request returns.
@@ -27,17 +28,42 @@ MAX_FRAME = 1 << 20
 # Nesting deeper than this in a request is refused (no JSON document we accept needs it).
 MAX_DEPTH = 64
 
-# Commands answered without the database (the daemon's own state and snapshot): servers
-# run them apart from requests that may wait on it.
-QUICK_COMMANDS = frozenset({"status"})
+@dataclass(frozen=True)
+class Refusal:
+    """How a refused request reaches each client."""
 
-# Error types a client may see; anything else is reported as "InternalError".
-ERROR_TYPES = frozenset({
-    "InvalidInputError", "NotFoundError", "AlreadyExistsError", "PreemptedError",
-    "AlreadyFinishedError", "NotSupportedError", "ConfigError", "PermissionDenied",
-    "ProtocolError", "DatabaseError", "InternalError", "ScheduleError", "Busy",
-    "DatabaseUnavailableError",
-})
+    exit_status: int  # perfectschedctl's
+    dbus_name: str    # the D-Bus error
+    meaning: str
+
+
+EXIT_REFUSED = 1
+DBUS_ERROR_PREFIX = "org.perfectsched1.Error."
+# Error types a client may see (by the socket's "type"), for every command; anything
+# else is reported as "InternalError".
+REFUSALS: dict[str, Refusal] = {name: Refusal(EXIT_REFUSED, DBUS_ERROR_PREFIX + name, meaning)
+                                for name, meaning in (
+    ("InvalidInputError", "a field (named in the message) is not acceptable; also unknown "
+                          "commands and arguments"),
+    ("NotFoundError", "no schedule has this key"),
+    ("AlreadyExistsError", "add of a key that exists"),
+    ("PreemptedError", "the task's lease was lost"),
+    ("AlreadyFinishedError", "the task was already finished"),
+    ("NotSupportedError", "not possible in this daemon/config"),
+    ("ConfigError", "a configuration problem"),
+    ("PermissionDenied", "the caller may not use the daemon"),
+    ("ProtocolError", "the frame is not a valid request (bad JSON, too large, ...)"),
+    ("DatabaseError", "the database refused the request"),
+    ("DatabaseUnavailableError", "the database does not answer"),
+    ("Busy", "too many connections; try again"),
+    ("ScheduleError", "a refused request"),
+    ("InternalError", "a bug; the daemon logs it and goes on"),
+)}
+ERROR_TYPES = frozenset(REFUSALS)
+
+
+def refusal(type_: str) -> Refusal:
+    return REFUSALS.get(type_, REFUSALS["InternalError"])
 
 
 class ProtocolError(Exception):

@@ -29,11 +29,11 @@ from typing import Any
 
 import sdnotify
 
-from . import __version__, commands, jobreaper, logsetup, metrics
+from . import __version__, commands, jobreaper, logsetup, metrics, registry
 from . import config as config_mod
 from .config import Config
 from .converge import FileSchedules
-from .errors import ConfigError, InvalidInputError, NotSupportedError
+from .errors import ConfigError, NotSupportedError
 from .masterdb import MasterDatabase
 from .store import check_url, engine_url
 from .workerprocs import Processes
@@ -337,25 +337,18 @@ class Supervisor:
     # -- control requests (from the control socket and D-Bus threads) ---------------------
 
     def dispatch(self, cmd: str, args: dict[str, Any]) -> Any:
-        if cmd == "init":
-            raise InvalidInputError("command", "init is done with perfectschedctl -c CONFIG")
-        if cmd not in commands.COMMANDS and cmd not in ("status", "reload"):
-            raise InvalidInputError("command", f"unknown command {cmd!r}")
-        commands.check_args(cmd, args)
-        if cmd == "status":
+        command = registry.command(cmd, registry.DAEMON)
+        registry.check_args(command, args)
+        if command.name == "status":
             return self.status()
-        if cmd == "reload":
+        if command.name == "reload":
             return self._request_reload()
-        result = self.db.call(lambda sc: commands.execute(sc, cmd, args))
-        if cmd in commands.WAKING:
+        result = self.db.call(lambda sc: commands.execute(sc, cmd, args, where=registry.DAEMON))
+        if command.wakes:
             self.wake_workers()
-        if cmd in commands.CHANGING and self.dbus is not None:
-            from .dbus_service import CHANGE_NAMES
-
-            keys = [i.get("key") for i in args["schedules"]] if cmd == "add_many" \
-                else [args.get("key")]
-            for key in keys:
-                self.dbus.schedule_changed(str(key), CHANGE_NAMES[cmd])
+        if self.dbus is not None:
+            for key, change in command.changes(args, result):
+                self.dbus.schedule_changed(key, change)
         return result
 
     def _request_reload(self) -> dict[str, Any]:

@@ -26,7 +26,8 @@ from perfectschedctl import cli
 
 # The table's columns (SPEC `list`); --json adds the schedule policies.
 TABLE_KEYS = ["key", "type", "cron", "delay", "timezone", "next_time", "next_run_time", "data"]
-LIST_KEYS = [*TABLE_KEYS, "misfire", "grace", "max_attempts", "retry_wait", "jitter", "timeout"]
+LIST_KEYS = [*TABLE_KEYS, "misfire", "grace", "max_attempts", "retry_wait", "jitter", "timeout",
+             "source"]
 # 2030-01-01 00:00:00 UTC, a Tuesday
 T2030 = 1893456000
 

@@ -20,7 +20,7 @@ import pytest
 from daemon_harness import CTL, Daemon
 
 import perfectschedd
-from perfectschedd import commands, protocol
+from perfectschedd import commands, protocol, registry
 from perfectschedd.errors import ScheduleError
 
 SEED = 19
@@ -44,7 +44,7 @@ DATAS: list[Any] = [{}, {"a": 1}, "{}", '{"a": [1, 2]}', "[]", '{"a":', DEEP_TEX
                     {"s": "\ud800"}, 5, None, [1], "null"]
 FIELDS = ["key", "type", "cron", "delay", "timezone", "start", "at", "data", "prefix",
           "limit", "verbose", "after", "schedules", "bogus", "", "cmd"]
-COMMAND_NAMES = [*commands.COMMANDS, "status", "frobnicate", "", "LIST", "init "]
+COMMAND_NAMES = [*registry.COMMANDS, "frobnicate", "", "LIST", "init "]
 
 
 def _value(rng: random.Random, field: str) -> Any:
@@ -68,7 +68,7 @@ def _schedule(rng: random.Random) -> dict[str, Any]:
 
 def case(rng: random.Random) -> tuple[str, dict[str, Any]]:
     cmd = rng.choice(COMMAND_NAMES)
-    known = sorted(commands.ARGS.get(cmd, frozenset()))
+    known = sorted(registry.COMMANDS[cmd].args) if cmd in registry.COMMANDS else []
     if known and rng.random() < 0.8:
         names = rng.sample(known, rng.randint(1, len(known)))
     else:
