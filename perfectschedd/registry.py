@@ -181,7 +181,8 @@ def command(name: Any, where: str) -> Command:
     if where not in cmd.where:
         if DIRECT in cmd.where:
             raise InvalidInputError("command", f"{cmd.name} opens the database directly: "
-                                    "give -c CONFIG (perfectschedctl), not the daemon")
+                                    f"give -c CONFIG (perfectschedctl -c CONFIG {cmd.name}), "
+                                    "not the daemon")
         if DAEMON in cmd.where:
             raise InvalidInputError("command", f"{cmd.name} needs the daemon: use "
                                     "--socket, not -c")
