@@ -183,3 +183,28 @@ class Backend(ABC):
         """Append run history rows (schema.HISTORY_COLUMNS), in one transaction."""
         with self.transaction() as conn:
             self.history_many.executemany(conn, runs)
+
+
+class ServerBackend(Backend):
+    """A database server (PostgreSQL, MySQL): the hot path is statements on a SQLAlchemy
+    connection, each backend writing its own finish and claim."""
+
+    def finish_and_claim(self, finished: Sequence[Advance], now: float, lease_seconds: int,
+                         owner: str, limit: int) -> tuple[set[str], list[Claimed]]:
+        with self.transaction() as conn:
+            lost = self.advance_in(conn, finished) if finished else set()
+            if limit <= 0:
+                return lost, []
+            ts = int(now)
+            return lost, self.claim_in(conn, {
+                "due_by": ts, "lease_until": ts + lease_seconds, "holder": owner,
+                "claim_ts": now, "batch": limit})
+
+    @abstractmethod
+    def advance_in(self, conn: Connection, items: Sequence[Advance]) -> set[str]:
+        """finish_and_claim's writes, in its transaction; the keys whose fence moved."""
+
+    @abstractmethod
+    def claim_in(self, conn: Connection, params: dict[str, Any]) -> list[Claimed]:
+        """finish_and_claim's claim (`due_by`, `lease_until`, `holder`, `claim_ts`,
+        `batch`), in its transaction."""

@@ -16,13 +16,13 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
 from ..schema import Advance, Claimed
-from .base import Backend, DriverStatement
+from .base import DriverStatement, ServerBackend
 
 # Deadlock found / lock wait timeout: the transaction was rolled back, run it again.
 _TRY_AGAIN_ERRORS = frozenset({1213, 1205})
 
 
-class MySQLBackend(Backend):
+class MySQLBackend(ServerBackend):
     name = "mysql"
 
     def __init__(self, url: Any, table: str) -> None:
@@ -69,24 +69,16 @@ class MySQLBackend(Backend):
                     attempt=t.c.attempt + 1, owner=sa.bindparam("holder"),
                     claimed_at=sa.bindparam("claim_ts")))
 
-    def finish_and_claim(self, finished: Sequence[Advance], now: float, lease_seconds: int,
-                         owner: str, limit: int) -> tuple[set[str], list[Claimed]]:
-        with self.transaction() as conn:
-            lost = self._advance(conn, finished) if finished else set()
-            if limit <= 0:
-                return lost, []
-            ts = int(now)
-            params = {"due_by": ts, "lease_until": ts + lease_seconds, "holder": owner,
-                      "claim_ts": now, "batch": limit}
-            found = conn.execute(self._claim_select, params).all()
-            if not found:
-                return lost, []
-            conn.execute(self._claim_update, {**params, "keys": [r[0] for r in found]})
+    def claim_in(self, conn: Connection, params: dict[str, Any]) -> list[Claimed]:
+        found = conn.execute(self._claim_select, params).all()
+        if not found:
+            return []
+        conn.execute(self._claim_update, {**params, "keys": [r[0] for r in found]})
         # Already in cron order (the read's ORDER BY); the values as they are after it.
-        return lost, [Claimed(*r[:7], fence=r[7] + 1, attempt=r[8] + 1, due_time=r[9],
-                              has_extra=r[10], policy=r[11]) for r in found]
+        return [Claimed(*r[:7], fence=r[7] + 1, attempt=r[8] + 1, due_time=r[9],
+                        has_extra=r[10], policy=r[11]) for r in found]
 
-    def _advance(self, conn: Connection, items: Sequence[Advance]) -> set[str]:
+    def advance_in(self, conn: Connection, items: Sequence[Advance]) -> set[str]:
         """Which rows still carry the caller's fence, read (and locked) inside the
         transaction; the writes then match exactly those."""
         fences = {a.key: a.fence for a in items}

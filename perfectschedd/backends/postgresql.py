@@ -18,7 +18,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
 from ..schema import HISTORY_COLUMNS, Advance, Claimed
-from .base import Backend, in_cron_order
+from .base import ServerBackend, in_cron_order
 
 # A transaction the server rolled back to break a deadlock or a serialization conflict:
 # running it again is the documented remedy.  A worker's heartbeat and its finish touch
@@ -26,7 +26,7 @@ from .base import Backend, in_cron_order
 _TRY_AGAIN_STATES = frozenset({"40P01", "40001"})
 
 
-class PostgreSQLBackend(Backend):
+class PostgreSQLBackend(ServerBackend):
     name = "postgresql"
     partial_index_dialect = "postgresql"
 
@@ -84,18 +84,10 @@ class PostgreSQLBackend(Backend):
                        t.c.next_time, t.c.fence, t.c.attempt, t.c.due_time, t.c.has_extra,
                        t.c.policy))
 
-    def finish_and_claim(self, finished: Sequence[Advance], now: float, lease_seconds: int,
-                         owner: str, limit: int) -> tuple[set[str], list[Claimed]]:
-        with self.transaction() as conn:
-            lost = self._advance(conn, finished) if finished else set()
-            if limit <= 0:
-                return lost, []
-            ts = int(now)
-            return lost, in_cron_order(conn.execute(self._claim_stmt, {
-                "due_by": ts, "lease_until": ts + lease_seconds, "holder": owner,
-                "claim_ts": now, "batch": limit}))
+    def claim_in(self, conn: Connection, params: dict[str, Any]) -> list[Claimed]:
+        return in_cron_order(conn.execute(self._claim_stmt, params))
 
-    def _advance(self, conn: Connection, items: Sequence[Advance]) -> set[str]:
+    def advance_in(self, conn: Connection, items: Sequence[Advance]) -> set[str]:
         """One statement for all advances, one for all one-offs, whatever the batch size."""
         done: set[str] = set()
         # In key order: one lock order with heartbeats (no deadlock between them).
