@@ -162,6 +162,12 @@ def test_exec_entry_runs_on_the_hosts_that_hold_it(daemon_factory: Any, db_url: 
                       what="six runs in history (written in batches)")
     assert all(r["worker"].startswith("holder:") for r in runs)
     assert holder.stop() == 0 and other.stop() == 0
+    # The command and its environment stay in the file: nothing of them is stored.
+    if db_url.startswith("sqlite:///"):
+        db = Path(db_url.removeprefix("sqlite:///"))
+        stored = b"".join(p.read_bytes() for p in db.parent.glob(db.name + "*"))
+        assert b"shell-job" in stored
+        assert b"GREETING" not in stored and b"hello from the file" not in stored
 
 
 def test_apply_prints_changes_and_refuses_bad_files(daemon_factory: Any, tmp_path: Path
