@@ -19,6 +19,7 @@ when a fault hit what ran it (that worker, that node, or - for database faults -
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import signal
@@ -376,15 +377,22 @@ class Report:
     nodes: Counter[str] = field(default_factory=Counter)
     faults: int = 0
     details: list[str] = field(default_factory=list)  # describe() of the first problems
+    # Occurrences two of whose copies ran at the same time (by the jobs' own start and
+    # end lines; a copy killed before its end line cannot be shown to overlap).
+    overlaps: list[tuple[str, int]] = field(default_factory=list)
 
     def summary(self) -> str:
         return (f"occurrences={self.expected} runs={self.runs} starts={self.started} "
-                f"faults={self.faults} duplicates={len(self.duplicates)} "
+                f"faults={self.faults} overlapping={len(self.overlaps)} "
+                f"duplicates={len(self.duplicates)} "
                 f"(unexplained {len(self.unexplained)}) lost={len(self.lost)} "
                 f"unexpected={len(self.unexpected)} per-node={dict(sorted(self.nodes.items()))}")
 
     def assert_ok(self) -> None:
         problems = []
+        if self.overlaps:
+            problems.append(f"{len(self.overlaps)} occurrences ran two copies at once, "
+                            f"e.g. {sorted(self.overlaps)[:5]}")
         if self.lost:
             problems.append(f"{len(self.lost)} lost, e.g. {sorted(self.lost)[:5]}")
         if self.unexplained:
@@ -430,9 +438,31 @@ def analyse(runs: Sequence[Run], expected: Iterable[tuple[str, int]],
             rep.duplicates.append(occ)
             if not _explained(starts.get(occ, []), es, faults):
                 rep.unexplained.append(occ)
+    rep.overlaps = overlapping(runs)
     rep.details = [describe(runs, occ, faults)
-                   for occ in sorted(rep.unexplained)[:3] + sorted(rep.lost)[:3]]
+                   for occ in sorted(rep.overlaps)[:3] + sorted(rep.unexplained)[:3]
+                   + sorted(rep.lost)[:3]]
     return rep
+
+
+def overlapping(runs: Sequence[Run]) -> list[tuple[str, int]]:
+    """Occurrences with two copies whose [start, end] (the job's own lines, one pid each)
+    intersect."""
+    spans: dict[tuple[str, int], dict[tuple[str, int], list[float]]] = defaultdict(dict)
+    for r in runs:
+        span = spans[(r.key, r.scheduled_time)].setdefault((r.node, r.pid), [math.nan] * 2)
+        span[0 if r.kind == "S" else 1] = r.at
+    out = []
+    for occ, copies in spans.items():
+        done = sorted((s, e) for s, e in copies.values()
+                      if not (math.isnan(s) or math.isnan(e)))
+        latest_end = -math.inf
+        for start, end in done:
+            if start < latest_end:
+                out.append(occ)
+                break
+            latest_end = max(latest_end, end)
+    return out
 
 
 def _explained(starts: list[Run], ends: list[Run], faults: Sequence[Fault]) -> bool:
