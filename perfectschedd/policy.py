@@ -137,14 +137,19 @@ def _number(name: str, value: Any, *, minimum: float, maximum: float,
         try:
             value = float(value) if "." in value or "e" in value.lower() else int(value)
         except ValueError:
-            raise InvalidInputError(name, f"must be a number of seconds, got "
-                                    f"{describe(value)}") from None
+            unit = "a whole number" if name == "max_attempts" else "a number of seconds"
+            raise InvalidInputError(name, f"must be {unit}, got {describe(value)}") from None
     if isinstance(value, bool) or not isinstance(value, int | float) or \
             not math.isfinite(value):
         raise InvalidInputError(name, f"must be a number, got {describe(value)}")
     if integer and int(value) != value:
         raise InvalidInputError(name, f"must be a whole number, got {describe(value)}")
     if not minimum <= value <= maximum:
-        raise InvalidInputError(name, f"must be from {minimum:g} to {maximum:g}, "
+        raise InvalidInputError(name, f"must be from {_plain(minimum)} to {_plain(maximum)}, "
                                 f"got {describe(value)}")
     return int(value) if integer else float(value)
+
+
+def _plain(bound: float) -> str:
+    # "315360000", not the "3.1536e+08" of :g, in a message a person reads
+    return str(int(bound)) if float(bound).is_integer() else f"{bound:g}"

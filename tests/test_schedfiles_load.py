@@ -58,7 +58,7 @@ def test_a_good_file(tmp_path: Path) -> None:
     ({**GOOD, "timezone": "Mars/Base"}, "timezone: unknown time zone"),
     ({**GOOD, "delay": -1}, "delay: must be a whole number"),
     ({**GOOD, "misfire": "sometimes"}, "misfire: must be one of all, latest, skip"),
-    ({**GOOD, "max_attempts": "many"}, "max_attempts: must be a number of seconds"),
+    ({**GOOD, "max_attempts": "many"}, "max_attempts: must be a whole number"),
     ({**GOOD, "data": [1]}, "data: must be a JSON object"),
     ({**GOOD, "env": {"A": "1"}}, "env: only for exec entries"),
     ({"key": "k", "cron": "@daily", "exec": "true", "env": {"1A": "x"}},
