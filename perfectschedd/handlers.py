@@ -60,6 +60,7 @@ __all__ = [
     "RunResult",
     "StopReason",
     "TaskLike",
+    "UnitHandler",
     "kill_all_groups",
     "run_task",
     "running_groups",
@@ -125,6 +126,7 @@ class RunResult:
     outcome: Outcome
     duration: float              # seconds, monotonic
     exit_code: int | None = None  # exec only: the exit status, or -signal if killed
+    unit: str | None = None       # executor systemd: the run's unit
 
 
 class StopReason(enum.StrEnum):
@@ -171,12 +173,12 @@ class RunControl:
         return False
 
 
-def _stop_reason(stop_event: RunControl | threading.Event | None) -> StopReason:
+def stop_reason(stop_event: RunControl | threading.Event | None) -> StopReason:
     reason = getattr(stop_event, "reason", None)
     return reason if isinstance(reason, StopReason) else StopReason.SHUTDOWN
 
 
-def _stop_grace(stop_event: RunControl | threading.Event | None, kill_grace: float) -> float:
+def stop_grace(stop_event: RunControl | threading.Event | None, kill_grace: float) -> float:
     if isinstance(stop_event, RunControl) and stop_event.reason is StopReason.FENCED \
             and stop_event.fence_grace is not None:
         return min(kill_grace, stop_event.fence_grace)
@@ -227,6 +229,18 @@ class ExecHandler:
 
 
 @dataclass(frozen=True, slots=True)
+class UnitHandler:
+    """An exec route with `executor: systemd`: each run is a transient unit (unitjobs.py)."""
+
+    route: RouteConfig
+    argv: tuple[str, ...]
+    timeout: float | None
+
+    def __str__(self) -> str:
+        return f"systemd unit {' '.join(self.argv)}"
+
+
+@dataclass(frozen=True, slots=True)
 class PythonHandler:
     route: RouteConfig
     app_class: type[Any]
@@ -236,7 +250,7 @@ class PythonHandler:
         return f"python {self.route.python}"
 
 
-Handler = ExecHandler | PythonHandler
+Handler = ExecHandler | UnitHandler | PythonHandler
 
 
 class Router:
@@ -314,6 +328,8 @@ class Router:
 
     @staticmethod
     def _resolve(route: RouteConfig) -> Handler | str:
+        if route.exec is not None and route.executor == "systemd":
+            return UnitHandler(route, tuple(route.exec), route.timeout)
         if route.exec is not None:
             return ExecHandler(route, tuple(route.exec), route.timeout)
         assert route.python is not None
@@ -338,7 +354,8 @@ Stop = RunControl | threading.Event
 def run_task(task: TaskLike, handler: Handler, *, log: Log = logger,
              stop_event: Stop | None = None, kill_grace: float = 5.0,
              run_id: str | None = None,
-             on_spawn: Callable[[int], None] | None = None) -> RunResult:
+             on_spawn: Callable[[int], None] | None = None,
+             on_unit: Callable[[str], None] | None = None, node: str = "") -> RunResult:
     """Run ``task`` with ``handler`` and end it; never raises for handler failures.
 
     ``stop_event`` means "end now" (a :class:`RunControl` says why). An exec
@@ -349,17 +366,25 @@ def run_task(task: TaskLike, handler: Handler, *, log: Log = logger,
     the occurrence belongs to whoever holds it next.
 
     ``run_id`` goes into the environment of exec commands (RUN_ID_ENV);
-    ``on_spawn(pgid)`` is called once the command's process group exists.
+    ``on_spawn(pgid)`` is called once the command's process group exists.  A unit run
+    calls ``on_unit(name)`` before its unit can exist; ``node`` names this host in the
+    unit's Description (its owner: "worker NODE:PID").
 
     Errors of the store other than ``PreemptedError`` (a database that is
     down) propagate to the caller.
     """
     start = time.monotonic()
+    unit: str | None = None
     try:
         if stop_event is not None and stop_event.is_set():
             return RunResult(_stopped_before_start(task, stop_event, log),
                              time.monotonic() - start)
-        if isinstance(handler, ExecHandler):
+        if isinstance(handler, UnitHandler):
+            from . import unitjobs  # D-Bus: only where a route runs units
+
+            outcome, code, unit = unitjobs.run(task, handler, log, stop_event, kill_grace,
+                                               node, on_unit)
+        elif isinstance(handler, ExecHandler):
             outcome, code = _run_exec(task, handler, log, stop_event, kill_grace, run_id,
                                       on_spawn)
         else:
@@ -367,19 +392,19 @@ def run_task(task: TaskLike, handler: Handler, *, log: Log = logger,
     except PreemptedError:
         log.warning("%s: lease lost while running; the result was discarded", task.key)
         outcome, code = Outcome.PREEMPTED, None
-    return RunResult(outcome, time.monotonic() - start, code)
+    return RunResult(outcome, time.monotonic() - start, code, unit)
 
 
 def _stopped_before_start(task: TaskLike, stop: Stop, log: Log) -> Outcome:
-    reason = _stop_reason(stop)
+    reason = stop_reason(stop)
     if reason is StopReason.SHUTDOWN:
         task.give_back()
         return Outcome.STOPPED
-    log.warning("%s: not started: %s", task.key, _REASON_TEXT[reason])
+    log.warning("%s: not started: %s", task.key, REASON_TEXT[reason])
     return Outcome.PREEMPTED
 
 
-_REASON_TEXT = {
+REASON_TEXT = {
     StopReason.SHUTDOWN: "daemon stopping",
     StopReason.PREEMPTED: "lease lost (schedule deleted, modified or taken over)",
     StopReason.FENCED: "lease could not be renewed in time (database unreachable)",
@@ -538,7 +563,7 @@ def _run_exec(task: TaskLike, handler: ExecHandler, log: Log, stop_event: Stop |
             _groups.pop(pgid, None)
         code = proc.wait()  # the leader is a zombie by now (or dies of SIGKILL at once)
     if why == "stop":
-        reason = _stop_reason(stop_event)
+        reason = stop_reason(stop_event)
         if reason is StopReason.SHUTDOWN:
             task.give_back()
             return Outcome.STOPPED, code
@@ -546,10 +571,10 @@ def _run_exec(task: TaskLike, handler: ExecHandler, log: Log, stop_event: Stop |
     if why == "timeout":
         task.retry()
         return Outcome.TIMEOUT, code
-    return _exec_verdict(task, last_line.strip(), code, log), code
+    return exec_verdict(task, last_line.strip(), code, log), code
 
 
-def _exec_verdict(task: TaskLike, last: str, code: int, log: Log) -> Outcome:
+def exec_verdict(task: TaskLike, last: str, code: int, log: Log) -> Outcome:
     """End the task by the command's last stdout line, else by its exit status.
 
     An explicit line outranks the exit status: a command that says "again in N
@@ -631,8 +656,8 @@ def _supervise(proc: subprocess.Popen[bytes], key: str, payload: bytes, timeout:
                 elif stop_event is not None and stop_event.is_set():
                     reason = "stop"
                     log.warning("%s: %s; sending SIGTERM to process group %d", key,
-                                _REASON_TEXT[_stop_reason(stop_event)], pgid)
-                    terminate(now, _stop_grace(stop_event, kill_grace))
+                                REASON_TEXT[stop_reason(stop_event)], pgid)
+                    terminate(now, stop_grace(stop_event, kill_grace))
             if kill_at is not None and not killed and now >= kill_at:
                 log.warning("%s: process group %d still running %gs after SIGTERM; "
                             "sending SIGKILL", key, pgid, kill_grace)
@@ -945,8 +970,8 @@ def _run_python(task: TaskLike, handler: PythonHandler, log: Log,
     if isinstance(error, PreemptedError):
         raise error
     if isinstance(error, ProcessStopError) or fired is ProcessStopError:
-        reason = _stop_reason(stop_event)
-        log.warning("%s: %s; %s interrupted", task.key, _REASON_TEXT[reason],
+        reason = stop_reason(stop_event)
+        log.warning("%s: %s; %s interrupted", task.key, REASON_TEXT[reason],
                     handler.route.python)
         if reason is not StopReason.SHUTDOWN:
             return Outcome.PREEMPTED  # the lease is not ours to write
