@@ -66,6 +66,7 @@ _VERDICT_WAIT = 2.0
 # Our own deadline, beyond RuntimeMaxSec + the stop grace: systemd should have ended it.
 _DEADLINE_SLACK = 5.0
 _CLD_EXITED = 1
+_WRAPPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "unitwrap.py")
 _ENDED = ("inactive", "failed")
 
 
@@ -332,7 +333,9 @@ def properties(task: TaskLike, handler: UnitHandler, name: str, *, node: str, ki
     route = handler.route
     argv = [*handler.argv, task.key] if route.append_key else list(handler.argv)
     python = sys.executable or "/usr/bin/python3"
-    wrapped = [python, "-I", "-m", "perfectschedd.unitwrap", "--", *argv]
+    # The wrapper by its path, not -m perfectschedd.unitwrap: importing the package would
+    # load the whole library (SQLAlchemy...) into every job, and count against MemoryMax.
+    wrapped = [python, "-I", _WRAPPER, "--", *argv]
     env = [f"PERFECTSCHED_KEY={task.key}", f"PERFECTSCHED_TYPE={task.type}",
            f"PERFECTSCHED_SCHEDULED_TIME={int(task.scheduled_time)}",
            f"PERFECTSCHED_ATTEMPT={int(task.attempt)}", f"PERFECTSCHED_UNIT={name}",
@@ -367,8 +370,12 @@ def properties(task: TaskLike, handler: UnitHandler, name: str, *, node: str, ki
         except KeyError:
             props.append(("Group", Variant("s", str(pw.pw_gid))))
     daemon_unit = own_unit()
-    if daemon_unit is not None:  # stopping the daemon stops its jobs
-        props.append(("PartOf", Variant("as", [daemon_unit])))
+    if daemon_unit is not None:
+        # Stopping the daemon (or its failing) stops its jobs.  StopPropagatedFrom=, not
+        # PartOf=: PartOf= also propagates restarts, and systemd would run the job again
+        # (a new invocation, outside any lease) whenever the daemon restarts or is
+        # restarted after a crash.  After=: jobs stop before the daemon does.
+        props.append(("StopPropagatedFrom", Variant("as", [daemon_unit])))
         props.append(("After", Variant("as", [daemon_unit])))
     props.extend((n, Variant(sig, value)) for n, sig, value in route.unit)
     return props

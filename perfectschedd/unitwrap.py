@@ -12,7 +12,9 @@ too, and writes only the last non-empty stdout line to the pipe when the command
 It exits as the command did (the same status, or the same signal), so the unit's
 ExecMainCode/ExecMainStatus/Result are the command's.
 
-Usage (unitjobs.py builds it): python3 -I -m perfectschedd.unitwrap -- ARGV...
+Usage (unitjobs.py builds it): python3 -I /path/to/perfectschedd/unitwrap.py -- ARGV...
+It imports nothing but the standard library (it runs as the job's user, inside the job's
+limits).
 """
 
 from __future__ import annotations
