@@ -258,21 +258,33 @@ def test_u06_a_killed_worker_s_unit_stops_before_the_occurrence_runs_again(
     ensure_active(ns)
 
 
-def test_u07_a_crashed_daemon_s_units_are_stopped_when_it_starts_again(
+def test_u07_a_crashed_daemon_s_units_stop_and_leftovers_are_stopped_at_start(
         ns: Namespace, units) -> None:
-    """Every process of the daemon killed at once: nothing of it stopped the unit; the
-    next daemon of this host stops it before it runs anything."""
+    """Every process of the daemon killed at once (nothing of it can stop its units):
+    systemd stops them (StopPropagatedFrom=).  A unit that names a worker of this host
+    and still runs when the daemon starts (left by an instance that could not stop it)
+    is stopped before anything runs; another host's is left alone."""
     key = KEYS["leftover"]
     ensure_active(ns)
     ns.ctl("run", key)
     left = wait_for(lambda: active_units(ns, key), 30, "the unit running",
                     lambda: journal(ns))[0]
     ns.run("systemctl", "kill", "--signal=SIGKILL", UNIT)
-    wait_for(lambda: left not in active_units(ns, key), 60,
-             "the leftover unit stopped by the restarted daemon",
+    wait_for(lambda: left not in active_units(ns, key), 60, "the crashed daemon's unit gone",
              lambda: journal(ns) + ns.out("systemctl", "list-units", "perfectsched-*"))
-    wait_for(lambda: re.search(r"stopped \d+ systemd unit\(s\) of a previous daemon of this "
-                               r"host: .*" + re.escape(left), journal(ns, UNIT, 400)), 30,
-             "the restarted daemon's line", lambda: journal(ns))
-    ensure_active(ns)
+    wait_for(lambda: ns.show("ActiveState")["ActiveState"] == "active", 60,
+             "the daemon restarted (Restart=on-failure)", lambda: journal(ns))
     ns.ctl("delete", key, check=False)
+
+    node = ns.out("hostname")
+    mine, theirs = f"perfectsched-stray-{TOKEN}.service", f"perfectsched-far-{TOKEN}.service"
+    for unit, owner in ((mine, f"{node}:1"), (theirs, "other-host:1")):
+        ns.run("systemd-run", f"--unit={unit}", "--collect",
+               f"--description=PerfectSched job stray (worker {owner})", "/bin/sleep", "300")
+    ns.run("systemctl", "restart", UNIT, timeout=150)
+    ensure_active(ns)
+    assert ns.out("systemctl", "is-active", mine, check=False) != "active"
+    assert ns.out("systemctl", "is-active", theirs, check=False) == "active"
+    assert re.search(r"stopped 1 systemd unit\(s\) of a previous daemon of this host: "
+                     + re.escape(mine), journal(ns, UNIT, 400)), journal(ns)
+    ns.run("systemctl", "stop", theirs)
