@@ -405,31 +405,46 @@ def run(task: TaskLike, handler: UnitHandler, log: Log, stop: Any, kill_grace: f
         last = _read_verdict(verdict_r)
     finally:
         os.close(verdict_r)
+    return end_task(task, name, state, last, why, stop, handler.timeout, log), \
+        exit_code(state), name
+
+
+def exit_code(state: dict[str, Any]) -> int | None:
+    """The command's exit status from ExecMainCode/ExecMainStatus, or -signal."""
+    if "ExecMainStatus" not in state:
+        return None
+    status = int(state["ExecMainStatus"])
+    return status if state.get("ExecMainCode") == _CLD_EXITED else -status
+
+
+def end_task(task: TaskLike, name: str, state: dict[str, Any], last: str, why: str | None,
+             stop: Any, timeout: float | None, log: Log) -> Outcome:
+    """End the task by how its unit ended: `why` we stopped it (stop, timeout) first,
+    then the unit's Result (timeout, oom-kill, start failures), then the exec protocol
+    (the last stdout line, else the exit status) as for an exec run."""
+    key = task.key
     result = str(state.get("Result", "unknown"))
-    code: int | None = None
-    if "ExecMainStatus" in state:
-        status = int(state["ExecMainStatus"])
-        code = status if state.get("ExecMainCode") == _CLD_EXITED else -status
+    code = exit_code(state)
     if why == "stop":
         if stop_reason(stop) is StopReason.SHUTDOWN:
             task.give_back()
-            return Outcome.STOPPED, code, name
-        return Outcome.PREEMPTED, code, name  # nothing to write: the lease is not ours
+            return Outcome.STOPPED
+        return Outcome.PREEMPTED  # nothing to write: the lease is not ours
     if why == "timeout" or result == "timeout":
         log.warning("%s: unit %s timed out after %gs and was stopped", key, name,
-                    handler.timeout or 0)
+                    timeout or 0)
         task.retry()
-        return Outcome.TIMEOUT, code, name
+        return Outcome.TIMEOUT
     if result == "oom-kill":
         log.error("%s: unit %s was killed: out of memory (OOM, its MemoryMax)", key, name)
         task.retry()
-        return Outcome.FAILED, code, name
+        return Outcome.FAILED
     if result not in ("success", "exit-code", "signal", "core-dump") or code is None:
         log.error("%s: unit %s failed: result %s%s", key, name, result,
                   f", status {code}" if code is not None else "")
         task.retry()
-        return Outcome.FAILED, code, name
-    return exec_verdict(task, last, code, log), code, name
+        return Outcome.FAILED
+    return exec_verdict(task, last, code, log)
 
 
 def _wait(watch: _Watch, name: str, key: str, timeout: float | None, log: Log, stop: Any,
