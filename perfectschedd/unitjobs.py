@@ -66,6 +66,9 @@ _VERDICT_WAIT = 2.0
 # Our own deadline, beyond RuntimeMaxSec + the stop grace: systemd should have ended it.
 _DEADLINE_SLACK = 5.0
 _CLD_EXITED = 1
+_CLD_CODES = (1, 2, 3)  # exited, killed, dumped; 0: the main process has not ended
+# The error of a unit object that no longer exists (systemd collected the unit).
+_GONE = "org.freedesktop.DBus.Error.UnknownObject"
 _WRAPPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "unitwrap.py")
 _ENDED = ("inactive", "failed")
 
@@ -127,11 +130,16 @@ class Systemd:
         self._bus: MessageBus | None = None
         self._watches: dict[str, _Watch] = {}   # by object path
         self._by_name: dict[str, _Watch] = {}
+        self._retry_at = 0.0
+        self._lost_logged = False
 
-    def _run(self, coro: Coroutine[Any, Any, Any], timeout: float = CALL_TIMEOUT) -> Any:
+    def _ensure_connected(self) -> None:
         with self._lock:
             if self._bus is None or not self._bus.connected:
                 self._connect()
+
+    def _run(self, coro: Coroutine[Any, Any, Any], timeout: float = CALL_TIMEOUT) -> Any:
+        self._ensure_connected()
         assert self._loop is not None
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
@@ -159,6 +167,20 @@ class Systemd:
                         destination="org.freedesktop.DBus")
             # systemd sends unit signals only while some client is subscribed.
             await _call(bus, MANAGER_PATH, MANAGER, "Subscribe")
+            # A new connection after a lost one (dbus restarted): watch the running units
+            # again, and look at them once, since signals were missed meanwhile.  (Their
+            # start jobs are long done: a run watches its unit once the start returned.)
+            for watch in list(self._watches.values()):
+                await _add_match(bus, watch.path)
+                watch.update(started=True)
+                try:  # the old connection's reference went with it (AddRef)
+                    await _call(bus, watch.path, UNIT, "Ref")
+                except SystemdError:
+                    pass  # collected meanwhile: its result is lost
+            asyncio.ensure_future(_until_disconnected(bus))
+            self._bus = bus
+            for watch in list(self._watches.values()):
+                await self._refresh(watch)
             return bus
 
         try:
@@ -167,6 +189,26 @@ class Systemd:
         except Exception as exc:  # noqa: BLE001 - any failure to reach the bus, one line
             raise SystemdError(f"cannot reach systemd on the system bus: {_text(exc)}") \
                 from None
+
+    def check(self) -> None:
+        """Called while a run waits: a lost bus connection (dbus restarted) is made again,
+        at most once a second until systemd is back on the bus; the signals of the old
+        connection will never come."""
+        if self._bus is None or self._bus.connected:
+            return
+        now = time.monotonic()
+        if now < self._retry_at:
+            return
+        self._retry_at = now + 1.0
+        if not self._lost_logged:
+            self._lost_logged = True
+            logger.warning("connection to the system bus lost; connecting again")
+        try:
+            self._run(asyncio.sleep(0))
+        except SystemdError:
+            return  # not yet: next second
+        self._lost_logged = False
+        logger.info("connected to the system bus again")
 
     def _on_message(self, msg: Message) -> None:
         """Runs on the loop thread for every message: a unit's start job ended, or its
@@ -196,8 +238,11 @@ class Systemd:
         try:
             reply = await _call(self._bus, watch.path, PROPERTIES, "Get", "ss",
                                 [UNIT, "ActiveState"])
-        except SystemdError:  # the unit is gone: it ended
-            watch.update("inactive", started=True)
+        except SystemdError as exc:
+            if _GONE in str(exc):  # collected: it ended
+                watch.update("inactive", started=True)
+            # Else systemd is not reachable right now (it is back on a restarted bus a
+            # moment after us): the connection is made again and the unit looked at.
             return
         watch.update(reply[0].value)
 
@@ -208,16 +253,14 @@ class Systemd:
         """Start a transient unit and watch it; returns once systemd accepted it."""
         path = unitprops.bus_path(name)
         watch = _Watch(name, path)
+        self._ensure_connected()  # before the watch: a first connection watches nothing
         self._watches[path] = watch
         self._by_name[name] = watch
-        rule = (f"type='signal',sender='{SYSTEMD}',path='{path}',"
-                f"interface='{PROPERTIES}',member='PropertiesChanged'")
 
         async def start() -> None:
             assert self._bus is not None
             # The match before the start: no change can pass unseen.
-            await _call(self._bus, "/org/freedesktop/DBus", "org.freedesktop.DBus",
-                        "AddMatch", "s", [rule], destination="org.freedesktop.DBus")
+            await _add_match(self._bus, path)
             # dbus-next wants a D-Bus struct as a list.
             await _call(self._bus, MANAGER_PATH, MANAGER, "StartTransientUnit",
                         "ssa(sv)a(sa(sv))", [name, "fail", [list(p) for p in properties],
@@ -232,8 +275,6 @@ class Systemd:
     def result(self, name: str, watch: _Watch) -> dict[str, Any]:
         """The ended unit's Result, ExecMainCode, ExecMainStatus; then let systemd
         collect it (Unref) and stop watching it."""
-        rule = (f"type='signal',sender='{SYSTEMD}',path='{watch.path}',"
-                f"interface='{PROPERTIES}',member='PropertiesChanged'")
 
         async def read() -> dict[str, Any]:
             assert self._bus is not None
@@ -247,7 +288,7 @@ class Systemd:
             for path, iface, member, sig, body, dest in (
                     (watch.path, UNIT, "Unref", "", [], SYSTEMD),
                     ("/org/freedesktop/DBus", "org.freedesktop.DBus", "RemoveMatch", "s",
-                     [rule], "org.freedesktop.DBus")):
+                     [_rule(watch.path)], "org.freedesktop.DBus")):
                 try:
                     await _call(self._bus, path, iface, member, sig, body, destination=dest)
                 except SystemdError:
@@ -270,9 +311,7 @@ class Systemd:
         self._run(_kill(self._bus_or_raise(), name))
 
     def _bus_or_raise(self) -> MessageBus:
-        with self._lock:
-            if self._bus is None or not self._bus.connected:
-                self._connect()
+        self._ensure_connected()
         assert self._bus is not None
         return self._bus
 
@@ -283,6 +322,8 @@ class Systemd:
         self._bus = None
         self._watches = {}
         self._by_name = {}
+        self._retry_at = 0.0
+        self._lost_logged = False
 
 
 async def _call(bus: MessageBus, path: str, interface: str, member: str,
@@ -297,6 +338,25 @@ async def _call(bus: MessageBus, path: str, interface: str, member: str,
         detail = reply.body[0] if reply.body and isinstance(reply.body[0], str) else ""
         raise SystemdError(f"{member}: {reply.error_name}: {detail}".rstrip(": "))
     return list(reply.body)
+
+
+async def _until_disconnected(bus: MessageBus) -> None:
+    """Takes the connection's end (dbus-next ends its future with EOFError when the bus
+    goes away; untaken, asyncio would log it as never retrieved)."""
+    try:
+        await bus.wait_for_disconnect()
+    except Exception:  # noqa: BLE001,S110 - its end is all we wanted to know
+        pass
+
+
+def _rule(path: str) -> str:
+    return (f"type='signal',sender='{SYSTEMD}',path='{path}',"
+            f"interface='{PROPERTIES}',member='PropertiesChanged'")
+
+
+async def _add_match(bus: MessageBus, path: str) -> None:
+    await _call(bus, "/org/freedesktop/DBus", "org.freedesktop.DBus", "AddMatch", "s",
+                [_rule(path)], destination="org.freedesktop.DBus")
 
 
 async def _stop(bus: MessageBus, name: str) -> None:
@@ -411,7 +471,7 @@ def run(task: TaskLike, handler: UnitHandler, log: Log, stop: Any, kill_grace: f
 
 def exit_code(state: dict[str, Any]) -> int | None:
     """The command's exit status from ExecMainCode/ExecMainStatus, or -signal."""
-    if "ExecMainStatus" not in state:
+    if "ExecMainStatus" not in state or state.get("ExecMainCode") not in _CLD_CODES:
         return None
     status = int(state["ExecMainStatus"])
     return status if state.get("ExecMainCode") == _CLD_EXITED else -status
@@ -441,7 +501,8 @@ def end_task(task: TaskLike, name: str, state: dict[str, Any], last: str, why: s
         return Outcome.FAILED
     if result not in ("success", "exit-code", "signal", "core-dump") or code is None:
         log.error("%s: unit %s failed: result %s%s", key, name, result,
-                  f", status {code}" if code is not None else "")
+                  f", status {code}" if code is not None else
+                  " (no exit status: its result was lost)" if result == "success" else "")
         task.retry()
         return Outcome.FAILED
     return exec_verdict(task, last, code, log)
@@ -459,6 +520,7 @@ def _wait(watch: _Watch, name: str, key: str, timeout: float | None, log: Log, s
     while not watch.ended.wait(_STOP_POLL):
         now = time.monotonic()
         try:
+            _client.check()
             if why is None and stop is not None and stop.is_set():
                 why = "stop"
                 log.warning("%s: %s; stopping unit %s", key, REASON_TEXT[stop_reason(stop)],
@@ -504,7 +566,7 @@ def _read_verdict(fd: int) -> str:
 
 
 def stop_units(belongs: Callable[[str, str], bool], names: Iterable[str] = (),
-               timeout: float = 15.0) -> list[str]:
+               timeout: float = 10.0) -> list[str]:
     """Stop, at once (SIGKILL), every perfectsched-* unit named in `names` or for which
     `belongs(name, description)` holds, and wait until they are inactive; returns the
     units stopped.  For the master: a dead worker's units, a previous instance's."""
@@ -544,7 +606,8 @@ def stop_units(belongs: Callable[[str, str], bool], names: Iterable[str] = (),
 
     def target() -> None:
         try:
-            asyncio.run(asyncio.wait_for(work(), timeout + CALL_TIMEOUT))
+            # Bounded: the master's loop (and its watchdog) waits for this.
+            asyncio.run(asyncio.wait_for(work(), 2 * timeout))
         except BaseException as exc:  # noqa: BLE001 - reported to the caller
             errors.append(exc)
 

@@ -38,7 +38,7 @@ def entry(key: str, command: str, **extra: Any) -> dict[str, Any]:
 
 
 KEYS = {name: f"unit-{name}-{TOKEN}" for name in
-        ("whoami", "oom", "timeout", "later", "sleeper", "leftover")}
+        ("whoami", "oom", "timeout", "later", "sleeper", "leftover", "busrestart")}
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +66,7 @@ def units(ns: Namespace, installed) -> dict[str, Any]:
         entry(KEYS["sleeper"], 'echo "sleeper start attempt=$PERFECTSCHED_ATTEMPT"; '
                                'exec sleep 300'),
         entry(KEYS["leftover"], 'echo "leftover start"; exec sleep 300'),
+        entry(KEYS["busrestart"], 'sleep 6; echo "busrestart done"'),
     ]
     ns.write(CONF, json.dumps(config, indent=2) + "\n")
     ns.write(SCHEDULES, json.dumps(entries, indent=2) + "\n")
@@ -288,3 +289,19 @@ def test_u07_a_crashed_daemon_s_units_stop_and_leftovers_are_stopped_at_start(
     assert re.search(r"stopped 1 systemd unit\(s\) of a previous daemon of this host: "
                      + re.escape(mine), journal(ns, UNIT, 400)), journal(ns)
     ns.run("systemctl", "stop", theirs)
+
+
+def test_u08_a_restarted_system_bus_loses_no_result(ns: Namespace, units) -> None:
+    """The worker's D-Bus connection goes away with dbus: it connects again, watches its
+    unit again (the signals of the old connection never come) and still gets its
+    result."""
+    key = KEYS["busrestart"]
+    ensure_active(ns)
+    ns.ctl("run", key)
+    wait_for(lambda: active_units(ns, key), 30, "the unit running", lambda: journal(ns))
+    ns.run("systemctl", "restart", "dbus.service", timeout=60)
+    runs = runs_until(ns, key, lambda h: h[0]["outcome"] in ("success", "failed"), 60,
+                      "the run's end")
+    assert runs[0]["outcome"] == "success", runs
+    text = journal(ns, UNIT, 400)
+    assert "connected to the system bus again" in text, text
