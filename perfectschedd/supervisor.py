@@ -6,7 +6,7 @@ one is killed and replaced, and a worker that keeps dying is replaced with a bac
 
 Nothing of a dead worker's runs survives it: before a replacement is forked, the master
 kills the process groups the worker reported and every process marked with one of its
-run ids (jobreaper.py) and stops its systemd units (unitjobs.py), then gives the worker's
+run ids (jobreaper.py) and stops its systemd units (systemdbus.py), then gives the worker's
 leases back (recording those attempts as `lost`), so the occurrences run again at once
 and never beside a leftover copy.
 """
@@ -275,11 +275,11 @@ class Supervisor:
     def _stop_units(self, whose: str, belongs: Callable[[str, str], bool],
                     names: list[str] | None = None) -> None:
         """Stop (SIGKILL, then wait until inactive) the perfectsched-* units of `whose`."""
-        from . import unitjobs
+        from . import systemdbus
 
         try:
-            stopped = unitjobs.stop_units(belongs, names or ())
-        except unitjobs.SystemdError as exc:
+            stopped = systemdbus.stop_units(belongs, names or ())
+        except systemdbus.SystemdError as exc:
             log.error("cannot stop the systemd units of %s: %s", whose, exc)
             return
         if stopped:
