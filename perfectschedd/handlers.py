@@ -12,6 +12,9 @@ The worker asks a :class:`Router` for the handler of a task's type and calls
   exits. Every process of a run carries ``PERFECTSCHED_RUN_ID`` in its
   environment, so that descendants that left the group can still be found
   (jobreaper.py) once the run, or its worker, is gone.
+* exec routes with ``executor: systemd`` run each task as a transient systemd unit
+  instead (:class:`UnitHandler`, unitjobs.py): systemd holds the processes (a cgroup),
+  and the same stop reasons stop the unit.
 * python routes run an :class:`Application` in the calling thread: no thread
   and no process per task. A timeout (or a stop) is delivered by one shared
   watchdog thread as an asynchronous exception (see :class:`_Watchdog`).
