@@ -60,19 +60,21 @@ def owner_mark(node: str, pid: int) -> str:
 
 
 def own_unit() -> str | None:
-    """The service this process runs in (its cgroup's last part), for PartOf=/After=;
-    None when it does not run in a service (started by hand, in tests)."""
+    """The service this process runs in (the last part of its cgroup), for
+    StopPropagatedFrom=/After=; None when it does not run as a service of its own (started
+    by hand, in tests)."""
     try:
         with open("/proc/self/cgroup") as f:
             lines = f.read().splitlines()
     except OSError:
         return None
-    for line in lines:
-        path = line.split(":", 2)[-1]
-        for part in reversed(path.split("/")):
-            if part.endswith(".service"):
-                return part
-    return None
+    # systemd's own hierarchy: cgroup v2 (unified, "0::"), else v1's "name=systemd".
+    ours = [line for line in lines if line.startswith("0::")] or \
+        [line for line in lines if ":name=systemd:" in line]
+    if not ours:
+        return None
+    last = ours[0].split(":", 2)[2].rstrip("/").rsplit("/", 1)[-1]
+    return last if last.endswith(".service") else None
 
 
 _client = Systemd()
