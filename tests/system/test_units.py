@@ -242,6 +242,10 @@ def test_u06_a_killed_worker_s_unit_stops_before_the_occurrence_runs_again(
     first = wait_for(lambda: active_units(ns, key), 30, "the unit running",
                      lambda: journal(ns))[0]
     worker = _worker_of(ns, first)
+    shown = ns.out("systemctl", "show", first, "--property=StopPropagatedFrom",
+                   "--property=After", "--property=CollectMode", "--property=Type")
+    assert "StopPropagatedFrom=perfectschedd.service" in shown.splitlines(), shown
+    assert "CollectMode=inactive-or-failed" in shown and "Type=exec" in shown, shown
     ns.run("kill", "-KILL", str(worker))
     second = wait_for(lambda: [u for u in active_units(ns, key) if u != first], 60,
                       "the occurrence running again", lambda: journal(ns))[0]
