@@ -175,7 +175,9 @@ def _routes(raw: Any) -> tuple[RouteConfig, ...]:
         ):
             raise ConfigError(f"{where}.timeout: must be a positive number of seconds")
         try:
-            executor = unitprops.check_executor(entry.get("executor"))
+            # Whether systemd runs here is for the daemon to check (check_host): a client
+            # reading the same file (perfectschedctl -c) runs no job.
+            executor = unitprops.check_executor(entry.get("executor"), runs_here=False)
         except ValueError as exc:
             raise ConfigError(f"{where}.executor: {exc}") from None
         if executor == "systemd" and route_exec is None:
@@ -284,6 +286,17 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
         schedules_dir=schedules_dir,
         source=source,
     )
+
+
+def check_host(config: Config) -> None:
+    """What only a host that runs the jobs can check (the daemon, at start and on reload):
+    routes with `executor: systemd` need systemd to run this host."""
+    for i, route in enumerate(config.routes):
+        try:
+            unitprops.check_executor(route.executor)
+        except ValueError as exc:
+            where = f"{config.source}: " if config.source else ""
+            raise ConfigError(f"{where}routes[{i}].executor: {exc}") from None
 
 
 def _environments(data: Any) -> list[str]:

@@ -467,6 +467,7 @@ class Supervisor:
         old = self.config
         try:
             new = config_mod.load(self.config_source, self.environment)
+            config_mod.check_host(new)
             if (new.url, new.table) != (old.url, old.table):
                 check_url(new.url)  # the old store stays unless the new one can be made
             self._swap_listeners(old, new)
@@ -827,6 +828,7 @@ def _main(argv: list[str] | None) -> int:
     logsetup.setup(None)
     try:
         cfg = config_mod.load(source, ns.environment)
+        config_mod.check_host(cfg)
     except (ConfigError, NotSupportedError) as exc:
         log.error("%s", exc)
         return 1

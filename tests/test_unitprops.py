@@ -16,7 +16,7 @@ import yaml
 from daemon_harness import Daemon, wait_until
 
 from perfectschedd import ConfigError, schedfiles, unitprops
-from perfectschedd.config import from_mapping
+from perfectschedd.config import check_host, from_mapping
 
 BASE = {"type": "rdb_compat", "url": "sqlite:////tmp/x.db"}
 ROUTE = {"type": "backup", "exec": ["/usr/local/bin/backup"], "executor": "systemd"}
@@ -172,13 +172,22 @@ def test_bad_routes_are_refused_naming_the_field(with_systemd: None, route: dict
     assert str(caught.value).startswith(error) and "\n" not in str(caught.value)
 
 
-def test_executor_systemd_is_refused_where_systemd_does_not_run(without_systemd: None) -> None:
+def test_executor_systemd_is_refused_where_systemd_does_not_run(without_systemd: None
+                                                                 ) -> None:
+    """The daemon checks the host (config.check_host, at start and on reload); a client
+    reading the same file (perfectschedctl -c) runs no job and takes it."""
+    config = from_mapping({**BASE, "routes": [{"type": "t", "exec": ["/bin/true"]}, ROUTE]},
+                          source="/etc/perfectsched/perfectsched.yml")
     with pytest.raises(ConfigError) as caught:
-        from_mapping({**BASE, "routes": [ROUTE]})
+        check_host(config)
     assert str(caught.value) == (
-        "routes[0].executor: systemd is not running on this host (" + unitprops.SYSTEMD_MARKER
-        + " is missing); use executor exec")
-    assert from_mapping({**BASE, "routes": [{**ROUTE, "executor": "exec"}]}).routes
+        "/etc/perfectsched/perfectsched.yml: routes[1].executor: systemd is not running on "
+        f"this host ({unitprops.SYSTEMD_MARKER} is missing); use executor exec")
+    check_host(from_mapping({**BASE, "routes": [{**ROUTE, "executor": "exec"}]}))
+
+
+def test_a_host_with_systemd_passes_the_check(with_systemd: None) -> None:
+    check_host(from_mapping({**BASE, "routes": [ROUTE]}))
 
 
 def load_one(tmp_path: Path, entries: Any, **kw: Any) -> schedfiles.Loaded:
