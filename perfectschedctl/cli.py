@@ -9,6 +9,7 @@ import argparse
 import json
 import math
 import os
+import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -199,6 +200,25 @@ def _import_crontab(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _logs(ns: argparse.Namespace, send: Callable[[str, dict[str, Any]], Any]) -> int:
+    """The journal of the newest run of KEY that ran as a unit: history says which unit
+    (through the daemon, or the database of -c), journalctl prints it (reading the
+    journal needs what journalctl needs: root, or the adm/systemd-journal group)."""
+    runs = send("history", {"key": ns.key, "limit": protocol.HISTORY_MAX})
+    unit = next((r["unit"] for r in runs if r.get("unit")), None)
+    if unit is None:
+        raise _BadArgument(f"{ns.key}: no run in its history ran as a systemd unit "
+                           "(executor: systemd)")
+    argv = ["journalctl", "--no-pager", "--unit", unit]
+    if ns.lines is not None:
+        argv += ["--lines", str(ns.lines)]
+    sys.stdout.flush()
+    try:
+        return subprocess.run(argv, check=False).returncode
+    except OSError as exc:
+        raise _BadArgument(f"cannot run journalctl: {exc.strerror or exc}") from None
+
+
 IMPORT_BATCH = 500  # schedules per add_many request (well inside a request's size)
 
 
@@ -250,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if ns.command == "import-crontab":
             return _import_crontab(ns)
         cmd, args = request_of(ns)
-        local = registry.LOCAL in registry.COMMANDS[cmd].where  # import-legacy
+        local = registry.LOCAL in registry.COMMANDS[cmd].where  # import-legacy, logs
         if ns.config:
             if not local:
                 registry.command(cmd, registry.DIRECT)
@@ -266,6 +286,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             send = SocketClient(path).call
         if cmd == "import-legacy":
             return _import_legacy(ns, send)
+        if cmd == "logs":
+            return _logs(ns, send)
         if cmd == "apply" and not args["dry_run"]:
             # A key that belongs elsewhere refuses the whole apply before anything is
             # written (asked first as a dry run).

@@ -10,7 +10,8 @@ from typing import Any
 from zoneinfo import ZoneInfo
 
 LIST_COLUMNS = ("key", "type", "cron", "delay", "timezone", "next_time", "next_run_time", "data")
-HISTORY_COLUMNS = ("scheduled_time", "started_at", "finished_at", "outcome", "attempt", "worker")
+HISTORY_COLUMNS = ("scheduled_time", "started_at", "finished_at", "outcome", "attempt", "worker",
+                   "unit")
 
 
 def format_time(ts: float | None, tz: str = "UTC") -> str:

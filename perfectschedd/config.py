@@ -14,6 +14,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import yaml
 
+from . import unitprops
 from .errors import ConfigError, NotSupportedError, describe
 
 DEFAULT_CONFIG_PATH = "/etc/perfectsched/perfectsched.yml"
@@ -39,6 +40,10 @@ class RouteConfig:
     env: tuple[tuple[str, str], ...] = ()  # added to the job's environment
     user: str | None = None                # run the job as this user (the daemon is root)
     append_key: bool = True                # the key as last argument (an entry's is fixed)
+    # "systemd": each run is a transient unit (unitjobs.py) with these properties
+    # (unitprops.convert: D-Bus name, signature, value).
+    executor: str = "exec"
+    unit: tuple[tuple[str, str, Any], ...] = ()
 
     @property
     def regexp(self) -> re.Pattern[str] | None:
@@ -147,7 +152,7 @@ def _routes(raw: Any) -> tuple[RouteConfig, ...]:
         where = f"routes[{i}]"
         if not isinstance(entry, Mapping):
             raise ConfigError(f"{where}: must be a mapping")
-        unknown = set(entry) - {"type", "exec", "python", "timeout"}
+        unknown = set(entry) - {"type", "exec", "python", "timeout", "executor", "unit"}
         if unknown:
             raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
         pattern = entry.get("type")
@@ -169,11 +174,27 @@ def _routes(raw: Any) -> tuple[RouteConfig, ...]:
             or not 0 < timeout <= _NUMBER_MAX  # also refuses NaN
         ):
             raise ConfigError(f"{where}.timeout: must be a positive number of seconds")
+        try:
+            # Whether systemd runs here is for the daemon to check (check_host): a client
+            # reading the same file (perfectschedctl -c) runs no job.
+            executor = unitprops.check_executor(entry.get("executor"), runs_here=False)
+        except ValueError as exc:
+            raise ConfigError(f"{where}.executor: {exc}") from None
+        if executor == "systemd" and route_exec is None:
+            raise ConfigError(f"{where}.executor: systemd runs exec routes only")
+        if "unit" in entry and executor != "systemd":
+            raise ConfigError(f"{where}.unit: only with executor: systemd")
+        try:
+            unit = unitprops.convert(entry.get("unit"))
+        except unitprops.UnitPropertyError as exc:
+            raise ConfigError(f"{where}.unit: {exc}") from None
         route = RouteConfig(
             pattern=pattern,
             exec=tuple(route_exec) if route_exec is not None else None,
             python=python,
             timeout=float(timeout) if timeout is not None else None,
+            executor=executor,
+            unit=unit,
         )
         try:
             route.regexp  # noqa: B018 - compile now so a bad regexp is a config error
@@ -265,6 +286,17 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
         schedules_dir=schedules_dir,
         source=source,
     )
+
+
+def check_host(config: Config) -> None:
+    """What only a host that runs the jobs can check (the daemon, at start and on reload):
+    routes with `executor: systemd` need systemd to run this host."""
+    for i, route in enumerate(config.routes):
+        try:
+            unitprops.check_executor(route.executor)
+        except ValueError as exc:
+            where = f"{config.source}: " if config.source else ""
+            raise ConfigError(f"{where}routes[{i}].executor: {exc}") from None
 
 
 def _environments(data: Any) -> list[str]:

@@ -12,6 +12,9 @@ The worker asks a :class:`Router` for the handler of a task's type and calls
   exits. Every process of a run carries ``PERFECTSCHED_RUN_ID`` in its
   environment, so that descendants that left the group can still be found
   (jobreaper.py) once the run, or its worker, is gone.
+* exec routes with ``executor: systemd`` run each task as a transient systemd unit
+  instead (:class:`UnitHandler`, unitjobs.py): systemd holds the processes (a cgroup),
+  and the same stop reasons stop the unit.
 * python routes run an :class:`Application` in the calling thread: no thread
   and no process per task. A timeout (or a stop) is delivered by one shared
   watchdog thread as an asynchronous exception (see :class:`_Watchdog`).
@@ -60,6 +63,7 @@ __all__ = [
     "RunResult",
     "StopReason",
     "TaskLike",
+    "UnitHandler",
     "kill_all_groups",
     "run_task",
     "running_groups",
@@ -125,6 +129,7 @@ class RunResult:
     outcome: Outcome
     duration: float              # seconds, monotonic
     exit_code: int | None = None  # exec only: the exit status, or -signal if killed
+    unit: str | None = None       # executor systemd: the run's unit
 
 
 class StopReason(enum.StrEnum):
@@ -227,6 +232,18 @@ class ExecHandler:
 
 
 @dataclass(frozen=True, slots=True)
+class UnitHandler:
+    """An exec route with `executor: systemd`: each run is a transient unit (unitjobs.py)."""
+
+    route: RouteConfig
+    argv: tuple[str, ...]
+    timeout: float | None
+
+    def __str__(self) -> str:
+        return f"systemd unit {' '.join(self.argv)}"
+
+
+@dataclass(frozen=True, slots=True)
 class PythonHandler:
     route: RouteConfig
     app_class: type[Any]
@@ -236,7 +253,7 @@ class PythonHandler:
         return f"python {self.route.python}"
 
 
-Handler = ExecHandler | PythonHandler
+Handler = ExecHandler | UnitHandler | PythonHandler
 
 
 class Router:
@@ -314,6 +331,8 @@ class Router:
 
     @staticmethod
     def _resolve(route: RouteConfig) -> Handler | str:
+        if route.exec is not None and route.executor == "systemd":
+            return UnitHandler(route, tuple(route.exec), route.timeout)
         if route.exec is not None:
             return ExecHandler(route, tuple(route.exec), route.timeout)
         assert route.python is not None
@@ -338,7 +357,8 @@ Stop = RunControl | threading.Event
 def run_task(task: TaskLike, handler: Handler, *, log: Log = logger,
              stop_event: Stop | None = None, kill_grace: float = 5.0,
              run_id: str | None = None,
-             on_spawn: Callable[[int], None] | None = None) -> RunResult:
+             on_spawn: Callable[[int], None] | None = None,
+             on_unit: Callable[[str], None] | None = None, node: str = "") -> RunResult:
     """Run ``task`` with ``handler`` and end it; never raises for handler failures.
 
     ``stop_event`` means "end now" (a :class:`RunControl` says why). An exec
@@ -349,17 +369,25 @@ def run_task(task: TaskLike, handler: Handler, *, log: Log = logger,
     the occurrence belongs to whoever holds it next.
 
     ``run_id`` goes into the environment of exec commands (RUN_ID_ENV);
-    ``on_spawn(pgid)`` is called once the command's process group exists.
+    ``on_spawn(pgid)`` is called once the command's process group exists.  A unit run
+    calls ``on_unit(name)`` before its unit can exist; ``node`` names this host in the
+    unit's Description (its owner: "worker NODE:PID").
 
     Errors of the store other than ``PreemptedError`` (a database that is
     down) propagate to the caller.
     """
     start = time.monotonic()
+    unit: str | None = None
     try:
         if stop_event is not None and stop_event.is_set():
             return RunResult(_stopped_before_start(task, stop_event, log),
                              time.monotonic() - start)
-        if isinstance(handler, ExecHandler):
+        if isinstance(handler, UnitHandler):
+            from . import unitjobs  # D-Bus: only where a route runs units
+
+            outcome, code, unit = unitjobs.run(task, handler, log, stop_event, kill_grace,
+                                               node, on_unit)
+        elif isinstance(handler, ExecHandler):
             outcome, code = _run_exec(task, handler, log, stop_event, kill_grace, run_id,
                                       on_spawn)
         else:
@@ -367,7 +395,7 @@ def run_task(task: TaskLike, handler: Handler, *, log: Log = logger,
     except PreemptedError:
         log.warning("%s: lease lost while running; the result was discarded", task.key)
         outcome, code = Outcome.PREEMPTED, None
-    return RunResult(outcome, time.monotonic() - start, code)
+    return RunResult(outcome, time.monotonic() - start, code, unit)
 
 
 def _stopped_before_start(task: TaskLike, stop: Stop, log: Log) -> Outcome:
@@ -573,6 +601,14 @@ def _exec_verdict(task: TaskLike, last: str, code: int, log: Log) -> Outcome:
         return Outcome.SUCCESS
     task.retry()
     return Outcome.FAILED
+
+
+# What unit runs (unitjobs.py) share with exec runs: how a run that was stopped, or a
+# command's last line and exit status, end its task.
+exec_verdict = _exec_verdict
+stop_reason = _stop_reason
+stop_grace = _stop_grace
+REASON_TEXT = _REASON_TEXT
 
 
 def _supervise(proc: subprocess.Popen[bytes], key: str, payload: bytes, timeout: float | None,

@@ -242,7 +242,7 @@ class LeasePipeline:
                 self.history.extend(
                     {"key": task.key, "type": task.type, "scheduled_time": t,
                      "attempt": 0, "started_at": now, "finished_at": now,
-                     "outcome": "skipped", "worker": self.sc.owner}
+                     "outcome": "skipped", "worker": self.sc.owner, "unit": None}
                     for t in reversed(plan.skipped[:keep]))
         if plan.run is None:
             task._end()
@@ -277,6 +277,7 @@ class LeasePipeline:
         due = max(task.due_time, task.scheduled_time + task.delay)
         outcome = "failed"
         duration = 0.0
+        unit: str | None = None
         try:
             handler = self.router.match(task.type)
             if handler is None:
@@ -307,7 +308,7 @@ class LeasePipeline:
             with self.lock:
                 control = self.controls.get(task.key) or RunControl()
             run_id: str | None = None
-            if isinstance(handler, handlers.ExecHandler):
+            if isinstance(handler, handlers.ExecHandler | handlers.UnitHandler):
                 # Reported before the spawn: the master must know the run before any
                 # process of it can become the master's orphan.
                 run_id = next(self.run_ids)
@@ -319,11 +320,14 @@ class LeasePipeline:
                     BatchedTask(task, self), handler, log=log, stop_event=control,
                     kill_grace=self.config.kill_grace, run_id=run_id,
                     on_spawn=None if run_id is None else
-                    (lambda pgid, r=run_id: self.report(f"g {r} {pgid}")))
+                    (lambda pgid, r=run_id: self.report(f"g {r} {pgid}")),
+                    on_unit=None if run_id is None else
+                    (lambda name, r=run_id: self.report(f"u {r} {name}")),
+                    node=self.config.node)
             finally:
                 if run_id is not None:
                     self.report(f"e {run_id}")
-            outcome, duration = str(result.outcome), result.duration
+            outcome, duration, unit = str(result.outcome), result.duration, result.unit
             if task.exhausted:
                 outcome = "failed"
                 log.error("key=%s: %s", task.key, task.exhausted)
@@ -356,16 +360,18 @@ class LeasePipeline:
                 self.running.pop(task.key, None)
                 self.controls.pop(task.key, None)
             if ran:
-                self._record(task, started, duration, outcome)
+                self._record(task, started, duration, outcome, unit)
             self.nudge()
 
-    def _record(self, task: Task, started: float, duration: float, outcome: str) -> None:
+    def _record(self, task: Task, started: float, duration: float, outcome: str,
+                unit: str | None = None) -> None:
         with self.lock:
             self.history.append({
                 "key": task.key, "type": task.type, "scheduled_time": task.scheduled_time,
                 "attempt": task.attempt, "started_at": started,
                 "finished_at": started + duration if duration else time.time(),
                 "outcome": outcome, "worker": self.sc.owner if self.sc else "?",
+                "unit": unit,
             })
 
     def _take_finished(self) -> list[Task]:

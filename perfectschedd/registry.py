@@ -137,6 +137,12 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
         KEY, Arg(("-n", "--limit"), "limit", f"at most this many runs, newest first "
                  f"(1-{HISTORY_MAX}, default 20)", kind="limit", default=20)),
         required=frozenset({"key"})),
+    Command("logs", "print the journal of a schedule's newest run as a systemd unit "
+                    "(executor: systemd)", (
+        Arg(("key",), "key", sent=False),
+        Arg(("-n", "--lines"), "lines", "only the last N lines (default: the whole run)",
+            kind="count", sent=False)),
+        where=frozenset({LOCAL})),
     Command("apply", "converge the database to schedules files "
                      "(added|changed|removed|unchanged KEY)", (
         Arg(("paths",), "paths", "schedules files, or directories of *.yml files",

@@ -21,6 +21,7 @@ import yaml
 
 from . import cron as cron_mod
 from . import policy as policy_mod
+from . import unitprops
 from .config import RouteConfig
 from .errors import InvalidInputError, describe
 from .schedules import check_cron, check_data, check_int, check_key, check_text, check_timezone
@@ -35,7 +36,7 @@ FILE_MAX = 4 << 20      # bytes of one schedules file
 ENTRIES_MAX = 20_000    # entries of one file
 SUFFIX = ".yml"
 ENTRY_KEYS = frozenset({"key", "cron", "type", "exec", "timezone", "delay", "data", "user",
-                        "env", *policy_mod.OPTIONS})
+                        "env", "executor", "unit", *policy_mod.OPTIONS})
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -55,6 +56,8 @@ class Entry:
     exec: tuple[str, ...] | None = None  # argv; a shell line is ("/bin/sh", "-c", LINE)
     env: tuple[tuple[str, str], ...] = ()
     user: str | None = None
+    executor: str = "exec"
+    unit: tuple[unitprops.Property, ...] = ()
 
     def stored(self, default_timezone: str) -> dict[str, Any]:
         """The fields the database holds, as `add` takes them."""
@@ -67,7 +70,8 @@ class Entry:
         if self.exec is None:
             return None
         return RouteConfig(pattern=self.type, exec=self.exec, timeout=self.policy.timeout,
-                           env=self.env, user=self.user, append_key=False)
+                           env=self.env, user=self.user, append_key=False,
+                           executor=self.executor, unit=self.unit)
 
 
 @dataclass
@@ -212,13 +216,27 @@ def check_entry(raw: Any, source: str, need_user_support: bool = True,
     env = _check_env(raw.get("env"))
     if env and argv is None:
         raise InvalidInputError("env", "only for exec entries (a type's route has its own)")
+    try:
+        executor = unitprops.check_executor(raw.get("executor"), runs_here=need_user_support)
+    except ValueError as exc:
+        raise InvalidInputError("executor", str(exc)) from None
+    if executor != "exec" and argv is None:
+        raise InvalidInputError("executor", "only for exec entries")
+    if raw.get("unit") is not None and executor != "systemd":
+        raise InvalidInputError("unit", "only with executor: systemd")
+    try:
+        unit = unitprops.convert(raw.get("unit"))
+    except unitprops.UnitPropertyError as exc:
+        raise InvalidInputError("unit", str(exc)) from None
     user = raw.get("user")
     if user is not None:
         if argv is None:
             raise InvalidInputError("user", "only for exec entries")
-        user = _check_user(user, need_user_support)
+        # systemd sets a unit's User=: the daemon need not be root for that.
+        user = _check_user(user, need_user_support, needs_root=executor == "exec")
     return Entry(key=key, source=source, cron=expr, type=task_type, timezone=tz, delay=delay,
-                 data=data, policy=chosen, exec=argv, env=env, user=user)
+                 data=data, policy=chosen, exec=argv, env=env, user=user, executor=executor,
+                 unit=unit)
 
 
 def _check_exec(value: Any) -> tuple[str, ...]:
@@ -253,7 +271,7 @@ def _check_env(value: Any) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-def _check_user(value: Any, need_user_support: bool) -> str:
+def _check_user(value: Any, need_user_support: bool, needs_root: bool = True) -> str:
     if not isinstance(value, str) or not value:
         raise InvalidInputError("user", "must be a user name")
     if not need_user_support:
@@ -262,7 +280,7 @@ def _check_user(value: Any, need_user_support: bool) -> str:
         uid = pwd.getpwnam(value).pw_uid
     except KeyError:
         raise InvalidInputError("user", f"no such user {value!r} on this host") from None
-    if os.geteuid() not in (0, uid):
+    if needs_root and os.geteuid() not in (0, uid):
         raise InvalidInputError("user", f"running as {value!r} needs the daemon to run as "
                                 "root (this one does not)")
     return value

@@ -23,6 +23,7 @@ DATA_MAX = 65536
 PAUSED_REASON_MAX = 400
 POLICY_MAX = 400
 SOURCE_MAX = 300
+UNIT_MAX = 255  # systemd's longest unit name
 # How long an operation is tried again while the database says "try again" (a SQLite
 # writer waiting for the lock: busy_timeout and our retries; a deadlock victim).
 TRY_AGAIN_FOR = 60.0
@@ -144,10 +145,13 @@ def history_table(metadata: sa.MetaData, name: str) -> sa.Table:
         sa.Column("finished_at", SECONDS, nullable=False),
         sa.Column("outcome", sa.String(32), nullable=False),
         sa.Column("worker", sa.String(128), nullable=False),
+        # executor systemd: the run's transient unit (journalctl -u UNIT); NULL otherwise.
+        # Nullable: init() adds it to a history table an older version made.
+        sa.Column("unit", sa.String(UNIT_MAX), nullable=True),
     )
     sa.Index(f"{name}_history_key", t.c.key, t.c.id)
     return t
 
 
 HISTORY_COLUMNS = ("key", "type", "scheduled_time", "attempt", "started_at", "finished_at",
-                   "outcome", "worker")
+                   "outcome", "worker", "unit")

@@ -160,14 +160,18 @@ class Store:
         return not existed
 
     def _add_missing_columns(self) -> None:
-        have = {c["name"] for c in sa.inspect(self.engine).get_columns(self.t.name)}
-        for column in self.t.columns:
+        for table in (self.t, self.h):
+            self._add_missing_columns_of(table)
+
+    def _add_missing_columns_of(self, table: sa.Table) -> None:
+        have = {c["name"] for c in sa.inspect(self.engine).get_columns(table.name)}
+        for column in table.columns:
             if column.name in have:
                 continue
             if not column.nullable:
-                raise ConfigError(f"table {self.t.name}: column {column.name} is missing; "
+                raise ConfigError(f"table {table.name}: column {column.name} is missing; "
                                   "the table was made by an incompatible version")
-            ddl = (f"ALTER TABLE {self.engine.dialect.identifier_preparer.format_table(self.t)}"
+            ddl = (f"ALTER TABLE {self.engine.dialect.identifier_preparer.format_table(table)}"
                    f" ADD COLUMN {self.engine.dialect.identifier_preparer.quote(column.name)}"
                    f" {column.type.compile(dialect=self.engine.dialect)}")
             try:
@@ -175,7 +179,7 @@ class Store:
                     conn.exec_driver_sql(ddl)
             except (OperationalError, sa.exc.ProgrammingError):
                 # Another process added it at the same time.
-                have = {c["name"] for c in sa.inspect(self.engine).get_columns(self.t.name)}
+                have = {c["name"] for c in sa.inspect(self.engine).get_columns(table.name)}
                 if column.name not in have:
                     raise
 
@@ -529,7 +533,8 @@ class Store:
             conn.execute(self.h.insert(), [
                 {"key": r.key, "type": r.type, "scheduled_time": r.next_time,
                  "attempt": r.attempt, "started_at": r.claimed_at or now,
-                 "finished_at": now, "outcome": "lost", "worker": owner} for r in held])
+                 "finished_at": now, "outcome": "lost", "worker": owner, "unit": None}
+                for r in held])
             stmt = t.update().where(t.c.key == sa.bindparam("k"),
                                     t.c.fence == sa.bindparam("f")).values(
                 next_run_time=int(now), owner=None, claimed_at=None, fence=t.c.fence + 1)
@@ -540,7 +545,8 @@ class Store:
 
     @_retried
     def record_runs(self, runs: Iterable[dict[str, Any]]) -> None:
-        payload = list(runs)
+        # Runs recorded without a unit (most: exec, python) have none.
+        payload = [r if "unit" in r else {**r, "unit": None} for r in runs]
         if not payload:
             return
         self.backend.record_runs(payload)

@@ -6,8 +6,9 @@ one is killed and replaced, and a worker that keeps dying is replaced with a bac
 
 Nothing of a dead worker's runs survives it: before a replacement is forked, the master
 kills the process groups the worker reported and every process marked with one of its
-run ids (jobreaper.py), then gives the worker's leases back (recording those attempts as
-`lost`), so the occurrences run again at once and never beside a leftover copy.
+run ids (jobreaper.py) and stops its systemd units (systemdbus.py), then gives the worker's
+leases back (recording those attempts as `lost`), so the occurrences run again at once
+and never beside a leftover copy.
 """
 
 from __future__ import annotations
@@ -248,6 +249,16 @@ class Supervisor:
 
     def _kill_runs(self, proc: WorkerProc) -> None:
         """Kill every process of a dead worker's runs (before its replacement starts)."""
+        if proc.units or self._runs_units():
+            from . import unitjobs
+
+            # The units it reported, and any other that names it as its owner (a report
+            # lost with the worker): stopped before its leases are given back.
+            mark = unitjobs.owner_mark(self.config.node, proc.pid)
+            self._stop_units(f"worker {proc.index} (pid {proc.pid})",
+                             lambda name, description: description.endswith(mark),
+                             list(proc.units.values()))
+            proc.units.clear()
         groups = [g for g in proc.runs.values() if g is not None]
         killed = jobreaper.kill_groups(groups, self.master_pid)
         dead = proc.pid
@@ -257,6 +268,23 @@ class Supervisor:
             log.warning("worker %d (pid %d) died with %d run(s); killed what was left of "
                         "them", proc.index, dead, len(proc.runs) or killed)
         proc.runs.clear()
+
+    def _runs_units(self) -> bool:
+        return any(r.executor == "systemd" for r in self.config.routes)
+
+    def _stop_units(self, whose: str, belongs: Callable[[str, str], bool],
+                    names: list[str] | None = None) -> None:
+        """Stop (SIGKILL, then wait until inactive) the perfectsched-* units of `whose`."""
+        from . import systemdbus
+
+        try:
+            stopped = systemdbus.stop_units(belongs, names or ())
+        except systemdbus.SystemdError as exc:
+            log.error("cannot stop the systemd units of %s: %s", whose, exc)
+            return
+        if stopped:
+            log.warning("stopped %d systemd unit(s) of %s: %s", len(stopped), whose,
+                        ", ".join(stopped))
 
     def _reclaim(self, owner: str) -> None:
         """Give a dead worker's leases back now (its runs were killed), off the loop: the
@@ -439,6 +467,7 @@ class Supervisor:
         old = self.config
         try:
             new = config_mod.load(self.config_source, self.environment)
+            config_mod.check_host(new)
             if (new.url, new.table) != (old.url, old.table):
                 check_url(new.url)  # the old store stays unless the new one can be made
             self._swap_listeners(old, new)
@@ -691,6 +720,14 @@ class Supervisor:
             return 1
         self.db.start()
         self._start_dbus()
+        if self._runs_units():
+            from . import unitjobs
+
+            # A previous daemon of this host that died without stopping its jobs (killed,
+            # crashed): its units must not run beside the occurrences run again now.
+            mark = unitjobs.owner_mark(self.config.node, 0).rsplit(":", 1)[0] + ":"
+            self._stop_units("a previous daemon of this host",
+                             lambda name, description: mark in description)
         log.info("perfectschedd %s starting: %d worker(s), database %s", __version__,
                  self.config.workers, engine_url(self.config.url).render_as_string(
                      hide_password=True))
@@ -791,6 +828,7 @@ def _main(argv: list[str] | None) -> int:
     logsetup.setup(None)
     try:
         cfg = config_mod.load(source, ns.environment)
+        config_mod.check_host(cfg)
     except (ConfigError, NotSupportedError) as exc:
         log.error("%s", exc)
         return 1

@@ -30,17 +30,20 @@ class WorkerProc:
     loop_age: float = 0.0  # seconds since its main loop turned, as of its last ping
     in_db: bool = False    # its main loop was inside a database call
     buf: bytearray = field(default_factory=bytearray)
-    # Its exec runs: run id -> process group (None until spawned).
+    # Its exec and unit runs: run id -> process group (None until spawned, or a unit).
     runs: dict[str, int | None] = field(default_factory=dict)
+    # Its unit runs (executor systemd): run id -> unit name.
+    units: dict[str, str] = field(default_factory=dict)
 
     def report(self, line: bytes, now: float) -> None:
         """One line of its alive pipe: "RUNNING DB_OK [LOOP_AGE IN_DB]" (a ping) or a run
-        event: "s RUN" (about to spawn), "g RUN PGID" (spawned), "e RUN" (ended)."""
+        event: "s RUN" (about to spawn), "g RUN PGID" (spawned), "u RUN UNIT" (about to
+        start a systemd unit), "e RUN" (ended)."""
         self.last_seen = now
         self.pinged = True
         words = line.split()
         try:
-            if words[0] not in (b"s", b"g", b"e"):
+            if words[0] not in (b"s", b"g", b"u", b"e"):
                 self.running, self.db_ok = int(words[0]), words[1] == b"1"
                 if len(words) >= 4:
                     self.loop_age, self.in_db = float(words[2]), words[3] == b"1"
@@ -48,8 +51,11 @@ class WorkerProc:
                 self.runs[words[1].decode()] = None
             elif words[0] == b"g":
                 self.runs[words[1].decode()] = int(words[2])
+            elif words[0] == b"u":
+                self.units[words[1].decode()] = words[2].decode()
             else:
                 self.runs.pop(words[1].decode(), None)
+                self.units.pop(words[1].decode(), None)
         except (ValueError, IndexError, UnicodeDecodeError):
             pass  # a line cut by a dying worker
 

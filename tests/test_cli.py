@@ -22,6 +22,7 @@ import pytest
 import yaml
 from daemon_harness import CTL, Daemon, foreign_ctl, wait_until
 
+import perfectschedd
 from perfectschedctl import cli
 
 # The table's columns (SPEC `list`); --json adds the schedule policies.
@@ -143,6 +144,37 @@ def test_direct_refusals_change_nothing(direct: list[str], ctl: Ctl) -> None:
     refused(ctl(*direct, "status"), "needs the daemon")
     refused(ctl(*direct, "reload"), "needs the daemon")
     assert ctl(*direct, "list", "--json").stdout == before
+
+
+def test_history_names_units_and_logs_prints_the_newest_one_s_journal(
+        direct: list[str], ctl: Ctl, tmp_path: Path) -> None:
+    """`history` has a unit column; `logs KEY` asks history for the newest run that ran as
+    a unit and hands it to journalctl (here a stand-in that says how it was called: this
+    host has no journal)."""
+    assert ctl(*direct, "add", "nightly", "backup", "@daily").returncode == 0
+    refused(ctl(*direct, "logs", "nightly"),
+            "nightly: no run in its history ran as a systemd unit (executor: systemd)")
+    refused(ctl(*direct, "logs", "nothing-here"), "not found")
+    unit = "perfectsched-nightly-1893456000.service"
+    run = {"key": "nightly", "type": "backup", "scheduled_time": T2030, "attempt": 1,
+           "started_at": T2030 + 1.0, "finished_at": T2030 + 2.0, "worker": "h:1"}
+    with perfectschedd.open(direct[1]) as sc:
+        sc.store.record_runs([{**run, "outcome": "success", "unit": "perfectsched-old.service"},
+                              {**run, "outcome": "failed", "unit": unit},
+                              {**run, "outcome": "failed"}])
+    table = ctl(*direct, "history", "nightly").stdout.splitlines()
+    assert table[0].split()[-1] == "unit" and table[1].split()[-1] == "-"
+    assert table[2].split()[-1] == unit
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "journalctl"
+    fake.write_text('#!/bin/sh\necho "journalctl $*"\n')
+    fake.chmod(0o755)
+    path = f"{bin_dir}:{os.environ['PATH']}"
+    res = ctl_process(*direct, "logs", "nightly", env={"PATH": path})
+    assert res.returncode == 0 and res.stdout == f"journalctl --no-pager --unit {unit}\n"
+    res = ctl_process(*direct, "logs", "nightly", "-n", "5", env={"PATH": path})
+    assert res.stdout == f"journalctl --no-pager --unit {unit} --lines 5\n", res
 
 
 def test_bad_config_and_unreachable_database(tmp_path: Path, ctl: Ctl) -> None:

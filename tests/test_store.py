@@ -450,6 +450,23 @@ def test_init_adds_columns_a_newer_version_introduced(db_url: str) -> None:
         assert row(sc, "k")["next_time"] == T0 + H
 
 
+def test_init_adds_the_unit_column_to_an_older_history_table(db_url: str) -> None:
+    """A history table made before runs could be systemd units gets `unit`; its rows stay
+    and read as runs without a unit."""
+    past = {"key": "k", "type": "t", "scheduled_time": T0, "attempt": 1,
+            "started_at": T0 + 1.0, "finished_at": T0 + 2.0, "outcome": "success",
+            "worker": "host:1"}
+    with open_sc(db_url) as old:
+        old.add("k", "t", cron="0 * * * *", start=T0, now=T0)
+        old.store.record_runs([past])
+        with old.store.engine.begin() as conn:
+            conn.exec_driver_sql("ALTER TABLE perfectsched_history DROP COLUMN unit")
+    with open_sc(db_url) as sc:
+        unit = "perfectsched-k-1357003600.service"
+        sc.store.record_runs([{**past, "scheduled_time": T0 + H, "unit": unit}])
+        assert [r["unit"] for r in sc.store.history("k", 10)] == [unit, None]
+
+
 def test_a_sqlite_store_loads_no_other_dialect(tmp_path: Path) -> None:
     """Each dialect module costs every process about a megabyte of RSS."""
     code = ("import sys, perfectschedd\n"
@@ -478,10 +495,12 @@ def test_run_history_is_recorded_in_batches_newest_first(sc: ScheduleCollection)
                 "outcome": "success" if n % 2 else "failed", "worker": "host:1:w0"}
 
     sc.store.record_runs([run("k", i) for i in range(3)] + [run("other", 9)])
-    sc.store.record_runs([run("k", 3), run("k@run-1-ab", 4)])
+    unit = "perfectsched-k-1357000004.service"  # a run of executor systemd names its unit
+    sc.store.record_runs([run("k", 3), {**run("k@run-1-ab", 4), "unit": unit}])
     got = sc.store.history("k", 10)
     assert [r["scheduled_time"] - T0 for r in got] == [4, 3, 2, 1, 0]
-    assert {k: v for k, v in got[1].items() if k != "id"} == run("k", 3)
+    assert {k: v for k, v in got[1].items() if k != "id"} == {**run("k", 3), "unit": None}
+    assert got[0]["unit"] == unit
     assert [r["scheduled_time"] - T0 for r in sc.store.history("k", 2)] == [4, 3]
     sc.store.record_runs([])
     assert len(sc.store.history("other", 10)) == 1

@@ -1,0 +1,210 @@
+"""What a job run as a systemd unit may ask of systemd (SPEC "Jobs as systemd units"):
+its unit's name, and the `unit:` properties of a route or entry, checked and converted to
+D-Bus (name, signature, value) triples when the configuration or file loads.
+
+Nothing here talks to D-Bus (unitjobs.py does): a bad property is refused at load with
+one line naming it, never when a job starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import describe
+
+EXECUTORS = ("exec", "systemd")
+UNIT_PREFIX = "perfectsched-"
+UNIT_SUFFIX = ".service"
+# systemd's UNIT_NAME_MAX (256) less its NUL.
+UNIT_NAME_MAX = 255
+# systemd writes this directory when it boots as the init system (sd_booted(3)).
+SYSTEMD_MARKER = "/run/systemd/system"
+
+Property = tuple[str, str, Any]  # (D-Bus property name, signature, value)
+
+_ESCAPE_KEEP = re.compile(r"[A-Za-z0-9:_.]")
+_UINT64_MAX = 2**64 - 1
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTPE]?)B?\s*$", re.IGNORECASE)
+_PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50,
+               "E": 1 << 60}
+
+
+class UnitPropertyError(ValueError):
+    """A `unit:` property that is not allowed, or whose value is bad; str() is one line
+    naming it."""
+
+
+def systemd_booted() -> bool:
+    """Whether systemd runs this host (the executor needs its D-Bus API)."""
+    return os.path.isdir(SYSTEMD_MARKER)
+
+
+def escape(text: str) -> str:
+    """`systemd-escape TEXT`: any text becomes a valid part of a unit name ("/" -> "-",
+    other bytes outside [A-Za-z0-9:_.] -> \\xNN, a leading "." too)."""
+    out = []
+    for i, ch in enumerate(text):
+        if ch == "/":
+            out.append("-")
+        elif _ESCAPE_KEEP.match(ch) and not (i == 0 and ch == "."):
+            out.append(ch)
+        else:
+            out.extend(f"\\x{b:02x}" for b in ch.encode("utf-8"))
+    return "".join(out)
+
+
+def unit_name(key: str, scheduled_time: int, attempt: int = 1) -> str:
+    """perfectsched-<escaped key>-<scheduled_time>.service, and -<attempt> from the second
+    attempt on (a retry of one occurrence is a unit of its own, in history and journal).
+    A key too long for systemd's 255 characters is cut and followed by a hash of the whole
+    key, so two long keys never share a name."""
+    tail = f"-{int(scheduled_time)}" + (f"-{int(attempt)}" if attempt > 1 else "") + \
+        UNIT_SUFFIX
+    escaped = escape(key)
+    room = UNIT_NAME_MAX - len(UNIT_PREFIX) - len(tail)
+    if len(escaped) > room:
+        digest = hashlib.sha256(key.encode("utf-8")).hexdigest()[:16]
+        cut = escaped[:room - len(digest) - 1]
+        # Never end on half an escape (\x4 of \x41): the name stays readable.
+        cut = re.sub(r"\\(x[0-9a-f]?)?$", "", cut)
+        escaped = f"{cut}-{digest}"
+    return f"{UNIT_PREFIX}{escaped}{tail}"
+
+
+def bus_path(unit: str) -> str:
+    """The unit's object path (systemd's bus label escaping: every byte outside
+    [A-Za-z0-9] as _xx)."""
+    label = "".join(chr(b) if chr(b).isascii() and chr(b).isalnum() else f"_{b:02x}"
+                    for b in unit.encode("utf-8"))
+    return f"/org/freedesktop/systemd1/unit/{label}"
+
+
+# -- the `unit:` whitelist -------------------------------------------------------------------
+
+
+def _size(name: str, value: Any) -> Property:
+    if value == "infinity":
+        return (name, "t", _UINT64_MAX)
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return (name, "t", value)
+    m = _SIZE.match(value) if isinstance(value, str) else None
+    if m is None:
+        raise UnitPropertyError(f"{name}: expected bytes such as 512M or 1G, or infinity, "
+                                f"got {describe(value)}")
+    size = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
+    if not 0 < size <= _UINT64_MAX:
+        raise UnitPropertyError(f"{name}: out of range: {describe(value)}")
+    return (name, "t", size)
+
+
+def _cpu_quota(name: str, value: Any) -> Property:
+    m = _PERCENT.match(value) if isinstance(value, str) else None
+    if m is None or float(m.group(1)) <= 0:
+        raise UnitPropertyError(f"{name}: expected a percentage of one CPU such as 50% "
+                                f"or 200%, got {describe(value)}")
+    # systemd's unit: CPU time per second of wall time, in microseconds (100% = 1 s).
+    return ("CPUQuotaPerSecUSec", "t", int(float(m.group(1)) * 10_000))
+
+
+def _integer(low: int, high: int, signature: str) -> Any:
+    def convert(name: str, value: Any) -> Property:
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise UnitPropertyError(f"{name}: expected a whole number from {low} to {high}, "
+                                    f"got {describe(value)}")
+        return (name, signature, value)
+    return convert
+
+
+def _tasks_max(name: str, value: Any) -> Property:
+    if value == "infinity":
+        return (name, "t", _UINT64_MAX)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UnitPropertyError(f"{name}: expected a number of tasks (at least 1) or "
+                                f"infinity, got {describe(value)}")
+    return (name, "t", value)
+
+
+def _boolean(name: str, value: Any) -> Property:
+    if not isinstance(value, bool):
+        raise UnitPropertyError(f"{name}: expected true or false, got {describe(value)}")
+    return (name, "b", value)
+
+
+def _protect_system(name: str, value: Any) -> Property:
+    if isinstance(value, bool):
+        return (name, "s", "yes" if value else "no")
+    if value in ("yes", "no", "full", "strict"):
+        return (name, "s", value)
+    raise UnitPropertyError(f"{name}: expected true, false, full or strict, got "
+                            f"{describe(value)}")
+
+
+def _absolute(name: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.startswith("/") or "\0" in value \
+            or "\n" in value:
+        raise UnitPropertyError(f"{name}: expected an absolute path, got {describe(value)}")
+    return value
+
+
+def _paths(name: str, value: Any) -> Property:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not items:
+        raise UnitPropertyError(f"{name}: expected an absolute path or a list of them, got "
+                                f"{describe(value)}")
+    return (name, "as", [_absolute(name, p) for p in items])
+
+
+def _working_directory(name: str, value: Any) -> Property:
+    if value == "~":  # the user's home, as systemd reads it
+        return (name, "s", value)
+    return (name, "s", _absolute(name, value))
+
+
+WHITELIST: dict[str, Any] = {
+    "MemoryMax": _size,
+    "CPUQuota": _cpu_quota,
+    "CPUWeight": _integer(1, 10_000, "t"),
+    "IOWeight": _integer(1, 10_000, "t"),
+    "Nice": _integer(-20, 19, "i"),
+    "TasksMax": _tasks_max,
+    "PrivateTmp": _boolean,
+    "ProtectSystem": _protect_system,
+    "ReadWritePaths": _paths,
+    "WorkingDirectory": _working_directory,
+}
+
+
+def convert(raw: Any) -> tuple[Property, ...]:
+    """A `unit:` mapping as D-Bus properties of StartTransientUnit; UnitPropertyError
+    names the first property that is not allowed or not valid."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, Mapping):
+        raise UnitPropertyError(f"expected a mapping of systemd properties such as "
+                                f"MemoryMax: 1G, got {describe(raw)}")
+    out = []
+    for name, value in raw.items():
+        conv = WHITELIST.get(name) if isinstance(name, str) else None
+        if conv is None:
+            raise UnitPropertyError(f"{describe(name)}: not an allowed property (allowed: "
+                                    f"{', '.join(WHITELIST)})")
+        out.append(conv(name, value))
+    return tuple(out)
+
+
+def check_executor(value: Any, *, runs_here: bool = True) -> str:
+    """`executor:` of a route or entry; ValueError (one line) when it is unknown, or is
+    systemd on a host that systemd does not run (`runs_here`: this process will run it)."""
+    if value is None:
+        return "exec"
+    if value not in EXECUTORS:
+        raise ValueError(f"expected exec or systemd, got {describe(value)}")
+    if value == "systemd" and runs_here and not systemd_booted():
+        raise ValueError(f"systemd is not running on this host ({SYSTEMD_MARKER} is "
+                         "missing); use executor exec")
+    return str(value)

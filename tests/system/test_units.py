@@ -1,0 +1,314 @@
+"""System test: jobs as systemd transient units (`executor: systemd`, issue #17), with
+the Debian package installed under a real systemd (the namespace of test_system.py, a
+namespace of its own for this module).
+
+Each check runs real jobs through the installed daemon (user perfectsched, hardened
+unit) and looks at them from outside: systemctl, journalctl, the polkit rule as the
+perfectsched user, `perfectschedctl history` and `logs`.
+
+Run:  make test-system    or, with a built .deb:
+      env PATH=/usr/sbin:/usr/bin:/sbin:/bin python3 -m pytest -v -p no:cacheprovider \
+          --noconftest -m system tests/system/test_units.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from typing import Any
+
+import pytest
+import test_system as base
+from test_system import CONF, SOCK, TOKEN, UNIT, Namespace, ensure_active, wait_for
+
+# The module-scoped fixtures of test_system.py: this module boots a namespace of its own
+# and installs the package there.
+deb_file, ns, installed = base.deb_file, base.ns, base.installed
+
+pytestmark = pytest.mark.system
+
+SCHEDULES = "/etc/perfectsched/schedules.d/units.yml"
+
+
+def entry(key: str, command: str, **extra: Any) -> dict[str, Any]:
+    # Daily at a time that does not come during the test: every run here is `run KEY`.
+    return {"key": key, "cron": "17 3 * * *", "exec": ["/bin/sh", "-c", command],
+            "executor": "systemd", **extra}
+
+
+KEYS = {name: f"unit-{name}-{TOKEN}" for name in
+        ("whoami", "oom", "timeout", "later", "sleeper", "leftover", "busrestart")}
+
+
+@pytest.fixture(scope="module")
+def units(ns: Namespace, installed) -> dict[str, Any]:
+    config = {
+        "type": "rdb_compat", "url": "sqlite:////var/lib/perfectsched/perfectsched.db",
+        "control_socket": SOCK, "metrics_listen": f"127.0.0.1:{base._free_port()}",
+        "workers": 2, "poll_interval": 0.5, "retry_wait": 2, "kill_grace": 2,
+        "alive_time": 30,
+    }
+    entries = [
+        entry(KEYS["whoami"], 'echo "unit-out uid=$(id -u) key=$PERFECTSCHED_KEY '
+                              'attempt=$PERFECTSCHED_ATTEMPT data=$(cat)"; '
+                              'echo "unit-err on stderr" >&2',
+              user="nobody", data={"token": TOKEN}),
+        entry(KEYS["oom"], "exec python3 -c 'b = bytearray(200 * 1024 * 1024)\n"
+                           "for i in range(0, len(b), 4096): b[i] = 1\n"
+                           "print(\"survived\", len(b))'",
+              unit={"MemoryMax": "50M"}, max_attempts=1),
+        entry(KEYS["timeout"], "echo timeout-start; exec sleep 60", timeout=2,
+              max_attempts=1),
+        entry(KEYS["later"], 'echo "later attempt=$PERFECTSCHED_ATTEMPT"; '
+                             'if [ "$PERFECTSCHED_ATTEMPT" = 1 ]; then echo "SCHED_LATER 1"; '
+                             'exit 3; fi'),
+        entry(KEYS["sleeper"], 'echo "sleeper start attempt=$PERFECTSCHED_ATTEMPT"; '
+                               'exec sleep 300'),
+        entry(KEYS["leftover"], 'echo "leftover start"; exec sleep 300'),
+        entry(KEYS["busrestart"], 'sleep 6; echo "busrestart done"'),
+    ]
+    ns.write(CONF, json.dumps(config, indent=2) + "\n")
+    ns.write(SCHEDULES, json.dumps(entries, indent=2) + "\n")
+    ns.run("systemctl", "restart", UNIT, timeout=150)
+    ensure_active(ns)
+    wait_for(lambda: all(k in ns.ctl("list").stdout for k in KEYS.values()), 30,
+             "the schedules file's entries in the database", lambda: journal(ns))
+    return config
+
+
+def journal(ns: Namespace, unit: str = UNIT, lines: int = 60) -> str:
+    return ns.run("journalctl", "--no-pager", "-o", "cat", "-u", unit, "-n", str(lines),
+                  check=False).stdout
+
+
+def history(ns: Namespace, key: str) -> list[dict[str, Any]]:
+    return json.loads(ns.ctl("history", key, "--json").stdout)
+
+
+def runs_until(ns: Namespace, key: str, pred: Any, timeout: float, what: str
+               ) -> list[dict[str, Any]]:
+    return wait_for(lambda: (h := history(ns, key)) and pred(h) and h, timeout, what,
+                    lambda: f"history: {history(ns, key)}\n{journal(ns)}")
+
+
+def escaped(key: str) -> str:
+    """systemd-escape of the keys used here (letters, digits, "-")."""
+    return key.replace("-", "\\x2d")
+
+
+def active_units(ns: Namespace, key: str) -> list[str]:
+    """Active units of runs of `key` (its extra runs, `run KEY`, included)."""
+    out = ns.out("systemctl", "list-units", "--no-legend", "--plain", "--state=active",
+                 "perfectsched-*")
+    names = [line.split()[0] for line in out.splitlines() if line.strip()]
+    return [n for n in names if n.startswith(f"perfectsched-{escaped(key)}")]
+
+
+def unit_times(ns: Namespace, unit: str) -> list[int]:
+    """The journal times (µs) of what systemd logged about `unit`."""
+    out = ns.run("journalctl", "--no-pager", "-o", "json", "-u", unit, "_PID=1",
+                 check=False).stdout
+    return [int(json.loads(line)["__REALTIME_TIMESTAMP"]) for line in out.splitlines()
+            if line.strip()]
+
+
+def memory_controller(ns: Namespace) -> bool:
+    return "memory" in ns.out("cat", "/sys/fs/cgroup/cgroup.controllers").split()
+
+
+# --------------------------------------------------------------------------------------
+
+
+def test_u01_the_polkit_rule(ns: Namespace, installed) -> None:
+    """User perfectsched may start, stop and kill perfectsched-*.service units, and may
+    not start, stop or restart any other unit; other users get nothing from the rule."""
+    rule = ns.out("cat", "/usr/share/polkit-1/rules.d/perfectsched.rules")
+    assert "perfectsched-" in rule
+    ns.run("systemctl", "restart", "polkit.service")  # reads the rule (it also watches)
+
+    def as_user(user: str, *argv: str) -> Any:
+        return ns.run("runuser", "-u", user, "--", *argv, check=False, timeout=60)
+
+    ours = f"perfectsched-x-{TOKEN}.service"
+    r = as_user("perfectsched", "systemd-run", f"--unit={ours}", "--collect",
+                "/bin/sleep", "120")
+    assert r.returncode == 0, r.stderr
+    assert ns.out("systemctl", "is-active", ours, check=False) == "active"
+    r = as_user("perfectsched", "systemctl", "kill", "--signal=SIGCONT", ours)
+    assert r.returncode == 0, r.stderr
+    r = as_user("perfectsched", "systemctl", "stop", ours)
+    assert r.returncode == 0, r.stderr
+    assert ns.out("systemctl", "is-active", ours, check=False) != "active"
+
+    other = f"other-{TOKEN}.service"
+    ns.write(f"/etc/systemd/system/{other}", "[Service]\nExecStart=/bin/sleep 600\n")
+    ns.run("systemctl", "daemon-reload")
+    r = as_user("perfectsched", "systemctl", "start", other)
+    assert r.returncode != 0 and ns.out("systemctl", "is-active", other, check=False) \
+        != "active", r.stdout + r.stderr
+    ns.run("systemctl", "start", other)
+    for argv in (["systemctl", "stop", other], ["systemctl", "kill", other],
+                 ["systemctl", "restart", "dbus.service"],
+                 ["systemctl", "stop", "ssh.service"],
+                 ["systemctl", "stop", "systemd-journald.service"]):
+        r = as_user("perfectsched", *argv)
+        assert r.returncode != 0, f"{argv} was allowed"
+        assert re.search(r"Access denied|not loaded|not found", r.stderr), r.stderr
+    assert ns.out("systemctl", "is-active", other) == "active"
+    ns.run("systemctl", "stop", other)
+    # The rule is for perfectsched only.
+    r = as_user("nobody", "systemd-run", f"--unit=perfectsched-y-{TOKEN}", "/bin/true")
+    assert r.returncode != 0
+
+
+def test_u02_runs_as_the_user_with_data_on_stdin_output_in_its_unit(
+        ns: Namespace, units) -> None:
+    key = KEYS["whoami"]
+    ns.ctl("run", key)
+    runs = runs_until(ns, key, lambda h: any(r["outcome"] == "success" for r in h), 60,
+                      "a successful run")
+    run = next(r for r in runs if r["outcome"] == "success")
+    unit = run["unit"]
+    assert unit and unit.startswith(f"perfectsched-{escaped(key)}") and \
+        unit.endswith(".service")
+    text = wait_for(lambda: "unit-out" in (t := journal(ns, unit)) and t, 20,
+                    "the job's output under its unit", lambda: journal(ns))
+    line = next(x for x in text.splitlines() if "unit-out" in x)
+    assert "uid=65534" in line and "attempt=1" in line, line
+    assert json.loads(line.split("data=", 1)[1]) == {"token": TOKEN}
+    assert "unit-err on stderr" in text
+    assert "unit-out" not in journal(ns, UNIT, 400)  # not in the daemon's own journal
+    table = ns.ctl("history", key).stdout
+    assert unit in table and "unit" in table.splitlines()[0], table
+    logs = ns.ctl("logs", key).stdout
+    assert "uid=65534" in logs, logs
+    last = [x for x in ns.ctl("logs", key, "-n", "1").stdout.splitlines()
+            if x.strip() and not x.startswith("--")]
+    assert len(last) == 1, last
+
+
+def test_u03_sched_later_still_works(ns: Namespace, units) -> None:
+    key = KEYS["later"]
+    ns.ctl("run", key)
+    runs = runs_until(ns, key, lambda h: [r["outcome"] for r in h][:2] ==
+                      ["success", "later"], 60, "a run saying SCHED_LATER, then success")
+    assert runs[0]["unit"] != runs[1]["unit"]
+    assert "SCHED_LATER 1" in journal(ns, runs[1]["unit"])
+
+
+def test_u04_memory_max_ends_in_an_oom_failure(ns: Namespace, units) -> None:
+    if not memory_controller(ns):
+        why = " (this host binds it to its cgroup v1 hierarchy)" \
+            if os.path.isdir("/sys/fs/cgroup/memory") else ""
+        pytest.skip(f"no cgroup2 memory controller in the namespace{why}: systemd cannot "
+                    "enforce MemoryMax here")
+    key = KEYS["oom"]
+    for n in (1, 2):  # the first run fails; the next one runs (and fails the same way)
+        ns.ctl("run", key)
+        runs = runs_until(ns, key, lambda h, n=n: len(h) >= n and h[0]["outcome"] == "failed",
+                          90, f"failed run {n}")
+        unit = runs[0]["unit"]
+        assert "survived" not in journal(ns, unit)
+        wait_for(lambda u=unit: f"{u} was killed: out of memory" in journal(ns, UNIT, 400),
+                 20, "the daemon's OOM line", lambda: journal(ns))
+    assert len({r["unit"] for r in history(ns, key)}) >= 2
+
+
+def test_u05_timeout_stops_the_unit(ns: Namespace, units) -> None:
+    key = KEYS["timeout"]
+    t0 = time.monotonic()
+    ns.ctl("run", key)
+    runs = runs_until(ns, key, lambda h: h[0]["outcome"] == "timeout", 40, "a timeout")
+    assert time.monotonic() - t0 < 30
+    unit = runs[0]["unit"]
+    assert not active_units(ns, key)
+    assert "timeout-start" in journal(ns, unit)
+    assert re.search(r"timed out after 2s", journal(ns, UNIT, 400))
+
+
+def _worker_of(ns: Namespace, unit: str) -> int:
+    desc = ns.out("systemctl", "show", unit, "--property=Description", "--value")
+    m = re.search(r"\(worker [^:]+:(\d+)\)$", desc)
+    assert m, desc
+    return int(m.group(1))
+
+
+def test_u06_a_killed_worker_s_unit_stops_before_the_occurrence_runs_again(
+        ns: Namespace, units) -> None:
+    key = KEYS["sleeper"]
+    ns.ctl("run", key)
+    first = wait_for(lambda: active_units(ns, key), 30, "the unit running",
+                     lambda: journal(ns))[0]
+    worker = _worker_of(ns, first)
+    shown = ns.out("systemctl", "show", first, "--property=StopPropagatedFrom",
+                   "--property=After", "--property=CollectMode", "--property=Type")
+    assert "StopPropagatedFrom=perfectschedd.service" in shown.splitlines(), shown
+    assert "CollectMode=inactive-or-failed" in shown and "Type=exec" in shown, shown
+    ns.run("kill", "-KILL", str(worker))
+    second = wait_for(lambda: [u for u in active_units(ns, key) if u != first], 60,
+                      "the occurrence running again", lambda: journal(ns))[0]
+    assert first not in active_units(ns, key)
+    assert _worker_of(ns, second) != worker
+    stopped_at = max(unit_times(ns, first))
+    started_at = min(unit_times(ns, second))
+    assert stopped_at < started_at, (stopped_at, started_at)
+    assert re.search(rf"stopped 1 systemd unit\(s\) of worker \d+ \(pid {worker}\): "
+                     rf"{re.escape(first)}", journal(ns, UNIT, 400)), journal(ns)
+    runs = history(ns, key)
+    assert runs[0]["outcome"] == "lost" or any(r["outcome"] == "lost" for r in runs), runs
+
+    # Stopping the daemon stops the units it runs.
+    ns.run("systemctl", "stop", UNIT, timeout=150)
+    assert not active_units(ns, key), ns.out("systemctl", "list-units", "perfectsched-*")
+    ns.run("systemctl", "start", UNIT, timeout=150)
+    ensure_active(ns)
+
+
+def test_u07_a_crashed_daemon_s_units_stop_and_leftovers_are_stopped_at_start(
+        ns: Namespace, units) -> None:
+    """Every process of the daemon killed at once (nothing of it can stop its units):
+    systemd stops them (StopPropagatedFrom=).  A unit that names a worker of this host
+    and still runs when the daemon starts (left by an instance that could not stop it)
+    is stopped before anything runs; another host's is left alone."""
+    key = KEYS["leftover"]
+    ensure_active(ns)
+    ns.ctl("run", key)
+    left = wait_for(lambda: active_units(ns, key), 30, "the unit running",
+                    lambda: journal(ns))[0]
+    ns.run("systemctl", "kill", "--signal=SIGKILL", UNIT)
+    wait_for(lambda: left not in active_units(ns, key), 60, "the crashed daemon's unit gone",
+             lambda: journal(ns) + ns.out("systemctl", "list-units", "perfectsched-*"))
+    wait_for(lambda: ns.show("ActiveState")["ActiveState"] == "active", 60,
+             "the daemon restarted (Restart=on-failure)", lambda: journal(ns))
+    ns.ctl("delete", key, check=False)
+
+    node = ns.out("hostname")
+    mine, theirs = f"perfectsched-stray-{TOKEN}.service", f"perfectsched-far-{TOKEN}.service"
+    for unit, owner in ((mine, f"{node}:1"), (theirs, "other-host:1")):
+        ns.run("systemd-run", f"--unit={unit}", "--collect",
+               f"--description=PerfectSched job stray (worker {owner})", "/bin/sleep", "300")
+    ns.run("systemctl", "restart", UNIT, timeout=150)
+    ensure_active(ns)
+    assert ns.out("systemctl", "is-active", mine, check=False) != "active"
+    assert ns.out("systemctl", "is-active", theirs, check=False) == "active"
+    assert re.search(r"stopped 1 systemd unit\(s\) of a previous daemon of this host: "
+                     + re.escape(mine), journal(ns, UNIT, 400)), journal(ns)
+    ns.run("systemctl", "stop", theirs)
+
+
+def test_u08_a_restarted_system_bus_loses_no_result(ns: Namespace, units) -> None:
+    """The worker's D-Bus connection goes away with dbus: it connects again, watches its
+    unit again (the signals of the old connection never come) and still gets its
+    result."""
+    key = KEYS["busrestart"]
+    ensure_active(ns)
+    ns.ctl("run", key)
+    wait_for(lambda: active_units(ns, key), 30, "the unit running", lambda: journal(ns))
+    ns.run("systemctl", "restart", "dbus.service", timeout=60)
+    runs = runs_until(ns, key, lambda h: h[0]["outcome"] in ("success", "failed"), 60,
+                      "the run's end")
+    assert runs[0]["outcome"] == "success", runs
+    text = journal(ns, UNIT, 400)
+    assert "connected to the system bus again" in text, text

@@ -1,0 +1,272 @@
+"""Jobs as systemd units, the parts that need no systemd (perfectschedd/unitprops.py and
+where routes and schedules files take `executor:`/`unit:`): unit names as systemd-escape
+makes them, the `unit:` whitelist and its D-Bus types, and the one-line refusals at load,
+including `executor: systemd` on a host that systemd does not run (this suite's hosts)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from daemon_harness import Daemon, wait_until
+
+from perfectschedd import ConfigError, schedfiles, unitprops
+from perfectschedd.config import check_host, from_mapping
+
+BASE = {"type": "rdb_compat", "url": "sqlite:////tmp/x.db"}
+ROUTE = {"type": "backup", "exec": ["/usr/local/bin/backup"], "executor": "systemd"}
+ENTRY = {"key": "nightly", "cron": "@daily", "exec": ["/bin/true"], "executor": "systemd"}
+
+
+@pytest.fixture
+def with_systemd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host that systemd runs, as far as the check at load can tell."""
+    marker = tmp_path / "run-systemd-system"
+    marker.mkdir()
+    monkeypatch.setattr(unitprops, "SYSTEMD_MARKER", str(marker))
+
+
+@pytest.fixture
+def without_systemd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(unitprops, "SYSTEMD_MARKER", str(tmp_path / "no-such-dir"))
+
+
+# -- unit names ---------------------------------------------------------------------------
+
+KEYS = ["nightly", "a/b/c", "db backup", "-dash-", ".hidden", "über:ü", "x\\y", "tab\there",
+        "a.b_c:d", "100%", "日本語のキー"]
+
+
+@pytest.mark.skipif(shutil.which("systemd-escape") is None, reason="no systemd-escape")
+@pytest.mark.parametrize("key", KEYS)
+def test_keys_are_escaped_as_systemd_escape_does(key: str) -> None:
+    want = subprocess.run(["systemd-escape", "--", key], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert unitprops.escape(key) == want
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_every_key_gives_a_valid_unit_name(key: str) -> None:
+    name = unitprops.unit_name(key, 1357000000)
+    assert name.startswith("perfectsched-") and name.endswith("-1357000000.service")
+    assert len(name) <= 255
+    assert all(c.isascii() and (c.isalnum() or c in ":-_.\\@") for c in name), name
+    if shutil.which("systemd-escape") is not None:  # systemd itself agrees it is a unit
+        res = subprocess.run(["systemd-escape", "--unescape", "--", name[:-8]],
+                             capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr
+
+
+def test_a_retry_is_a_unit_of_its_own() -> None:
+    assert unitprops.unit_name("k", 60) == "perfectsched-k-60.service"
+    assert unitprops.unit_name("k", 60, attempt=2) == "perfectsched-k-60-2.service"
+
+
+def test_long_keys_are_cut_and_told_apart_by_a_hash() -> None:
+    a, b = "é" * 256, "é" * 255 + "è"
+    na, nb = unitprops.unit_name(a, 1357000000, 3), unitprops.unit_name(b, 1357000000, 3)
+    assert len(na) <= 255 and len(nb) <= 255 and na != nb
+    assert na.endswith("-1357000000-3.service")
+    assert "\\xc3\\xa9" in na and not na.split("-")[-3].endswith("\\")
+
+
+def test_bus_path_is_systemd_s_bus_label() -> None:
+    assert unitprops.bus_path("perfectsched-a\\x2fb-1.service") == (
+        "/org/freedesktop/systemd1/unit/perfectsched_2da_5cx2fb_2d1_2eservice")
+
+
+# -- the unit: whitelist and D-Bus types ----------------------------------------------------
+
+
+def test_properties_become_dbus_values() -> None:
+    got = unitprops.convert({
+        "MemoryMax": "1G", "CPUQuota": "50%", "CPUWeight": 200, "IOWeight": 50, "Nice": -5,
+        "TasksMax": 64, "PrivateTmp": True, "ProtectSystem": "strict",
+        "ReadWritePaths": ["/var/lib/backup", "/srv"], "WorkingDirectory": "/srv"})
+    assert got == (
+        ("MemoryMax", "t", 1 << 30), ("CPUQuotaPerSecUSec", "t", 500_000),
+        ("CPUWeight", "t", 200), ("IOWeight", "t", 50), ("Nice", "i", -5),
+        ("TasksMax", "t", 64), ("PrivateTmp", "b", True), ("ProtectSystem", "s", "strict"),
+        ("ReadWritePaths", "as", ["/var/lib/backup", "/srv"]),
+        ("WorkingDirectory", "s", "/srv"))
+
+
+@pytest.mark.parametrize("raw,want", [
+    ({"MemoryMax": "50M"}, ("MemoryMax", "t", 50 << 20)),
+    ({"MemoryMax": "512K"}, ("MemoryMax", "t", 512 << 10)),
+    ({"MemoryMax": 1000000}, ("MemoryMax", "t", 1000000)),
+    ({"MemoryMax": "1.5G"}, ("MemoryMax", "t", 3 << 29)),
+    ({"MemoryMax": "infinity"}, ("MemoryMax", "t", 2**64 - 1)),
+    ({"CPUQuota": "200%"}, ("CPUQuotaPerSecUSec", "t", 2_000_000)),
+    ({"TasksMax": "infinity"}, ("TasksMax", "t", 2**64 - 1)),
+    ({"ProtectSystem": True}, ("ProtectSystem", "s", "yes")),
+    ({"ProtectSystem": "full"}, ("ProtectSystem", "s", "full")),
+    ({"ReadWritePaths": "/srv"}, ("ReadWritePaths", "as", ["/srv"])),
+    ({"WorkingDirectory": "~"}, ("WorkingDirectory", "s", "~")),
+])
+def test_each_property_s_type(raw: dict[str, Any], want: unitprops.Property) -> None:
+    assert unitprops.convert(raw) == (want,)
+
+
+@pytest.mark.parametrize("raw,error", [
+    ({"ExecStartPre": "/bin/rm -rf /"}, "'ExecStartPre': not an allowed property (allowed: "
+                                        "MemoryMax, CPUQuota"),
+    ({"User": "root"}, "'User': not an allowed property"),
+    ({"MemoryMax": "lots"}, "MemoryMax: expected bytes such as 512M or 1G, or infinity, "
+                            "got 'lots'"),
+    ({"MemoryMax": -1}, "MemoryMax: expected bytes"),
+    ({"MemoryMax": True}, "MemoryMax: expected bytes"),
+    ({"CPUQuota": 50}, "CPUQuota: expected a percentage of one CPU such as 50%"),
+    ({"CPUQuota": "0%"}, "CPUQuota: expected a percentage"),
+    ({"CPUWeight": 0}, "CPUWeight: expected a whole number from 1 to 10000, got 0"),
+    ({"IOWeight": "high"}, "IOWeight: expected a whole number from 1 to 10000"),
+    ({"Nice": 20}, "Nice: expected a whole number from -20 to 19, got 20"),
+    ({"TasksMax": 0}, "TasksMax: expected a number of tasks"),
+    ({"PrivateTmp": "yes"}, "PrivateTmp: expected true or false, got 'yes'"),
+    ({"ProtectSystem": "mostly"}, "ProtectSystem: expected true, false, full or strict"),
+    ({"ReadWritePaths": ["relative/path"]}, "ReadWritePaths: expected an absolute path"),
+    ({"ReadWritePaths": []}, "ReadWritePaths: expected an absolute path or a list"),
+    ({"WorkingDirectory": "tmp"}, "WorkingDirectory: expected an absolute path"),
+    ("MemoryMax=1G", "expected a mapping of systemd properties"),
+])
+def test_bad_properties_are_refused_by_name(raw: Any, error: str) -> None:
+    with pytest.raises(unitprops.UnitPropertyError) as caught:
+        unitprops.convert(raw)
+    assert str(caught.value).startswith(error) and "\n" not in str(caught.value)
+
+
+# -- routes and schedules files -------------------------------------------------------------
+
+
+def test_a_route_with_executor_systemd(with_systemd: None) -> None:
+    c = from_mapping({**BASE, "routes": [{**ROUTE, "timeout": 60,
+                                          "unit": {"MemoryMax": "1G", "Nice": 5}}]})
+    route = c.routes[0]
+    assert route.executor == "systemd" and route.timeout == 60
+    assert route.unit == (("MemoryMax", "t", 1 << 30), ("Nice", "i", 5))
+    assert from_mapping({**BASE, "routes": [{**ROUTE, "executor": "exec"}]}).routes[0] \
+        .executor == "exec"
+
+
+@pytest.mark.parametrize("route,error", [
+    ({**ROUTE, "unit": {"Restart": "always"}},
+     "routes[0].unit: 'Restart': not an allowed property"),
+    ({**ROUTE, "unit": {"CPUQuota": "half"}}, "routes[0].unit: CPUQuota: expected a "
+                                              "percentage"),
+    ({**ROUTE, "executor": "docker"}, "routes[0].executor: expected exec or systemd, got "
+                                      "'docker'"),
+    ({"type": "t", "python": "m:C", "executor": "systemd"},
+     "routes[0].executor: systemd runs exec routes only"),
+    ({"type": "t", "exec": ["/bin/true"], "unit": {"Nice": 1}},
+     "routes[0].unit: only with executor: systemd"),
+])
+def test_bad_routes_are_refused_naming_the_field(with_systemd: None, route: dict[str, Any],
+                                                 error: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        from_mapping({**BASE, "routes": [route]})
+    assert str(caught.value).startswith(error) and "\n" not in str(caught.value)
+
+
+def test_executor_systemd_is_refused_where_systemd_does_not_run(without_systemd: None
+                                                                 ) -> None:
+    """The daemon checks the host (config.check_host, at start and on reload); a client
+    reading the same file (perfectschedctl -c) runs no job and takes it."""
+    config = from_mapping({**BASE, "routes": [{"type": "t", "exec": ["/bin/true"]}, ROUTE]},
+                          source="/etc/perfectsched/perfectsched.yml")
+    with pytest.raises(ConfigError) as caught:
+        check_host(config)
+    assert str(caught.value) == (
+        "/etc/perfectsched/perfectsched.yml: routes[1].executor: systemd is not running on "
+        f"this host ({unitprops.SYSTEMD_MARKER} is missing); use executor exec")
+    check_host(from_mapping({**BASE, "routes": [{**ROUTE, "executor": "exec"}]}))
+
+
+def test_a_host_with_systemd_passes_the_check(with_systemd: None) -> None:
+    check_host(from_mapping({**BASE, "routes": [ROUTE]}))
+
+
+def load_one(tmp_path: Path, entries: Any, **kw: Any) -> schedfiles.Loaded:
+    f = tmp_path / "one.yml"
+    f.write_text(yaml.safe_dump(entries))
+    return schedfiles.load([f], **kw)
+
+
+def test_an_entry_with_executor_systemd(with_systemd: None, tmp_path: Path) -> None:
+    loaded = load_one(tmp_path, [{**ENTRY, "user": "nobody", "timeout": 2,
+                                  "unit": {"MemoryMax": "50M", "PrivateTmp": True}}])
+    assert loaded.errors == []
+    route = loaded.entries["nightly"].route()
+    assert route is not None and route.executor == "systemd" and route.user == "nobody"
+    assert route.unit == (("MemoryMax", "t", 50 << 20), ("PrivateTmp", "b", True))
+    assert route.timeout == 2
+
+
+@pytest.mark.parametrize("entry,error", [
+    ({**ENTRY, "unit": {"KillMode": "none"}}, "unit: 'KillMode': not an allowed property"),
+    ({**ENTRY, "unit": {"MemoryMax": "1Q"}}, "unit: MemoryMax: expected bytes"),
+    ({**ENTRY, "executor": "chroot"}, "executor: expected exec or systemd, got 'chroot'"),
+    ({"key": "k", "cron": "@daily", "type": "t", "executor": "systemd"},
+     "executor: only for exec entries"),
+    ({"key": "k", "cron": "@daily", "exec": "true", "unit": {"Nice": 1}},
+     "unit: only with executor: systemd"),
+])
+def test_bad_entries_are_refused_naming_the_field(with_systemd: None, tmp_path: Path,
+                                                  entry: dict[str, Any], error: str) -> None:
+    loaded = load_one(tmp_path, [entry])
+    assert loaded.entries == {} and len(loaded.errors) == 1
+    assert loaded.errors[0].split(": ", 2)[2].startswith(error), loaded.errors
+
+
+def test_a_unit_s_user_needs_no_root(with_systemd: None, tmp_path: Path,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """systemd sets User=: a daemon that is not root may run a unit as another user (an
+    exec entry's user needs a root daemon)."""
+    monkeypatch.setattr(os, "geteuid", lambda: 4242)  # a daemon user, not root nor nobody
+    assert load_one(tmp_path, [{**ENTRY, "user": "nobody"}]).errors == []
+    exec_entry = load_one(tmp_path, [{**ENTRY, "executor": "exec", "user": "nobody"}])
+    assert "needs the daemon to run as root" in exec_entry.errors[0]
+
+
+def test_an_entry_with_executor_systemd_is_refused_without_systemd(
+        without_systemd: None, tmp_path: Path) -> None:
+    loaded = load_one(tmp_path, [ENTRY])
+    assert loaded.errors == [f"{tmp_path / 'one.yml'}: entry 1 (nightly): executor: systemd "
+                             f"is not running on this host ({unitprops.SYSTEMD_MARKER} is "
+                             "missing); use executor exec"]
+    # `apply` from a workstation only stores what the file holds: it does not ask.
+    assert load_one(tmp_path, [ENTRY], need_user_support=False).errors == []
+
+
+@pytest.mark.skipif(unitprops.systemd_booted(), reason="this host runs systemd")
+def test_the_daemon_refuses_the_file_and_runs_the_rest(daemon_factory: Any, tmp_path: Path
+                                                       ) -> None:
+    """Without systemd (this suite's hosts): a schedules file with an `executor: systemd`
+    entry is rejected whole at load with one line naming it; every other file runs as
+    before; a configuration route with it stops the daemon with one line."""
+    sched_dir = tmp_path / "schedules.d"
+    sched_dir.mkdir()
+    out = tmp_path / "ran"
+    (sched_dir / "units.yml").write_text(yaml.safe_dump([ENTRY]))
+    (sched_dir / "plain.yml").write_text(yaml.safe_dump([
+        {"key": "plain", "cron": "* * * * *", "exec": f"echo ok >> {out}"}]))
+    d: Daemon = daemon_factory({"schedules_dir": str(sched_dir)})
+    d.start()
+    d.wait_log("units.yml")
+    line = next(x for x in d.log().splitlines() if "units.yml" in x)
+    assert "entry 1 (nightly): executor: systemd is not running on this host" in line
+    keys = {s["key"] for s in d.ctl_json("list")}
+    assert "plain" in keys and "nightly" not in keys
+    d.ctl("run", "plain")
+    wait_until(lambda: out.exists() and "ok" in out.read_text(), 20, what="the exec entry")
+    assert d.stop() == 0
+    bad = daemon_factory({"routes": [ROUTE]})
+    bad.start(wait_ready=False)
+    assert bad.proc is not None and bad.proc.wait(30) != 0
+    errors = [x for x in bad.log().splitlines() if "executor" in x]
+    assert len(errors) == 1 and "routes[0].executor: systemd is not running on this " \
+        "host" in errors[0], bad.log()
