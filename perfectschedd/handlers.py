@@ -176,12 +176,12 @@ class RunControl:
         return False
 
 
-def _stop_reason(stop_event: RunControl | threading.Event | None) -> StopReason:
+def stop_reason(stop_event: RunControl | threading.Event | None) -> StopReason:
     reason = getattr(stop_event, "reason", None)
     return reason if isinstance(reason, StopReason) else StopReason.SHUTDOWN
 
 
-def _stop_grace(stop_event: RunControl | threading.Event | None, kill_grace: float) -> float:
+def stop_grace(stop_event: RunControl | threading.Event | None, kill_grace: float) -> float:
     if isinstance(stop_event, RunControl) and stop_event.reason is StopReason.FENCED \
             and stop_event.fence_grace is not None:
         return min(kill_grace, stop_event.fence_grace)
@@ -399,15 +399,15 @@ def run_task(task: TaskLike, handler: Handler, *, log: Log = logger,
 
 
 def _stopped_before_start(task: TaskLike, stop: Stop, log: Log) -> Outcome:
-    reason = _stop_reason(stop)
+    reason = stop_reason(stop)
     if reason is StopReason.SHUTDOWN:
         task.give_back()
         return Outcome.STOPPED
-    log.warning("%s: not started: %s", task.key, _REASON_TEXT[reason])
+    log.warning("%s: not started: %s", task.key, REASON_TEXT[reason])
     return Outcome.PREEMPTED
 
 
-_REASON_TEXT = {
+REASON_TEXT = {
     StopReason.SHUTDOWN: "daemon stopping",
     StopReason.PREEMPTED: "lease lost (schedule deleted, modified or taken over)",
     StopReason.FENCED: "lease could not be renewed in time (database unreachable)",
@@ -566,7 +566,7 @@ def _run_exec(task: TaskLike, handler: ExecHandler, log: Log, stop_event: Stop |
             _groups.pop(pgid, None)
         code = proc.wait()  # the leader is a zombie by now (or dies of SIGKILL at once)
     if why == "stop":
-        reason = _stop_reason(stop_event)
+        reason = stop_reason(stop_event)
         if reason is StopReason.SHUTDOWN:
             task.give_back()
             return Outcome.STOPPED, code
@@ -574,10 +574,10 @@ def _run_exec(task: TaskLike, handler: ExecHandler, log: Log, stop_event: Stop |
     if why == "timeout":
         task.retry()
         return Outcome.TIMEOUT, code
-    return _exec_verdict(task, last_line.strip(), code, log), code
+    return exec_verdict(task, last_line.strip(), code, log), code
 
 
-def _exec_verdict(task: TaskLike, last: str, code: int, log: Log) -> Outcome:
+def exec_verdict(task: TaskLike, last: str, code: int, log: Log) -> Outcome:
     """End the task by the command's last stdout line, else by its exit status.
 
     An explicit line outranks the exit status: a command that says "again in N
@@ -601,14 +601,6 @@ def _exec_verdict(task: TaskLike, last: str, code: int, log: Log) -> Outcome:
         return Outcome.SUCCESS
     task.retry()
     return Outcome.FAILED
-
-
-# What unit runs (unitjobs.py) share with exec runs: how a run that was stopped, or a
-# command's last line and exit status, end its task.
-exec_verdict = _exec_verdict
-stop_reason = _stop_reason
-stop_grace = _stop_grace
-REASON_TEXT = _REASON_TEXT
 
 
 def _supervise(proc: subprocess.Popen[bytes], key: str, payload: bytes, timeout: float | None,
@@ -667,8 +659,8 @@ def _supervise(proc: subprocess.Popen[bytes], key: str, payload: bytes, timeout:
                 elif stop_event is not None and stop_event.is_set():
                     reason = "stop"
                     log.warning("%s: %s; sending SIGTERM to process group %d", key,
-                                _REASON_TEXT[_stop_reason(stop_event)], pgid)
-                    terminate(now, _stop_grace(stop_event, kill_grace))
+                                REASON_TEXT[stop_reason(stop_event)], pgid)
+                    terminate(now, stop_grace(stop_event, kill_grace))
             if kill_at is not None and not killed and now >= kill_at:
                 log.warning("%s: process group %d still running %gs after SIGTERM; "
                             "sending SIGKILL", key, pgid, kill_grace)
@@ -981,8 +973,8 @@ def _run_python(task: TaskLike, handler: PythonHandler, log: Log,
     if isinstance(error, PreemptedError):
         raise error
     if isinstance(error, ProcessStopError) or fired is ProcessStopError:
-        reason = _stop_reason(stop_event)
-        log.warning("%s: %s; %s interrupted", task.key, _REASON_TEXT[reason],
+        reason = stop_reason(stop_event)
+        log.warning("%s: %s; %s interrupted", task.key, REASON_TEXT[reason],
                     handler.route.python)
         if reason is not StopReason.SHUTDOWN:
             return Outcome.PREEMPTED  # the lease is not ours to write
