@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import test_system as base
-from test_system import CONF, SOCK, TOKEN, UNIT, Namespace, ensure_active, wait_for
+from test_system import CONF, REPO, SOCK, TOKEN, UNIT, Namespace, ensure_active, wait_for
 
 # The module-scoped fixtures of test_system.py: this module boots a namespace of its own
 # and installs the package there.
@@ -161,6 +161,20 @@ def test_u01_the_polkit_rule(ns: Namespace, installed) -> None:
     # The rule is for perfectsched only.
     r = as_user("nobody", "systemd-run", f"--unit=perfectsched-y-{TOKEN}", "/bin/true")
     assert r.returncode != 0
+    # docs/systemd.md's way to turn it off where the executor is not used: a rule read
+    # first that says no.
+    doc = (REPO / "docs" / "systemd.md").read_text()
+    off = re.search(r"cat > (\S+) <<'EOF'\n(.*?)\nEOF\n", doc, re.S)
+    assert off is not None, "docs/systemd.md lost its way to turn the rule off"
+    ns.write(off.group(1), off.group(2) + "\n")
+    try:
+        ns.run("systemctl", "restart", "polkit.service")
+        r = as_user("perfectsched", "systemd-run", f"--unit=perfectsched-z-{TOKEN}",
+                    "--collect", "/bin/true")
+        assert r.returncode != 0 and "Access denied" in r.stderr, r.stdout + r.stderr
+    finally:
+        ns.run("rm", "-f", off.group(1))
+        ns.run("systemctl", "restart", "polkit.service")
 
 
 def test_u02_runs_as_the_user_with_data_on_stdin_output_in_its_unit(
