@@ -232,12 +232,9 @@ class ExecHandler:
 
 
 @dataclass(frozen=True, slots=True)
-class UnitHandler:
-    """An exec route with `executor: systemd`: each run is a transient unit (unitjobs.py)."""
-
-    route: RouteConfig
-    argv: tuple[str, ...]
-    timeout: float | None
+class UnitHandler(ExecHandler):
+    """An exec route with `executor: systemd`: each run is a transient unit (unitjobs.py).
+    An ExecHandler to whatever reads routes; runs check for it first."""
 
     def __str__(self) -> str:
         return f"systemd unit {' '.join(self.argv)}"

@@ -308,7 +308,7 @@ class LeasePipeline:
             with self.lock:
                 control = self.controls.get(task.key) or RunControl()
             run_id: str | None = None
-            if isinstance(handler, handlers.ExecHandler | handlers.UnitHandler):
+            if isinstance(handler, handlers.ExecHandler):
                 # Reported before the spawn: the master must know the run before any
                 # process of it can become the master's orphan.
                 run_id = next(self.run_ids)
