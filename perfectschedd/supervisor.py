@@ -8,7 +8,9 @@ Nothing of a dead worker's runs survives it: before a replacement is forked, the
 kills the process groups the worker reported and every process marked with one of its
 run ids (jobreaper.py) and stops its systemd units (systemdbus.py), then gives the worker's
 leases back (recording those attempts as `lost`), so the occurrences run again at once
-and never beside a leftover copy.
+and never beside a leftover copy.  Stopping units waits on D-Bus and systemd, so it runs
+on a thread of its own: the loop goes on, and the worker's replacement and the give-back
+wait for it (UnitCleanups).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import errno
+import functools
 import gc
 import importlib
 import logging
@@ -55,9 +58,73 @@ TURN_MIN = 0.05  # the loop's duties at most this often when only run reports ar
 REPORT_GATHER = 0.01  # after a turn woken only by run reports, the next one waits this
 
 
+UnitStopper = Callable[[Callable[[str, str], bool], list[str]], list[str]]
+
+
+def _stop_units_over_dbus(belongs: Callable[[str, str], bool], names: list[str]) -> list[str]:
+    from . import systemdbus
+
+    return systemdbus.stop_units(belongs, names)
+
+
+class UnitCleanups:
+    """Dead workers' systemd units being stopped, each on a thread of its own (a hung bus
+    or systemd must not stop the master's loop, its watchdog or `status`).  While a
+    worker's units stop, its index gets no replacement and its leases are not given back:
+    the occurrence must not run again beside them.  Bounded: systemdbus.stop_units gives
+    up after 20 s, and then the leases expire as any lease does."""
+
+    def __init__(self, stopper: UnitStopper, wake: Callable[[], None]) -> None:
+        self.stopper = stopper
+        self.wake = wake
+        self.threads: list[tuple[int, threading.Thread]] = []  # (worker index, its clean-up)
+
+    def start(self, index: int, whose: str, belongs: Callable[[str, str], bool],
+              names: list[str], then: Callable[[], None] | None) -> None:
+        def work() -> None:
+            # Units that could not be stopped may still run: their leases are not given
+            # back, they expire after alive_time (RuntimeMaxSec bounds the units).
+            if stop_units(self.stopper, whose, belongs, names) and then is not None:
+                then()
+            self.wake()  # the loop frees the index now, not at its next timeout
+
+        thread = threading.Thread(target=work, name=f"units-of-worker-{index}", daemon=True)
+        self.threads.append((index, thread))
+        thread.start()
+
+    def busy(self) -> set[int]:
+        """Indexes whose clean-up still runs (forgetting those that ended)."""
+        self.threads = [(i, t) for i, t in self.threads if t.is_alive()]
+        return {i for i, _ in self.threads}
+
+    def join(self, timeout: float) -> None:
+        end = time.monotonic() + timeout
+        for _, thread in list(self.threads):
+            thread.join(max(0.0, end - time.monotonic()))
+
+
+def stop_units(stopper: UnitStopper, whose: str, belongs: Callable[[str, str], bool],
+               names: list[str] | None = None) -> bool:
+    """Stop (SIGKILL, then wait until inactive) the perfectsched-* units of `whose`; False
+    when systemd could not be asked or did not stop them in time."""
+    from . import systemdbus
+
+    try:
+        stopped = stopper(belongs, names or [])
+    except systemdbus.SystemdError as exc:
+        log.error("cannot stop the systemd units of %s: %s; their leases expire after "
+                  "alive_time", whose, exc)
+        return False
+    if stopped:
+        log.warning("stopped %d systemd unit(s) of %s: %s", len(stopped), whose,
+                    ", ".join(stopped))
+    return True
+
+
 class Supervisor:
     def __init__(self, config: Config, config_source: str, environment: str | None,
-                 processes: Processes | None = None) -> None:
+                 processes: Processes | None = None,
+                 unit_stopper: UnitStopper = _stop_units_over_dbus) -> None:
         self.config = config
         self.config_source = config_source
         self.environment = environment
@@ -69,6 +136,8 @@ class Supervisor:
         self.selfpipe_r, self.selfpipe_w = os.pipe()
         for fd in (self.selfpipe_r, self.selfpipe_w):
             os.set_blocking(fd, False)
+        self.unit_stopper = unit_stopper
+        self.unit_cleanups = UnitCleanups(unit_stopper, self._poke)
         self.sel = selectors.DefaultSelector()
         self.notifier = sdnotify.SystemdNotifier()
         self.watchdog_interval = self._watchdog_interval()
@@ -206,10 +275,13 @@ class Supervisor:
             self._forget(proc)
             metrics.worker_exited(pid)
             # Before anything else starts: nothing of its runs may outlive it.
-            if code != 0 or proc.runs:
-                self._kill_runs(proc)
-            if code != 0:
-                self._reclaim(f"{self.config.node}:{pid}")
+            give_back = (functools.partial(self._reclaim, f"{self.config.node}:{pid}")
+                         if code != 0 else None)
+            # With units, the give-back waits until they have stopped (UnitCleanups).
+            units_stopping = bool(code != 0 or proc.runs or proc.units) and \
+                self._kill_runs(proc, then=give_back)
+            if give_back is not None and not units_stopping:
+                give_back()
             if not ended.unexpected:
                 log.info("worker %d (pid %d) exited", proc.index, pid)
                 continue
@@ -229,7 +301,10 @@ class Supervisor:
         if self.state == "stopping":
             return
         self.spawn_postponed = False
+        cleaning = self.unit_cleanups.busy()
         for index in self.table.missing(now):
+            if index in cleaning:
+                continue  # its predecessor's units are still being stopped
             try:
                 started = self.spawn_worker(index)
             except OSError as exc:
@@ -247,18 +322,21 @@ class Supervisor:
         for proc in self.table.surplus():  # a reload lowered `workers`
             self.procs.kill(proc.pid, signal.SIGTERM)
 
-    def _kill_runs(self, proc: WorkerProc) -> None:
-        """Kill every process of a dead worker's runs (before its replacement starts)."""
+    def _kill_runs(self, proc: WorkerProc, then: Callable[[], None] | None = None) -> bool:
+        """Kill every process of a dead worker's runs (before its replacement starts).
+        True when its units are being stopped: `then` runs once they have."""
+        units_stopping = False
         if proc.units or self._runs_units():
             from . import unitjobs
 
             # The units it reported, and any other that names it as its owner (a report
             # lost with the worker): stopped before its leases are given back.
             mark = unitjobs.owner_mark(self.config.node, proc.pid)
-            self._stop_units(f"worker {proc.index} (pid {proc.pid})",
-                             lambda name, description: description.endswith(mark),
-                             list(proc.units.values()))
+            self.unit_cleanups.start(proc.index, f"worker {proc.index} (pid {proc.pid})",
+                                     lambda name, description: description.endswith(mark),
+                                     list(proc.units.values()), then)
             proc.units.clear()
+            units_stopping = True
         groups = [g for g in proc.runs.values() if g is not None]
         killed = jobreaper.kill_groups(groups, self.master_pid)
         dead = proc.pid
@@ -268,23 +346,10 @@ class Supervisor:
             log.warning("worker %d (pid %d) died with %d run(s); killed what was left of "
                         "them", proc.index, dead, len(proc.runs) or killed)
         proc.runs.clear()
+        return units_stopping
 
     def _runs_units(self) -> bool:
         return any(r.executor == "systemd" for r in self.config.routes)
-
-    def _stop_units(self, whose: str, belongs: Callable[[str, str], bool],
-                    names: list[str] | None = None) -> None:
-        """Stop (SIGKILL, then wait until inactive) the perfectsched-* units of `whose`."""
-        from . import systemdbus
-
-        try:
-            stopped = systemdbus.stop_units(belongs, names or ())
-        except systemdbus.SystemdError as exc:
-            log.error("cannot stop the systemd units of %s: %s", whose, exc)
-            return
-        if stopped:
-            log.warning("stopped %d systemd unit(s) of %s: %s", len(stopped), whose,
-                        ", ".join(stopped))
 
     def _reclaim(self, owner: str) -> None:
         """Give a dead worker's leases back now (its runs were killed), off the loop: the
@@ -354,6 +419,13 @@ class Supervisor:
         self.wake_pending = True
         try:
             os.write(self.selfpipe_w, b"w")
+        except OSError:
+            pass
+
+    def _poke(self) -> None:
+        """From another thread: the loop takes a whole turn now."""
+        try:
+            os.write(self.selfpipe_w, b"p")
         except OSError:
             pass
 
@@ -565,6 +637,7 @@ class Supervisor:
         while len(self.table):
             self.reap()
             time.sleep(0.02)
+        self.unit_cleanups.join(25.0)  # their give-backs need the database, still open
         self._kill_orphans()
         self.db.stop(timeout=5.0)  # lets the killed workers' leases be given back
         log.info("stopped")
@@ -726,8 +799,9 @@ class Supervisor:
             # A previous daemon of this host that died without stopping its jobs (killed,
             # crashed): its units must not run beside the occurrences run again now.
             mark = unitjobs.owner_mark(self.config.node, 0).rsplit(":", 1)[0] + ":"
-            self._stop_units("a previous daemon of this host",
-                             lambda name, description: mark in description)
+            # Before any worker exists: waiting here is what keeps them from running twice.
+            stop_units(self.unit_stopper, "a previous daemon of this host",
+                       lambda name, description: mark in description)
         log.info("perfectschedd %s starting: %d worker(s), database %s", __version__,
                  self.config.workers, engine_url(self.config.url).render_as_string(
                      hide_password=True))

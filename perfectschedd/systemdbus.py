@@ -360,6 +360,9 @@ def stop_units(belongs: Callable[[str, str], bool], names: Iterable[str] = (),
                         left.discard(name)  # collected: gone
                 if left:
                     await asyncio.sleep(0.05)
+            if left:
+                raise SystemdError(f"still active after {timeout:.0f}s: "
+                                   + ", ".join(sorted(left)))
             result.extend(chosen)
         finally:
             bus.disconnect()
@@ -369,8 +372,10 @@ def stop_units(belongs: Callable[[str, str], bool], names: Iterable[str] = (),
 
     def target() -> None:
         try:
-            # Bounded: the master's loop (and its watchdog) waits for this.
+            # Bounded: a dead worker's replacement and its leases wait for this.
             asyncio.run(asyncio.wait_for(work(), 2 * timeout))
+        except TimeoutError:
+            errors.append(SystemdError(f"no answer from systemd within {2 * timeout:.0f}s"))
         except BaseException as exc:  # noqa: BLE001 - reported to the caller
             errors.append(exc)
 

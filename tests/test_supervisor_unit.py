@@ -7,12 +7,14 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+import perfectschedd
 from perfectschedd import config as config_mod
 from perfectschedd.supervisor import Supervisor
 from perfectschedd.workerprocs import Processes
@@ -145,3 +147,67 @@ def test_no_fork_while_a_master_database_call_is_in_flight(
         assert procs.forks() == [] and s.spawn_postponed
     s.manage_workers()
     assert len(procs.forks()) == 2 and not s.spawn_postponed
+
+
+def test_a_dead_workers_units_stop_off_the_loop_and_hold_its_replacement_and_give_back(
+        tmp_path: Path) -> None:
+    """systemd (or the bus) slow to stop a dead worker's unit: reap() returns at once (the
+    loop, its watchdog and `status` go on), but the worker's index gets no replacement and
+    its lease stays held until the unit has stopped; then both happen."""
+    url = f"sqlite:///{tmp_path / 'db'}"
+    cfg = config_mod.load({"type": "rdb_compat", "url": url, "workers": 2, "worker_timeout": 5,
+                           "control_socket": str(tmp_path / "s.sock"),
+                           "routes": [{"type": "u", "exec": ["/bin/true"],
+                                       "executor": "systemd"}]})
+    systemd_done = threading.Event()
+    asked: list[tuple[list[str], bool, bool]] = []
+
+    def slow_systemd(belongs: Callable[[str, str], bool], names: list[str]) -> list[str]:
+        mark = f"(worker {cfg.node}:{victim})"
+        asked.append((names, belongs("perfectsched-k-1.service", f"PerfectSched job k {mark}"),
+                      belongs("perfectsched-k-1.service", "PerfectSched job k (worker x:1)")))
+        systemd_done.wait(10)
+        return names
+
+    procs = RecordingProcesses()
+    s = Supervisor(cfg, str(tmp_path / "cfg.yml"), None, processes=procs,
+                   unit_stopper=slow_systemd)
+    s.db.start()
+    try:
+        wait_until(lambda: (s.manage_workers(), len(procs.forks()) == 2)[1],
+                   "the workers forked (after the master's first query)")
+        victim, other = procs.forks()
+        with perfectschedd.open({"type": "rdb_compat", "url": url}) as sc:
+            sc.owner = f"{cfg.node}:{victim}"
+            due = int(time.time()) // 60 * 60
+            sc.add("k", "u", cron="* * * * *", next_time=due, now=due)
+            assert sc.poll(now=due + 1) is not None
+            procs.say(victim, "u 1.1.1 perfectsched-k-1.service")
+            procs.die(victim, -9)
+            began = time.monotonic()
+            s.reap()
+            assert time.monotonic() - began < 1.0  # not waiting on systemd
+            wait_until(lambda: bool(asked), "systemd asked to stop the unit")
+            assert asked[0] == (["perfectsched-k-1.service"], True, False)
+            s.table.next_spawn = 0.0  # past the back-off
+            s.manage_workers()
+            time.sleep(1.0)  # a give-back, were it not held, would be written by now
+            assert procs.forks() == [victim, other]
+            assert sc["k"].info().owner == f"{cfg.node}:{victim}"
+
+            systemd_done.set()
+            wait_until(lambda: sc["k"].info().owner is None, "the lease given back")
+            assert [r["outcome"] for r in sc.store.history("k", 10)] == ["lost"]
+            wait_until(lambda: (s.manage_workers(), len(procs.forks()) == 3)[1],
+                       "the replacement forked")
+    finally:
+        systemd_done.set()
+        s.unit_cleanups.join(5)
+        s.db.stop(timeout=1)
+
+
+def wait_until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.05)

@@ -39,7 +39,8 @@ def entry(key: str, command: str, **extra: Any) -> dict[str, Any]:
 
 
 KEYS = {name: f"unit-{name}-{TOKEN}" for name in
-        ("whoami", "oom", "timeout", "later", "sleeper", "leftover", "busrestart")}
+        ("whoami", "oom", "timeout", "later", "sleeper", "leftover", "busrestart",
+          "frozenbus")}
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +69,8 @@ def units(ns: Namespace, installed) -> dict[str, Any]:
                                'exec sleep 300'),
         entry(KEYS["leftover"], 'echo "leftover start"; exec sleep 300'),
         entry(KEYS["busrestart"], 'sleep 6; echo "busrestart done"'),
+        entry(KEYS["frozenbus"], 'echo "frozenbus start attempt=$PERFECTSCHED_ATTEMPT"; '
+                                 'exec sleep 300'),
     ]
     ns.write(CONF, json.dumps(config, indent=2) + "\n")
     ns.write(SCHEDULES, json.dumps(entries, indent=2) + "\n")
@@ -326,3 +329,46 @@ def test_u08_a_restarted_system_bus_loses_no_result(ns: Namespace, units) -> Non
     assert runs[0]["outcome"] == "success", runs
     text = journal(ns, UNIT, 400)
     assert "connected to the system bus again" in text, text
+
+
+def test_u09_a_frozen_bus_stops_neither_the_master_nor_the_rule(ns: Namespace, units) -> None:
+    """dbus-daemon frozen (SIGSTOP) when a worker running a unit is killed: the master's
+    loop goes on (its STATUS= says one worker less at once) while it waits for systemd on
+    a thread; the unit keeps its lease, so no second copy starts while it cannot be
+    stopped; once the bus answers, the unit stops before the occurrence runs again.
+    (systemctl reaches systemd over its private socket, not the bus.)"""
+    key = KEYS["frozenbus"]
+    ensure_active(ns)
+    wait_for(lambda: ns.show("StatusText")["StatusText"].startswith("2 workers"), 30,
+             "both workers up", lambda: journal(ns))
+    ns.ctl("run", key)
+    first = wait_for(lambda: active_units(ns, key), 30, "the unit running",
+                     lambda: journal(ns))[0]
+    worker = _worker_of(ns, first)
+    bus = ns.out("systemctl", "show", "--property=MainPID", "--value", "dbus.service")
+    assert bus.isdigit() and bus != "0", bus
+    ns.run("kill", "-STOP", bus)
+    try:
+        ns.run("kill", "-KILL", str(worker))
+        frozen = time.monotonic()
+        wait_for(lambda: ns.show("StatusText")["StatusText"].startswith("1 workers"), 6,
+                 "the master's loop noting the death while the bus is frozen",
+                 lambda: journal(ns))
+        # alive_time is 30 s: only the give-back, held until the unit stops, could run
+        # the occurrence again this soon.
+        while time.monotonic() - frozen < 6:
+            assert active_units(ns, key) == [first]
+            time.sleep(0.5)
+        assert ns.show("StatusText")["StatusText"].startswith("1 workers")  # index held
+    finally:
+        ns.run("kill", "-CONT", bus)
+    second = wait_for(lambda: [u for u in active_units(ns, key) if u != first], 25,
+                      "the occurrence running again", lambda: journal(ns, UNIT, 200))[0]
+    assert max(unit_times(ns, first)) < min(unit_times(ns, second))
+    assert re.search(rf"stopped 1 systemd unit\(s\) of worker \d+ \(pid {worker}\): "
+                     rf"{re.escape(first)}", journal(ns, UNIT, 400)), journal(ns)
+    wait_for(lambda: ns.show("StatusText")["StatusText"].startswith("2 workers"), 30,
+             "the replacement worker", lambda: journal(ns))
+    ns.ctl("delete", key)
+    wait_for(lambda: not active_units(ns, key), 30, "the run stopped by delete",
+             lambda: journal(ns))
