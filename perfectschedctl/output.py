@@ -102,7 +102,8 @@ def print_result(cmd: str, result: Any, *, as_json: bool) -> None:
         when = format_time(result["next_run_time"], result["timezone"])
         print(f"added {result['key']}: next run {when}")
     elif cmd == "delete":
-        print(f"deleted {result['key']}")
+        extra = result.get("extra_runs") or 0
+        print(f"deleted {result['key']}" + (f" and {extra} extra run(s) of it" if extra else ""))
     elif cmd == "run":
         when = ("once its running occurrence has ended" if result.get("after_running")
                 else "now")

@@ -90,8 +90,8 @@ def _show(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[str,
 
 
 def _delete(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[str, Any]:
-    sc[_arg(a, "key")].delete()
-    return {"key": a["key"], "deleted": True}
+    extra = sc[_arg(a, "key")].delete()
+    return {"key": a["key"], "deleted": True, "extra_runs": extra}
 
 
 def _modify(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[str, Any]:

@@ -14,8 +14,8 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import yaml
 
-from . import unitprops
-from .errors import ConfigError, NotSupportedError, describe
+from . import runas, unitprops
+from .errors import ConfigError, InvalidInputError, NotSupportedError, describe
 
 DEFAULT_CONFIG_PATH = "/etc/perfectsched/perfectsched.yml"
 DEFAULT_SOCKET = "/run/perfectsched/perfectschedd.sock"
@@ -36,10 +36,10 @@ class RouteConfig:
     exec: tuple[str, ...] | None = None
     python: str | None = None
     timeout: float | None = None
-    # Set by a schedules file's exec entry (schedfiles.py), never by `routes`:
     env: tuple[tuple[str, str], ...] = ()  # added to the job's environment
-    user: str | None = None                # run the job as this user (the daemon is root)
-    append_key: bool = True                # the key as last argument (an entry's is fixed)
+    # Run the job as this user: the daemon is root, or systemd sets it (executor systemd).
+    user: str | None = None
+    append_key: bool = True  # the key as last argument (a schedules file's entry: never)
     # "systemd": each run is a transient unit (unitjobs.py) with these properties
     # (unitprops.convert: D-Bus name, signature, value).
     executor: str = "exec"
@@ -152,7 +152,8 @@ def _routes(raw: Any) -> tuple[RouteConfig, ...]:
         where = f"routes[{i}]"
         if not isinstance(entry, Mapping):
             raise ConfigError(f"{where}: must be a mapping")
-        unknown = set(entry) - {"type", "exec", "python", "timeout", "executor", "unit"}
+        unknown = set(entry) - {"type", "exec", "python", "timeout", "executor", "unit",
+                                "user", "env"}
         if unknown:
             raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
         pattern = entry.get("type")
@@ -188,6 +189,15 @@ def _routes(raw: Any) -> tuple[RouteConfig, ...]:
             unit = unitprops.convert(entry.get("unit"))
         except unitprops.UnitPropertyError as exc:
             raise ConfigError(f"{where}.unit: {exc}") from None
+        for name in ("user", "env"):
+            if entry.get(name) is not None and route_exec is None:
+                raise ConfigError(f"{where}.{name}: only for exec routes")
+        try:
+            # Whether the user exists and may be used here is check_host's, as above.
+            user = runas.check_user(entry["user"], False) if "user" in entry else None
+            env = runas.check_env(entry.get("env"))
+        except InvalidInputError as exc:
+            raise ConfigError(f"{where}.{exc}") from None
         route = RouteConfig(
             pattern=pattern,
             exec=tuple(route_exec) if route_exec is not None else None,
@@ -195,6 +205,8 @@ def _routes(raw: Any) -> tuple[RouteConfig, ...]:
             timeout=float(timeout) if timeout is not None else None,
             executor=executor,
             unit=unit,
+            user=user,
+            env=env,
         )
         try:
             route.regexp  # noqa: B018 - compile now so a bad regexp is a config error
@@ -290,13 +302,19 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
 
 def check_host(config: Config) -> None:
     """What only a host that runs the jobs can check (the daemon, at start and on reload):
-    routes with `executor: systemd` need systemd to run this host."""
+    routes with `executor: systemd` need systemd to run this host; a route's `user` must
+    exist here, and the daemon be root unless systemd sets the user."""
     for i, route in enumerate(config.routes):
+        where = f"{config.source}: " if config.source else ""
         try:
             unitprops.check_executor(route.executor)
         except ValueError as exc:
-            where = f"{config.source}: " if config.source else ""
             raise ConfigError(f"{where}routes[{i}].executor: {exc}") from None
+        if route.user is not None:
+            try:
+                runas.check_user(route.user, True, needs_root=route.executor == "exec")
+            except InvalidInputError as exc:
+                raise ConfigError(f"{where}routes[{i}].{exc}") from None
 
 
 def _environments(data: Any) -> list[str]:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +19,7 @@ import yaml
 
 from . import cron as cron_mod
 from . import policy as policy_mod
-from . import unitprops
+from . import runas, unitprops
 from .config import RouteConfig
 from .errors import InvalidInputError, describe
 from .schedules import check_cron, check_data, check_int, check_key, check_text, check_timezone
@@ -37,7 +35,6 @@ ENTRIES_MAX = 20_000    # entries of one file
 SUFFIX = ".yml"
 ENTRY_KEYS = frozenset({"key", "cron", "type", "exec", "timezone", "delay", "data", "user",
                         "env", "executor", "unit", *policy_mod.OPTIONS})
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 @dataclass(frozen=True)
@@ -213,7 +210,7 @@ def check_entry(raw: Any, source: str, need_user_support: bool = True,
     delay = check_int("delay", raw.get("delay", 0))
     data = check_data(raw.get("data"))
     chosen = policy_mod.DEFAULT.changed({k: raw[k] for k in policy_mod.OPTIONS if k in raw})
-    env = _check_env(raw.get("env"))
+    env = runas.check_env(raw.get("env"))
     if env and argv is None:
         raise InvalidInputError("env", "only for exec entries (a type's route has its own)")
     try:
@@ -233,7 +230,7 @@ def check_entry(raw: Any, source: str, need_user_support: bool = True,
         if argv is None:
             raise InvalidInputError("user", "only for exec entries")
         # systemd sets a unit's User=: the daemon need not be root for that.
-        user = _check_user(user, need_user_support, needs_root=executor == "exec")
+        user = runas.check_user(user, need_user_support, needs_root=executor == "exec")
     return Entry(key=key, source=source, cron=expr, type=task_type, timezone=tz, delay=delay,
                  data=data, policy=chosen, exec=argv, env=env, user=user, executor=executor,
                  unit=unit)
@@ -251,36 +248,3 @@ def _check_exec(value: Any) -> tuple[str, ...]:
     if any("\0" in a for a in value) or not value[0]:
         raise InvalidInputError("exec", "an empty program or a NUL character")
     return tuple(value)
-
-
-def _check_env(value: Any) -> tuple[tuple[str, str], ...]:
-    if value is None:
-        return ()
-    if not isinstance(value, Mapping):
-        raise InvalidInputError("env", "must be a mapping of NAME: value")
-    out = []
-    for name, text in value.items():
-        if not isinstance(name, str) or not _ENV_NAME.match(name):
-            raise InvalidInputError("env", f"bad variable name {describe(name)}")
-        if isinstance(text, bool) or not isinstance(text, str | int | float):
-            raise InvalidInputError("env", f"{name}: must be text, got {describe(text)}")
-        text = str(text)
-        if "\0" in text:
-            raise InvalidInputError("env", f"{name}: contains a NUL character")
-        out.append((name, text))
-    return tuple(out)
-
-
-def _check_user(value: Any, need_user_support: bool, needs_root: bool = True) -> str:
-    if not isinstance(value, str) or not value:
-        raise InvalidInputError("user", "must be a user name")
-    if not need_user_support:
-        return value
-    try:
-        uid = pwd.getpwnam(value).pw_uid
-    except KeyError:
-        raise InvalidInputError("user", f"no such user {value!r} on this host") from None
-    if needs_root and os.geteuid() not in (0, uid):
-        raise InvalidInputError("user", f"running as {value!r} needs the daemon to run as "
-                                "root (this one does not)")
-    return value

@@ -390,9 +390,13 @@ class Schedule:
             raise NotFoundError(f"schedule {self.key!r} not found")
         return ScheduleInfo.from_row(row)
 
-    def delete(self) -> None:
-        if not self._collection.store.delete(self.key):
+    def delete(self) -> int:
+        """Delete the schedule and its extra runs (a running one is stopped: its lease is
+        gone); returns how many extra runs went with it."""
+        deleted = self._collection.store.delete(self.key)
+        if not deleted:
             raise NotFoundError(f"schedule {self.key!r} not found")
+        return deleted - 1
 
     def modify(self, *, type: str = _UNSET, cron: str = _UNSET, delay: int = _UNSET,
                timezone: str = _UNSET, data: Any = _UNSET, now: float | None = None,

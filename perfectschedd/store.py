@@ -221,9 +221,24 @@ class Store:
             conn.execute(self.t.insert(), payload)
 
     @_retried
-    def delete(self, key: str) -> bool:
+    def delete(self, key: str) -> int:
+        """Delete a schedule and its extra runs (`run`: KEY@run-..., queued or running:
+        a running one loses its lease and is stopped); the rows deleted, 0 if none."""
+        t = self.t
         with self._tx() as conn:
-            return conn.execute(self.t.delete().where(self.t.c.key == key)).rowcount > 0
+            row = conn.execute(sa.select(t.c.has_extra).where(t.c.key == key)).first()
+            if row is None:
+                return 0
+            keys = [key]
+            if row.has_extra:
+                prefix = f"{key}{RUN_NOW_MARK}"
+                # LIKE ignores case on SQLite and MySQL: the exact prefix is checked here.
+                keys += [k for (k,) in conn.execute(sa.select(t.c.key).where(
+                    t.c.key.startswith(prefix, autoescape=True))) if k.startswith(prefix)]
+            deleted = 0
+            for i in range(0, len(keys), 500):
+                deleted += conn.execute(t.delete().where(t.c.key.in_(keys[i:i + 500]))).rowcount
+            return deleted
 
     @_retried
     def update(self, key: str, values: dict[str, Any], *, take_lease: bool) -> bool:
@@ -483,7 +498,7 @@ class Store:
                 sa.select(t.c.group_holder, t.c.owner, t.c.next_run_time)
                 .where(t.c.key == base).with_for_update()).first()
             if row is None:
-                return True  # the schedule is gone: its extra runs are on their own
+                return True  # the schedule is gone (delete took its extra runs with it)
             holder, base_owner, base_lease = row
             if key != base and base_owner is not None and base_lease > now:
                 return False

@@ -140,6 +140,32 @@ def test_delete_while_running_stops_the_job(daemon_factory: Any, tmp_path: Path)
     assert d.stop() == 0
 
 
+def test_delete_takes_the_extra_runs_with_it(daemon_factory: Any, tmp_path: Path) -> None:
+    """`run KEY` queues an extra run (KEY@run-...); `delete KEY` deletes the schedule and
+    its extra runs: the running one is stopped, a queued one never starts."""
+    out = tmp_path / "runs"
+    script = (f'trap \'echo "term $1 $(date +%s.%N)" >> {out}; exit 143\' TERM; '
+              f'echo "start $1 $(date +%s.%N)" >> {out}; sleep 120 & wait')
+    d = daemon_factory({"alive_time": 6, "routes": [sh("t", script)]}).start()
+    d.ctl("add", "k", "t", YEARLY)
+    d.ctl("add", "kk", "t", YEARLY)  # "k" is a prefix of its key, not one of its runs
+    first = d.ctl_json("run", "k")["run_key"]
+    second = d.ctl_json("run", "k")["run_key"]  # waits for the first to end
+    other = d.ctl_json("run", "kk")["run_key"]
+    wait_until(lambda: sorted(e[1] for e in events(out) if e[0] == "start")
+               == sorted([first, other]), what="the first extra runs started")
+    assert d.ctl("delete", "k").stdout.strip() == "deleted k and 2 extra run(s) of it"
+    wait_until(lambda: any(e[:2] == ["term", first] for e in events(out)), timeout=6,
+               what="TERM of the running extra run")
+    d.wait_log("outcome=preempted")
+    time.sleep(1.5)  # the queued one would have started by now
+    assert [e[1] for e in events(out) if e[0] == "start"].count(second) == 0
+    keys = [r["key"] for r in d.ctl_json("list")]
+    assert keys == ["kk", other], keys
+    assert not any(e[:2] == ["term", other] for e in events(out))  # kk's run goes on
+    assert d.stop() == 0
+
+
 def test_modify_while_running_stops_the_running_copy(daemon_factory: Any,
                                                      tmp_path: Path) -> None:
     out = tmp_path / "runs"

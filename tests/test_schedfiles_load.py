@@ -136,3 +136,19 @@ def test_an_exec_entry_runs_as_its_user(daemon_factory: Any, tmp_path: Path) -> 
     wait_until(lambda: "ran as 65534:65534" in d.log(), what="the job's output")
     assert "home=/nonexistent user=nobody in /" in d.log()  # nobody's home does not exist
     assert d.stop() == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs a job as another user: needs root")
+def test_an_exec_route_runs_as_its_user_with_its_env(daemon_factory: Any) -> None:
+    """A route's `user` and `env` (SPEC: "User= from user" holds for routes as for
+    entries): the job runs as that user, cron-like, with the route's variables."""
+    d: Daemon = daemon_factory({"routes": [{
+        "type": "whoami", "user": "nobody", "env": {"GREETING": "hello there", "N": 3},
+        "exec": ["/bin/sh", "-c", 'echo "route ran as $(id -u):$(id -g) user=$USER '
+                                  'greeting=$GREETING n=$N key=$1"', "sh"]}]}).start()
+    d.ctl("add", "route-as-nobody", "whoami", "0 0 1 1 *")
+    d.ctl("run", "route-as-nobody")
+    wait_until(lambda: "route ran as" in d.log(), what="the job's output")
+    assert ("route ran as 65534:65534 user=nobody greeting=hello there n=3 "
+            "key=route-as-nobody") in d.log()
+    assert d.stop() == 0

@@ -190,6 +190,45 @@ def test_a_host_with_systemd_passes_the_check(with_systemd: None) -> None:
     check_host(from_mapping({**BASE, "routes": [ROUTE]}))
 
 
+def test_a_route_s_user_and_env(with_systemd: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Routes take `user` and `env` as entries do.  Whether the user exists, and whether
+    the daemon may switch to it, is the daemon's check: systemd sets a unit's User=, an
+    exec route's user needs a root daemon."""
+    unit_route = {**ROUTE, "user": "nobody", "env": {"PGHOST": "db1", "RETRIES": 3}}
+    plain = {"type": "t", "exec": ["/bin/true"], "user": "nobody"}
+    config = from_mapping({**BASE, "routes": [unit_route]})
+    assert config.routes[0].user == "nobody"
+    assert config.routes[0].env == (("PGHOST", "db1"), ("RETRIES", "3"))
+    check_host(config)
+    monkeypatch.setattr(os, "geteuid", lambda: 4242)  # a daemon user, not root nor nobody
+    check_host(config)
+    refused = from_mapping({**BASE, "routes": [plain]}, source="/etc/p.yml")  # a client may
+    with pytest.raises(ConfigError) as caught:
+        check_host(refused)
+    assert str(caught.value) == ("/etc/p.yml: routes[0].user: running as 'nobody' needs the "
+                                 "daemon to run as root (this one does not)")
+    with pytest.raises(ConfigError) as caught:
+        check_host(from_mapping({**BASE, "routes": [{**ROUTE, "user": "no-such-user-x"}]}))
+    assert str(caught.value) == "routes[0].user: no such user 'no-such-user-x' on this host"
+
+
+@pytest.mark.parametrize("route,error", [
+    ({"type": "t", "python": "m:C", "user": "nobody"}, "routes[0].user: only for exec routes"),
+    ({"type": "t", "python": "m:C", "env": {"A": "1"}}, "routes[0].env: only for exec routes"),
+    ({**ROUTE, "user": ""}, "routes[0].user: must be a user name"),
+    ({**ROUTE, "user": 0}, "routes[0].user: must be a user name"),
+    ({**ROUTE, "env": ["A=1"]}, "routes[0].env: must be a mapping of NAME: value"),
+    ({**ROUTE, "env": {"1A": "x"}}, "routes[0].env: bad variable name '1A'"),
+    ({**ROUTE, "env": {"A": ["x"]}}, "routes[0].env: A: must be text, got a list"),
+    ({**ROUTE, "env": {"A": "x\0y"}}, "routes[0].env: A: contains a NUL character"),
+])
+def test_bad_route_users_and_envs_are_refused(with_systemd: None, route: dict[str, Any],
+                                              error: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        from_mapping({**BASE, "routes": [route]})
+    assert str(caught.value) == error
+
+
 def load_one(tmp_path: Path, entries: Any, **kw: Any) -> schedfiles.Loaded:
     f = tmp_path / "one.yml"
     f.write_text(yaml.safe_dump(entries))
