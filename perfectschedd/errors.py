@@ -46,6 +46,11 @@ class ProcessStopError(RuntimeError):
     """Raised inside a handler when the daemon is stopping and the task must end."""
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception as one log line (a driver's message may run over many)."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+
+
 def describe(value: object, limit: int = 60) -> str:
     """A user-given value for an error message: a bounded repr for scalars, the type's
     name for anything else (the repr of a YAML alias bomb or a deeply nested request would

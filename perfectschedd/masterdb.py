@@ -28,7 +28,7 @@ from sqlalchemy.exc import DBAPIError
 
 from . import metrics
 from .config import Config
-from .errors import DatabaseUnavailableError
+from .errors import DatabaseUnavailableError, first_line
 from .schedules import ScheduleCollection, key_problem
 from .store import RUN_NOW_MARK
 
@@ -69,10 +69,6 @@ class Snapshot:
     ok: bool | None = None             # None: not asked yet
     unreachable_since: float | None = None
     error: str | None = None
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
 
 
 class MasterDatabase:
@@ -192,7 +188,7 @@ class MasterDatabase:
                                            ) from None
         except DBAPIError as exc:
             if exc.connection_invalidated or isinstance(exc.orig, OSError):
-                self._mark(False, _first_line(exc.orig or exc))
+                self._mark(False, first_line(exc.orig or exc))
             raise
 
     def health(self) -> tuple[bool | None, float | None, str | None]:
@@ -221,7 +217,7 @@ class MasterDatabase:
                 with self._gate():
                     fn(sc)
             except Exception as exc:  # noqa: BLE001 - logged; the caller does not wait
-                log.warning("%s failed: %s", what, _first_line(exc))
+                log.warning("%s failed: %s", what, first_line(exc))
 
         try:
             self._pool.submit(run)
@@ -296,7 +292,7 @@ class MasterDatabase:
                         assert self.sc is not None
                         self.sc.store.prune_history(self.config.history_limit)
             except Exception as exc:  # noqa: BLE001 - this thread must not die
-                self._mark(False, _first_line(getattr(exc, "orig", None) or exc))
+                self._mark(False, first_line(getattr(exc, "orig", None) or exc))
                 # A status request (or stop) arriving meanwhile cuts the wait short.
                 self._refresh.clear()
                 if self._stop.is_set():

@@ -37,7 +37,7 @@ from . import __version__, commands, jobreaper, logsetup, metrics, registry
 from . import config as config_mod
 from .config import Config
 from .converge import FileSchedules
-from .errors import ConfigError, NotSupportedError
+from .errors import ConfigError, NotSupportedError, first_line
 from .masterdb import MasterDatabase
 from .store import check_url, engine_url
 from .workerprocs import Processes
@@ -89,8 +89,12 @@ class UnitCleanups:
             self.wake()  # the loop frees the index now, not at its next timeout
 
         thread = threading.Thread(target=work, name=f"units-of-worker-{index}", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:  # no thread to be had (out of memory or tasks): wait here
+            work()
+            return
         self.threads.append((index, thread))
-        thread.start()
 
     def busy(self) -> set[int]:
         """Indexes whose clean-up still runs (forgetting those that ended)."""
@@ -107,13 +111,11 @@ def stop_units(stopper: UnitStopper, whose: str, belongs: Callable[[str, str], b
                names: list[str] | None = None) -> bool:
     """Stop (SIGKILL, then wait until inactive) the perfectsched-* units of `whose`; False
     when systemd could not be asked or did not stop them in time."""
-    from . import systemdbus
-
     try:
         stopped = stopper(belongs, names or [])
-    except systemdbus.SystemdError as exc:
+    except Exception as exc:  # noqa: BLE001 - SystemdError, or no fd left to import or connect
         log.error("cannot stop the systemd units of %s: %s; their leases expire after "
-                  "alive_time", whose, exc)
+                  "alive_time", whose, first_line(exc))
         return False
     if stopped:
         log.warning("stopped %d systemd unit(s) of %s: %s", len(stopped), whose,

@@ -25,6 +25,7 @@ from dbus_next import BusType, Message, MessageType, Variant
 from dbus_next.aio import MessageBus
 
 from . import unitprops
+from .errors import first_line
 
 __all__ = ["Systemd", "SystemdError", "Watch", "stop_units"]
 
@@ -321,10 +322,6 @@ async def kill_unit(bus: MessageBus, name: str) -> None:
     except SystemdError as exc:
         if "NoSuchUnit" not in str(exc) and "NoSuchProcess" not in str(exc):
             raise
-
-
-def first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
 
 
 def stop_units(belongs: Callable[[str, str], bool], names: Iterable[str] = (),

@@ -206,6 +206,51 @@ def test_a_dead_workers_units_stop_off_the_loop_and_hold_its_replacement_and_giv
         s.db.stop(timeout=1)
 
 
+
+def test_units_that_could_not_be_stopped_keep_their_leases(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """systemd does not answer: the worker is replaced (its units are systemd's to bound,
+    RuntimeMaxSec=), but its leases are not given back early; they expire after
+    alive_time, as they would were the whole host gone."""
+    from perfectschedd.systemdbus import SystemdError
+
+    url = f"sqlite:///{tmp_path / 'db'}"
+    cfg = config_mod.load({"type": "rdb_compat", "url": url, "workers": 1, "worker_timeout": 5,
+                           "control_socket": str(tmp_path / "s.sock"),
+                           "routes": [{"type": "u", "exec": ["/bin/true"],
+                                       "executor": "systemd"}]})
+
+    def dead_systemd(belongs: Callable[[str, str], bool], names: list[str]) -> list[str]:
+        raise SystemdError("no answer from systemd within 20s")
+
+    procs = RecordingProcesses()
+    s = Supervisor(cfg, str(tmp_path / "cfg.yml"), None, processes=procs,
+                   unit_stopper=dead_systemd)
+    s.db.start()
+    try:
+        wait_until(lambda: (s.manage_workers(), len(procs.forks()) == 1)[1], "the worker")
+        victim = procs.forks()[0]
+        with perfectschedd.open({"type": "rdb_compat", "url": url}) as sc:
+            sc.owner = f"{cfg.node}:{victim}"
+            due = int(time.time()) // 60 * 60
+            sc.add("k", "u", cron="* * * * *", next_time=due, now=due)
+            assert sc.poll(now=due + 1) is not None
+            procs.say(victim, "u 1.1.1 perfectsched-k-1.service")
+            procs.die(victim, -9)
+            s.reap()
+            s.unit_cleanups.join(5)
+            s.table.next_spawn = 0.0
+            wait_until(lambda: (s.manage_workers(), len(procs.forks()) == 2)[1],
+                       "the replacement forked")
+            time.sleep(1.0)  # a give-back would be written by now
+            assert sc["k"].info().owner == f"{cfg.node}:{victim}"
+            assert sc.store.history("k", 10) == []
+        assert (f"cannot stop the systemd units of worker 0 (pid {victim}): no answer from "
+                "systemd within 20s; their leases expire after alive_time") in caplog.text
+    finally:
+        s.unit_cleanups.join(5)
+        s.db.stop(timeout=1)
+
 def wait_until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
     end = time.monotonic() + timeout
     while not cond():
