@@ -143,7 +143,9 @@ class Cluster:
     def kill_node(self, i: int) -> None:
         """A host crash: SIGKILL the daemon and every process under it, jobs included."""
         d = self.nodes[i]
-        doomed = [d.pid, *descendants(d.pid)]  # before the master dies: jobs get re-parented
+        # Before the master dies: jobs get re-parented.  (Daemon.descendants copes with
+        # processes that exit while it looks.)
+        doomed = [d.pid, *d.descendants()]
         t = now_boot()
         for pid in doomed:
             try:
@@ -197,23 +199,6 @@ class Cluster:
 
     def read_log(self) -> list[Run]:
         return parse_log(self.log_path.read_text())
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process under `pid`, including children forked by threads other than the
-    main one (exec jobs are started from the workers' task threads)."""
-    out, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        kids: list[int] = []
-        for children in Path(f"/proc/{parent}/task").glob("*/children"):
-            try:
-                kids += [int(k) for k in children.read_text().split()]
-            except OSError:
-                pass
-        out += kids
-        todo += kids
-    return out
 
 
 def workers(d: Daemon) -> list[int]:
