@@ -4,6 +4,7 @@ the run that must be killed; no worker processes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -16,7 +17,8 @@ import pytest
 
 import perfectschedd
 from perfectschedd import config as config_mod
-from perfectschedd.supervisor import Supervisor
+from perfectschedd.schedules import ScheduleCollection
+from perfectschedd.supervisor import Supervisor, UnitStopper
 from perfectschedd.workerprocs import Processes
 
 
@@ -154,11 +156,6 @@ def test_a_dead_workers_units_stop_off_the_loop_and_hold_its_replacement_and_giv
     """systemd (or the bus) slow to stop a dead worker's unit: reap() returns at once (the
     loop, its watchdog and `status` go on), but the worker's index gets no replacement and
     its lease stays held until the unit has stopped; then both happen."""
-    url = f"sqlite:///{tmp_path / 'db'}"
-    cfg = config_mod.load({"type": "rdb_compat", "url": url, "workers": 2, "worker_timeout": 5,
-                           "control_socket": str(tmp_path / "s.sock"),
-                           "routes": [{"type": "u", "exec": ["/bin/true"],
-                                       "executor": "systemd"}]})
     systemd_done = threading.Event()
     asked: list[tuple[list[str], bool, bool]] = []
 
@@ -169,21 +166,11 @@ def test_a_dead_workers_units_stop_off_the_loop_and_hold_its_replacement_and_giv
         systemd_done.wait(10)
         return names
 
-    procs = RecordingProcesses()
-    s = Supervisor(cfg, str(tmp_path / "cfg.yml"), None, processes=procs,
-                   unit_stopper=slow_systemd)
-    s.db.start()
+    s, procs = units_supervisor(tmp_path, 2, slow_systemd)
+    cfg = s.config
     try:
-        wait_until(lambda: (s.manage_workers(), len(procs.forks()) == 2)[1],
-                   "the workers forked (after the master's first query)")
         victim, other = procs.forks()
-        with perfectschedd.open({"type": "rdb_compat", "url": url}) as sc:
-            sc.owner = f"{cfg.node}:{victim}"
-            due = int(time.time()) // 60 * 60
-            sc.add("k", "u", cron="* * * * *", next_time=due, now=due)
-            assert sc.poll(now=due + 1) is not None
-            procs.say(victim, "u 1.1.1 perfectsched-k-1.service")
-            procs.die(victim, -9)
+        with unit_run_of_a_dying_worker(s, procs, victim) as sc:
             began = time.monotonic()
             s.reap()
             assert time.monotonic() - began < 1.0  # not waiting on systemd
@@ -214,29 +201,14 @@ def test_units_that_could_not_be_stopped_keep_their_leases(
     alive_time, as they would were the whole host gone."""
     from perfectschedd.systemdbus import SystemdError
 
-    url = f"sqlite:///{tmp_path / 'db'}"
-    cfg = config_mod.load({"type": "rdb_compat", "url": url, "workers": 1, "worker_timeout": 5,
-                           "control_socket": str(tmp_path / "s.sock"),
-                           "routes": [{"type": "u", "exec": ["/bin/true"],
-                                       "executor": "systemd"}]})
-
     def dead_systemd(belongs: Callable[[str, str], bool], names: list[str]) -> list[str]:
         raise SystemdError("no answer from systemd within 20s")
 
-    procs = RecordingProcesses()
-    s = Supervisor(cfg, str(tmp_path / "cfg.yml"), None, processes=procs,
-                   unit_stopper=dead_systemd)
-    s.db.start()
+    s, procs = units_supervisor(tmp_path, 1, dead_systemd)
+    cfg = s.config
     try:
-        wait_until(lambda: (s.manage_workers(), len(procs.forks()) == 1)[1], "the worker")
         victim = procs.forks()[0]
-        with perfectschedd.open({"type": "rdb_compat", "url": url}) as sc:
-            sc.owner = f"{cfg.node}:{victim}"
-            due = int(time.time()) // 60 * 60
-            sc.add("k", "u", cron="* * * * *", next_time=due, now=due)
-            assert sc.poll(now=due + 1) is not None
-            procs.say(victim, "u 1.1.1 perfectsched-k-1.service")
-            procs.die(victim, -9)
+        with unit_run_of_a_dying_worker(s, procs, victim) as sc:
             s.reap()
             s.unit_cleanups.join(5)
             s.table.next_spawn = 0.0
@@ -250,6 +222,38 @@ def test_units_that_could_not_be_stopped_keep_their_leases(
     finally:
         s.unit_cleanups.join(5)
         s.db.stop(timeout=1)
+
+def units_supervisor(tmp_path: Path, workers: int, stopper: UnitStopper
+                     ) -> tuple[Supervisor, RecordingProcesses]:
+    """A Supervisor whose routes run systemd units, its database open, workers forked."""
+    cfg = config_mod.load({"type": "rdb_compat", "url": f"sqlite:///{tmp_path / 'db'}",
+                           "workers": workers, "worker_timeout": 5,
+                           "control_socket": str(tmp_path / "s.sock"),
+                           "routes": [{"type": "u", "exec": ["/bin/true"],
+                                       "executor": "systemd"}]})
+    procs = RecordingProcesses()
+    s = Supervisor(cfg, str(tmp_path / "cfg.yml"), None, processes=procs,
+                   unit_stopper=stopper)
+    s.db.start()
+    wait_until(lambda: (s.manage_workers(), len(procs.forks()) == workers)[1],
+               "the workers forked (after the master's first query)")
+    return s, procs
+
+
+@contextlib.contextmanager
+def unit_run_of_a_dying_worker(s: Supervisor, procs: RecordingProcesses, victim: int
+                               ) -> Iterator[ScheduleCollection]:
+    """Schedule "k" leased by worker `victim`, which reported its unit and then died of
+    SIGKILL (not reaped yet)."""
+    with perfectschedd.open({"type": "rdb_compat", "url": s.config.url}) as sc:
+        sc.owner = f"{s.config.node}:{victim}"
+        due = int(time.time()) // 60 * 60
+        sc.add("k", "u", cron="* * * * *", next_time=due, now=due)
+        assert sc.poll(now=due + 1) is not None
+        procs.say(victim, "u 1.1.1 perfectsched-k-1.service")
+        procs.die(victim, -9)
+        yield sc
+
 
 def wait_until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
     end = time.monotonic() + timeout
