@@ -194,7 +194,8 @@ def _routes(raw: Any) -> tuple[RouteConfig, ...]:
                 raise ConfigError(f"{where}.{name}: only for exec routes")
         try:
             # Whether the user exists and may be used here is check_host's, as above.
-            user = runas.check_user(entry["user"], False) if "user" in entry else None
+            user = (runas.check_user(entry["user"], False)
+                    if entry.get("user") is not None else None)
             env = runas.check_env(entry.get("env"))
         except InvalidInputError as exc:
             raise ConfigError(f"{where}.{exc}") from None

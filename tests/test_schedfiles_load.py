@@ -151,4 +151,15 @@ def test_an_exec_route_runs_as_its_user_with_its_env(daemon_factory: Any) -> Non
     wait_until(lambda: "route ran as" in d.log(), what="the job's output")
     assert ("route ran as 65534:65534 user=nobody greeting=hello there n=3 "
             "key=route-as-nobody") in d.log()
+
+    # A reload naming a user this host lacks is refused in one line; the old routes run on.
+    good = dict(d.config)
+    d.write_config({**good, "routes": [{**good["routes"][0], "user": "no-such-user-x"}]})
+    res = d.ctl("reload", check=False)
+    assert res.returncode == 1, res
+    assert res.stderr.strip().endswith(
+        "routes[0].user: no such user 'no-such-user-x' on this host"), res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+    d.ctl("run", "route-as-nobody")
+    wait_until(lambda: d.log().count("route ran as 65534") >= 2, what="a run after the refusal")
     assert d.stop() == 0

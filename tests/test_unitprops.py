@@ -200,6 +200,8 @@ def test_a_route_s_user_and_env(with_systemd: None, monkeypatch: pytest.MonkeyPa
     assert config.routes[0].user == "nobody"
     assert config.routes[0].env == (("PGHOST", "db1"), ("RETRIES", "3"))
     check_host(config)
+    # `user: ~` (null), as in an entry, is no user.
+    assert from_mapping({**BASE, "routes": [{**ROUTE, "user": None}]}).routes[0].user is None
     monkeypatch.setattr(os, "geteuid", lambda: 4242)  # a daemon user, not root nor nobody
     check_host(config)
     refused = from_mapping({**BASE, "routes": [plain]}, source="/etc/p.yml")  # a client may
