@@ -138,7 +138,6 @@ class Supervisor:
         self.selfpipe_r, self.selfpipe_w = os.pipe()
         for fd in (self.selfpipe_r, self.selfpipe_w):
             os.set_blocking(fd, False)
-        self.unit_stopper = unit_stopper
         self.unit_cleanups = UnitCleanups(unit_stopper, self._poke)
         self.sel = selectors.DefaultSelector()
         self.notifier = sdnotify.SystemdNotifier()
@@ -802,7 +801,7 @@ class Supervisor:
             # crashed): its units must not run beside the occurrences run again now.
             mark = unitjobs.owner_mark(self.config.node, 0).rsplit(":", 1)[0] + ":"
             # Before any worker exists: waiting here is what keeps them from running twice.
-            stop_units(self.unit_stopper, "a previous daemon of this host",
+            stop_units(self.unit_cleanups.stopper, "a previous daemon of this host",
                        lambda name, description: mark in description)
         log.info("perfectschedd %s starting: %d worker(s), database %s", __version__,
                  self.config.workers, engine_url(self.config.url).render_as_string(
