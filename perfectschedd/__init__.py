@@ -16,7 +16,7 @@ from .errors import (
     ScheduleError,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AlreadyExistsError", "AlreadyFinishedError", "Application", "Config", "ConfigError",
