@@ -125,8 +125,10 @@ class Store:
         self.created_table = False  # by this Store (opening one creates a missing table)
 
     @contextmanager
-    def _tx(self, readonly: bool = False) -> Iterator[Connection]:
-        with self.backend.transaction(readonly) as conn:
+    def _tx(self, readonly: bool = False, durable: bool = False) -> Iterator[Connection]:
+        """One transaction.  `durable`: a user-side write, acknowledged to a user once it
+        returns, so its commit reaches stable storage first (Backend.transaction)."""
+        with self.backend.transaction(readonly, durable) as conn:
             yield conn
 
     def close(self) -> None:
@@ -200,7 +202,7 @@ class Store:
             "policy": row.policy, "source": row.source,
         }
         try:
-            with self._tx() as conn:
+            with self._tx(durable=True) as conn:
                 conn.execute(self.t.insert().values(**values))
         except IntegrityError:
             return False
@@ -217,7 +219,7 @@ class Store:
              "source": r.source}
             for r in rows
         ]
-        with self._tx() as conn:
+        with self._tx(durable=True) as conn:
             conn.execute(self.t.insert(), payload)
 
     @_retried
@@ -225,7 +227,7 @@ class Store:
         """Delete a schedule and its extra runs (`run`: KEY@run-..., queued or running:
         a running one loses its lease and is stopped); the rows deleted, 0 if none."""
         t = self.t
-        with self._tx() as conn:
+        with self._tx(durable=True) as conn:
             row = conn.execute(sa.select(t.c.has_extra).where(t.c.key == key)).first()
             if row is None:
                 return 0
@@ -245,7 +247,7 @@ class Store:
         """Change a schedule's fields; `take_lease` preempts a current holder."""
         if take_lease:
             values = {**values, "fence": self.t.c.fence + 1, "owner": None, "claimed_at": None}
-        with self._tx() as conn:
+        with self._tx(durable=True) as conn:
             res = conn.execute(self.t.update().where(self.t.c.key == key).values(**values))
             return res.rowcount > 0
 
@@ -458,7 +460,7 @@ class Store:
         none of its extra runs is running (and the extra runs check KEY).  No fence
         change: a running occurrence keeps its lease."""
         t = self.t
-        with self._tx() as conn:
+        with self._tx(durable=True) as conn:
             return conn.execute(t.update().where(t.c.key == key)
                                 .values(has_extra=1)).rowcount > 0
 

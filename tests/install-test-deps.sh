@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 
 PACKAGES=(
   # database servers and system tools used by the tests
-  postgresql mariadb-server prometheus dbus util-linux bash-completion
+  postgresql mariadb-server prometheus dbus util-linux bash-completion strace
   # Debian's Python stack (make test-debian)
   python3-venv python3-wheel python3-sqlalchemy python3-croniter python3-yaml
   python3-prometheus-client python3-sdnotify python3-dbus-next python3-psycopg

@@ -103,8 +103,12 @@ class Backend(ABC):
     # -- transactions and errors ----------------------------------------------------------
 
     @contextmanager
-    def transaction(self, readonly: bool = False) -> Iterator[Connection]:
-        """One transaction on a pooled connection."""
+    def transaction(self, readonly: bool = False, durable: bool = False
+                    ) -> Iterator[Connection]:
+        """One transaction on a pooled connection.  `durable`: its commit must be on
+        stable storage when this returns (a user was told it is done).  Database servers
+        at their defaults sync every commit (PostgreSQL's synchronous_commit=on,
+        InnoDB's innodb_flush_log_at_trx_commit=1), so here it changes nothing."""
         with self.engine.connect() as conn, conn.begin():
             yield conn
 

@@ -102,9 +102,19 @@ class SQLiteBackend(Backend):
         return self.engine.dialect.identifier_preparer.format_table(self.t)
 
     @contextmanager
-    def transaction(self, readonly: bool = False) -> Iterator[Connection]:
+    def transaction(self, readonly: bool = False, durable: bool = False
+                    ) -> Iterator[Connection]:
         """Writers queue on the host's writer lock, then BEGIN IMMEDIATE (see _on_begin);
-        readers never wait for writers (WAL)."""
+        readers never wait for writers (WAL).
+
+        A `durable` write commits with synchronous=FULL, which syncs the WAL before
+        COMMIT returns.  Under NORMAL (every other write: the claim/finish hot path) the
+        WAL reaches the disk only at checkpoints: a power cut may undo those commits, and
+        with them a finished occurrence's move (it runs again), but never a durable one
+        nor anything before it, since FULL syncs the whole WAL up to its own frame.
+        SQLite refuses to change the setting inside a transaction, so it is set on the
+        driver's connection around the transaction, and set back before the connection
+        returns to the pool."""
         if readonly:
             with self.engine.connect() as plain:
                 conn = plain.execution_options(readonly=True)
@@ -112,8 +122,21 @@ class SQLiteBackend(Backend):
                     yield conn
             return
         lock = self.write_lock.held() if self.write_lock is not None else nullcontext()
-        with lock, self.engine.connect() as conn, conn.begin():
-            yield conn
+        with lock, self.engine.connect() as conn:
+            if not durable:
+                with conn.begin():
+                    yield conn
+                return
+            driver = conn.connection.driver_connection
+            driver.execute("PRAGMA synchronous=FULL")
+            try:
+                with conn.begin():
+                    yield conn
+            finally:
+                if not driver.in_transaction:
+                    driver.execute("PRAGMA synchronous=NORMAL")
+                else:  # a failed commit: the pool's reset rolls it back; start afresh
+                    conn.invalidate()
 
     def should_try_again(self, exc: DBAPIError) -> bool:
         text = str(exc.orig).lower()
