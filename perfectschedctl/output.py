@@ -46,6 +46,16 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+def _host_row(h: dict[str, Any]) -> dict[str, Any]:
+    seen = h.get("last_seen")
+    if seen is None:  # a release before 0.2.0 records no host row: seen at work only
+        return {"host": h.get("name"), "version": f"{h.get('version')} (or older)",
+                "last_seen": "-", "state": "at work"}
+    return {"host": h.get("name"), "version": h.get("version"),
+            "last_seen": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(seen))),
+            "state": "live" if h.get("live") else "silent"}
+
+
 def _status(result: dict[str, Any]) -> str:
     lines = [
         f"perfectschedd {result.get('version', '?')} on {result.get('host', '?')}, "
@@ -65,6 +75,10 @@ def _status(result: dict[str, Any]) -> str:
         lines.append("database: a worker cannot reach it")
     if result.get("last_error"):
         lines.append(f"last error: {result['last_error']}")
+    hosts = result.get("hosts") or []
+    if hosts:
+        lines.append(table([_host_row(h) for h in hosts],
+                           ("host", "version", "last_seen", "state")))
     workers = result.get("workers") or []
     if workers:
         lines.append(table(workers, ("pid", "index", "generation", "age", "running",

@@ -61,3 +61,14 @@ def describe(value: object, limit: int = 60) -> str:
         text = repr(value)
         return text if len(text) <= limit else text[:limit - 3] + "..."
     return f"a {type(value).__name__}"
+
+
+class SchemaError(ConfigError):
+    """The database cannot be used by this version, and waiting will not change that: its
+    schema is newer than this version understands, or is not one it can use.  The daemon
+    stops its start on it (no READY=1) instead of retrying."""
+
+
+# A worker's exit status when it met a SchemaError (sysexits' EX_CONFIG): the master
+# stops the daemon instead of replacing it.
+EXIT_UNUSABLE_DATABASE = 78

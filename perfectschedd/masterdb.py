@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,9 +27,9 @@ from typing import Any, TypeVar
 
 from sqlalchemy.exc import DBAPIError
 
-from . import metrics
+from . import __version__, metrics
 from .config import Config
-from .errors import DatabaseUnavailableError, first_line
+from .errors import DatabaseUnavailableError, SchemaError, first_line
 from .schedules import ScheduleCollection, key_problem
 from .store import RUN_NOW_MARK
 
@@ -54,6 +55,10 @@ FORK_AFTER_NETWORK_WAIT = 2.0
 FORK_PRIORITY = 1.0
 # A status call in flight this long means the database does not answer.
 UNANSWERED_AFTER = 3.0
+# This host's row in the hosts table is refreshed this often (status reads "last seen").
+HOST_EVERY = 10.0
+# A host not heard of for this long has gone for good: its row is deleted.
+HOST_FORGET_AFTER = 7 * 86400.0
 
 
 @dataclass
@@ -65,6 +70,10 @@ class Snapshot:
     unclaimed: dict[str, int] = field(default_factory=dict)  # type -> occurrences
     # Keys stored before today's key rules (they work; a rename is advised): key -> why.
     rename: dict[str, str] = field(default_factory=dict)
+    # The hosts table (name, version, last_seen, ...), and nodes seen at work (leases,
+    # recent runs) that are not in it: hosts of a release before 0.2.0.
+    hosts: list[dict[str, Any]] = field(default_factory=list)
+    unrecorded_nodes: list[str] = field(default_factory=list)
     read_at: float | None = None       # Unix time of `counts`/`running`
     ok: bool | None = None             # None: not asked yet
     unreachable_since: float | None = None
@@ -90,6 +99,12 @@ class MasterDatabase:
         self._refreshed = threading.Condition()
         self._thread = threading.Thread(target=self._housekeeping, name="housekeeping",
                                         daemon=True)
+        self.started_at = time.time()
+        # Set once the first attempt to open the store has ended, whatever its outcome.
+        self.first_open = threading.Event()
+        # Why the database can never be used by this version (SchemaError): the daemon
+        # stops.  None while it can, or may once it answers.
+        self.fatal: str | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -107,7 +122,19 @@ class MasterDatabase:
             self._thread.join(max(0.0, end - time.monotonic()))
         sc, self.sc = self.sc, None
         if sc is not None:
+            # Say this host left, if the database answers in time: a stop never waits
+            # on it longer (the row ages out otherwise).
+            leave = threading.Thread(target=self._forget_host, args=(sc,), daemon=True,
+                                     name="leave")
+            leave.start()
+            leave.join(max(0.5, end - time.monotonic()))
             sc.close()
+
+    def _forget_host(self, sc: ScheduleCollection) -> None:
+        try:
+            sc.store.forget_host(self.config.node, os.getpid())
+        except Exception as exc:  # noqa: BLE001 - stopping goes on
+            log.info("could not remove this host from the hosts table: %s", first_line(exc))
 
     def stop_in_background(self) -> None:
         """For a reload that moved the database: the old one may be the one that hangs."""
@@ -263,15 +290,21 @@ class MasterDatabase:
 
     def _housekeeping(self) -> None:
         backoff = 0.5
-        next_probe = next_counts = 0.0
+        next_probe = next_counts = next_host = 0.0
         next_prune = time.monotonic() + PRUNE_EVERY
         next_rename_check = 0.0
         while not self._stop.is_set():
             now = time.monotonic()
             try:
                 if self.sc is None:
-                    self._open()
+                    try:
+                        self._open()
+                    finally:
+                        self.first_open.set()
                     backoff = 0.5
+                if now >= next_host:
+                    next_host = now + HOST_EVERY
+                    self._record_host()
                 if self._refresh.is_set() or now >= next_counts:
                     self._refresh.clear()
                     self._read_status()
@@ -291,6 +324,10 @@ class MasterDatabase:
                     with self._gate():
                         assert self.sc is not None
                         self.sc.store.prune_history(self.config.history_limit)
+            except SchemaError as exc:
+                # Waiting will not fix it: the supervisor stops the daemon (and says why).
+                self.fatal = first_line(exc)
+                return
             except Exception as exc:  # noqa: BLE001 - this thread must not die
                 self._mark(False, first_line(getattr(exc, "orig", None) or exc))
                 # A status request (or stop) arriving meanwhile cuts the wait short.
@@ -308,6 +345,12 @@ class MasterDatabase:
             sc = ScheduleCollection(self.config)
         self.sc = sc
         log.info("database open")
+
+    def _record_host(self) -> None:
+        with self._gate():
+            assert self.sc is not None
+            self.sc.store.record_host(self.config.node, __version__, os.getpid(),
+                                      self.started_at, time.time())
 
     def _check_keys(self) -> None:
         sc = self.sc
@@ -330,11 +373,16 @@ class MasterDatabase:
             counts = sc.store.counts(int(now))
             rows = sc.store.running()
             unclaimed = sc.store.unclaimed(int(now) - UNCLAIMED_AFTER)
+            hosts = sc.store.hosts(forget_before=now - HOST_FORGET_AFTER)
+            at_work = sc.store.nodes_at_work(now - self.config.alive_time)
         running = [{"key": r.key, "type": r.type, "scheduled_time": r.next_time,
                     "timezone": r.timezone, "owner": r.owner,
                     "age": round(now - r.claimed_at, 3) if r.claimed_at else None,
                     "attempt": r.attempt} for r in rows]
         metrics.set_schedule_counts(counts, now, unclaimed)
+        recorded = {h["name"] for h in hosts}
         self._publish(replace(self.snapshot, counts=counts, running=running,
-                              unclaimed=unclaimed, read_at=now, ok=True,
+                              unclaimed=unclaimed, hosts=hosts,
+                              unrecorded_nodes=sorted(at_work - recorded),
+                              read_at=now, ok=True,
                               unreachable_since=None, error=None))

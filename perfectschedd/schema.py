@@ -153,5 +153,29 @@ def history_table(metadata: sa.MetaData, name: str) -> sa.Table:
     return t
 
 
+def meta_table(metadata: sa.MetaData, name: str) -> sa.Table:
+    """Facts about the database itself, as name/value rows: its schema version
+    (schemaversion.py)."""
+    return sa.Table(
+        f"{name}_meta", metadata,
+        sa.Column("name", sa.String(64), primary_key=True),
+        sa.Column("value", sa.String(255), nullable=False),
+    )
+
+
+def hosts_table(metadata: sa.MetaData, name: str) -> sa.Table:
+    """One row per daemon host that uses the database: what it runs and when it was last
+    heard of (status lists them; a feature an older live host cannot honour asks here)."""
+    return sa.Table(
+        f"{name}_hosts", metadata,
+        sa.Column("name", sa.String(128), primary_key=True),
+        sa.Column("version", sa.String(32), nullable=False),
+        sa.Column("schema_version", sa.Integer, nullable=False),
+        sa.Column("pid", sa.Integer, nullable=True),
+        sa.Column("started_at", SECONDS, nullable=False),
+        sa.Column("last_seen", SECONDS, nullable=False),
+    )
+
+
 HISTORY_COLUMNS = ("key", "type", "scheduled_time", "attempt", "started_at", "finished_at",
                    "outcome", "worker", "unit")

@@ -19,8 +19,9 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.engine.url import URL, make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
+from . import schemaversion
 from .backends import open_backend
-from .errors import ConfigError
+from .errors import ConfigError, SchemaError, first_line
 from .schema import (
     CRON_MAX,
     DATA_MAX,
@@ -147,22 +148,49 @@ class Store:
     # -- schema ---------------------------------------------------------------------------
 
     def init(self) -> bool:
-        """Create the tables and indexes if missing (idempotent, safe to race), and add
-        columns that a newer version introduced to a table an older one created; True if
-        this call created the schedules table."""
-        existed = sa.inspect(self.engine).has_table(self.t.name)
+        """Bring the database to this version's schema (schemaversion.py): create what is
+        missing, add the columns a newer version introduced to tables an older one made,
+        and record the version; idempotent and safe to race.  SchemaError, before
+        anything is written, when the database is newer than this version may use or not
+        one it can use.  True if this call created the schedules table."""
+        found = schemaversion.read(self.engine, self.backend.meta, self.t)
+        schemaversion.refuse_unusable(found)
+        self._refuse_missing_required()
         try:
             self.metadata.create_all(self.engine, checkfirst=True)
         except (IntegrityError, OperationalError, sa.exc.ProgrammingError):
-            # Another process created them between the check and the CREATE.
-            self.metadata.create_all(self.engine, checkfirst=True)
+            # Another process created them between the check and the CREATE; or this
+            # role may not create tables, which the second try reports.
+            try:
+                self.metadata.create_all(self.engine, checkfirst=True)
+            except sa.exc.ProgrammingError as exc:
+                raise SchemaError(f"cannot create the tables: {first_line(exc.orig or exc)}"
+                                  ) from None
         self._add_missing_columns()
+        schemaversion.record(self.engine, self.backend.meta, found)
+        if found.version < schemaversion.SCHEMA_VERSION:
+            self.backend.sync()
         self._initialized = True
-        self.created_table = self.created_table or not existed
-        return not existed
+        self.created_table = self.created_table or found.version == 0
+        return found.version == 0
+
+    def _refuse_missing_required(self) -> None:
+        """A table of ours that lacks a NOT NULL column was not made by any version of
+        perfectsched: refuse it before anything is created beside it."""
+        inspector = sa.inspect(self.engine)
+        for table in self.metadata.sorted_tables:
+            if not inspector.has_table(table.name):
+                continue
+            have = {c["name"] for c in inspector.get_columns(table.name)}
+            missing = [c.name for c in table.columns if not c.nullable and c.name not in have]
+            if missing:
+                raise SchemaError(
+                    f"table {table.name}: column {missing[0]} is missing; the table was not"
+                    " made by perfectsched (or by an incompatible version); nothing was "
+                    "changed")
 
     def _add_missing_columns(self) -> None:
-        for table in (self.t, self.h):
+        for table in self.metadata.sorted_tables:
             self._add_missing_columns_of(table)
 
     def _add_missing_columns_of(self, table: sa.Table) -> None:
@@ -170,9 +198,6 @@ class Store:
         for column in table.columns:
             if column.name in have:
                 continue
-            if not column.nullable:
-                raise ConfigError(f"table {table.name}: column {column.name} is missing; "
-                                  "the table was made by an incompatible version")
             ddl = (f"ALTER TABLE {self.engine.dialect.identifier_preparer.format_table(table)}"
                    f" ADD COLUMN {self.engine.dialect.identifier_preparer.quote(column.name)}"
                    f" {column.type.compile(dialect=self.engine.dialect)}")
@@ -557,6 +582,58 @@ class Store:
                 next_run_time=int(now), owner=None, claimed_at=None, fence=t.c.fence + 1)
             conn.execute(stmt, [{"k": r.key, "f": r.fence} for r in held])
         return len(held)
+
+    # -- hosts ----------------------------------------------------------------------------
+
+    @_retried
+    def record_host(self, name: str, version: str, pid: int, started_at: float,
+                    now: float) -> None:
+        """This host uses the database now, running `version` (insert or update)."""
+        hs = self.backend.hosts
+        values = {"version": version, "schema_version": schemaversion.SCHEMA_VERSION,
+                  "pid": pid, "started_at": started_at, "last_seen": now}
+        with self._tx() as conn:
+            if conn.execute(hs.update().where(hs.c.name == name).values(**values)).rowcount:
+                return
+        try:
+            with self._tx() as conn:
+                conn.execute(hs.insert().values(name=name, **values))
+        except IntegrityError:  # a twin (same node_name) inserted it meanwhile
+            with self._tx() as conn:
+                conn.execute(hs.update().where(hs.c.name == name).values(**values))
+
+    @_retried
+    def forget_host(self, name: str, pid: int) -> None:
+        """A clean stop: the host's row goes, unless another daemon of that name took it."""
+        hs = self.backend.hosts
+        with self._tx() as conn:
+            conn.execute(hs.delete().where(hs.c.name == name, hs.c.pid == pid))
+
+    @_retried
+    def hosts(self, forget_before: float | None = None) -> list[dict[str, Any]]:
+        """Every host recorded, by name; rows last seen before `forget_before` are
+        deleted first (hosts gone for good)."""
+        hs = self.backend.hosts
+        if forget_before is not None:
+            with self._tx() as conn:
+                conn.execute(hs.delete().where(hs.c.last_seen < forget_before))
+        with self._tx(readonly=True) as conn:
+            return [dict(r._mapping) for r in conn.execute(sa.select(hs).order_by(hs.c.name))]
+
+    @_retried
+    def nodes_at_work(self, since: float, recent_runs: int = 2000) -> set[str]:
+        """Names of the nodes that hold a lease now or recorded a run since `since` (among
+        the newest `recent_runs`): hosts of every version, those that record themselves
+        in the hosts table and those too old to (0.1.0)."""
+        t, h = self.t, self.h
+        with self._tx(readonly=True) as conn:
+            owners = [r[0] for r in conn.execute(
+                sa.select(t.c.owner).where(t.c.owner.isnot(None)).distinct())]
+            recent = (sa.select(h.c.worker, h.c.finished_at).order_by(h.c.id.desc())
+                      .limit(recent_runs).subquery())
+            workers = [r[0] for r in conn.execute(
+                sa.select(recent.c.worker).where(recent.c.finished_at >= since).distinct())]
+        return {w.rsplit(":", 1)[0] for w in (*owners, *workers) if w}
 
     # -- run history ----------------------------------------------------------------------
 

@@ -37,8 +37,14 @@ from . import __version__, commands, jobreaper, logsetup, metrics, registry
 from . import config as config_mod
 from .config import Config
 from .converge import FileSchedules
-from .errors import ConfigError, NotSupportedError, first_line
-from .masterdb import MasterDatabase
+from .errors import (
+    EXIT_UNUSABLE_DATABASE,
+    ConfigError,
+    NotSupportedError,
+    SchemaError,
+    first_line,
+)
+from .masterdb import HOST_EVERY, MasterDatabase
 from .store import check_url, engine_url
 from .workerprocs import Processes
 from .workertable import WorkerProc, WorkerTable
@@ -145,7 +151,10 @@ class Supervisor:
         self.last_watchdog = 0.0
         self.state = "starting"
         self.started = time.time()
+        self.started_mono = time.monotonic()
         self.ready = False
+        # Why the daemon must stop with a failure (a database it can never use).
+        self.fatal: str | None = None
         self.db = MasterDatabase(config)
         self.files = FileSchedules()
         self.config = self.files.load(config)
@@ -223,6 +232,10 @@ class Supervisor:
             try:
                 self._child_cleanup()
                 return worker.run(self.config, index, wake_r, alive_w, self.master_pid)
+            except SchemaError as exc:
+                # The master says it as an error, once: it finds the same on its own.
+                log.info("worker %d cannot use the database: %s", index, first_line(exc))
+                return EXIT_UNUSABLE_DATABASE
             except BaseException:  # noqa: BLE001 - never return into the master's code
                 log.exception("worker %d crashed", index)
                 return 1
@@ -285,6 +298,9 @@ class Supervisor:
                 give_back()
             if not ended.unexpected:
                 log.info("worker %d (pid %d) exited", proc.index, pid)
+                continue
+            if code == EXIT_UNUSABLE_DATABASE and self.fatal is None:
+                self.fatal = "a worker cannot use the database (its reason is logged above)"
                 continue
             metrics.worker_restarted()
             how = f"signal {-code}" if code < 0 else f"status {code}"
@@ -497,8 +513,24 @@ class Supervisor:
             "keys_to_rename": [{"key": k, "why": why} for k, why in snap.rename.items()],
             "last_error": self.last_error or (f"database: {why}" if why else None),
             "database_ok": reachable, "database": database,
+            "hosts": self._hosts(snap, now),
             **{k: snap.counts.get(k, 0) for k in ("schedules", "paused", "due")},
         }
+
+    def _hosts(self, snap: Any, now: float) -> list[dict[str, Any]]:
+        """The hosts on this database: those that record themselves (0.2.0 on), and nodes
+        seen at work that do not (an older release)."""
+        live_after = now - max(self.config.alive_time, 3 * HOST_EVERY)
+        hosts = [{"name": h["name"], "version": h["version"],
+                  "schema_version": h["schema_version"], "pid": h["pid"],
+                  "started_at": round(h["started_at"], 3),
+                  "last_seen": round(h["last_seen"], 3),
+                  "live": h["last_seen"] >= live_after}
+                 for h in snap.hosts]
+        hosts += [{"name": n, "version": "0.1.0", "schema_version": 1, "pid": None,
+                   "started_at": None, "last_seen": None, "live": True}
+                  for n in snap.unrecorded_nodes]
+        return sorted(hosts, key=lambda h: h["name"])
 
     def _update_status(self) -> None:
         now = time.monotonic()
@@ -813,10 +845,18 @@ class Supervisor:
                     break
         finally:
             self.stop()
-        return 0
+        return 1 if self.fatal is not None else 0
 
     def _loop_once(self) -> bool:
         """One turn of the main loop; True when the daemon must stop."""
+        if self.db.fatal is not None and self.fatal is None:
+            self.fatal = self.db.fatal
+        if self.fatal is not None:
+            # Waiting will not fix it: fail (the start, under systemd) rather than run
+            # workers that can do nothing.
+            log.error("%s: %s", "stopping" if self.ready else "cannot start", self.fatal)
+            self.notify(f"STATUS=failed: {self.fatal}"[:400])
+            return True
         only_reports = True
         for key, _ in self.sel.select(timeout=0.02 if self.spawn_postponed else 0.5):
             if key.data == "signal":
@@ -863,7 +903,9 @@ class Supervisor:
         if self.db.sc is not None and self.files.take_pending():
             self.db.in_background("applying schedules files", self.files.apply)
         self._finish_reload()
-        if not self.ready and self.table.all_pinged():
+        if not self.ready and self.table.all_pinged() and (
+                self.db.first_open.is_set()
+                or time.monotonic() - self.started_mono > READY_DATABASE_WAIT):
             self.ready = True
             self.state = "running"
             log.info("ready")
@@ -872,6 +914,11 @@ class Supervisor:
         self._update_status()
         self._watchdog()
         return False
+
+
+# READY=1 waits this long at most for the first try to open the database: a database
+# that is only unreachable does not hold the start, one it can never use stops it.
+READY_DATABASE_WAIT = 10.0
 
 
 def build_parser() -> argparse.ArgumentParser:

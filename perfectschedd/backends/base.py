@@ -77,6 +77,8 @@ class Backend(ABC):
         self.t = schema.schedules_table(self.metadata, table, self.data_type(),
                                         self.partial_index_dialect)
         self.h = schema.history_table(self.metadata, table)
+        self.meta = schema.meta_table(self.metadata, table)
+        self.hosts = schema.hosts_table(self.metadata, table)
         t = self.t
         # Every holder-side write names the fence it was given: a row that moved on (lease
         # lost, modified, deleted) matches nothing, and rowcount says so.
@@ -111,6 +113,11 @@ class Backend(ABC):
         InnoDB's innodb_flush_log_at_trx_commit=1), so here it changes nothing."""
         with self.engine.connect() as conn, conn.begin():
             yield conn
+
+    def sync(self) -> None:
+        """Put every commit so far on stable storage (after schema changes, which are
+        not made in `durable` transactions).  Servers sync each commit already."""
+        return
 
     def should_try_again(self, exc: DBAPIError) -> bool:
         """Whether the database asks for the operation to be run again (a lock it could

@@ -138,6 +138,11 @@ class SQLiteBackend(Backend):
                 else:  # a failed commit: the pool's reset rolls it back; start afresh
                     conn.invalidate()
 
+    def sync(self) -> None:
+        """A checkpoint syncs the WAL before copying it, whatever it manages to copy."""
+        with self._connection(write=False) as con:
+            con.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+
     def should_try_again(self, exc: DBAPIError) -> bool:
         text = str(exc.orig).lower()
         return isinstance(exc, OperationalError) and ("locked" in text or "busy" in text)
