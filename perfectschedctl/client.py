@@ -6,7 +6,7 @@ import errno
 import socket
 from typing import Any
 
-from perfectschedd import protocol
+from perfectschedd import __version__, protocol
 
 
 class DaemonUnavailable(Exception):
@@ -17,6 +17,9 @@ class SocketClient:
     def __init__(self, path: str, timeout: float = 30.0) -> None:
         self.path = path
         self.timeout = timeout
+        # Our version, sent with each request; None once a daemon older than 0.2.0
+        # refused the field (it knows no "client").
+        self.client: str | None = __version__
 
     def call(self, cmd: str, args: dict[str, Any] | None = None) -> Any:
         if cmd == "list":
@@ -40,6 +43,21 @@ class SocketClient:
             page_args["after"] = more["after"]
 
     def _call(self, cmd: str, args: dict[str, Any] | None = None) -> dict[str, Any]:
+        try:
+            return self._exchange(cmd, args)
+        except protocol.RemoteError as exc:
+            if self.client is not None and exc.type == "ProtocolError" and \
+                    "unknown field(s) client" in str(exc):
+                self.client = None  # a 0.1.0 daemon: ask as 0.1.0's clients did
+                return self._call(cmd, args)
+            if exc.daemon is None and self.client is None and exc.type == \
+                    "InvalidInputError" and any(m in str(exc)
+                                                for m in protocol.UNKNOWN_TO_ONE_END):
+                raise protocol.RemoteError(exc.type, str(exc) + protocol.versions_note(
+                    __version__, None)) from None
+            raise
+
+    def _exchange(self, cmd: str, args: dict[str, Any] | None) -> dict[str, Any]:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.timeout)
         try:
@@ -59,7 +77,7 @@ class SocketClient:
                     ) from None
                 raise DaemonUnavailable(f"cannot connect to {self.path}: {exc.strerror}") from None
             try:
-                sock.sendall(protocol.request(cmd, args))
+                sock.sendall(protocol.request(cmd, args, self.client))
             except (BrokenPipeError, ConnectionResetError):
                 pass  # refused at once (permission, busy): the answer is waiting to be read
             buf = bytearray()

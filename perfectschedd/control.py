@@ -34,9 +34,9 @@ from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import commands, protocol, registry
+from . import __version__, commands, protocol, registry
 from .config import Config
-from .errors import ConfigError, ScheduleError
+from .errors import ConfigError, InvalidInputError, ScheduleError
 from .fdguard import AcceptGuard
 
 Dispatch = Callable[[str, dict[str, Any]], Any]
@@ -523,23 +523,32 @@ class ControlServer:
 
     def handle(self, line: bytes) -> bytes:
         """One request frame -> one response frame; never raises."""
+        client: str | None = None
         try:
-            cmd, args = protocol.parse_request(line)
+            cmd, args, client = protocol.parse_request_from(line)
             if cmd == "list":
                 return list_page(self.dispatch, args)
             return protocol.ok(self.dispatch(cmd, args))
         except protocol.ProtocolError as exc:
-            return protocol.error("ProtocolError", str(exc))
+            return self._error("ProtocolError", str(exc))
         except ScheduleError as exc:
-            return protocol.error(protocol.error_type(exc), str(exc))
+            message = str(exc)
+            if isinstance(exc, InvalidInputError) and any(
+                    m in message for m in protocol.UNKNOWN_TO_ONE_END):
+                message += protocol.versions_note(client, __version__)
+            return self._error(protocol.error_type(exc), message)
         except ConfigError as exc:
-            return protocol.error("ConfigError", str(exc))
+            return self._error("ConfigError", str(exc))
         except SQLAlchemyError as exc:
             orig = getattr(exc, "orig", None) or exc
-            return protocol.error("DatabaseError", f"database error: {orig}")
+            return self._error("DatabaseError", f"database error: {orig}")
         except Exception as exc:  # noqa: BLE001 - a request never takes the daemon down
             self.log.exception("control request failed")
-            return protocol.error("InternalError", f"internal error: {exc}")
+            return self._error("InternalError", f"internal error: {exc}")
+
+    @staticmethod
+    def _error(type_: str, message: str) -> bytes:
+        return protocol.error(type_, message, daemon=__version__)
 
 
 def list_page(dispatch: Dispatch, args: dict[str, Any]) -> bytes:

@@ -1,8 +1,13 @@
 """The control protocol: newline-delimited JSON, one request -> one response.
 
-Request:  {"cmd": "list", "args": {...}}\\n
+Request:  {"cmd": "list", "args": {...}, "client": "0.2.0"}\\n
 Response: {"ok": true, "result": ...}\\n
-      or  {"ok": false, "error": {"type": "NotFoundError", "message": "..."}}\\n
+      or  {"ok": false, "error": {"type": "NotFoundError", "message": "..."},
+           "daemon": "0.2.0"}\\n
+
+"client" and "daemon" (0.2.0 on) are the versions of the two ends: a command one end does
+not know is refused naming both.  0.1.0 daemons refuse a request with "client" (unknown
+field): clients then ask again without it (see perfectschedctl/client.py).
 
 A request frame (without its newline) may be at most MAX_FRAME bytes; a larger one is
 refused with a ProtocolError and the connection closed.  A connection may carry many
@@ -71,19 +76,24 @@ class ProtocolError(Exception):
 
 
 class RemoteError(Exception):
-    """An error answered by the daemon."""
+    """An error answered by the daemon; `daemon` is its version (None before 0.2.0)."""
 
-    def __init__(self, type_: str, message: str) -> None:
+    def __init__(self, type_: str, message: str, daemon: str | None = None) -> None:
         super().__init__(message)
         self.type = type_
+        self.daemon = daemon
 
 
 def encode(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode() + b"\n"
 
 
-def request(cmd: str, args: dict[str, Any] | None = None) -> bytes:
-    return encode({"cmd": cmd, "args": args or {}})
+def request(cmd: str, args: dict[str, Any] | None = None, client: str | None = None
+            ) -> bytes:
+    msg: dict[str, Any] = {"cmd": cmd, "args": args or {}}
+    if client is not None:
+        msg["client"] = client
+    return encode(msg)
 
 
 def ok(result: Any) -> bytes:
@@ -112,12 +122,29 @@ def error_type(exc: BaseException) -> str:
     return "InternalError"
 
 
-def error(type_: str, message: str) -> bytes:
+def error(type_: str, message: str, daemon: str | None = None) -> bytes:
     if type_ not in ERROR_TYPES:
         type_ = "InternalError"
     # One line for people: the first line of the message, bounded.
     lines = str(message).strip().splitlines() or ["error"]
-    return encode({"ok": False, "error": {"type": type_, "message": lines[0][:2000]}})
+    msg: dict[str, Any] = {"ok": False, "error": {"type": type_, "message": lines[0][:2000]}}
+    if daemon is not None:
+        msg["daemon"] = daemon
+    return encode(msg)
+
+
+# The refusals that may come from two ends of different versions (a command or an
+# argument one of them does not know).
+UNKNOWN_TO_ONE_END = ("unknown command", "unknown argument")
+
+
+def versions_note(client: str | None, daemon: str | None) -> str:
+    """What a refusal of something unknown adds when the two ends differ ("" if not)."""
+    if client == daemon:
+        return ""
+    return (f" (perfectschedctl {client or 'older than 0.2.0'}, perfectschedd "
+            f"{daemon or 'older than 0.2.0'}: one of them does not know it; run both at "
+            "one version: restart the daemon after an upgrade)")
 
 
 def _no_constant(name: str) -> Any:
@@ -158,12 +185,21 @@ def loads_bounded(text: bytes | str, what: str = "request") -> Any:
 
 
 def parse_request(line: bytes) -> tuple[str, dict[str, Any]]:
+    cmd, args, _ = parse_request_from(line)
+    return cmd, args
+
+
+def parse_request_from(line: bytes) -> tuple[str, dict[str, Any], str | None]:
+    """(command, arguments, the client's version or None when it did not say)."""
     msg = loads_bounded(line)
     if not isinstance(msg, dict):
         raise ProtocolError("a request must be a JSON object")
-    unknown = set(msg) - {"cmd", "args"}
+    unknown = set(msg) - {"cmd", "args", "client"}
     if unknown:
         raise ProtocolError(f"request: unknown field(s) {', '.join(sorted(unknown))}")
+    client = msg.get("client")
+    if client is not None and (not isinstance(client, str) or not 0 < len(client) <= 40):
+        raise ProtocolError("request: 'client' must be a version string")
     cmd, args = msg.get("cmd"), msg.get("args", {})
     if not isinstance(cmd, str) or not cmd:
         raise ProtocolError("request: 'cmd' must be a non-empty string")
@@ -171,7 +207,7 @@ def parse_request(line: bytes) -> tuple[str, dict[str, Any]]:
         args = {}
     if not isinstance(args, dict):
         raise ProtocolError("request: 'args' must be an object")
-    return cmd, args
+    return cmd, args, client
 
 
 def parse_response(line: bytes) -> Any:
@@ -193,4 +229,6 @@ def parse_response_full(line: bytes) -> dict[str, Any]:
     err = msg.get("error") or {}
     if not isinstance(err, dict):
         err = {"message": str(err)}
-    raise RemoteError(str(err.get("type", "InternalError")), str(err.get("message", "error")))
+    daemon = msg.get("daemon")
+    raise RemoteError(str(err.get("type", "InternalError")), str(err.get("message", "error")),
+                      daemon if isinstance(daemon, str) else None)

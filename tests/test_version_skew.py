@@ -1,0 +1,71 @@
+"""A client and a daemon of different versions (a CLI upgraded before its daemon
+restarted, or the other way round): the commands both know work; a command or argument
+one end does not know is refused in one line naming both versions."""
+
+from __future__ import annotations
+
+import json
+import socket
+from typing import Any
+
+import pytest
+from daemon_harness import Daemon
+
+import perfectschedd
+
+VERSION = perfectschedd.__version__
+
+
+def raw(d: Daemon, request: dict[str, Any]) -> dict[str, Any]:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(d.socket_path)
+        s.sendall(json.dumps(request).encode() + b"\n")
+        buf = b""
+        while not buf.endswith(b"\n"):
+            chunk = s.recv(65536)
+            assert chunk, "closed without answering"
+            buf += chunk
+    return dict(json.loads(buf))
+
+
+@pytest.fixture
+def daemon(daemon_factory: Any) -> Daemon:
+    return daemon_factory().start()  # type: ignore[no-any-return]
+
+
+def test_a_newer_client_naming_an_unknown_command_gets_both_versions(daemon: Daemon) -> None:
+    answer = raw(daemon, {"cmd": "frobnicate", "args": {}, "client": "0.9.0"})
+    assert answer["ok"] is False and answer["daemon"] == VERSION
+    message = answer["error"]["message"]
+    assert "unknown command 'frobnicate'" in message
+    assert f"perfectschedctl 0.9.0, perfectschedd {VERSION}" in message
+    answer = raw(daemon, {"cmd": "add", "args": {"key": "k", "type": "t", "cron": "@daily",
+                                                 "colour": "red"}, "client": "0.9.0"})
+    assert "unknown argument(s) for add: colour" in answer["error"]["message"]
+    assert "perfectschedctl 0.9.0" in answer["error"]["message"]
+    assert daemon.ctl("list", "--json").stdout.strip() == "[]"  # nothing was added
+
+
+def test_a_client_older_than_versions_is_told_so(daemon: Daemon) -> None:
+    """0.1.0's perfectschedctl sends no version: what it knows works, the rest names
+    this daemon's version."""
+    answer = raw(daemon, {"cmd": "add", "args": {"key": "k", "type": "t", "cron": "@daily"}})
+    assert answer["ok"] is True
+    answer = raw(daemon, {"cmd": "frobnicate", "args": {}})
+    assert f"perfectschedctl older than 0.2.0, perfectschedd {VERSION}" in \
+        answer["error"]["message"]
+
+
+def test_the_same_versions_add_no_note(daemon: Daemon) -> None:
+    answer = raw(daemon, {"cmd": "frobnicate", "args": {}, "client": VERSION})
+    assert answer["error"]["message"] == "command: unknown command 'frobnicate'"
+    res = daemon.ctl("show", "nope", check=False)
+    assert res.returncode == 1 and "perfectsched" not in res.stderr.split(":", 1)[1]
+
+
+def test_a_bad_client_field_is_a_protocol_error(daemon: Daemon) -> None:
+    for bad in (12, "", "x" * 41):
+        answer = raw(daemon, {"cmd": "status", "args": {}, "client": bad})
+        assert answer["error"]["type"] == "ProtocolError", bad
+    assert daemon.alive()
