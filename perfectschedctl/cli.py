@@ -310,6 +310,11 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return EXIT_REFUSED
     print_result(cmd, result, as_json=ns.json)
+    if cmd == "reload" and isinstance(result, dict) and result.get("refused"):
+        # The rest of the configuration runs; what this host refuses is an error still.
+        for why in result["refused"]:
+            print(f"perfectschedctl: refused: {why}", file=sys.stderr)
+        return EXIT_REFUSED
     return EXIT_OK
 
 

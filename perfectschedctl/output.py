@@ -75,6 +75,8 @@ def _status(result: dict[str, Any]) -> str:
         lines.append("database: a worker cannot reach it")
     if result.get("last_error"):
         lines.append(f"last error: {result['last_error']}")
+    for why in result.get("refused_routes") or []:
+        lines.append(f"refused route (the others run): {why}")
     hosts = result.get("hosts") or []
     if hosts:
         lines.append(table([_host_row(h) for h in hosts],

@@ -7,7 +7,7 @@ import os
 import re
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -44,6 +44,9 @@ class RouteConfig:
     # (unitprops.convert: D-Bus name, signature, value).
     executor: str = "exec"
     unit: tuple[tuple[str, str, Any], ...] = ()
+    # Why this host cannot run the route (refuse_routes), or None: a refused route still
+    # takes the types it matches (first match wins), and runs none of them here.
+    refused: str | None = None
 
     @property
     def regexp(self) -> re.Pattern[str] | None:
@@ -301,21 +304,39 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
     )
 
 
-def check_host(config: Config) -> None:
+def host_refusals(config: Config) -> list[tuple[int, str]]:
     """What only a host that runs the jobs can check (the daemon, at start and on reload):
     routes with `executor: systemd` need systemd to run this host; a route's `user` must
-    exist here, and the daemon be root unless systemd sets the user."""
+    exist here, and the daemon be root unless systemd sets the user.  Each route this
+    host cannot run, by index, with one line saying why."""
+    refusals = []
+    where = f"{config.source}: " if config.source else ""
     for i, route in enumerate(config.routes):
-        where = f"{config.source}: " if config.source else ""
         try:
             unitprops.check_executor(route.executor)
         except ValueError as exc:
-            raise ConfigError(f"{where}routes[{i}].executor: {exc}") from None
+            refusals.append((i, f"{where}routes[{i}].executor: {exc}"))
+            continue
         if route.user is not None:
             try:
                 runas.check_user(route.user, True, needs_root=route.executor == "exec")
             except InvalidInputError as exc:
-                raise ConfigError(f"{where}routes[{i}].{exc}") from None
+                refusals.append((i, f"{where}routes[{i}].{exc}"))
+    return refusals
+
+
+def refuse_routes(config: Config) -> tuple[Config, list[str]]:
+    """The configuration with the routes this host cannot run marked refused (they run
+    nothing here; the others run), and one line for each.  A route is refused alone so
+    that what this host can still run keeps running: after an upgrade that refuses
+    something an older version took, a reload, or a host that differs from the others."""
+    refusals = host_refusals(config)
+    if not refusals:
+        return config, []
+    routes = list(config.routes)
+    for i, why in refusals:
+        routes[i] = replace(routes[i], refused=why)
+    return replace(config, routes=tuple(routes)), [why for _, why in refusals]
 
 
 def _environments(data: Any) -> list[str]:

@@ -257,8 +257,9 @@ class Router:
     """Maps task types to handlers: the first matching route wins.
 
     Python classes are imported on first use, once per route. A route whose
-    class cannot be imported is broken: ``match`` returns None for the types it
-    would serve, and the problem is logged once per type.
+    class cannot be imported, or that this host refuses (RouteConfig.refused), is
+    broken: ``match`` returns None for the types it would serve, and the problem is
+    logged once per type.
     """
 
     def __init__(self, routes: tuple[RouteConfig, ...], *, log: Log | None = None) -> None:
@@ -292,7 +293,8 @@ class Router:
                 if index not in self._resolved:
                     self._resolved[index] = self._resolve(route)
                 resolved = self._resolved[index]
-                if isinstance(resolved, str):
+                # A refused route was reported by the master, once for the host.
+                if isinstance(resolved, str) and route.refused is None:
                     problems.append(f"route {route.pattern}: {resolved}")
         return problems
 
@@ -321,13 +323,15 @@ class Router:
         if resolved is None:
             resolved = self._resolved[index] = self._resolve(route)
         if isinstance(resolved, str):
-            self._log.error("route %s (python %s) is broken, tasks of type %r are not run: %s",
-                            route.pattern, route.python, task_type, resolved)
+            self._log.error("route %s cannot run here, tasks of type %r are not run: %s",
+                            route.pattern, task_type, resolved)
             return None
         return resolved
 
     @staticmethod
     def _resolve(route: RouteConfig) -> Handler | str:
+        if route.refused is not None:
+            return route.refused
         if route.exec is not None and route.executor == "systemd":
             return UnitHandler(route, tuple(route.exec), route.timeout)
         if route.exec is not None:

@@ -155,6 +155,8 @@ class Supervisor:
         self.ready = False
         # Why the daemon must stop with a failure (a database it can never use).
         self.fatal: str | None = None
+        # The routes of the configuration this host refuses (config.refuse_routes).
+        self.refused_routes: list[str] = []
         self.db = MasterDatabase(config)
         self.files = FileSchedules()
         self.config = self.files.load(config)
@@ -366,7 +368,7 @@ class Supervisor:
         return units_stopping
 
     def _runs_units(self) -> bool:
-        return any(r.executor == "systemd" for r in self.config.routes)
+        return any(r.executor == "systemd" and r.refused is None for r in self.config.routes)
 
     def _reclaim(self, owner: str) -> None:
         """Give a dead worker's leases back now (its runs were killed), off the loop: the
@@ -479,7 +481,8 @@ class Supervisor:
             return {"reload": "requested"}  # the loop is busy: the log will say
         if answer[0] is not None:
             raise ConfigError(f"reload rejected, the running configuration stays: {answer[0]}")
-        return {"reload": "done", "workers": self.config.workers}
+        return {"reload": "done", "workers": self.config.workers,
+                "refused": list(self.refused_routes)}
 
     def status(self) -> dict[str, Any]:
         """Called from the control threads; never waits on the database for more than
@@ -508,14 +511,20 @@ class Supervisor:
             "workers_alive": sum(1 for p in procs if not p.retiring),
             "workers": workers, "running": list(snap.running),
             "unclaimed": [{"type": t, "occurrences": n,
-                           "routed_here": any(r.matches(t) for r in self.config.routes)}
+                           "routed_here": self._routed_here(t)}
                           for t, n in snap.unclaimed.items()],
             "keys_to_rename": [{"key": k, "why": why} for k, why in snap.rename.items()],
-            "last_error": self.last_error or (f"database: {why}" if why else None),
+            "last_error": self.last_error or (f"database: {why}" if why else None) or (
+                f"route refused: {self.refused_routes[0]}" if self.refused_routes else None),
+            "refused_routes": list(self.refused_routes),
             "database_ok": reachable, "database": database,
             "hosts": self._hosts(snap, now),
             **{k: snap.counts.get(k, 0) for k in ("schedules", "paused", "due")},
         }
+
+    def _routed_here(self, task_type: str) -> bool:
+        route = next((r for r in self.config.routes if r.matches(task_type)), None)
+        return route is not None and route.refused is None
 
     def _hosts(self, snap: Any, now: float) -> list[dict[str, Any]]:
         """The hosts on this database: those that record themselves (0.2.0 on), and nodes
@@ -564,6 +573,13 @@ class Supervisor:
 
     # -- reload / stop --------------------------------------------------------------------
 
+    def report_refused_routes(self, refused: list[str]) -> None:
+        """Say once, in the journal and in status, which routes this host refuses."""
+        for why in refused:
+            if why not in self.refused_routes:
+                log.error("%s; this route is refused, the other routes run", why)
+        self.refused_routes = list(refused)
+
     def reload(self) -> str | None:
         """Re-read the configuration; the reason it was rejected (the running one stays),
         or None once the new one is in place and its workers are starting."""
@@ -572,7 +588,7 @@ class Supervisor:
         old = self.config
         try:
             new = config_mod.load(self.config_source, self.environment)
-            config_mod.check_host(new)
+            new, refused = config_mod.refuse_routes(new)
             if (new.url, new.table) != (old.url, old.table):
                 check_url(new.url)  # the old store stays unless the new one can be made
             self._swap_listeners(old, new)
@@ -587,6 +603,7 @@ class Supervisor:
             return why
         if self.last_error is not None and self.last_error.startswith("reload: "):
             self.last_error = None  # that error is over: this configuration loaded
+        self.report_refused_routes(refused)
         new = self.files.load(new)  # a bad schedules file is its own error, never fatal
         self.config = new
         if (new.url, new.table) != (old.url, old.table):
@@ -949,8 +966,7 @@ def _main(argv: list[str] | None) -> int:
         config_mod.DEFAULT_CONFIG_PATH
     logsetup.setup(None)
     try:
-        cfg = config_mod.load(source, ns.environment)
-        config_mod.check_host(cfg)
+        cfg, refused = config_mod.refuse_routes(config_mod.load(source, ns.environment))
     except (ConfigError, NotSupportedError) as exc:
         log.error("%s", exc)
         return 1
@@ -964,7 +980,9 @@ def _main(argv: list[str] | None) -> int:
             log.error("cannot import %s: %s", module, exc)
             return 1
     try:
-        return Supervisor(cfg, source, ns.environment).run()
+        supervisor = Supervisor(cfg, source, ns.environment)
+        supervisor.report_refused_routes(refused)
+        return supervisor.run()
     except OSError as exc:
         if exc.errno in (errno.EADDRINUSE, errno.EACCES, errno.EPERM):
             log.error("%s", exc)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import yaml
 from daemon_harness import Daemon, wait_until
 
 from perfectschedd import ConfigError, schedfiles, unitprops
-from perfectschedd.config import check_host, from_mapping
+from perfectschedd.config import Config, from_mapping, refuse_routes
 
 BASE = {"type": "rdb_compat", "url": "sqlite:////tmp/x.db"}
 ROUTE = {"type": "backup", "exec": ["/usr/local/bin/backup"], "executor": "systemd"}
@@ -172,17 +173,26 @@ def test_bad_routes_are_refused_naming_the_field(with_systemd: None, route: dict
     assert str(caught.value).startswith(error) and "\n" not in str(caught.value)
 
 
+def check_host(config: Config) -> None:
+    """Raise the first refusal, as ConfigError (what these tests look at)."""
+    marked, refused = refuse_routes(config)
+    if refused:
+        assert [r.refused for r in marked.routes if r.refused] == refused
+        raise ConfigError(refused[0])
+
+
 def test_executor_systemd_is_refused_where_systemd_does_not_run(without_systemd: None
                                                                  ) -> None:
-    """The daemon checks the host (config.check_host, at start and on reload); a client
-    reading the same file (perfectschedctl -c) runs no job and takes it."""
+    """The daemon checks the host (config.refuse_routes, at start and on reload); a client
+    reading the same file (perfectschedctl -c) runs no job and takes it.  The route is
+    refused alone: the others keep their place and run."""
     config = from_mapping({**BASE, "routes": [{"type": "t", "exec": ["/bin/true"]}, ROUTE]},
                           source="/etc/perfectsched/perfectsched.yml")
-    with pytest.raises(ConfigError) as caught:
-        check_host(config)
-    assert str(caught.value) == (
+    marked, refused = refuse_routes(config)
+    assert refused == [
         "/etc/perfectsched/perfectsched.yml: routes[1].executor: systemd is not running on "
-        f"this host ({unitprops.SYSTEMD_MARKER} is missing); use executor exec")
+        f"this host ({unitprops.SYSTEMD_MARKER} is missing); use executor exec"]
+    assert marked.routes[0] == config.routes[0] and marked.routes[1].refused == refused[0]
     check_host(from_mapping({**BASE, "routes": [{**ROUTE, "executor": "exec"}]}))
 
 
@@ -288,7 +298,9 @@ def test_the_daemon_refuses_the_file_and_runs_the_rest(daemon_factory: Any, tmp_
                                                        ) -> None:
     """Without systemd (this suite's hosts): a schedules file with an `executor: systemd`
     entry is rejected whole at load with one line naming it; every other file runs as
-    before; a configuration route with it stops the daemon with one line."""
+    before.  A configuration route with it is refused alone: the daemon starts, says so
+    in one line in its log and in status, runs the other routes, and leaves the refused
+    route's occurrences waiting; a reload that keeps it exits non-zero naming it."""
     sched_dir = tmp_path / "schedules.d"
     sched_dir.mkdir()
     out = tmp_path / "ran"
@@ -305,9 +317,23 @@ def test_the_daemon_refuses_the_file_and_runs_the_rest(daemon_factory: Any, tmp_
     d.ctl("run", "plain")
     wait_until(lambda: out.exists() and "ok" in out.read_text(), 20, what="the exec entry")
     assert d.stop() == 0
-    bad = daemon_factory({"routes": [ROUTE]})
-    bad.start(wait_ready=False)
-    assert bad.proc is not None and bad.proc.wait(30) != 0
-    errors = [x for x in bad.log().splitlines() if "executor" in x]
+    mixed = daemon_factory({"routes": [ROUTE, {"type": "plain-t", "exec": [
+        "/bin/sh", "-c", f"echo route >> {out}"]}]}).start()
+    errors = [x for x in mixed.log().splitlines() if "executor" in x]
     assert len(errors) == 1 and "routes[0].executor: systemd is not running on this " \
-        "host" in errors[0], bad.log()
+        "host" in errors[0] and "this route is refused, the other routes run" in errors[0]
+    status = mixed.status()
+    assert len(status["refused_routes"]) == 1 and "routes[0].executor" in \
+        status["refused_routes"][0]
+    line = next(x for x in mixed.ctl("status").stdout.splitlines() if "refused route" in x)
+    assert line.startswith("refused route (the others run): ") and "routes[0].executor" in line
+    mixed.ctl("add", "via-unit", ROUTE["type"], "* * * * *", "--at", "0")
+    mixed.ctl("add", "via-exec", "plain-t", "* * * * *", "--at", "0")
+    wait_until(lambda: "route" in out.read_text(), 20, what="the exec route's job")
+    time.sleep(1.5)  # a poll or two: the refused route's occurrence is not taken
+    assert mixed.ctl_json("history", "via-unit") == []
+    assert mixed.ctl_json("show", "via-unit")["next_run_time"] == 0
+    res = mixed.ctl("reload", check=False)
+    assert res.returncode == 1 and res.stderr.startswith("perfectschedctl: refused: ") and \
+        "routes[0].executor: systemd is not running" in res.stderr, res
+    assert mixed.stop() == 0
