@@ -104,8 +104,9 @@ $(OLD_DEB):
 	@ls -l $@
 
 # --- system test: real systemd as PID 1 of a namespace, the .deb installed by apt -----
-test-system: deb
-	env PATH=$(DEB_PATH) python3 -m pytest -v -rP -p no:cacheprovider --noconftest --durations=0 -m system tests/system
+# test_upgrade.py installs $(OLD_DEB) first, then upgrades to the .deb of `make deb`.
+test-system: deb deb-$(OLD_VERSION)
+	env PATH=$(DEB_PATH) PERFECTSCHED_OLD_DEB=$(CURDIR)/$(OLD_DEB) python3 -m pytest -v -rP -p no:cacheprovider --noconftest --durations=0 -m system tests/system
 
 # --- benchmark: PerfectSched vs APScheduler 3.11 (docs/performance.md) -----------------
 # APScheduler lives only in this venv, never in the project's dependencies.
