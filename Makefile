@@ -79,9 +79,34 @@ deb:
 	  --suppress-tags initial-upload-closes-no-bugs $(DEB_BUILD)/perfectsched_*.changes
 	@ls -l dist/perfectsched_*.deb
 
+# --- the released 0.1.0 package, built from its commit (the upgrade test starts there) --
+# Built, not stored: what a user of 0.1.0 installed.  A commit never changes, so the .deb
+# is kept once built (`make clean` removes it).  Its tests ran at its release: nocheck.
+OLD_VERSION   := 0.1.0
+OLD_COMMIT    := 0ffb1ea
+OLD_DEB_BUILD := build/deb-$(OLD_VERSION)
+OLD_DEB       := dist/old/perfectsched_$(OLD_VERSION)_all.deb
+.PHONY: deb-$(OLD_VERSION)
+deb-$(OLD_VERSION): $(OLD_DEB)
+$(OLD_DEB):
+	rm -rf $(OLD_DEB_BUILD) && mkdir -p $(OLD_DEB_BUILD)/perfectsched $(@D)
+	git archive --format=tar -o $(OLD_DEB_BUILD)/source.tar $(OLD_COMMIT)
+	tar -xf $(OLD_DEB_BUILD)/source.tar -C $(OLD_DEB_BUILD)/perfectsched
+	cd $(OLD_DEB_BUILD)/perfectsched && rm -rf debian && cp -a packaging/debian debian
+	cd $(OLD_DEB_BUILD)/perfectsched && if ! env PATH=$(DEB_PATH) dpkg-checkbuilddeps 2>/dev/null; then \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get build-dep -y -qq ./ >/dev/null || { apt-get update -qq && apt-get build-dep -y -qq ./; }; fi
+	cd $(OLD_DEB_BUILD)/perfectsched && env -u PYTHONPATH -u PYTHONHOME -u VIRTUAL_ENV \
+	  -u PYTHONDONTWRITEBYTECODE PATH=$(DEB_PATH) DEB_BUILD_OPTIONS=nocheck \
+	  dpkg-buildpackage -us -uc -b > ../build.log 2>&1 || \
+	  { tail -60 ../build.log; echo "dpkg-buildpackage failed; full log: $(OLD_DEB_BUILD)/build.log"; exit 1; }
+	cp $(OLD_DEB_BUILD)/perfectsched_$(OLD_VERSION)_all.deb $@.tmp && mv $@.tmp $@
+	@ls -l $@
+
 # --- system test: real systemd as PID 1 of a namespace, the .deb installed by apt -----
-test-system: deb
-	env PATH=$(DEB_PATH) python3 -m pytest -v -rP -p no:cacheprovider --noconftest --durations=0 -m system tests/system
+# test_upgrade.py installs $(OLD_DEB) first, then upgrades to the .deb of `make deb`.
+test-system: deb deb-$(OLD_VERSION)
+	env PATH=$(DEB_PATH) PERFECTSCHED_OLD_DEB=$(CURDIR)/$(OLD_DEB) python3 -m pytest -v -rP -p no:cacheprovider --noconftest --durations=0 -m system tests/system
 
 # --- benchmark: PerfectSched vs APScheduler 3.11 (docs/performance.md) -----------------
 # APScheduler lives only in this venv, never in the project's dependencies.
