@@ -262,8 +262,14 @@ def test_up03_the_daemon_runs_the_new_code(
     assert re.search(r"^master\[\d+\]: stopped$", old, re.M), old[-3000:]
     workers = ns.children(new_pid)
     assert workers and not set(workers) & set(before["workers"]), (workers, before["workers"])
+    # the new daemon brought the database to its schema by itself (no init) and records
+    # itself among the hosts
+    assert "database schema updated from 1 (perfectsched 0.1.0) to 2" in journal, \
+        journal[-3000:]
     status = ns.ctl("status")
     print(status.stdout)
+    hosts = ctl_json(ns, "status")["hosts"]
+    assert [h["version"] for h in hosts if h.get("last_seen")] == [version], hosts
 
 
 def test_up04_every_schedule_is_kept_with_every_field(
