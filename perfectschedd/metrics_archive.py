@@ -35,8 +35,15 @@ _FOLD: dict[str, Callable[[float, float], float]] = {
 _TIMESTAMPED = len(inspect.signature(MmapedDict.write_value).parameters) > 3
 
 
+# A file's header (used bytes, padding): a shorter file was created by a process that
+# died before it wrote any value (a worker stopped as it started), and holds none.
+_HEADER = 8
+
+
 def _values(path: str) -> dict[str, float]:
     try:
+        if os.path.getsize(path) < _HEADER:
+            return {}
         entries = MmapedDict.read_all_values_from_file(path)
     except FileNotFoundError:
         return {}

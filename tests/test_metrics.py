@@ -468,3 +468,19 @@ def test_dead_workers_files_are_folded_and_totals_never_go_down(
     assert value(s, "perfectsched_task_duration_seconds_count", type="t") == runs
     assert (value(s, "perfectsched_last_success_timestamp_seconds", type="t") or 0) > 0
     assert d.stop() == 0
+
+
+def test_a_worker_that_died_before_writing_a_value_is_folded_quietly(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A worker stopped as it started leaves an empty metric file: it holds nothing to
+    fold, and must not be reported as an error (a failed start's one line is the
+    database's, tests/test_schema_version.py)."""
+    from perfectschedd import metrics_archive
+
+    (tmp_path / "counter_4242.db").write_bytes(b"")
+    (tmp_path / "histogram_4242.db").write_bytes(b"\0\0")
+    with caplog.at_level("ERROR", logger="perfectschedd"):
+        metrics_archive.fold_dead(str(tmp_path), 4242)
+    assert caplog.records == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["counter_archive.db",
+                                                         "histogram_archive.db"]
