@@ -75,6 +75,8 @@ def _status(result: dict[str, Any]) -> str:
         lines.append("database: a worker cannot reach it")
     if result.get("last_error"):
         lines.append(f"last error: {result['last_error']}")
+    if result.get("unit_grant") and result.get("host"):
+        lines.append("polkit grant to start units: held (no job runs as the daemon's user)")
     for why in result.get("refused_routes") or []:
         lines.append(f"refused route (the others run): {why}")
     hosts = result.get("hosts") or []

@@ -304,33 +304,93 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
     )
 
 
-def host_refusals(config: Config) -> list[tuple[int, str]]:
+def host_refusals(config: Config, grant: bool = False) -> list[tuple[int, str]]:
     """What only a host that runs the jobs can check (the daemon, at start and on reload):
-    routes with `executor: systemd` need systemd to run this host; a route's `user` must
-    exist here, and the daemon be root unless systemd sets the user.  Each route this
-    host cannot run, by index, with one line saying why."""
+    routes with `executor: systemd` need systemd to run this host and the polkit grant
+    (`grant`: this daemon may start units, unitgrant.py); a route's `user` must exist
+    here, and the daemon be root unless systemd sets the user; and no job may run under
+    a uid that may start units (docs/security.md).  Each route this host cannot run, by
+    index, with one line saying why."""
     refusals = []
     where = f"{config.source}: " if config.source else ""
     for i, route in enumerate(config.routes):
-        try:
-            unitprops.check_executor(route.executor)
-        except ValueError as exc:
-            refusals.append((i, f"{where}routes[{i}].executor: {exc}"))
-            continue
-        if route.user is not None:
-            try:
-                runas.check_user(route.user, True, needs_root=route.executor == "exec")
-            except InvalidInputError as exc:
-                refusals.append((i, f"{where}routes[{i}].{exc}"))
+        why = route_refusal(route, grant)
+        if why is not None:
+            refusals.append((i, f"{where}routes[{i}].{why}"))
     return refusals
 
 
-def refuse_routes(config: Config) -> tuple[Config, list[str]]:
+def route_refusal(route: RouteConfig, grant: bool) -> str | None:
+    """Why this host cannot run `route` ("field: reason"), or None."""
+    try:
+        unitprops.check_executor(route.executor)
+    except ValueError as exc:
+        return f"executor: {exc}"
+    if route.user is not None:
+        try:
+            runas.check_user(route.user, True, needs_root=route.executor == "exec")
+        except InvalidInputError as exc:
+            return str(exc)
+    return privilege_refusal(route.executor, route.user, grant)
+
+
+def privilege_refusal(executor: str, user: str | None, grant: bool) -> str | None:
+    """The privilege model's rule for one route or entry ("field: reason"), or None: no
+    job runs as root unless its `user: root` was written by root, and none under a uid
+    that may start units (with the grant, the daemon's own)."""
+    root = os.geteuid() == 0
+    if executor == "systemd":
+        if root:
+            if user is None:
+                return ("user: missing; a unit without user: runs as the daemon's user, "
+                        "and this daemon runs as root: name the user (root only if meant)")
+            return None
+        if not grant:
+            return ("executor: systemd needs the polkit grant, which is off on this host: "
+                    f"enable it with `{GRANT_COMMAND}`, then reload")
+        if user is None or user == runas.daemon_user():
+            return (f"user: the unit would run as {runas.daemon_user()}, the daemon's user, "
+                    "which holds the polkit grant to start units (it could become root): "
+                    "name another user")
+        return None
+    if grant and not root and (user is None or user == runas.daemon_user()):
+        return (f"executor: an exec job runs as {runas.daemon_user()}, the daemon's user, "
+                "which holds the polkit grant to start units (it could become root): use "
+                "executor: systemd with a user:, or turn the grant off "
+                "(perfectsched-grant disable)")
+    return None
+
+
+def refuse_entry_routes(config: Config, grant: bool) -> tuple[Config, list[str]]:
+    """The routes of schedules files' exec entries (type exec:KEY, put first by
+    converge.FileSchedules.load) under the privilege rule, each entry refused alone.
+    The rest of an entry (its user exists, its executor is known) was checked when its
+    file was read."""
+    routes = list(config.routes)
+    refused = []
+    for i, route in enumerate(routes):
+        if not route.pattern.startswith(ENTRY_TYPE_PREFIX) or route.refused is not None:
+            continue
+        why = privilege_refusal(route.executor, route.user, grant)
+        if why is not None:
+            line = f"schedules file entry {route.pattern[len(ENTRY_TYPE_PREFIX):]}: {why}"
+            routes[i] = replace(route, refused=line)
+            refused.append(line)
+    return (replace(config, routes=tuple(routes)) if refused else config), refused
+
+
+# The type of a schedules file's exec entry: exec:KEY (schedfiles.EXEC_TYPE).
+ENTRY_TYPE_PREFIX = "exec:"
+# The one command that turns the polkit grant on (packaging/perfectsched-grant).
+GRANT_COMMAND = "perfectsched-grant enable"
+
+
+def refuse_routes(config: Config, grant: bool = False) -> tuple[Config, list[str]]:
     """The configuration with the routes this host cannot run marked refused (they run
     nothing here; the others run), and one line for each.  A route is refused alone so
     that what this host can still run keeps running: after an upgrade that refuses
     something an older version took, a reload, or a host that differs from the others."""
-    refusals = host_refusals(config)
+    refusals = host_refusals(config, grant)
     if not refusals:
         return config, []
     routes = list(config.routes)

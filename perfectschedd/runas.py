@@ -48,3 +48,11 @@ def check_user(value: Any, need_user_support: bool, needs_root: bool = True) -> 
         raise InvalidInputError("user", f"running as {value!r} needs the daemon to run as "
                                 "root (this one does not)")
     return value
+
+
+def daemon_user() -> str:
+    """The name of the user this process runs as (its uid when it has no name)."""
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        return str(os.geteuid())

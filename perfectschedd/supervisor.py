@@ -33,7 +33,7 @@ from typing import Any
 
 import sdnotify
 
-from . import __version__, commands, jobreaper, logsetup, metrics, registry
+from . import __version__, commands, jobreaper, logsetup, metrics, registry, unitprops
 from . import config as config_mod
 from .config import Config
 from .converge import FileSchedules
@@ -157,9 +157,11 @@ class Supervisor:
         self.fatal: str | None = None
         # The routes of the configuration this host refuses (config.refuse_routes).
         self.refused_routes: list[str] = []
+        # Whether this daemon may start systemd units (the polkit grant; host_grant).
+        self.unit_grant = False
         self.db = MasterDatabase(config)
         self.files = FileSchedules()
-        self.config = self.files.load(config)
+        self.config = self.host_config(config)
         self.spawn_postponed = False
         self.gc_frozen = False
         self.dbus_attempt = 0  # a retry thread gives up when this moves on
@@ -516,7 +518,7 @@ class Supervisor:
             "keys_to_rename": [{"key": k, "why": why} for k, why in snap.rename.items()],
             "last_error": self.last_error or (f"database: {why}" if why else None) or (
                 f"route refused: {self.refused_routes[0]}" if self.refused_routes else None),
-            "refused_routes": list(self.refused_routes),
+            "refused_routes": list(self.refused_routes), "unit_grant": self.unit_grant,
             "database_ok": reachable, "database": database,
             "hosts": self._hosts(snap, now),
             **{k: snap.counts.get(k, 0) for k in ("schedules", "paused", "due")},
@@ -573,6 +575,16 @@ class Supervisor:
 
     # -- reload / stop --------------------------------------------------------------------
 
+    def host_config(self, config: Config) -> Config:
+        """The configuration as this host runs it: the schedules files' entries first,
+        and every route or entry it cannot run marked refused (reported once)."""
+        grant = self.unit_grant = host_grant()
+        config, refused = config_mod.refuse_routes(config, grant)
+        config = self.files.load(config)
+        config, refused_entries = config_mod.refuse_entry_routes(config, grant)
+        self.report_refused_routes(refused + refused_entries)
+        return config
+
     def report_refused_routes(self, refused: list[str]) -> None:
         """Say once, in the journal and in status, which routes this host refuses."""
         for why in refused:
@@ -588,7 +600,6 @@ class Supervisor:
         old = self.config
         try:
             new = config_mod.load(self.config_source, self.environment)
-            new, refused = config_mod.refuse_routes(new)
             if (new.url, new.table) != (old.url, old.table):
                 check_url(new.url)  # the old store stays unless the new one can be made
             self._swap_listeners(old, new)
@@ -603,8 +614,7 @@ class Supervisor:
             return why
         if self.last_error is not None and self.last_error.startswith("reload: "):
             self.last_error = None  # that error is over: this configuration loaded
-        self.report_refused_routes(refused)
-        new = self.files.load(new)  # a bad schedules file is its own error, never fatal
+        new = self.host_config(new)  # a bad schedules file is its own error, never fatal
         self.config = new
         if (new.url, new.table) != (old.url, old.table):
             self.db.stop_in_background()
@@ -933,6 +943,18 @@ class Supervisor:
         return False
 
 
+def host_grant() -> bool:
+    """Whether this daemon may start systemd units (the polkit grant).  Asked only where
+    it decides something: a daemon that is not root, on a host systemd runs."""
+    if os.geteuid() == 0 or not unitprops.systemd_booted():
+        return False
+    from . import unitgrant  # D-Bus: loaded only where it is used
+
+    held = unitgrant.grant_state()
+    log.info("polkit grant to start units: %s", "held" if held else "not held")
+    return held
+
+
 # READY=1 waits this long at most for the first try to open the database: a database
 # that is only unreachable does not hold the start, one it can never use stops it.
 READY_DATABASE_WAIT = 10.0
@@ -966,7 +988,7 @@ def _main(argv: list[str] | None) -> int:
         config_mod.DEFAULT_CONFIG_PATH
     logsetup.setup(None)
     try:
-        cfg, refused = config_mod.refuse_routes(config_mod.load(source, ns.environment))
+        cfg = config_mod.load(source, ns.environment)
     except (ConfigError, NotSupportedError) as exc:
         log.error("%s", exc)
         return 1
@@ -980,9 +1002,7 @@ def _main(argv: list[str] | None) -> int:
             log.error("cannot import %s: %s", module, exc)
             return 1
     try:
-        supervisor = Supervisor(cfg, source, ns.environment)
-        supervisor.report_refused_routes(refused)
-        return supervisor.run()
+        return Supervisor(cfg, source, ns.environment).run()
     except OSError as exc:
         if exc.errno in (errno.EADDRINUSE, errno.EACCES, errno.EPERM):
             log.error("%s", exc)

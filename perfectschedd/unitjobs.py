@@ -116,16 +116,18 @@ def properties(task: TaskLike, handler: UnitHandler, name: str, *, node: str, ki
     ]
     if handler.timeout is not None:
         props.append(("RuntimeMaxUSec", Variant("t", int(handler.timeout * 1_000_000))))
-    if route.user is not None:
-        try:
-            pw = pwd.getpwnam(route.user)
-        except KeyError:  # removed since the file was read: this run fails, logged
-            raise SystemdError(f"no such user {route.user!r}") from None
-        props.append(("User", Variant("s", pw.pw_name)))
-        try:
-            props.append(("Group", Variant("s", grp.getgrgid(pw.pw_gid).gr_name)))
-        except KeyError:
-            props.append(("Group", Variant("s", str(pw.pw_gid))))
+    # Without user: the daemon's own user, never systemd's default (root).  The daemon
+    # refuses the routes for which that would be root or a uid that may start units
+    # (config.privilege_refusal).
+    try:
+        pw = pwd.getpwnam(route.user) if route.user is not None else pwd.getpwuid(os.geteuid())
+    except KeyError:  # removed since the file was read: this run fails, logged
+        raise SystemdError(f"no such user {route.user!r}") from None
+    props.append(("User", Variant("s", pw.pw_name)))
+    try:
+        props.append(("Group", Variant("s", grp.getgrgid(pw.pw_gid).gr_name)))
+    except KeyError:
+        props.append(("Group", Variant("s", str(pw.pw_gid))))
     daemon_unit = own_unit()
     if daemon_unit is not None:
         # Stopping the daemon (or its failing) stops its jobs.  StopPropagatedFrom=, not

@@ -162,6 +162,9 @@ def test_an_exec_route_runs_as_its_user_with_its_env(daemon_factory: Any) -> Non
     assert res.stderr.strip().endswith(
         "routes[0].user: no such user 'no-such-user-x' on this host"), res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
+    # The old workers run the old routes until they have retired.
+    wait_until(lambda: all(w["generation"] == 1 for w in d.status()["workers"]),
+               what="the old workers gone")
     d.ctl("run", "route-as-nobody")
     time.sleep(2)
     assert d.log().count("route ran as 65534") == 1

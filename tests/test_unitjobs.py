@@ -6,6 +6,8 @@ Runs under a real systemd are tests/system/test_units.py's."""
 from __future__ import annotations
 
 import logging
+import os
+import pwd
 import signal
 import subprocess
 import sys
@@ -64,7 +66,10 @@ def test_a_route_s_key_is_the_last_argument_and_no_timeout_no_limit() -> None:
     r = RouteConfig(pattern="backup", exec=("/usr/bin/backup", "--full"), executor="systemd")
     p = props(FakeTask(key="nightly"), UnitHandler(r, tuple(r.exec or ()), None))
     assert p["ExecStart"][1][0][1][-3:] == ["/usr/bin/backup", "--full", "nightly"]
-    assert "RuntimeMaxUSec" not in p and "User" not in p
+    assert "RuntimeMaxUSec" not in p
+    # Without user: the daemon's own user, never systemd's default (root, for a unit
+    # started by any caller).
+    assert p["User"] == ("s", pwd.getpwuid(os.geteuid()).pw_name)
 
 
 EXITED, KILLED = 1, 2

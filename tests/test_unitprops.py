@@ -197,7 +197,42 @@ def test_executor_systemd_is_refused_where_systemd_does_not_run(without_systemd:
 
 
 def test_a_host_with_systemd_passes_the_check(with_systemd: None) -> None:
-    check_host(from_mapping({**BASE, "routes": [ROUTE]}))
+    check_host(from_mapping({**BASE, "routes": [{**ROUTE, "user": "nobody"}]}))
+
+
+def test_a_unit_never_runs_as_root_unless_named(with_systemd: None) -> None:
+    """Without user: a unit runs as the daemon's user: refused under a root daemon."""
+    with pytest.raises(ConfigError) as caught:
+        check_host(from_mapping({**BASE, "routes": [ROUTE]}))
+    assert str(caught.value).startswith("routes[0].user: missing; a unit without user: runs "
+                                        "as the daemon's user, and this daemon runs as root")
+    check_host(from_mapping({**BASE, "routes": [{**ROUTE, "user": "root"}]}))
+
+
+def test_no_job_runs_under_the_uid_that_holds_the_grant(
+        with_systemd: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon that is not root: executor systemd needs the grant; with it, neither an
+    exec job nor a unit may run as the daemon's user (it could start units as root)."""
+    monkeypatch.setattr(os, "geteuid", lambda: 65534)  # nobody: a daemon user, not root
+    unit_as = {**ROUTE, "user": "daemon"}
+    plain = {"type": "p", "exec": ["/bin/true"]}
+    config = from_mapping({**BASE, "routes": [unit_as, plain]}, source="/etc/p.yml")
+    _, refused = refuse_routes(config, grant=False)
+    assert refused == ["/etc/p.yml: routes[0].executor: systemd needs the polkit grant, which "
+                       "is off on this host: enable it with `perfectsched-grant enable`, "
+                       "then reload"]
+    marked, refused = refuse_routes(config, grant=True)
+    assert refused == ["/etc/p.yml: routes[1].executor: an exec job runs as nobody, the "
+                       "daemon's user, which holds the polkit grant to start units (it could "
+                       "become root): use executor: systemd with a user:, or turn the grant "
+                       "off (perfectsched-grant disable)"]
+    assert marked.routes[0].refused is None
+    for user in (None, "nobody"):
+        _, refused = refuse_routes(from_mapping({**BASE, "routes": [
+            {**ROUTE, "user": user}]}), grant=True)
+        assert refused == ["routes[0].user: the unit would run as nobody, the daemon's user, "
+                           "which holds the polkit grant to start units (it could become "
+                           "root): name another user"], user
 
 
 def test_a_route_s_user_and_env(with_systemd: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -213,7 +248,7 @@ def test_a_route_s_user_and_env(with_systemd: None, monkeypatch: pytest.MonkeyPa
     # `user: ~` (null), as in an entry, is no user.
     assert from_mapping({**BASE, "routes": [{**ROUTE, "user": None}]}).routes[0].user is None
     monkeypatch.setattr(os, "geteuid", lambda: 4242)  # a daemon user, not root nor nobody
-    check_host(config)
+    assert refuse_routes(config, grant=True)[1] == []
     refused = from_mapping({**BASE, "routes": [plain]}, source="/etc/p.yml")  # a client may
     with pytest.raises(ConfigError) as caught:
         check_host(refused)

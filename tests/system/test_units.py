@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 import test_system as base
-from test_system import CONF, REPO, SOCK, TOKEN, UNIT, Namespace, ensure_active, wait_for
+import yaml
+from test_system import CONF, SOCK, TOKEN, UNIT, Namespace, ensure_active, wait_for
 
 # The module-scoped fixtures of test_system.py: this module boots a namespace of its own
 # and installs the package there.
@@ -34,13 +35,20 @@ SCHEDULES = "/etc/perfectsched/schedules.d/units.yml"
 
 def entry(key: str, command: str, **extra: Any) -> dict[str, Any]:
     # Daily at a time that does not come during the test: every run here is `run KEY`.
+    # A user other than perfectsched: with the grant on, none may run as the daemon's.
     return {"key": key, "cron": "17 3 * * *", "exec": ["/bin/sh", "-c", command],
-            "executor": "systemd", **extra}
+            "executor": "systemd", "user": "nobody", **extra}
+
+
+# A job that tries to become root through systemd, and says how it went.
+ESCAPE = ('if out=$(systemd-run --wait --pipe --quiet -p User=root /usr/bin/id -u 2>&1); '
+          'then echo "ESCAPED uid=$out"; else echo "escape refused: $out" | head -c 300; '
+          'echo; fi')
 
 
 KEYS = {name: f"unit-{name}-{TOKEN}" for name in
         ("whoami", "oom", "timeout", "later", "sleeper", "leftover", "busrestart",
-          "frozenbus")}
+          "frozenbus", "asdaemon")}
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +59,14 @@ def units(ns: Namespace, installed) -> dict[str, Any]:
         "workers": 2, "poll_interval": 0.5, "retry_wait": 2, "kill_grace": 2,
         "alive_time": 30,
     }
+    # With the grant on, a plain exec route and a unit as the daemon's user are refused.
+    config["routes"] = [{"type": f"plain-{TOKEN}", "exec": ["/bin/sh", "-c", ESCAPE]}]
     entries = [
         entry(KEYS["whoami"], 'echo "unit-out uid=$(id -u) key=$PERFECTSCHED_KEY '
                               'attempt=$PERFECTSCHED_ATTEMPT data=$(cat)"; '
-                              'echo "unit-err on stderr" >&2',
-              user="nobody", data={"token": TOKEN}),
+                              'echo "unit-err on stderr" >&2; ' + ESCAPE,
+              data={"token": TOKEN}),
+        entry(KEYS["asdaemon"], "id -u", user=None),
         entry(KEYS["oom"], "exec python3 -c 'b = bytearray(200 * 1024 * 1024)\n"
                            "for i in range(0, len(b), 4096): b[i] = 1\n"
                            "print(\"survived\", len(b))'",
@@ -73,7 +84,10 @@ def units(ns: Namespace, installed) -> dict[str, Any]:
                                  'exec sleep 300'),
     ]
     ns.write(CONF, json.dumps(config, indent=2) + "\n")
-    ns.write(SCHEDULES, json.dumps(entries, indent=2) + "\n")
+    ns.write(SCHEDULES, json.dumps([{k: v for k, v in e.items() if v is not None}
+                                    for e in entries], indent=2) + "\n")
+    enabled = ns.run("perfectsched-grant", "enable")
+    assert "enabled for systemd" in enabled.stdout, enabled.stdout + enabled.stderr
     ns.run("systemctl", "restart", UNIT, timeout=150)
     ensure_active(ns)
     wait_for(lambda: all(k in ns.ctl("list").stdout for k in KEYS.values()), 30,
@@ -124,31 +138,61 @@ def memory_controller(ns: Namespace) -> bool:
 # --------------------------------------------------------------------------------------
 
 
+def as_user(ns: Namespace, user: str, *argv: str) -> Any:
+    return ns.run("runuser", "-u", user, "--", *argv, check=False, timeout=60)
+
+
+def test_u00_no_grant_after_install(ns: Namespace, installed) -> None:
+    """The grant is off as installed: the daemon's user cannot start a unit as root, nor
+    can an exec job (they run as that user), and the daemon says it holds no grant."""
+    r = ns.run("perfectsched-grant", "status", check=False)
+    assert r.returncode == 3 and "disabled" in r.stdout, r.stdout + r.stderr
+    assert ns.run("test", "-e", "/usr/share/polkit-1/rules.d/perfectsched.rules",
+                  check=False).returncode != 0, "0.1.0's active rule is still installed"
+    r = as_user(ns, "perfectsched", "systemd-run", "--wait", "--pipe", "--quiet", "-p",
+                "User=root", "/usr/bin/id", "-u")
+    assert r.returncode != 0 and r.stdout.strip() != "0", r.stdout + r.stderr
+    config = yaml.safe_load(ns.out("cat", CONF))
+    config["routes"] = [{"type": f"escape-{TOKEN}", "exec": ["/bin/sh", "-c", ESCAPE]}]
+    ns.write(CONF, json.dumps(config, indent=2) + "\n")
+    ns.run("systemctl", "restart", UNIT, timeout=150)
+    ensure_active(ns)
+    assert "polkit grant to start units: not held" in journal(ns)
+    key = f"escape-{TOKEN}"
+    ns.ctl("add", key, f"escape-{TOKEN}", "17 3 * * *")
+    ns.ctl("run", key)
+    wait_for(lambda: "escape refused" in journal(ns) or "ESCAPED" in journal(ns), 60,
+             "the escaping job's verdict", lambda: journal(ns))
+    assert "ESCAPED" not in journal(ns, lines=400), journal(ns)
+
+
 def test_u01_the_polkit_rule(ns: Namespace, installed) -> None:
-    """User perfectsched may start, stop and kill perfectsched-*.service units, and may
-    not start, stop or restart any other unit; other users get nothing from the rule."""
-    rule = ns.out("cat", "/usr/share/polkit-1/rules.d/perfectsched.rules")
-    assert "perfectsched-" in rule
+    """Enabled with the documented command: user perfectsched may start, stop and kill
+    perfectsched-*.service units, and may not start, stop or restart any other unit;
+    other users get nothing from the rule; the documented command turns it off."""
+    r = ns.run("perfectsched-grant", "enable")
+    link = ns.out("readlink", "/etc/polkit-1/rules.d/60-perfectsched.rules")
+    systemd = int(ns.out("systemctl", "--version").split()[1])
+    assert link == ("/usr/share/perfectsched/polkit-1/perfectsched.rules" if systemd >= 257
+                    else "/usr/share/perfectsched/polkit-1/perfectsched-before-257.rules")
+    assert "perfectsched-" in ns.out("cat", link)
     ns.run("systemctl", "restart", "polkit.service")  # reads the rule (it also watches)
 
-    def as_user(user: str, *argv: str) -> Any:
-        return ns.run("runuser", "-u", user, "--", *argv, check=False, timeout=60)
-
     ours = f"perfectsched-x-{TOKEN}.service"
-    r = as_user("perfectsched", "systemd-run", f"--unit={ours}", "--collect",
+    r = as_user(ns, "perfectsched", "systemd-run", f"--unit={ours}", "--collect",
                 "/bin/sleep", "120")
     assert r.returncode == 0, r.stderr
     assert ns.out("systemctl", "is-active", ours, check=False) == "active"
-    r = as_user("perfectsched", "systemctl", "kill", "--signal=SIGCONT", ours)
+    r = as_user(ns, "perfectsched", "systemctl", "kill", "--signal=SIGCONT", ours)
     assert r.returncode == 0, r.stderr
-    r = as_user("perfectsched", "systemctl", "stop", ours)
+    r = as_user(ns, "perfectsched", "systemctl", "stop", ours)
     assert r.returncode == 0, r.stderr
     assert ns.out("systemctl", "is-active", ours, check=False) != "active"
 
     other = f"other-{TOKEN}.service"
     ns.write(f"/etc/systemd/system/{other}", "[Service]\nExecStart=/bin/sleep 600\n")
     ns.run("systemctl", "daemon-reload")
-    r = as_user("perfectsched", "systemctl", "start", other)
+    r = as_user(ns, "perfectsched", "systemctl", "start", other)
     assert r.returncode != 0 and ns.out("systemctl", "is-active", other, check=False) \
         != "active", r.stdout + r.stderr
     ns.run("systemctl", "start", other)
@@ -156,28 +200,57 @@ def test_u01_the_polkit_rule(ns: Namespace, installed) -> None:
                  ["systemctl", "restart", "dbus.service"],
                  ["systemctl", "stop", "ssh.service"],
                  ["systemctl", "stop", "systemd-journald.service"]):
-        r = as_user("perfectsched", *argv)
+        r = as_user(ns, "perfectsched", *argv)
         assert r.returncode != 0, f"{argv} was allowed"
         assert re.search(r"Access denied|not loaded|not found", r.stderr), r.stderr
     assert ns.out("systemctl", "is-active", other) == "active"
     ns.run("systemctl", "stop", other)
+    if systemd >= 257:
+        # The strict rule: a transient unit of another name, and requests that name no
+        # unit (ClearJobs), are refused too.
+        r = as_user(ns, "perfectsched", "systemd-run", f"--unit=elsewhere-{TOKEN}",
+                    "/bin/true")
+        assert r.returncode != 0 and "Access denied" in r.stderr, r.stdout + r.stderr
+        r = as_user(ns, "perfectsched", "busctl", "call", "org.freedesktop.systemd1",
+                    "/org/freedesktop/systemd1", "org.freedesktop.systemd1.Manager",
+                    "ClearJobs")
+        assert r.returncode != 0, r.stdout + r.stderr
     # The rule is for perfectsched only.
-    r = as_user("nobody", "systemd-run", f"--unit=perfectsched-y-{TOKEN}", "/bin/true")
+    r = as_user(ns, "nobody", "systemd-run", f"--unit=perfectsched-y-{TOKEN}", "/bin/true")
     assert r.returncode != 0
-    # docs/systemd.md's way to turn it off where the executor is not used: a rule read
-    # first that says no.
-    doc = (REPO / "docs" / "systemd.md").read_text()
-    off = re.search(r"cat > (\S+) <<'EOF'\n(.*?)\nEOF\n", doc, re.S)
-    assert off is not None, "docs/systemd.md lost its way to turn the rule off"
-    ns.write(off.group(1), off.group(2) + "\n")
+    # The documented way to turn it off.
+    ns.run("perfectsched-grant", "disable")
     try:
         ns.run("systemctl", "restart", "polkit.service")
-        r = as_user("perfectsched", "systemd-run", f"--unit=perfectsched-z-{TOKEN}",
+        r = as_user(ns, "perfectsched", "systemd-run", f"--unit=perfectsched-z-{TOKEN}",
                     "--collect", "/bin/true")
         assert r.returncode != 0 and "Access denied" in r.stderr, r.stdout + r.stderr
     finally:
-        ns.run("rm", "-f", off.group(1))
+        ns.run("perfectsched-grant", "enable")
         ns.run("systemctl", "restart", "polkit.service")
+
+
+def test_u10_with_the_grant_no_job_runs_as_the_daemon_s_user(ns: Namespace, units) -> None:
+    """With the grant on: the exec route and the unit without another user are refused
+    alone (journal and status), the other units run, and a unit job cannot become root
+    through systemd (it runs as nobody, whom polkit grants nothing)."""
+    log = journal(ns, lines=400)
+    assert "polkit grant to start units: held" in log, log
+    assert re.search(r"routes\[0\]\.executor: an exec job runs as perfectsched, the "
+                     r"daemon's user, which holds the polkit grant", log), log
+    assert re.search(rf"schedules file entry {KEYS['asdaemon']}: user: the unit would run "
+                     r"as perfectsched", log), log
+    refused = json.loads(ns.ctl("--json", "status").stdout)["refused_routes"]
+    assert len(refused) == 2, refused
+    ns.ctl("run", KEYS["whoami"])
+    runs_until(ns, KEYS["whoami"], lambda h: h[0]["outcome"] == "success", 60,
+               "the whoami unit's run")
+    out = ns.out("journalctl", "--no-pager", "-o", "cat", "-u",
+                 f"perfectsched-{escaped(KEYS['whoami'])}-*")
+    assert "escape refused" in out and "ESCAPED" not in out, out
+    ns.ctl("run", KEYS["asdaemon"])
+    time.sleep(3)
+    assert history(ns, KEYS["asdaemon"]) == []
 
 
 def test_u02_runs_as_the_user_with_data_on_stdin_output_in_its_unit(

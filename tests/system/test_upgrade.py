@@ -332,14 +332,26 @@ def test_up07_release_notes(ns: Namespace, before, upgraded: dict[str, Any]) -> 
     # upgrade).  Optional; when there, it is a Debian changelog whose entries are for
     # versions up to the installed one.
     debian_news = ns.run("zcat", f"{doc}/NEWS.Debian.gz", check=False)
-    if debian_news.returncode != 0:
-        print(f"no {doc}/NEWS.Debian.gz: nothing an administrator must act on")
-        return
+    # 0.2.0 turns 0.1.0's active polkit grant off: the administrator is told how to
+    # turn it on again.
+    assert debian_news.returncode == 0, debian_news.stderr
+    assert "perfectsched-grant enable" in debian_news.stdout, debian_news.stdout
     versions = re.findall(r"^perfectsched \(([^)]+)\) ", debian_news.stdout, re.M)
     assert versions, f"NEWS.Debian.gz has no entry:\n{debian_news.stdout}"
     for v in versions:
         ns.run("dpkg", "--compare-versions", v, "le", version)
     print(f"NEWS.Debian.gz entries: {versions}")
+
+
+def test_up09_the_polkit_grant_is_off_after_the_upgrade(
+        ns: Namespace, before: dict[str, Any], upgraded: dict[str, Any]) -> None:
+    """0.1.0 installed its polkit rule active; after the upgrade it is gone and the daemon
+    holds no grant (perfectsched-grant enable turns it on)."""
+    assert ns.run("test", "-e", "/usr/share/polkit-1/rules.d/perfectsched.rules",
+                  check=False).returncode != 0
+    r = ns.run("perfectsched-grant", "status", check=False)
+    assert r.returncode == 3 and "disabled" in r.stdout, r.stdout + r.stderr
+    assert "polkit grant to start units: not held" in ns.journal(200)
 
 
 def test_up08_no_traceback_in_the_journal(ns: Namespace, before, upgraded) -> None:

@@ -1,0 +1,111 @@
+"""Whether this daemon may start systemd units: the polkit grant (docs/security.md).
+
+A process that may start transient units may start one with User=root, so the uid that
+holds the grant is as good as root.  The daemon therefore asks, at start and on reload,
+whether it holds it, and refuses what would let a job run under that uid
+(config.host_refusals): jobs of the exec executor (they run as the daemon's user), and
+units that would run as the daemon's user.
+
+The question is asked the only way that gives systemd's own answer, whatever polkit
+rules a site wrote: the daemon starts a unit that does nothing (/bin/true, as the
+daemon's user, collected once it ends).  polkit's CheckAuthorization would not do: an
+unprivileged caller may not pass the details (the unit's name) that the strict rule of
+systemd 257 and later needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import pwd
+import threading
+
+from dbus_next import BusType, Variant
+from dbus_next.aio import MessageBus
+
+from . import unitprops
+from .systemdbus import MANAGER, MANAGER_PATH, SystemdError, call
+
+log = logging.getLogger("perfectschedd")
+
+PROBE_TIMEOUT = 5.0
+# What systemd answers when polkit says no.
+_REFUSED = ("org.freedesktop.DBus.Error.AccessDenied",
+            "org.freedesktop.DBus.Error.InteractiveAuthorizationRequired")
+_probes = itertools.count(1)
+
+
+def probe_name() -> str:
+    return f"{unitprops.UNIT_PREFIX}grant-probe-{os.getpid()}-{next(_probes)}" \
+           f"{unitprops.UNIT_SUFFIX}"
+
+
+def holds_grant(timeout: float = PROBE_TIMEOUT) -> bool:
+    """True when systemd starts a unit for this process, False when it refuses;
+    SystemdError when it cannot tell (no system bus, no answer in time)."""
+    if os.geteuid() == 0:
+        return True
+    if not unitprops.systemd_booted():
+        return False
+    user = pwd.getpwuid(os.geteuid()).pw_name
+    name = probe_name()
+    props = [
+        ["Description", Variant("s", "PerfectSched: may this daemon start units?")],
+        ["ExecStart", Variant("a(sasb)", [["/bin/true", ["/bin/true"], False]])],
+        ["User", Variant("s", user)],
+        ["CollectMode", Variant("s", "inactive-or-failed")],
+        ["NoNewPrivileges", Variant("b", True)],
+    ]
+    answer: list[bool] = []
+    errors: list[BaseException] = []
+
+    async def ask() -> None:
+        bus = await MessageBus(bus_type=BusType.SYSTEM).connect()
+        try:
+            await call(bus, MANAGER_PATH, MANAGER, "StartTransientUnit", "ssa(sv)a(sa(sv))",
+                       [name, "fail", props, []])
+            answer.append(True)
+        except SystemdError as exc:
+            if any(e in str(exc) for e in _REFUSED):
+                answer.append(False)
+            else:
+                raise
+        finally:
+            bus.disconnect()
+
+    def target() -> None:
+        try:
+            asyncio.run(asyncio.wait_for(ask(), timeout))
+        except TimeoutError:
+            errors.append(SystemdError(f"no answer from systemd within {timeout:g}s"))
+        except BaseException as exc:  # noqa: BLE001 - reported to the caller
+            errors.append(exc)
+
+    # A thread of its own, ended before the return: nothing of it crosses a fork.
+    thread = threading.Thread(target=target, name="grant-probe")
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0] if isinstance(errors[0], SystemdError) else SystemdError(
+            str(errors[0]).splitlines()[0] if str(errors[0]) else type(errors[0]).__name__)
+    return answer[0]
+
+
+def grant_state() -> bool:
+    """holds_grant(), or when systemd cannot be asked, whether a rule of ours is enabled
+    (the file the enabling command links): better a refused exec route than a job that
+    could become root."""
+    try:
+        return holds_grant()
+    except (SystemdError, OSError) as exc:
+        enabled = os.path.exists(ENABLED_RULE)
+        log.warning("cannot ask systemd whether this daemon may start units (%s); "
+                    "taking the polkit rule at %s as %s", exc, ENABLED_RULE,
+                    "enabled" if enabled else "absent")
+        return enabled
+
+
+# Where `perfectsched-grant enable` links the shipped rule (packaging/perfectsched-grant).
+ENABLED_RULE = "/etc/polkit-1/rules.d/60-perfectsched.rules"
