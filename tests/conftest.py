@@ -174,3 +174,23 @@ def daemon_factory(tmp_path: pathlib.Path) -> Iterator[object]:
     yield make
     for d in made:
         d.kill()
+
+
+# --- past releases ---
+#
+# old_release   session-scoped tests/old_release.OldRelease: release 0.1.0 taken from git
+#               history (commit 0ffb1ea), run with this interpreter; FAILS (not skips) when
+#               the checkout does not hold that commit.  Its daemon runs in the harness:
+#               daemon_factory(cfg, command=old.daemon_command, ctl_command=old.ctl_command).
+
+from old_release import OldRelease, OldReleaseUnavailable, materialise  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def old_release(tmp_path_factory: pytest.TempPathFactory) -> OldRelease:
+    error = None
+    try:
+        return materialise(tmp_path_factory.mktemp("release-0.1.0"), "0.1.0")
+    except OldReleaseUnavailable as exc:
+        error = str(exc)
+    pytest.fail(f"cannot run release 0.1.0: {error}", pytrace=False)

@@ -130,8 +130,12 @@ class NotifyListener:
 class Daemon:
     def __init__(self, tmp_path: Path, overrides: dict[str, Any] | None = None, *,
                  url: str | None = None, name: str = "d", watchdog_usec: int | None = None,
-                 extra_args: list[str] | None = None, env: dict[str, str] | None = None
+                 extra_args: list[str] | None = None, env: dict[str, str] | None = None,
+                 command: list[str] | None = None, ctl_command: list[str] | None = None
                  ) -> None:
+        # The programs run: this tree's by default (tests/old_release.py: a past release's).
+        self.command = list(command or DAEMON)
+        self.ctl_command = list(ctl_command or CTL)
         self.dir = Path(tmp_path) / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.socket_path = str(self.dir / "ctl.sock")
@@ -182,7 +186,7 @@ class Daemon:
         if self.watchdog_usec:
             env["WATCHDOG_USEC"] = str(self.watchdog_usec)
         self.proc = subprocess.Popen(
-            [*DAEMON, "-c", str(self.config_path), *self.extra_args],
+            [*self.command, "-c", str(self.config_path), *self.extra_args],
             stdin=subprocess.DEVNULL, stdout=self.log_path.open("ab"),
             stderr=subprocess.STDOUT, env=env, start_new_session=True,
             cwd=str(self.dir))
@@ -277,7 +281,7 @@ class Daemon:
 
     def ctl(self, *args: str, check: bool = True, as_user: str | None = None,
             timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
-        cmd = [*CTL, "--socket", self.socket_path, *args]
+        cmd = [*self.ctl_command, "--socket", self.socket_path, *args]
         if as_user:
             cmd = ["setpriv", f"--reuid={as_user}", f"--regid={as_user}", "--clear-groups",
                    *foreign_ctl(), "--socket", self.socket_path, *args]
