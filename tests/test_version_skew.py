@@ -69,3 +69,35 @@ def test_a_bad_client_field_is_a_protocol_error(daemon: Daemon) -> None:
         answer = raw(daemon, {"cmd": "status", "args": {}, "client": bad})
         assert answer["error"]["type"] == "ProtocolError", bad
     assert daemon.alive()
+
+
+def test_this_client_with_a_0_1_0_daemon(daemon_factory: Any, old_release: Any) -> None:
+    """A CLI upgraded before its daemon restarted: 0.1.0 refuses the client's version
+    field, so the client asks again without it and what both know works; a command
+    0.1.0 does not know is refused in one line naming both versions."""
+    old: Daemon = daemon_factory(command=old_release.daemon_command).start()
+    assert "perfectschedd 0.1.0 starting" in old.log()
+    old.ctl("add", "k", "t", "@daily")
+    assert [s["key"] for s in old.ctl_json("list")] == ["k"]
+    assert old.ctl_json("status")["version"] == "0.1.0"
+    # `status` is known to both; a command only this client knows, sent as it would be:
+    from perfectschedctl.client import SocketClient
+
+    client = SocketClient(old.socket_path)
+    with pytest.raises(Exception) as caught:
+        client.call("frobnicate", {})
+    message = str(caught.value)
+    assert "unknown command 'frobnicate'" in message
+    assert f"(perfectschedctl {VERSION}, perfectschedd older than 0.2.0" in message
+    assert "\n" not in message
+    assert client.client is None  # it learnt the daemon takes no version field
+
+
+def test_a_0_1_0_client_with_this_daemon(daemon: Daemon, old_release: Any) -> None:
+    """A daemon upgraded before the CLI: 0.1.0's perfectschedctl works against it."""
+    res = old_release.ctl("--socket", daemon.socket_path, "add", "k", "t", "@daily")
+    assert res.returncode == 0, res
+    res = old_release.ctl("--socket", daemon.socket_path, "--json", "list")
+    assert [s["key"] for s in json.loads(res.stdout)] == ["k"]
+    res = old_release.ctl("--socket", daemon.socket_path, "status")
+    assert res.returncode == 0 and f"perfectschedd {VERSION}" in res.stdout
