@@ -169,3 +169,102 @@ def test_an_exec_route_runs_as_its_user_with_its_env(daemon_factory: Any) -> Non
     assert d.ctl("reload").returncode == 0
     wait_until(lambda: d.log().count("route ran as 65534") >= 2, what="a run after the fix")
     assert d.stop() == 0
+
+
+# -- who may write a schedules file (SPEC "Privilege model": cron's rules) -------------------
+
+NOBODY = 65534  # nobody:nogroup on Debian, here the daemon's user
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="gives files to other users")
+PLAIN = {"key": "plain", "cron": "@daily", "exec": "true"}
+
+
+def owned(path: Path, entries: Any, uid: int = 0, mode: int = 0o644) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(entries))
+    os.chown(path, uid, uid)
+    path.chmod(mode)
+    return path
+
+
+@needs_root
+def test_the_daemon_s_own_files_may_not_say_who_runs_a_job(tmp_path: Path) -> None:
+    """A file of the daemon's user (its link, or its directory) schedules jobs that run as
+    that user; naming a user or an executor is root's alone, so such a file is rejected
+    whole in one line."""
+    ours = owned(tmp_path / "d" / "ours.yml", [PLAIN], NOBODY)
+    assert schedfiles.load([ours], daemon_uid=NOBODY).entries.keys() == {"plain"}
+    for extra in ({"user": "nobody"}, {"executor": "exec"}):
+        owned(ours, [PLAIN, {**PLAIN, "key": "who", **extra}], NOBODY)
+        loaded = schedfiles.load([ours], daemon_uid=NOBODY)
+        field = next(iter(extra))
+        assert loaded.entries == {} and loaded.errors == [
+            f"{ours}: entry 2 (who): {field}: only a file that root owns may name a user or "
+            "an executor, and it is owned by uid 65534 (nobody): rejected"]
+    roots = owned(tmp_path / "d" / "roots.yml", [{**PLAIN, "user": "nobody"}])
+    assert schedfiles.load([roots], daemon_uid=NOBODY).errors == []
+    link = tmp_path / "d" / "link.yml"
+    link.symlink_to(roots)
+    os.lchown(link, NOBODY, NOBODY)
+    assert schedfiles.load([link], daemon_uid=NOBODY).errors == [
+        f"{link}: entry 1 (plain): user: only a file that root owns may name a user or an "
+        "executor, and a symlink to it is owned by uid 65534 (nobody): rejected"]
+    # Their directory: they could swap any file in it, root's too.
+    owned(ours, [PLAIN], NOBODY)
+    os.chown(tmp_path / "d", NOBODY, NOBODY)
+    loaded = schedfiles.load([tmp_path / "d"], daemon_uid=NOBODY)
+    assert loaded.sources == {"file:ours.yml"} and loaded.broken == {
+        "file:link.yml", "file:roots.yml"}
+    assert f"{roots}: entry 1 (plain): user: only a file that root owns may name a user " \
+        "or an executor, and its directory is owned by uid 65534 (nobody): rejected" in \
+        loaded.errors
+
+
+@needs_root
+@pytest.mark.parametrize("uid,mode,dir_mode,why", [
+    (4321, 0o644, 0o755, "owned by uid 4321, not root or uid 65534 (nobody): rejected"),
+    (0, 0o664, 0o755, "group-writable (mode 0664): rejected"),
+    (NOBODY, 0o602, 0o755, "world-writable (mode 0602): rejected"),
+    (0, 0o644, 0o757, "none of its files are read"),
+])
+def test_files_others_may_write_are_rejected(tmp_path: Path, uid: int, mode: int,
+                                             dir_mode: int, why: str) -> None:
+    f = owned(tmp_path / "d" / "x.yml", [PLAIN], uid, mode)
+    f.parent.chmod(dir_mode)
+    loaded = schedfiles.load([f.parent], daemon_uid=NOBODY)
+    assert loaded.entries == {} and len(loaded.errors) == 1
+    assert loaded.errors[0].endswith(why), loaded.errors
+    if dir_mode == 0o757:
+        assert loaded.errors[0] == (f"{f.parent}: world-writable (mode 0757): none of its "
+                                    "files are read") and loaded.refused_dirs == {str(f.parent)}
+    # perfectschedctl apply reads what its caller can: only stored fields leave it.
+    assert schedfiles.load([f.parent]).entries.keys() == {"plain"}
+
+
+@needs_root
+def test_every_symlink_on_the_way_is_checked(tmp_path: Path) -> None:
+    target = owned(tmp_path / "away" / "t.yml", [PLAIN])
+    middle = tmp_path / "away" / "middle.yml"
+    middle.symlink_to(target)
+    os.lchown(middle, 4321, 4321)
+    link = tmp_path / "d" / "x.yml"
+    link.parent.mkdir()
+    link.symlink_to("../away/middle.yml")  # relative, as ln -s makes them
+    assert schedfiles.load([link.parent], daemon_uid=0).errors == [
+        f"{link}: its symlink {link.parent}/../away/middle.yml owned by uid 4321, not root: "
+        "rejected"]
+    os.lchown(middle, 0, 0)
+    assert schedfiles.load([link.parent], daemon_uid=0).entries.keys() == {"plain"}
+    loop = tmp_path / "d" / "loop.yml"
+    loop.symlink_to(loop)
+    assert schedfiles.load([loop], daemon_uid=0).errors == [
+        f"{loop}: too many levels of symbolic links: rejected"]
+
+
+def test_a_fifo_is_not_read(tmp_path: Path) -> None:
+    """Nothing writes to it: opening it for reading would wait forever."""
+    fifo = tmp_path / "x.yml"
+    os.mkfifo(fifo, 0o644)
+    started = time.monotonic()
+    assert schedfiles.load([fifo], daemon_uid=os.geteuid()).errors == [
+        f"{fifo}: not a regular file: rejected"]
+    assert time.monotonic() - started < 5
