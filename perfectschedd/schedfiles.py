@@ -160,11 +160,13 @@ def _load_file(path: Path, need_user_support: bool, owners: frozenset[int] | Non
     if len(raw) > FILE_MAX:
         return [], [f"{path}: larger than {FILE_MAX} bytes"]
     try:
-        data = yaml.safe_load(raw.decode("utf-8"))
+        data = yaml.load(raw.decode("utf-8"), Loader=_NoAliasLoader)  # a SafeLoader
     except UnicodeDecodeError:
         return [], [f"{path}: not UTF-8 text"]
-    except yaml.YAMLError as exc:
-        return [], [f"{path}: not valid YAML: {str(exc).splitlines()[0]}"]
+    except _AliasRefused as exc:
+        return [], [f"{path}: YAML anchors and aliases are not allowed (line {exc.line})"]
+    except (yaml.YAMLError, ValueError) as exc:  # ValueError: a date or number YAML can't build
+        return [], [f"{path}: not valid YAML: {(str(exc).splitlines() or ['?'])[0][:200]}"]
     except RecursionError:
         return [], [f"{path}: nested too deeply"]
     if data is None:
@@ -198,6 +200,25 @@ def _load_file(path: Path, need_user_support: bool, owners: frozenset[int] | Non
         seen.add(entry.key)
         entries.append(entry)
     return entries, errors
+
+
+class _AliasRefused(Exception):
+    def __init__(self, line: int) -> None:
+        super().__init__(f"line {line}")
+        self.line = line
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """SafeLoader that refuses the first anchor or alias it meets, before composing
+    anything from it: a file of a few hundred bytes of nested aliases composes to
+    billions of nodes for whatever walks them (the checks, json.dumps).  A schedules file
+    has no need of them; cron has nothing like them."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            raise _AliasRefused(event.start_mark.line + 1)
+        return super().compose_node(parent, index)
 
 
 def _names_a_user(data: list[Any]) -> str | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import textwrap
 import time
@@ -268,3 +269,51 @@ def test_a_fifo_is_not_read(tmp_path: Path) -> None:
     assert schedfiles.load([fifo], daemon_uid=os.geteuid()).errors == [
         f"{fifo}: not a regular file: rejected"]
     assert time.monotonic() - started < 5
+
+
+# -- YAML anchors and aliases ---------------------------------------------------------------
+
+def alias_bomb() -> str:
+    """A few hundred bytes that compose to 9**9 strings for whatever walks them."""
+    rows = ['a: &a ["x","x","x","x","x","x","x","x","x"]']
+    for prev, name in zip("abcdefgh", "bcdefghi", strict=True):
+        rows.append(f"{name}: &{name} [" + ",".join([f"*{prev}"] * 9) + "]")
+    return "- key: k\n  cron: '@daily'\n  type: t\n  data: {" + ", ".join(rows) + "}\n"
+
+
+def test_an_alias_bomb_is_refused_at_once(tmp_path: Path) -> None:
+    """Refused as the loader meets the first anchor, before anything is composed from it
+    (in a child with a deadline: before the fix it ran for ever)."""
+    bomb = tmp_path / "x.yml"
+    bomb.write_text(alias_bomb())
+    assert len(bomb.read_bytes()) < 450
+    code = ("import sys, time\nfrom perfectschedd import schedfiles\nt = time.monotonic()\n"
+            "errors = schedfiles.load([sys.argv[1]]).errors\n"
+            "print(time.monotonic() - t)\nprint(*errors, sep='\\n')\n")
+    res = subprocess.run([sys.executable, "-c", code, str(bomb)], capture_output=True,
+                         text=True, timeout=60)
+    took, *errors = res.stdout.splitlines()
+    assert errors == [f"{bomb}: YAML anchors and aliases are not allowed (line 4)"], res
+    assert float(took) < 0.1
+
+
+@pytest.mark.parametrize("text,line", [
+    ("- &e {key: a, cron: '@daily', type: t}\n- *e\n", 1),
+    ("- {key: a, cron: '@daily', type: t, data: &d {x: 1}}\n", 1),
+    ("- key: a\n  cron: '@daily'\n  type: t\n  data: {<<: *nowhere}\n", 4),
+])
+def test_anchors_and_aliases_are_refused(tmp_path: Path, text: str, line: int) -> None:
+    loaded = load_one(tmp_path, text)
+    assert loaded.entries == {} and loaded.errors == [
+        f"{tmp_path / 'one.yml'}: YAML anchors and aliases are not allowed (line {line})"]
+
+
+@pytest.mark.parametrize("value,error", [
+    ("2024-13-45", "not valid YAML: month must be in 1..12"),
+    ("9" * 5000, "not valid YAML: Exceeds the limit (4300 digits) for integer string "
+                 "conversion"),
+])
+def test_values_yaml_cannot_build_are_one_line(tmp_path: Path, value: str, error: str) -> None:
+    loaded = load_one(tmp_path, f"- {{key: a, cron: '@daily', type: t, data: {{d: {value}}}}}")
+    assert loaded.entries == {} and len(loaded.errors) == 1
+    assert loaded.errors[0].startswith(f"{tmp_path / 'one.yml'}: {error}"), loaded.errors
