@@ -29,6 +29,7 @@ import hashlib
 import os
 import pwd
 import re
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -128,11 +129,25 @@ def _key(prefix: str, user: str | None, command: str, seen: dict[str, int]) -> s
 
 def _exec(command: str, stdin: str | None, shell: str) -> str | list[str]:
     if stdin is not None:
-        # The input as a here-document: the job reads exactly what cron would have sent.
-        if not stdin.endswith("\n"):
-            stdin += "\n"
-        command = f"{command} <<'{HEREDOC_END}'\n{stdin}{HEREDOC_END}"
+        command = _with_input(command, stdin, shell)
     return command if shell == "/bin/sh" else [shell, "-c", command]
+
+
+def _with_input(command: str, stdin: str, shell: str) -> str:
+    """A shell line that runs `command` as cron does (`SHELL -c COMMAND`) with `stdin` as
+    its standard input, a here-document.  Neither can become code of the line: the
+    command is one quoted word, parsed by the inner shell alone (its comment, open quote
+    or trailing `&&` reach nothing after it), and the delimiter, quoted so that nothing in
+    the text is expanded, is chosen unlike every line of the text (a line equal to it
+    would end the document and run the rest)."""
+    if not stdin.endswith("\n"):
+        stdin += "\n"
+    lines = set(stdin.split("\n"))
+    end, n = HEREDOC_END, 0
+    while end in lines:
+        n += 1
+        end = f"{HEREDOC_END}_{n}"
+    return f"exec {shlex.quote(shell)} -c {shlex.quote(command)} <<'{end}'\n{stdin}{end}"
 
 
 def _parse_schedule(fields: list[str]) -> tuple[str, list[str]] | None:

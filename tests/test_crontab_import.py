@@ -288,3 +288,44 @@ def test_a_spool_crontab_is_its_owner_s(tmp_path: Path) -> None:
     refused(ctl_over(root, "/var/spool/cron/crontabs/no-such-user-x"),
             "/var/spool/cron/crontabs/no-such-user-x: no user no-such-user-x on this host "
             "(cron ignores the crontab of a user it does not know)")
+
+
+# -- crontab(5)'s % text never becomes shell code -------------------------------------------
+
+INJECTIONS = {
+    # The text holds the here-document's delimiter: what follows it was run as code.
+    "delimiter": ('@daily cat > "$OUT_DIR/in"%first%PERFECTSCHED_INPUT%touch "$OUT_DIR/pwned"%',
+                  'first\nPERFECTSCHED_INPUT\ntouch "$OUT_DIR/pwned"\n'),
+    # A comment at the end of the command hid the redirection: the text ran as commands.
+    "comment": ('@daily cat > "$OUT_DIR/in" # keep a copy%touch "$OUT_DIR/pwned"%',
+                'touch "$OUT_DIR/pwned"\n'),
+    # An open quote in the command took the redirection in, and the text went on as code
+    # (cron runs nothing: `echo '` does not parse).
+    "quote": ("@daily echo '%'; touch \"$OUT_DIR/pwned\" #", None),
+}
+
+
+@pytest.mark.parametrize("case", INJECTIONS)
+def test_percent_text_is_only_ever_standard_input(tmp_path: Path, case: str) -> None:
+    line, want = INJECTIONS[case]
+    res = ctl("import-crontab", "--user", "nobody", "-", stdin=line + "\n")
+    assert res.returncode == 0, res.stderr
+    argv = yaml.safe_load(res.stdout)[0]["exec"]
+    argv = ["/bin/sh", "-c", argv] if isinstance(argv, str) else argv
+    subprocess.run(argv, env={**os.environ, "OUT_DIR": str(tmp_path)},
+                   stdin=subprocess.DEVNULL, capture_output=True, timeout=10)
+    assert not (tmp_path / "pwned").exists()
+    if want is not None:
+        assert (tmp_path / "in").read_text() == want
+
+
+def test_the_delimiter_is_absent_from_the_text() -> None:
+    """Whatever lines the text holds, the here-document ends where it was meant to."""
+    from perfectschedd.crontab import convert
+    text = "\n".join(["@daily cat%a%" + "%".join(
+        f"PERFECTSCHED_INPUT{s}" for s in ("", "_1", "_2", "_3"))])
+    entry = yaml.safe_load(convert(text, name="t", system=False, user="nobody").text)[0]
+    out = subprocess.run(["/bin/sh", "-c", entry["exec"]], capture_output=True, text=True,
+                         stdin=subprocess.DEVNULL, timeout=10, check=True).stdout
+    assert out == "a\nPERFECTSCHED_INPUT\nPERFECTSCHED_INPUT_1\nPERFECTSCHED_INPUT_2\n" \
+        "PERFECTSCHED_INPUT_3\n"
