@@ -27,6 +27,9 @@ SYSTEMD_MARKER = "/run/systemd/system"
 Property = tuple[str, str, Any]  # (D-Bus property name, signature, value)
 
 _ESCAPE_KEEP = re.compile(r"[A-Za-z0-9:_.]")
+_DIGEST = 16  # hex digits of a long key's hash in its unit name
+_ENDS_AS_TIME = re.compile(r"-[0-9]+$")
+_ENDS_AS_DIGEST = re.compile(f"_[0-9a-f]{{{_DIGEST}}}$")
 _UINT64_MAX = 2**64 - 1
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTPE]?)B?\s*$", re.IGNORECASE)
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
@@ -61,19 +64,38 @@ def escape(text: str) -> str:
 def unit_name(key: str, scheduled_time: int, attempt: int = 1) -> str:
     """perfectsched-<escaped key>-<scheduled_time>.service, and -<attempt> from the second
     attempt on (a retry of one occurrence is a unit of its own, in history and journal).
-    A key too long for systemd's 255 characters is cut and followed by a hash of the whole
-    key, so two long keys never share a name."""
+    A key too long for systemd's 255 characters is cut and followed by _<hash of the whole
+    key>, so two long keys never share a name.
+
+    Unique per (key, scheduled_time >= 0, attempt >= 1) by construction: the escaped key
+    never ends in "-<digits>" (else key a/5 at time 2 would be key a at time 5, attempt 2),
+    so the name reads back one way only; a short key's never ends in "_<16 hex digits>",
+    which a long key's always does."""
     tail = f"-{int(scheduled_time)}" + (f"-{int(attempt)}" if attempt > 1 else "") + \
         UNIT_SUFFIX
-    escaped = escape(key)
+    escaped = _unit_escape(key)
     room = UNIT_NAME_MAX - len(UNIT_PREFIX) - len(tail)
     if len(escaped) > room:
-        digest = hashlib.sha256(key.encode("utf-8")).hexdigest()[:16]
-        cut = escaped[:room - len(digest) - 1]
+        digest = hashlib.sha256(key.encode("utf-8")).hexdigest()[:_DIGEST]
+        cut = escape(key)[:room - _DIGEST - 1]
         # Never end on half an escape (\x4 of \x41): the name stays readable.
         cut = re.sub(r"\\(x[0-9a-f]?)?$", "", cut)
-        escaped = f"{cut}-{digest}"
+        escaped = f"{cut}_{digest}"
     return f"{UNIT_PREFIX}{escaped}{tail}"
+
+
+def _unit_escape(key: str) -> str:
+    """escape(), but a trailing "/<digits>" escapes its '/' as \\x2f and a trailing
+    "_<16 hex digits>" its '_' as \\x5f (unit_name's two rules); systemd-escape
+    --unescape still reads the key back."""
+    escaped = escape(key)
+    if _ENDS_AS_TIME.search(escaped):
+        cut = escaped.rindex("-")
+        return f"{escaped[:cut]}\\x2f{escaped[cut + 1:]}"
+    if _ENDS_AS_DIGEST.search(escaped):
+        cut = len(escaped) - _DIGEST - 1
+        return f"{escaped[:cut]}\\x5f{escaped[cut + 1:]}"
+    return escaped
 
 
 def bus_path(unit: str) -> str:

@@ -6,6 +6,8 @@ including `executor: systemd` on a host that systemd does not run (this suite's 
 from __future__ import annotations
 
 import os
+import random
+import re
 import shutil
 import subprocess
 import time
@@ -73,7 +75,98 @@ def test_long_keys_are_cut_and_told_apart_by_a_hash() -> None:
     na, nb = unitprops.unit_name(a, 1357000000, 3), unitprops.unit_name(b, 1357000000, 3)
     assert len(na) <= 255 and len(nb) <= 255 and na != nb
     assert na.endswith("-1357000000-3.service")
-    assert "\\xc3\\xa9" in na and not na.split("-")[-3].endswith("\\")
+    # Whole escapes only (never \\x4 of \\x41), then _ and the hash.
+    assert re.fullmatch(r"perfectsched-(\\x[0-9a-f]{2})+_[0-9a-f]{16}-1357000000-3\.service",
+                        na), na
+
+
+@pytest.mark.skipif(shutil.which("systemd-escape") is None, reason="no systemd-escape")
+@pytest.mark.parametrize("key", ["rootjob/1795585905", "a/b/0", "x_0123456789abcdef",
+                                 "/7", "a/5/_0123456789abcdef"])
+def test_systemd_reads_an_escaped_tail_back_as_the_key(key: str) -> None:
+    name = unitprops.unit_name(key, 60)
+    res = subprocess.run(["systemd-escape", "--unescape", "--",
+                          name.removeprefix("perfectsched-").removesuffix("-60.service")],
+                         capture_output=True, text=True, check=True)
+    assert res.stdout.strip() == key
+
+
+def test_a_key_ending_in_slash_digits_is_not_another_occurrence() -> None:
+    """The reported pair: the '/' of a trailing "/<digits>" escaped as '-' made key
+    rootjob/1795585905 at time 2 the second attempt of rootjob at 1795585905."""
+    a = unitprops.unit_name("rootjob", 1795585905, 2)
+    b = unitprops.unit_name("rootjob/1795585905", 2, 1)
+    assert a == "perfectsched-rootjob-1795585905-2.service"
+    assert b == "perfectsched-rootjob\\x2f1795585905-2.service" and a != b
+
+
+def unescape(escaped: str) -> str | None:
+    """`systemd-escape --unescape`: '-' is '/', \\xNN a byte; None: not UTF-8 text (a
+    long key's cut may end inside a character)."""
+    out, i = bytearray(), 0
+    while i < len(escaped):
+        if escaped[i] == "-":
+            out += b"/"
+            i += 1
+        elif escaped.startswith("\\x", i):
+            out.append(int(escaped[i + 2:i + 4], 16))
+            i += 4
+        else:
+            out += escaped[i].encode()
+            i += 1
+    try:
+        return out.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def readings(name: str) -> list[tuple[str | None, int, int]]:
+    """Every (key, scheduled_time, attempt) that a unit name could be read as: its middle
+    cut at each "-<digits>" (or two) at its end."""
+    middle = name.removeprefix(unitprops.UNIT_PREFIX).removesuffix(unitprops.UNIT_SUFFIX)
+    out = []
+    parts = middle.split("-")
+    for tail in (1, 2):
+        if len(parts) > tail and all(p.isdigit() for p in parts[-tail:]):
+            numbers = [int(p) for p in parts[-tail:]] + [1]
+            out.append((unescape("-".join(parts[:-tail])), numbers[0], numbers[1]))
+    return out
+
+
+def generated_keys(rng: random.Random, n: int) -> list[str]:
+    """Keys made of what unit names are made of: '/', '-', digits, '_', hex, '\\', 'x',
+    and some too long for a unit name (cut and hashed)."""
+    alphabet = "/-_0123456789abcdefx\\.é@ "
+    keys = []
+    for _ in range(n):
+        size = rng.choice([1, 2, 3, 5, 8, 13, 21, 200, 230, 250, 300])
+        key = "".join(rng.choice(alphabet) for _ in range(size))
+        if rng.random() < 0.3:  # a trailing "/<digits>", or "_<16 hex>" as a hash reads
+            key += rng.choice([f"/{rng.randrange(10**6)}",
+                               "_" + "".join(rng.choice("0123456789abcdef") for _ in
+                                             range(16))])
+        keys.append(key)
+    return keys
+
+
+def test_unit_names_are_unique_per_key_time_and_attempt() -> None:
+    """No two (key, scheduled_time, attempt) give one name: over generated triples, and
+    over every other way to read each name back (a key cut at a "-<digits>", a long key's
+    cut-and-hash read as a key of its own)."""
+    rng = random.Random(25)
+    triples = {(k, rng.choice([0, 2, 60, 1357000000, 1795585905, rng.randrange(2**33)]),
+                rng.choice([1, 1, 2, 3, 11])) for k in generated_keys(rng, 6000)}
+    triples |= {("rootjob", 1795585905, 2), ("rootjob/1795585905", 2, 1)}
+    named: dict[str, tuple[str, int, int]] = {}
+    for key, when, attempt in sorted(triples):
+        name = unitprops.unit_name(key, when, attempt)
+        assert named.setdefault(name, (key, when, attempt)) == (key, when, attempt), name
+        assert len(name) <= unitprops.UNIT_NAME_MAX
+        for other_key, other_when, other_attempt in readings(name):
+            if other_key and (other_key, other_when, other_attempt) != (key, when, attempt):
+                assert unitprops.unit_name(other_key, other_when, other_attempt) != name, \
+                    (name, other_key, key)
+    assert len(named) == len(triples)
 
 
 def test_bus_path_is_systemd_s_bus_label() -> None:
