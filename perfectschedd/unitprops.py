@@ -9,9 +9,11 @@ one line naming it, never when a job starts.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
 from collections.abc import Mapping
+from fractions import Fraction
 from typing import Any
 
 from .errors import describe
@@ -31,6 +33,7 @@ _DIGEST = 16  # hex digits of a long key's hash in its unit name
 _ENDS_AS_TIME = re.compile(r"-[0-9]+$")
 _ENDS_AS_DIGEST = re.compile(f"_[0-9a-f]{{{_DIGEST}}}$")
 _UINT64_MAX = 2**64 - 1
+_DIGITS_MAX = 40  # of a size or percentage written as text
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTPE]?)B?\s*$", re.IGNORECASE)
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
 _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50,
@@ -109,19 +112,36 @@ def bus_path(unit: str) -> str:
 # -- the `unit:` whitelist -------------------------------------------------------------------
 
 
+def _uint64(name: str, value: Any, amount: Fraction | int | None, limits: str) -> int:
+    """`amount`, rounded down, if systemd takes it: a D-Bus uint64 (signature t) and at
+    least 1 (0 is refused, or means nothing, for every such property here); else one line
+    naming the property and its `limits`.  None: a number too long to be one."""
+    whole = None if amount is None else math.floor(amount)
+    if whole is None or not 1 <= whole <= _UINT64_MAX:
+        raise UnitPropertyError(f"{name}: out of range: {describe(value)} ({limits})")
+    return whole
+
+
+def _exact(digits: str) -> Fraction | None:
+    """A decimal number exactly (a float would round 15.9999999999999999999E up past
+    uint64); None past _DIGITS_MAX digits, which no value systemd takes has (and int()
+    refuses beyond 4300)."""
+    return Fraction(digits) if len(digits) <= _DIGITS_MAX else None
+
+
 def _size(name: str, value: Any) -> Property:
+    limits = f"1 to {_UINT64_MAX} bytes, or infinity"
     if value == "infinity":
         return (name, "t", _UINT64_MAX)
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return (name, "t", value)
+        return (name, "t", _uint64(name, value, value, limits))
     m = _SIZE.match(value) if isinstance(value, str) else None
     if m is None:
         raise UnitPropertyError(f"{name}: expected bytes such as 512M or 1G, or infinity, "
                                 f"got {describe(value)}")
-    size = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
-    if not 0 < size <= _UINT64_MAX:
-        raise UnitPropertyError(f"{name}: out of range: {describe(value)}")
-    return (name, "t", size)
+    number = _exact(m.group(1))
+    amount = None if number is None else number * _SIZE_UNITS[m.group(2).upper()]
+    return (name, "t", _uint64(name, value, amount, limits))
 
 
 def _cpu_quota(name: str, value: Any) -> Property:
@@ -130,7 +150,10 @@ def _cpu_quota(name: str, value: Any) -> Property:
         raise UnitPropertyError(f"{name}: expected a percentage of one CPU such as 50% "
                                 f"or 200%, got {describe(value)}")
     # systemd's unit: CPU time per second of wall time, in microseconds (100% = 1 s).
-    return ("CPUQuotaPerSecUSec", "t", int(float(m.group(1)) * 10_000))
+    number = _exact(m.group(1))
+    amount = None if number is None else number * 10_000
+    limits = f"0.0001% to {_UINT64_MAX // 10_000}.{_UINT64_MAX % 10_000:04d}%"
+    return ("CPUQuotaPerSecUSec", "t", _uint64(name, value, amount, limits))
 
 
 def _integer(low: int, high: int, signature: str) -> Any:
@@ -148,7 +171,7 @@ def _tasks_max(name: str, value: Any) -> Property:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise UnitPropertyError(f"{name}: expected a number of tasks (at least 1) or "
                                 f"infinity, got {describe(value)}")
-    return (name, "t", value)
+    return (name, "t", _uint64(name, value, value, f"1 to {_UINT64_MAX} tasks, or infinity"))
 
 
 def _boolean(name: str, value: Any) -> Property:

@@ -202,6 +202,13 @@ def test_properties_become_dbus_values() -> None:
     ({"ProtectSystem": "full"}, ("ProtectSystem", "s", "full")),
     ({"ReadWritePaths": "/srv"}, ("ReadWritePaths", "as", ["/srv"])),
     ({"WorkingDirectory": "~"}, ("WorkingDirectory", "s", "~")),
+    # The edges of systemd's uint64 (D-Bus signature t), in exact arithmetic.
+    ({"MemoryMax": 2**64 - 1}, ("MemoryMax", "t", 2**64 - 1)),
+    ({"MemoryMax": "15.9999999999999999999E"}, ("MemoryMax", "t", 2**64 - 1)),
+    ({"MemoryMax": "0.5K"}, ("MemoryMax", "t", 512)),
+    ({"TasksMax": 2**64 - 1}, ("TasksMax", "t", 2**64 - 1)),
+    ({"CPUQuota": "0.0001%"}, ("CPUQuotaPerSecUSec", "t", 1)),
+    ({"CPUQuota": "1844674407370955.1615%"}, ("CPUQuotaPerSecUSec", "t", 2**64 - 1)),
 ])
 def test_each_property_s_type(raw: dict[str, Any], want: unitprops.Property) -> None:
     assert unitprops.convert(raw) == (want,)
@@ -227,6 +234,19 @@ def test_each_property_s_type(raw: dict[str, Any], want: unitprops.Property) -> 
     ({"ReadWritePaths": []}, "ReadWritePaths: expected an absolute path or a list"),
     ({"WorkingDirectory": "tmp"}, "WorkingDirectory: expected an absolute path"),
     ("MemoryMax=1G", "expected a mapping of systemd properties"),
+    # Past systemd's uint64 (D-Bus signature t), or 0 after rounding: refused at load.
+    ({"MemoryMax": 2**64}, "MemoryMax: out of range: a whole number too large (1 to "
+                           "18446744073709551615 bytes, or infinity)"),
+    ({"MemoryMax": "999999999999999999999G"}, "MemoryMax: out of range: "),
+    ({"MemoryMax": "9" * 400 + "G"}, "MemoryMax: out of range: "),
+    ({"MemoryMax": "16E"}, "MemoryMax: out of range: '16E'"),
+    ({"MemoryMax": "0.1"}, "MemoryMax: out of range: '0.1'"),
+    ({"TasksMax": 2**64}, "TasksMax: out of range: a whole number too large (1 to "
+                          "18446744073709551615 tasks, or infinity)"),
+    ({"CPUQuota": "9" * 400 + "%"}, "CPUQuota: out of range: "),
+    ({"CPUQuota": "1844674407370955.1616%"}, "CPUQuota: out of range: "),
+    ({"CPUQuota": "0.00001%"}, "CPUQuota: out of range: '0.00001%' (0.0001% to "
+                               "1844674407370955.1615%)"),
 ])
 def test_bad_properties_are_refused_by_name(raw: Any, error: str) -> None:
     with pytest.raises(unitprops.UnitPropertyError) as caught:
@@ -353,6 +373,8 @@ def test_an_entry_with_executor_systemd(with_systemd: None, tmp_path: Path) -> N
 @pytest.mark.parametrize("entry,error", [
     ({**ENTRY, "unit": {"KillMode": "none"}}, "unit: 'KillMode': not an allowed property"),
     ({**ENTRY, "unit": {"MemoryMax": "1Q"}}, "unit: MemoryMax: expected bytes"),
+    ({**ENTRY, "unit": {"MemoryMax": 2**70}}, "unit: MemoryMax: out of range"),
+    ({**ENTRY, "unit": {"CPUQuota": "9" * 400 + "%"}}, "unit: CPUQuota: out of range"),
     ({**ENTRY, "executor": "chroot"}, "executor: expected exec or systemd, got 'chroot'"),
     ({"key": "k", "cron": "@daily", "type": "t", "executor": "systemd"},
      "executor: only for exec entries"),
@@ -430,3 +452,15 @@ def test_the_daemon_refuses_the_file_and_runs_the_rest(daemon_factory: Any, tmp_
     assert res.returncode == 1 and res.stderr.startswith("perfectschedctl: refused: ") and \
         "routes[0].executor: systemd is not running" in res.stderr, res
     assert mixed.stop() == 0
+
+
+def test_a_reload_with_a_number_past_uint64_is_refused_in_one_line(daemon_factory: Any
+                                                                    ) -> None:
+    """It was an OverflowError, named as such, in the reload's answer and the log."""
+    d: Daemon = daemon_factory().start()
+    d.write_config({**d.config, "routes": [{**ROUTE, "unit": {"MemoryMax": "9" * 400 + "G"}}]})
+    res = d.ctl("reload", check=False)
+    assert res.returncode == 1 and len(res.stderr.strip().splitlines()) == 1, res
+    assert "routes[0].unit: MemoryMax: out of range: " in res.stderr, res.stderr
+    assert "Overflow" not in d.log() and "Traceback" not in d.log()
+    assert d.alive() and d.stop() == 0
