@@ -185,14 +185,13 @@ def _import_crontab(ns: argparse.Namespace) -> int:
     """Local only: reads a file, prints a schedules file, talks to no daemon."""
     from perfectschedd import crontab
 
-    if ns.system and ns.user:
-        raise _BadArgument("--user is for a user crontab; a system crontab names its users")
     try:
-        text, name = crontab.read(ns.file)
+        tab = crontab.read(ns.file, user=ns.user, system=ns.system)
+    except crontab.CrontabRefused as exc:
+        raise _BadArgument(str(exc)) from None
     except OSError as exc:
         raise _BadArgument(f"{ns.file}: {exc.strerror}") from None
-    system = ns.system or (ns.file != "-" and crontab.is_system_path(ns.file))
-    done = crontab.convert(text, name=name, system=system, user=ns.user,
+    done = crontab.convert(tab.text, name=tab.name, system=tab.system, user=tab.user,
                            default_timezone=crontab.system_timezone())
     sys.stdout.write(done.text)
     for warning in done.warnings:

@@ -427,11 +427,15 @@ def load(config: Mapping[str, Any] | str | os.PathLike[str] | Config | None = No
         if len(raw_bytes) > CONFIG_MAX:
             raise ConfigError(f"{source}: larger than {CONFIG_MAX} bytes")
         try:
+            # Anchors and aliases stay allowed here, unlike in schedules files: root's file,
+            # whose environment sections may share a part (`<<: *base`), and no check walks
+            # its values unbounded (errors name a value's type, never print it).
             data = yaml.safe_load(raw_bytes.decode("utf-8"))
         except UnicodeDecodeError:
             raise ConfigError(f"{source}: not UTF-8 text") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{source}: not valid YAML: {str(exc).splitlines()[0]}") from None
+        except (yaml.YAMLError, ValueError) as exc:  # ValueError: a date or number too big
+            raise ConfigError(f"{source}: not valid YAML: "
+                              f"{(str(exc).splitlines() or ['?'])[0][:200]}") from None
         except RecursionError:
             raise ConfigError(f"{source}: nested too deeply") from None
     else:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Collection, Mapping
@@ -138,10 +139,15 @@ class FileSchedules:
                 log.info("schedules_dir %s does not exist: no schedules files", directory)
             loaded = Loaded()
         else:
-            loaded = load([directory])
+            # As cron: the files, and the directory, are root's or the daemon's own.
+            loaded = load([directory], daemon_uid=os.geteuid())
         for line in loaded.errors:
             log.error("schedules file rejected, its schedules stay as they were: %s", line)
         with self.lock:
+            if loaded.refused_dirs:
+                # Anyone may have removed a file from it: every file known stays as it was.
+                loaded.broken |= self.loaded.sources | self.loaded.broken | \
+                    self.applied_sources
             for key, entry in self.loaded.entries.items():
                 if entry.source in loaded.broken and key not in loaded.entries:
                     loaded.entries[key] = entry

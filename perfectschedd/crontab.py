@@ -12,6 +12,12 @@ crontab(5), Debian's cron and cronie, written out as schedfiles entries.
 - @reboot has no equivalent (a cluster does not boot), and a line that does not parse is
   kept as a comment; both are reported on stderr.
 
+A user crontab's jobs run as its user: --user NAME or its spool path
+(/var/spool/cron/crontabs/NAME) says who, and nothing else may (they would run as the
+daemon's user).  A file cron itself would not read (cron(8): /etc/crontab and /etc/cron.d
+root's and not writable by others, cron.d names by run-parts' rule, a spool crontab its
+user's) is refused in one line.
+
 Keys are stable: the same user and command give the same key wherever the line moves
 and whatever its schedule, so `apply` after an edited crontab changes only what changed.
 They read OWNER-PROGRAM-HASH (a user crontab) or FILE-PROGRAM-HASH (a system one).
@@ -21,7 +27,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pwd
 import re
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +37,7 @@ from typing import Any
 import yaml
 
 from . import cron as cron_mod
+from . import filetrust
 from .errors import InvalidInputError
 from .schedules import check_timezone
 
@@ -120,11 +129,25 @@ def _key(prefix: str, user: str | None, command: str, seen: dict[str, int]) -> s
 
 def _exec(command: str, stdin: str | None, shell: str) -> str | list[str]:
     if stdin is not None:
-        # The input as a here-document: the job reads exactly what cron would have sent.
-        if not stdin.endswith("\n"):
-            stdin += "\n"
-        command = f"{command} <<'{HEREDOC_END}'\n{stdin}{HEREDOC_END}"
+        command = _with_input(command, stdin, shell)
     return command if shell == "/bin/sh" else [shell, "-c", command]
+
+
+def _with_input(command: str, stdin: str, shell: str) -> str:
+    """A shell line that runs `command` as cron does (`SHELL -c COMMAND`) with `stdin` as
+    its standard input, a here-document.  Neither can become code of the line: the
+    command is one quoted word, parsed by the inner shell alone (its comment, open quote
+    or trailing `&&` reach nothing after it), and the delimiter, quoted so that nothing in
+    the text is expanded, is chosen unlike every line of the text (a line equal to it
+    would end the document and run the rest)."""
+    if not stdin.endswith("\n"):
+        stdin += "\n"
+    lines = set(stdin.split("\n"))
+    end, n = HEREDOC_END, 0
+    while end in lines:
+        n += 1
+        end = f"{HEREDOC_END}_{n}"
+    return f"exec {shlex.quote(shell)} -c {shlex.quote(command)} <<'{end}'\n{stdin}{end}"
 
 
 def _parse_schedule(fields: list[str]) -> tuple[str, list[str]] | None:
@@ -258,16 +281,92 @@ def _after_fields(line: str, n_schedule: int, n_user: int) -> str:
     return rest.strip()
 
 
-def read(path: str) -> tuple[str, str]:
-    """(text, name) of a crontab file, or of standard input for '-'."""
+SPOOL = "/var/spool/cron/crontabs"   # Debian's user crontabs, one per user, named after it
+CRON_D = "/etc/cron.d"
+CRONTAB_MAX = 4 << 20                # bytes of one crontab
+# cron(8) reads a file of /etc/cron.d only if its name passes run-parts(8)'s rule:
+# `foo.dpkg-old` or `foo.bak` is ignored (a package's leftover, an editor's copy).
+_RUN_PARTS_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+class CrontabRefused(Exception):
+    """A crontab that is not imported; str() is one line."""
+
+
+@dataclass(frozen=True)
+class Crontab:
+    text: str
+    name: str           # its file's name, or "stdin"
+    system: bool        # its lines have a user column
+    user: str | None    # the owner of a user crontab
+
+
+def read(path: str, *, user: str | None = None, system: bool = False) -> Crontab:
+    """The crontab at `path` ('-': standard input), refused where nothing says whose jobs a
+    user crontab holds (--user, or its spool path) or where cron itself would not read
+    the file.  OSError when it cannot be read."""
     import sys
 
     if path == "-":
-        return sys.stdin.read(), "stdin"
-    p = Path(path)
-    return p.read_text(encoding="utf-8", errors="surrogateescape"), p.name
+        _whose(user, system, None, "standard input")
+        return Crontab(sys.stdin.read(), "stdin", system, user)
+    full = os.path.abspath(path)
+    system = system or is_system_path(full)
+    spool_user = os.path.basename(full) if os.path.dirname(full) == SPOOL else None
+    user = _whose(user, system, spool_user, path)
+    if os.path.dirname(full) == CRON_D and not _RUN_PARTS_NAME.match(os.path.basename(full)):
+        raise CrontabRefused(f"{path}: cron does not read it: the name of a file in {CRON_D} "
+                             "has only letters, digits, _ and - (the run-parts rule)")
+    data = _read_as_cron(Path(path), _owners(path, system, spool_user))
+    return Crontab(data.decode("utf-8", errors="surrogateescape"), Path(path).name, system,
+                   user)
+
+
+def _whose(user: str | None, system: bool, spool_user: str | None, where: str
+           ) -> str | None:
+    """The user a user crontab's jobs run as: only --user or its spool path say it (they
+    would otherwise run as whoever the daemon runs jobs as)."""
+    if system:
+        if user is not None:
+            raise CrontabRefused("--user is for a user crontab; a system crontab names its "
+                                 "users")
+        return None
+    if user is not None and spool_user is not None and user != spool_user:
+        raise CrontabRefused(f"{where}: {spool_user}'s crontab, not {user}'s")
+    if user is None and spool_user is None:
+        raise CrontabRefused(f"{where}: a user crontab needs --user NAME (whose jobs they "
+                             f"are), or its path in {SPOOL}/NAME")
+    return user or spool_user
+
+
+def _owners(path: str, system: bool, spool_user: str | None) -> frozenset[int] | None:
+    """Who may own the file for cron to read it (cron(8)): root for /etc/crontab and
+    /etc/cron.d, root or its user for a spool crontab; None: not a file cron reads."""
+    if system and is_system_path(path):
+        return frozenset({filetrust.ROOT})
+    if spool_user is None:
+        return None
+    try:
+        return frozenset({filetrust.ROOT, pwd.getpwnam(spool_user).pw_uid})
+    except KeyError:
+        raise CrontabRefused(f"{path}: no user {spool_user} on this host (cron ignores the "
+                             "crontab of a user it does not know)") from None
+
+
+def _read_as_cron(path: Path, owners: frozenset[int] | None) -> bytes:
+    try:
+        if owners is None:
+            with path.open("rb") as f:
+                data = f.read(CRONTAB_MAX + 1)
+        else:
+            data = filetrust.read(path, owners, CRONTAB_MAX).data
+    except filetrust.NotTrusted as exc:
+        raise CrontabRefused(str(exc)) from None
+    if len(data) > CRONTAB_MAX:
+        raise CrontabRefused(f"{path}: larger than {CRONTAB_MAX} bytes")
+    return data
 
 
 def is_system_path(path: str) -> bool:
     p = os.path.abspath(path)
-    return p == "/etc/crontab" or os.path.dirname(p) == "/etc/cron.d"
+    return p == "/etc/crontab" or os.path.dirname(p) == CRON_D

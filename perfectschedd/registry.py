@@ -157,8 +157,9 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
         Arg(("file",), "file", "a user crontab, /etc/crontab or an /etc/cron.d file "
             "(default: standard input)", optional=True, default="-", sent=False,
             metavar="FILE|-"),
-        Arg(("--user",), "user", "the owner of a user crontab: its entries run as NAME",
-            sent=False, metavar="NAME"),
+        Arg(("--user",), "user", "the owner of a user crontab: its entries run as NAME "
+            "(needed unless FILE is /var/spool/cron/crontabs/NAME)", sent=False,
+            metavar="NAME"),
         Arg(("--system",), "system", "the lines have a user column (implied for "
             "/etc/crontab and /etc/cron.d/*)", kind="flag", sent=False)),
         where=frozenset({LOCAL})),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,8 +18,8 @@ from typing import Any
 import yaml
 
 from . import cron as cron_mod
+from . import filetrust, runas, unitprops
 from . import policy as policy_mod
-from . import runas, unitprops
 from .config import RouteConfig
 from .errors import InvalidInputError, describe
 from .schedules import check_cron, check_data, check_int, check_key, check_text, check_timezone
@@ -78,6 +78,7 @@ class Loaded:
     entries: dict[str, Entry] = field(default_factory=dict)  # by key, in file order
     sources: set[str] = field(default_factory=set)           # files read whole
     broken: set[str] = field(default_factory=set)            # files rejected whole
+    refused_dirs: set[str] = field(default_factory=set)      # directories not read at all
     errors: list[str] = field(default_factory=list)          # one line per problem
 
     def routes(self) -> tuple[RouteConfig, ...]:
@@ -88,28 +89,23 @@ def source_of(path: Path) -> str:
     return f"{SOURCE_FILE}{path.name}"
 
 
-def files_in(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
-    """The files named, and the *.yml files of the directories named (sorted)."""
-    out: list[Path] = []
-    for p in map(Path, paths):
-        if p.is_dir():
-            out.extend(sorted(f for f in p.iterdir()
-                              if f.name.endswith(SUFFIX) and not f.name.startswith(".")
-                              and f.is_file()))
-        else:
-            out.append(p)
-    return out
-
-
-def load(paths: Iterable[str | os.PathLike[str]], *, need_user_support: bool = True
-         ) -> Loaded:
+def load(paths: Iterable[str | os.PathLike[str]], *, need_user_support: bool = True,
+         daemon_uid: int | None = None) -> Loaded:
     """Read and check files and directories.  `need_user_support`: refuse `user` unless
     this process could run a job as another user (root), as the daemon must; `apply`
-    from a workstation only stores what is stored and does not ask."""
+    from a workstation only stores what is stored and does not ask.
+
+    `daemon_uid`: the daemon's own user.  Files and directories then follow cron's rule
+    (filetrust.py) with root and that user as owners, and a file that is not root's alone
+    (nor its symlink's, nor its directory's) may not name a `user` or an `executor`: only
+    root decides who a job runs as.  None (perfectschedctl apply): any file the caller can
+    read, since what apply sends of it is only what the database stores (to_wire), never
+    a command, an environment or a user."""
+    owners = None if daemon_uid is None else filetrust.owners_of(daemon_uid)
     loaded = Loaded()
-    for path in files_in(paths):
+    for path, dir_not_root in _files(paths, owners, loaded):
         source = source_of(path)
-        entries, errors = _load_file(path, need_user_support)
+        entries, errors = _load_file(path, need_user_support, owners, dir_not_root)
         taken = [e.key for e in entries if e.key in loaded.entries]
         errors += [f"{path}: key {k!r} is also in "
                    f"{loaded.entries[k].source[len(SOURCE_FILE):]}" for k in taken]
@@ -125,20 +121,52 @@ def load(paths: Iterable[str | os.PathLike[str]], *, need_user_support: bool = T
     return loaded
 
 
-def _load_file(path: Path, need_user_support: bool) -> tuple[list[Entry], list[str]]:
+def _files(paths: Iterable[str | os.PathLike[str]], owners: frozenset[int] | None,
+           loaded: Loaded) -> Iterator[tuple[Path, str | None]]:
+    """The files named, and the *.yml files of the directories named (sorted), each with
+    who other than root owns its directory (if anyone); a directory that breaks the rule
+    is one error in `loaded` and yields nothing."""
+    for p in map(Path, paths):
+        if not p.is_dir():
+            yield p, None
+            continue
+        try:
+            not_root = None if owners is None else filetrust.check_dir(p, owners)
+        except filetrust.NotTrusted as exc:
+            loaded.errors.append(str(exc))
+            loaded.refused_dirs.add(str(p))
+            continue
+        for f in sorted(p.iterdir()):
+            if f.name.endswith(SUFFIX) and not f.name.startswith(".") and f.is_file():
+                yield f, not_root
+
+
+def _read(path: Path, owners: frozenset[int] | None) -> filetrust.Trusted:
+    if owners is not None:
+        return filetrust.read(path, owners, FILE_MAX)
+    with path.open("rb") as f:
+        return filetrust.Trusted(f.read(FILE_MAX + 1))
+
+
+def _load_file(path: Path, need_user_support: bool, owners: frozenset[int] | None,
+               dir_not_root: str | None) -> tuple[list[Entry], list[str]]:
     try:
-        with path.open("rb") as f:
-            raw = f.read(FILE_MAX + 1)
+        read = _read(path, owners)
+    except filetrust.NotTrusted as exc:
+        return [], [str(exc)]
     except OSError as exc:
         return [], [f"{path}: cannot read: {exc.strerror}"]
+    raw, not_root = read.data, read.not_root or dir_not_root
     if len(raw) > FILE_MAX:
         return [], [f"{path}: larger than {FILE_MAX} bytes"]
     try:
-        data = yaml.safe_load(raw.decode("utf-8"))
+        data = yaml.load(raw.decode("utf-8"), Loader=_NoAliasLoader)  # a SafeLoader
     except UnicodeDecodeError:
         return [], [f"{path}: not UTF-8 text"]
-    except yaml.YAMLError as exc:
-        return [], [f"{path}: not valid YAML: {str(exc).splitlines()[0]}"]
+    except _AliasRefused as exc:
+        return [], [f"{path}: YAML anchors and aliases are not allowed (line {exc.line})"]
+    except (yaml.YAMLError, ValueError) as exc:  # ValueError: a date or number YAML can't build
+        return [], [f"{path}: not valid YAML: {(str(exc).splitlines() or ['?'])[0][:200]}"]
     except RecursionError:
         return [], [f"{path}: nested too deeply"]
     if data is None:
@@ -147,6 +175,9 @@ def _load_file(path: Path, need_user_support: bool) -> tuple[list[Entry], list[s
         return [], [f"{path}: must be a list of schedule entries"]
     if len(data) > ENTRIES_MAX:
         return [], [f"{path}: more than {ENTRIES_MAX} entries"]
+    if not_root is not None and (problem := _names_a_user(data)):
+        return [], [f"{path}: {problem}: only a file that root owns may name a user or an "
+                    f"executor, and {not_root}: rejected"]
     source = source_of(path)
     entries: list[Entry] = []
     errors: list[str] = []
@@ -169,6 +200,39 @@ def _load_file(path: Path, need_user_support: bool) -> tuple[list[Entry], list[s
         seen.add(entry.key)
         entries.append(entry)
     return entries, errors
+
+
+class _AliasRefused(Exception):
+    def __init__(self, line: int) -> None:
+        super().__init__(f"line {line}")
+        self.line = line
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """SafeLoader that refuses the first anchor or alias it meets, before composing
+    anything from it: a file of a few hundred bytes of nested aliases composes to
+    billions of nodes for whatever walks them (the checks, json.dumps).  A schedules file
+    has no need of them; cron has nothing like them."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            raise _AliasRefused(event.start_mark.line + 1)
+        return super().compose_node(parent, index)
+
+
+def _names_a_user(data: list[Any]) -> str | None:
+    """The first entry that says who its job runs as (`user`, or `executor`, as systemd
+    runs a unit as the daemon's user or another), as "entry N (KEY): FIELD"."""
+    for i, raw in enumerate(data, 1):
+        if not isinstance(raw, Mapping):
+            continue
+        for name in ("user", "executor"):
+            if raw.get(name) is not None:
+                key = raw.get("key")
+                return f"entry {i}" + (f" ({key[:80]})" if isinstance(key, str) else "") + \
+                    f": {name}"
+    return None
 
 
 def check_entry(raw: Any, source: str, need_user_support: bool = True,

@@ -9,9 +9,11 @@ one line naming it, never when a job starts.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
 from collections.abc import Mapping
+from fractions import Fraction
 from typing import Any
 
 from .errors import describe
@@ -27,7 +29,11 @@ SYSTEMD_MARKER = "/run/systemd/system"
 Property = tuple[str, str, Any]  # (D-Bus property name, signature, value)
 
 _ESCAPE_KEEP = re.compile(r"[A-Za-z0-9:_.]")
+_DIGEST = 16  # hex digits of a long key's hash in its unit name
+_ENDS_AS_TIME = re.compile(r"-[0-9]+$")
+_ENDS_AS_DIGEST = re.compile(f"_[0-9a-f]{{{_DIGEST}}}$")
 _UINT64_MAX = 2**64 - 1
+_DIGITS_MAX = 40  # of a size or percentage written as text
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTPE]?)B?\s*$", re.IGNORECASE)
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
 _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50,
@@ -61,19 +67,38 @@ def escape(text: str) -> str:
 def unit_name(key: str, scheduled_time: int, attempt: int = 1) -> str:
     """perfectsched-<escaped key>-<scheduled_time>.service, and -<attempt> from the second
     attempt on (a retry of one occurrence is a unit of its own, in history and journal).
-    A key too long for systemd's 255 characters is cut and followed by a hash of the whole
-    key, so two long keys never share a name."""
+    A key too long for systemd's 255 characters is cut and followed by _<hash of the whole
+    key>, so two long keys never share a name.
+
+    Unique per (key, scheduled_time >= 0, attempt >= 1) by construction: the escaped key
+    never ends in "-<digits>" (else key a/5 at time 2 would be key a at time 5, attempt 2),
+    so the name reads back one way only; a short key's never ends in "_<16 hex digits>",
+    which a long key's always does."""
     tail = f"-{int(scheduled_time)}" + (f"-{int(attempt)}" if attempt > 1 else "") + \
         UNIT_SUFFIX
-    escaped = escape(key)
+    escaped = _unit_escape(key)
     room = UNIT_NAME_MAX - len(UNIT_PREFIX) - len(tail)
     if len(escaped) > room:
-        digest = hashlib.sha256(key.encode("utf-8")).hexdigest()[:16]
-        cut = escaped[:room - len(digest) - 1]
+        digest = hashlib.sha256(key.encode("utf-8")).hexdigest()[:_DIGEST]
+        cut = escape(key)[:room - _DIGEST - 1]
         # Never end on half an escape (\x4 of \x41): the name stays readable.
         cut = re.sub(r"\\(x[0-9a-f]?)?$", "", cut)
-        escaped = f"{cut}-{digest}"
+        escaped = f"{cut}_{digest}"
     return f"{UNIT_PREFIX}{escaped}{tail}"
+
+
+def _unit_escape(key: str) -> str:
+    """escape(), but a trailing "/<digits>" escapes its '/' as \\x2f and a trailing
+    "_<16 hex digits>" its '_' as \\x5f (unit_name's two rules); systemd-escape
+    --unescape still reads the key back."""
+    escaped = escape(key)
+    if _ENDS_AS_TIME.search(escaped):
+        cut = escaped.rindex("-")
+        return f"{escaped[:cut]}\\x2f{escaped[cut + 1:]}"
+    if _ENDS_AS_DIGEST.search(escaped):
+        cut = len(escaped) - _DIGEST - 1
+        return f"{escaped[:cut]}\\x5f{escaped[cut + 1:]}"
+    return escaped
 
 
 def bus_path(unit: str) -> str:
@@ -87,19 +112,36 @@ def bus_path(unit: str) -> str:
 # -- the `unit:` whitelist -------------------------------------------------------------------
 
 
+def _uint64(name: str, value: Any, amount: Fraction | int | None, limits: str) -> int:
+    """`amount`, rounded down, if systemd takes it: a D-Bus uint64 (signature t) and at
+    least 1 (0 is refused, or means nothing, for every such property here); else one line
+    naming the property and its `limits`.  None: a number too long to be one."""
+    whole = None if amount is None else math.floor(amount)
+    if whole is None or not 1 <= whole <= _UINT64_MAX:
+        raise UnitPropertyError(f"{name}: out of range: {describe(value)} ({limits})")
+    return whole
+
+
+def _exact(digits: str) -> Fraction | None:
+    """A decimal number exactly (a float would round 15.9999999999999999999E up past
+    uint64); None past _DIGITS_MAX digits, which no value systemd takes has (and int()
+    refuses beyond 4300)."""
+    return Fraction(digits) if len(digits) <= _DIGITS_MAX else None
+
+
 def _size(name: str, value: Any) -> Property:
+    limits = f"1 to {_UINT64_MAX} bytes, or infinity"
     if value == "infinity":
         return (name, "t", _UINT64_MAX)
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return (name, "t", value)
+        return (name, "t", _uint64(name, value, value, limits))
     m = _SIZE.match(value) if isinstance(value, str) else None
     if m is None:
         raise UnitPropertyError(f"{name}: expected bytes such as 512M or 1G, or infinity, "
                                 f"got {describe(value)}")
-    size = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
-    if not 0 < size <= _UINT64_MAX:
-        raise UnitPropertyError(f"{name}: out of range: {describe(value)}")
-    return (name, "t", size)
+    number = _exact(m.group(1))
+    amount = None if number is None else number * _SIZE_UNITS[m.group(2).upper()]
+    return (name, "t", _uint64(name, value, amount, limits))
 
 
 def _cpu_quota(name: str, value: Any) -> Property:
@@ -108,7 +150,10 @@ def _cpu_quota(name: str, value: Any) -> Property:
         raise UnitPropertyError(f"{name}: expected a percentage of one CPU such as 50% "
                                 f"or 200%, got {describe(value)}")
     # systemd's unit: CPU time per second of wall time, in microseconds (100% = 1 s).
-    return ("CPUQuotaPerSecUSec", "t", int(float(m.group(1)) * 10_000))
+    number = _exact(m.group(1))
+    amount = None if number is None else number * 10_000
+    limits = f"0.0001% to {_UINT64_MAX // 10_000}.{_UINT64_MAX % 10_000:04d}%"
+    return ("CPUQuotaPerSecUSec", "t", _uint64(name, value, amount, limits))
 
 
 def _integer(low: int, high: int, signature: str) -> Any:
@@ -126,7 +171,7 @@ def _tasks_max(name: str, value: Any) -> Property:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise UnitPropertyError(f"{name}: expected a number of tasks (at least 1) or "
                                 f"infinity, got {describe(value)}")
-    return (name, "t", value)
+    return (name, "t", _uint64(name, value, value, f"1 to {_UINT64_MAX} tasks, or infinity"))
 
 
 def _boolean(name: str, value: Any) -> Property:

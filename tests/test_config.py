@@ -129,3 +129,26 @@ def test_file_errors_name_the_file(tmp_path: pathlib.Path) -> None:
     listy.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="mapping"):
         load(str(listy))
+
+
+@pytest.mark.parametrize("value,error", [
+    ("2024-13-45", "p.yml: not valid YAML: month must be in 1..12"),
+    ("9" * 5000, "p.yml: not valid YAML: Exceeds the limit (4300 digits)"),
+])
+def test_values_yaml_cannot_build_are_one_line(tmp_path: pathlib.Path, value: str,
+                                               error: str) -> None:
+    """They raised ValueError, a traceback at start, before."""
+    path = tmp_path / "p.yml"
+    path.write_text(f"type: rdb_compat\nurl: sqlite:///a.db\ntimezone: {value}\n")
+    with pytest.raises(ConfigError) as info:
+        load(str(path))
+    assert str(info.value).startswith(f"{tmp_path}/{error}") and "\n" not in str(info.value)
+
+
+def test_environments_may_share_a_section_by_alias(tmp_path: pathlib.Path) -> None:
+    """Unlike schedules files, the configuration may use anchors (root's file, where
+    environment sections share their common part; nothing in it is walked unbounded)."""
+    path = tmp_path / "p.yml"
+    path.write_text("base: &base {type: rdb_compat, url: 'sqlite:///a.db'}\n"
+                    "production: {<<: *base, workers: 8}\n")
+    assert load(str(path), "production").workers == 8

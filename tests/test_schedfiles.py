@@ -4,10 +4,12 @@ with the same files, broken files, and `perfectschedctl apply`."""
 
 from __future__ import annotations
 
+import os
 import textwrap
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from daemon_harness import Daemon, lines, sh, wait_until
 
@@ -224,3 +226,71 @@ def test_apply_prints_changes_and_refuses_bad_files(daemon_factory: Any, tmp_pat
     res = d.ctl("apply", str(tmp_path / "missing.yml"), check=False)
     assert res.returncode == 1 and "no such file" in res.stderr
     assert d.alive() and d.stop() == 0
+
+
+NOBODY = 65534  # nobody:nogroup on Debian
+
+
+def entry(key: str) -> list[dict[str, Any]]:
+    return [{"key": key, "cron": "@daily", "type": "t"}]
+
+
+def rejected(d: Daemon, name: str) -> list[str]:
+    return [x for x in d.log().splitlines() if "schedules file rejected" in x and name in x]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="gives files to other users: needs root")
+def test_files_follow_cron_s_ownership_rules(daemon_factory: Any, tmp_path: Path) -> None:
+    """SPEC "Privilege model": a schedules file, and schedules_dir, is root's and not
+    group- or world-writable; a symlink is followed only if root owns it (and what it
+    points to passes too).  An offending file is rejected whole in one line, its
+    schedules stay as they were, and the other files apply."""
+    sdir, away = tmp_path / "schedules.d", tmp_path / "elsewhere"
+    away.mkdir()
+    write(sdir / "good.yml", entry("good"))
+    write(sdir / "theirs.yml", entry("theirs"))
+    os.chown(sdir / "theirs.yml", NOBODY, NOBODY)
+    write(sdir / "group.yml", entry("group"))
+    (sdir / "group.yml").chmod(0o664)
+    write(sdir / "world.yml", entry("world"))
+    (sdir / "world.yml").chmod(0o646)
+    write(away / "roots.yml", entry("via-root-link"))
+    (sdir / "linked.yml").symlink_to(away / "roots.yml")      # root's link, root's file
+    write(away / "also-roots.yml", entry("via-their-link"))
+    (sdir / "their-link.yml").symlink_to(away / "also-roots.yml")
+    os.lchown(sdir / "their-link.yml", NOBODY, NOBODY)      # their link, root's file
+    write(away / "nobodys.yml", entry("to-their-file"))
+    os.chown(away / "nobodys.yml", NOBODY, NOBODY)
+    (sdir / "to-theirs.yml").symlink_to(away / "nobodys.yml")  # root's link, their file
+    d: Daemon = daemon_factory({"schedules_dir": str(sdir), "routes": [sh("t", "true")]}
+                               ).start()
+    wait_until(lambda: applies(d) == 1, what="the first apply")
+    assert set(listed(d)) == {"good", "via-root-link"}
+    why = {
+        "theirs.yml": "owned by uid 65534 (nobody), not root: rejected",
+        "group.yml": "group-writable (mode 0664): rejected",
+        "world.yml": "world-writable (mode 0646): rejected",
+        "their-link.yml": "a symlink owned by uid 65534 (nobody), not root: rejected",
+        "to-theirs.yml": "owned by uid 65534 (nobody), not root: rejected",
+    }
+    for name, text in why.items():
+        lines_of = rejected(d, f"{sdir / name}:")
+        assert len(lines_of) == 1 and lines_of[0].endswith(f"{sdir / name}: {text}"), \
+            (name, lines_of)
+
+    # A file that stops being root's keeps its schedules as they were, though it changed.
+    write(sdir / "good.yml", entry("sneaked-in"))
+    os.chown(sdir / "good.yml", NOBODY, NOBODY)
+    reload(d)
+    assert set(listed(d)) == {"good", "via-root-link"}
+    # A schedules_dir others may write: nothing in it is read, everything stays.
+    os.chown(sdir / "good.yml", 0, 0)
+    (sdir / "linked.yml").unlink()
+    sdir.chmod(0o775)
+    reload(d)
+    assert set(listed(d)) == {"good", "via-root-link"}
+    assert rejected(d, f"{sdir}: group-writable (mode 0775): none of its files are read")
+    sdir.chmod(0o755)
+    reload(d)
+    assert set(listed(d)) == {"sneaked-in"}
+    assert d.stop() == 0

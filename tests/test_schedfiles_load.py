@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import textwrap
 import time
@@ -172,3 +173,150 @@ def test_an_exec_route_runs_as_its_user_with_its_env(daemon_factory: Any) -> Non
     assert d.ctl("reload").returncode == 0
     wait_until(lambda: d.log().count("route ran as 65534") >= 2, what="a run after the fix")
     assert d.stop() == 0
+
+
+# -- who may write a schedules file (SPEC "Privilege model": cron's rules) -------------------
+
+NOBODY = 65534  # nobody:nogroup on Debian, here the daemon's user
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="gives files to other users")
+PLAIN = {"key": "plain", "cron": "@daily", "exec": "true"}
+
+
+def owned(path: Path, entries: Any, uid: int = 0, mode: int = 0o644) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(entries))
+    os.chown(path, uid, uid)
+    path.chmod(mode)
+    return path
+
+
+@needs_root
+def test_the_daemon_s_own_files_may_not_say_who_runs_a_job(tmp_path: Path) -> None:
+    """A file of the daemon's user (its link, or its directory) schedules jobs that run as
+    that user; naming a user or an executor is root's alone, so such a file is rejected
+    whole in one line."""
+    ours = owned(tmp_path / "d" / "ours.yml", [PLAIN], NOBODY)
+    assert schedfiles.load([ours], daemon_uid=NOBODY).entries.keys() == {"plain"}
+    for extra in ({"user": "nobody"}, {"executor": "exec"}):
+        owned(ours, [PLAIN, {**PLAIN, "key": "who", **extra}], NOBODY)
+        loaded = schedfiles.load([ours], daemon_uid=NOBODY)
+        field = next(iter(extra))
+        assert loaded.entries == {} and loaded.errors == [
+            f"{ours}: entry 2 (who): {field}: only a file that root owns may name a user or "
+            "an executor, and it is owned by uid 65534 (nobody): rejected"]
+    roots = owned(tmp_path / "d" / "roots.yml", [{**PLAIN, "user": "nobody"}])
+    assert schedfiles.load([roots], daemon_uid=NOBODY).errors == []
+    link = tmp_path / "d" / "link.yml"
+    link.symlink_to(roots)
+    os.lchown(link, NOBODY, NOBODY)
+    assert schedfiles.load([link], daemon_uid=NOBODY).errors == [
+        f"{link}: entry 1 (plain): user: only a file that root owns may name a user or an "
+        "executor, and a symlink to it is owned by uid 65534 (nobody): rejected"]
+    # Their directory: they could swap any file in it, root's too.
+    owned(ours, [PLAIN], NOBODY)
+    os.chown(tmp_path / "d", NOBODY, NOBODY)
+    loaded = schedfiles.load([tmp_path / "d"], daemon_uid=NOBODY)
+    assert loaded.sources == {"file:ours.yml"} and loaded.broken == {
+        "file:link.yml", "file:roots.yml"}
+    assert f"{roots}: entry 1 (plain): user: only a file that root owns may name a user " \
+        "or an executor, and its directory is owned by uid 65534 (nobody): rejected" in \
+        loaded.errors
+
+
+@needs_root
+@pytest.mark.parametrize("uid,mode,dir_mode,why", [
+    (4321, 0o644, 0o755, "owned by uid 4321, not root or uid 65534 (nobody): rejected"),
+    (0, 0o664, 0o755, "group-writable (mode 0664): rejected"),
+    (NOBODY, 0o602, 0o755, "world-writable (mode 0602): rejected"),
+    (0, 0o644, 0o757, "none of its files are read"),
+])
+def test_files_others_may_write_are_rejected(tmp_path: Path, uid: int, mode: int,
+                                             dir_mode: int, why: str) -> None:
+    f = owned(tmp_path / "d" / "x.yml", [PLAIN], uid, mode)
+    f.parent.chmod(dir_mode)
+    loaded = schedfiles.load([f.parent], daemon_uid=NOBODY)
+    assert loaded.entries == {} and len(loaded.errors) == 1
+    assert loaded.errors[0].endswith(why), loaded.errors
+    if dir_mode == 0o757:
+        assert loaded.errors[0] == (f"{f.parent}: world-writable (mode 0757): none of its "
+                                    "files are read") and loaded.refused_dirs == {str(f.parent)}
+    # perfectschedctl apply reads what its caller can: only stored fields leave it.
+    assert schedfiles.load([f.parent]).entries.keys() == {"plain"}
+
+
+@needs_root
+def test_every_symlink_on_the_way_is_checked(tmp_path: Path) -> None:
+    target = owned(tmp_path / "away" / "t.yml", [PLAIN])
+    middle = tmp_path / "away" / "middle.yml"
+    middle.symlink_to(target)
+    os.lchown(middle, 4321, 4321)
+    link = tmp_path / "d" / "x.yml"
+    link.parent.mkdir()
+    link.symlink_to("../away/middle.yml")  # relative, as ln -s makes them
+    assert schedfiles.load([link.parent], daemon_uid=0).errors == [
+        f"{link}: its symlink {link.parent}/../away/middle.yml owned by uid 4321, not root: "
+        "rejected"]
+    os.lchown(middle, 0, 0)
+    assert schedfiles.load([link.parent], daemon_uid=0).entries.keys() == {"plain"}
+    loop = tmp_path / "d" / "loop.yml"
+    loop.symlink_to(loop)
+    assert schedfiles.load([loop], daemon_uid=0).errors == [
+        f"{loop}: too many levels of symbolic links: rejected"]
+
+
+def test_a_fifo_is_not_read(tmp_path: Path) -> None:
+    """Nothing writes to it: opening it for reading would wait forever."""
+    fifo = tmp_path / "x.yml"
+    os.mkfifo(fifo, 0o644)
+    started = time.monotonic()
+    assert schedfiles.load([fifo], daemon_uid=os.geteuid()).errors == [
+        f"{fifo}: not a regular file: rejected"]
+    assert time.monotonic() - started < 5
+
+
+# -- YAML anchors and aliases ---------------------------------------------------------------
+
+def alias_bomb() -> str:
+    """A few hundred bytes that compose to 9**9 strings for whatever walks them."""
+    rows = ['a: &a ["x","x","x","x","x","x","x","x","x"]']
+    for prev, name in zip("abcdefgh", "bcdefghi", strict=True):
+        rows.append(f"{name}: &{name} [" + ",".join([f"*{prev}"] * 9) + "]")
+    return "- key: k\n  cron: '@daily'\n  type: t\n  data: {" + ", ".join(rows) + "}\n"
+
+
+def test_an_alias_bomb_is_refused_at_once(tmp_path: Path) -> None:
+    """Refused as the loader meets the first anchor, before anything is composed from it
+    (in a child with a deadline: before the fix it ran for ever)."""
+    bomb = tmp_path / "x.yml"
+    bomb.write_text(alias_bomb())
+    assert len(bomb.read_bytes()) < 450
+    code = ("import sys, time\nfrom perfectschedd import schedfiles\nt = time.monotonic()\n"
+            "errors = schedfiles.load([sys.argv[1]]).errors\n"
+            "print(time.monotonic() - t)\nprint(*errors, sep='\\n')\n")
+    res = subprocess.run([sys.executable, "-c", code, str(bomb)], capture_output=True,
+                         text=True, timeout=60)
+    took, *errors = res.stdout.splitlines()
+    assert errors == [f"{bomb}: YAML anchors and aliases are not allowed (line 4)"], res
+    assert float(took) < 0.1
+
+
+@pytest.mark.parametrize("text,line", [
+    ("- &e {key: a, cron: '@daily', type: t}\n- *e\n", 1),
+    ("- {key: a, cron: '@daily', type: t, data: &d {x: 1}}\n", 1),
+    ("- key: a\n  cron: '@daily'\n  type: t\n  data: {<<: *nowhere}\n", 4),
+])
+def test_anchors_and_aliases_are_refused(tmp_path: Path, text: str, line: int) -> None:
+    loaded = load_one(tmp_path, text)
+    assert loaded.entries == {} and loaded.errors == [
+        f"{tmp_path / 'one.yml'}: YAML anchors and aliases are not allowed (line {line})"]
+
+
+@pytest.mark.parametrize("value,error", [
+    ("2024-13-45", "not valid YAML: month must be in 1..12"),
+    ("9" * 5000, "not valid YAML: Exceeds the limit (4300 digits) for integer string "
+                 "conversion"),
+])
+def test_values_yaml_cannot_build_are_one_line(tmp_path: Path, value: str, error: str) -> None:
+    loaded = load_one(tmp_path, f"- {{key: a, cron: '@daily', type: t, data: {{d: {value}}}}}")
+    assert loaded.entries == {} and len(loaded.errors) == 1
+    assert loaded.errors[0].startswith(f"{tmp_path / 'one.yml'}: {error}"), loaded.errors

@@ -6,6 +6,8 @@ including `executor: systemd` on a host that systemd does not run (this suite's 
 from __future__ import annotations
 
 import os
+import random
+import re
 import shutil
 import subprocess
 import time
@@ -73,7 +75,98 @@ def test_long_keys_are_cut_and_told_apart_by_a_hash() -> None:
     na, nb = unitprops.unit_name(a, 1357000000, 3), unitprops.unit_name(b, 1357000000, 3)
     assert len(na) <= 255 and len(nb) <= 255 and na != nb
     assert na.endswith("-1357000000-3.service")
-    assert "\\xc3\\xa9" in na and not na.split("-")[-3].endswith("\\")
+    # Whole escapes only (never \\x4 of \\x41), then _ and the hash.
+    assert re.fullmatch(r"perfectsched-(\\x[0-9a-f]{2})+_[0-9a-f]{16}-1357000000-3\.service",
+                        na), na
+
+
+@pytest.mark.skipif(shutil.which("systemd-escape") is None, reason="no systemd-escape")
+@pytest.mark.parametrize("key", ["rootjob/1795585905", "a/b/0", "x_0123456789abcdef",
+                                 "/7", "a/5/_0123456789abcdef"])
+def test_systemd_reads_an_escaped_tail_back_as_the_key(key: str) -> None:
+    name = unitprops.unit_name(key, 60)
+    res = subprocess.run(["systemd-escape", "--unescape", "--",
+                          name.removeprefix("perfectsched-").removesuffix("-60.service")],
+                         capture_output=True, text=True, check=True)
+    assert res.stdout.strip() == key
+
+
+def test_a_key_ending_in_slash_digits_is_not_another_occurrence() -> None:
+    """The reported pair: the '/' of a trailing "/<digits>" escaped as '-' made key
+    rootjob/1795585905 at time 2 the second attempt of rootjob at 1795585905."""
+    a = unitprops.unit_name("rootjob", 1795585905, 2)
+    b = unitprops.unit_name("rootjob/1795585905", 2, 1)
+    assert a == "perfectsched-rootjob-1795585905-2.service"
+    assert b == "perfectsched-rootjob\\x2f1795585905-2.service" and a != b
+
+
+def unescape(escaped: str) -> str | None:
+    """`systemd-escape --unescape`: '-' is '/', \\xNN a byte; None: not UTF-8 text (a
+    long key's cut may end inside a character)."""
+    out, i = bytearray(), 0
+    while i < len(escaped):
+        if escaped[i] == "-":
+            out += b"/"
+            i += 1
+        elif escaped.startswith("\\x", i):
+            out.append(int(escaped[i + 2:i + 4], 16))
+            i += 4
+        else:
+            out += escaped[i].encode()
+            i += 1
+    try:
+        return out.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def readings(name: str) -> list[tuple[str | None, int, int]]:
+    """Every (key, scheduled_time, attempt) that a unit name could be read as: its middle
+    cut at each "-<digits>" (or two) at its end."""
+    middle = name.removeprefix(unitprops.UNIT_PREFIX).removesuffix(unitprops.UNIT_SUFFIX)
+    out = []
+    parts = middle.split("-")
+    for tail in (1, 2):
+        if len(parts) > tail and all(p.isdigit() for p in parts[-tail:]):
+            numbers = [int(p) for p in parts[-tail:]] + [1]
+            out.append((unescape("-".join(parts[:-tail])), numbers[0], numbers[1]))
+    return out
+
+
+def generated_keys(rng: random.Random, n: int) -> list[str]:
+    """Keys made of what unit names are made of: '/', '-', digits, '_', hex, '\\', 'x',
+    and some too long for a unit name (cut and hashed)."""
+    alphabet = "/-_0123456789abcdefx\\.é@ "
+    keys = []
+    for _ in range(n):
+        size = rng.choice([1, 2, 3, 5, 8, 13, 21, 200, 230, 250, 300])
+        key = "".join(rng.choice(alphabet) for _ in range(size))
+        if rng.random() < 0.3:  # a trailing "/<digits>", or "_<16 hex>" as a hash reads
+            key += rng.choice([f"/{rng.randrange(10**6)}",
+                               "_" + "".join(rng.choice("0123456789abcdef") for _ in
+                                             range(16))])
+        keys.append(key)
+    return keys
+
+
+def test_unit_names_are_unique_per_key_time_and_attempt() -> None:
+    """No two (key, scheduled_time, attempt) give one name: over generated triples, and
+    over every other way to read each name back (a key cut at a "-<digits>", a long key's
+    cut-and-hash read as a key of its own)."""
+    rng = random.Random(25)
+    triples = {(k, rng.choice([0, 2, 60, 1357000000, 1795585905, rng.randrange(2**33)]),
+                rng.choice([1, 1, 2, 3, 11])) for k in generated_keys(rng, 6000)}
+    triples |= {("rootjob", 1795585905, 2), ("rootjob/1795585905", 2, 1)}
+    named: dict[str, tuple[str, int, int]] = {}
+    for key, when, attempt in sorted(triples):
+        name = unitprops.unit_name(key, when, attempt)
+        assert named.setdefault(name, (key, when, attempt)) == (key, when, attempt), name
+        assert len(name) <= unitprops.UNIT_NAME_MAX
+        for other_key, other_when, other_attempt in readings(name):
+            if other_key and (other_key, other_when, other_attempt) != (key, when, attempt):
+                assert unitprops.unit_name(other_key, other_when, other_attempt) != name, \
+                    (name, other_key, key)
+    assert len(named) == len(triples)
 
 
 def test_bus_path_is_systemd_s_bus_label() -> None:
@@ -109,6 +202,13 @@ def test_properties_become_dbus_values() -> None:
     ({"ProtectSystem": "full"}, ("ProtectSystem", "s", "full")),
     ({"ReadWritePaths": "/srv"}, ("ReadWritePaths", "as", ["/srv"])),
     ({"WorkingDirectory": "~"}, ("WorkingDirectory", "s", "~")),
+    # The edges of systemd's uint64 (D-Bus signature t), in exact arithmetic.
+    ({"MemoryMax": 2**64 - 1}, ("MemoryMax", "t", 2**64 - 1)),
+    ({"MemoryMax": "15.9999999999999999999E"}, ("MemoryMax", "t", 2**64 - 1)),
+    ({"MemoryMax": "0.5K"}, ("MemoryMax", "t", 512)),
+    ({"TasksMax": 2**64 - 1}, ("TasksMax", "t", 2**64 - 1)),
+    ({"CPUQuota": "0.0001%"}, ("CPUQuotaPerSecUSec", "t", 1)),
+    ({"CPUQuota": "1844674407370955.1615%"}, ("CPUQuotaPerSecUSec", "t", 2**64 - 1)),
 ])
 def test_each_property_s_type(raw: dict[str, Any], want: unitprops.Property) -> None:
     assert unitprops.convert(raw) == (want,)
@@ -134,6 +234,19 @@ def test_each_property_s_type(raw: dict[str, Any], want: unitprops.Property) -> 
     ({"ReadWritePaths": []}, "ReadWritePaths: expected an absolute path or a list"),
     ({"WorkingDirectory": "tmp"}, "WorkingDirectory: expected an absolute path"),
     ("MemoryMax=1G", "expected a mapping of systemd properties"),
+    # Past systemd's uint64 (D-Bus signature t), or 0 after rounding: refused at load.
+    ({"MemoryMax": 2**64}, "MemoryMax: out of range: a whole number too large (1 to "
+                           "18446744073709551615 bytes, or infinity)"),
+    ({"MemoryMax": "999999999999999999999G"}, "MemoryMax: out of range: "),
+    ({"MemoryMax": "9" * 400 + "G"}, "MemoryMax: out of range: "),
+    ({"MemoryMax": "16E"}, "MemoryMax: out of range: '16E'"),
+    ({"MemoryMax": "0.1"}, "MemoryMax: out of range: '0.1'"),
+    ({"TasksMax": 2**64}, "TasksMax: out of range: a whole number too large (1 to "
+                          "18446744073709551615 tasks, or infinity)"),
+    ({"CPUQuota": "9" * 400 + "%"}, "CPUQuota: out of range: "),
+    ({"CPUQuota": "1844674407370955.1616%"}, "CPUQuota: out of range: "),
+    ({"CPUQuota": "0.00001%"}, "CPUQuota: out of range: '0.00001%' (0.0001% to "
+                               "1844674407370955.1615%)"),
 ])
 def test_bad_properties_are_refused_by_name(raw: Any, error: str) -> None:
     with pytest.raises(unitprops.UnitPropertyError) as caught:
@@ -295,6 +408,8 @@ def test_an_entry_with_executor_systemd(with_systemd: None, tmp_path: Path) -> N
 @pytest.mark.parametrize("entry,error", [
     ({**ENTRY, "unit": {"KillMode": "none"}}, "unit: 'KillMode': not an allowed property"),
     ({**ENTRY, "unit": {"MemoryMax": "1Q"}}, "unit: MemoryMax: expected bytes"),
+    ({**ENTRY, "unit": {"MemoryMax": 2**70}}, "unit: MemoryMax: out of range"),
+    ({**ENTRY, "unit": {"CPUQuota": "9" * 400 + "%"}}, "unit: CPUQuota: out of range"),
     ({**ENTRY, "executor": "chroot"}, "executor: expected exec or systemd, got 'chroot'"),
     ({"key": "k", "cron": "@daily", "type": "t", "executor": "systemd"},
      "executor: only for exec entries"),
@@ -372,3 +487,15 @@ def test_the_daemon_refuses_the_file_and_runs_the_rest(daemon_factory: Any, tmp_
     assert res.returncode == 1 and res.stderr.startswith("perfectschedctl: refused: ") and \
         "routes[0].executor: systemd is not running" in res.stderr, res
     assert mixed.stop() == 0
+
+
+def test_a_reload_with_a_number_past_uint64_is_refused_in_one_line(daemon_factory: Any
+                                                                    ) -> None:
+    """It was an OverflowError, named as such, in the reload's answer and the log."""
+    d: Daemon = daemon_factory().start()
+    d.write_config({**d.config, "routes": [{**ROUTE, "unit": {"MemoryMax": "9" * 400 + "G"}}]})
+    res = d.ctl("reload", check=False)
+    assert res.returncode == 1 and len(res.stderr.strip().splitlines()) == 1, res
+    assert "routes[0].unit: MemoryMax: out of range: " in res.stderr, res.stderr
+    assert "Overflow" not in d.log() and "Traceback" not in d.log()
+    assert d.alive() and d.stop() == 0
