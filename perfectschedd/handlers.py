@@ -359,7 +359,8 @@ def run_task(task: TaskLike, handler: Handler, *, log: Log = logger,
              stop_event: Stop | None = None, kill_grace: float = 5.0,
              run_id: str | None = None,
              on_spawn: Callable[[int], None] | None = None,
-             on_unit: Callable[[str], None] | None = None, node: str = "") -> RunResult:
+             on_unit: Callable[[str], None] | None = None, node: str = "", tag: str = ""
+             ) -> RunResult:
     """Run ``task`` with ``handler`` and end it; never raises for handler failures.
 
     ``stop_event`` means "end now" (a :class:`RunControl` says why). An exec
@@ -372,7 +373,8 @@ def run_task(task: TaskLike, handler: Handler, *, log: Log = logger,
     ``run_id`` goes into the environment of exec commands (RUN_ID_ENV);
     ``on_spawn(pgid)`` is called once the command's process group exists.  A unit run
     calls ``on_unit(name)`` before its unit can exist; ``node`` names this host in the
-    unit's Description (its owner: "worker NODE:PID").
+    unit's Description (its owner: "worker NODE:PID"), and ``tag`` this daemon instance
+    (unitprops.daemon_tag).
 
     Errors of the store other than ``PreemptedError`` (a database that is
     down) propagate to the caller.
@@ -387,7 +389,7 @@ def run_task(task: TaskLike, handler: Handler, *, log: Log = logger,
             from . import unitjobs  # D-Bus: only where a route runs units
 
             outcome, code, unit = unitjobs.run(task, handler, log, stop_event, kill_grace,
-                                               node, on_unit)
+                                               node, on_unit, tag)
         elif isinstance(handler, ExecHandler):
             outcome, code = _run_exec(task, handler, log, stop_event, kill_grace, run_id,
                                       on_spawn)

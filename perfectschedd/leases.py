@@ -27,7 +27,7 @@ from typing import Any
 
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
-from . import catchup, handlers, metrics
+from . import catchup, handlers, metrics, unitprops
 from .config import Config
 from .errors import InvalidInputError, PreemptedError
 from .handlers import RunControl, StopReason
@@ -103,6 +103,7 @@ class LeasePipeline:
         self.kill_event = threading.Event()  # the heartbeat thread ends
         self.sc: ScheduleCollection | None = None
         self.router = handlers.Router(config.routes, log=log)
+        self.unit_tag = unitprops.daemon_tag(config.control_socket)  # units' Description
         self.running: dict[str, Task] = {}
         # Per running key: what stops its run (shutdown, lease lost, self-fencing).
         self.controls: dict[str, RunControl] = {}
@@ -323,7 +324,8 @@ class LeasePipeline:
                     (lambda pgid, r=run_id: self.report(f"g {r} {pgid}")),
                     on_unit=None if run_id is None else
                     (lambda name, r=run_id: self.report(f"u {r} {name}")),
-                    node=self.config.node)
+                    node=self.config.node,
+                    tag=self.unit_tag)
             finally:
                 if run_id is not None:
                     self.report(f"e {run_id}")

@@ -45,7 +45,17 @@ class ReopenableFileHandler(logging.StreamHandler):  # type: ignore[type-arg]
         super().__init__(self._open())
 
     def _open(self):  # type: ignore[no-untyped-def]
-        return open(self.path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+        # The log holds jobs' output, which may be secrets of jobs that run as root or
+        # another user: the daemon's user alone reads it, not its group (whose members
+        # may only control the daemon).  A file we own is narrowed if it was wider.
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            st = os.fstat(fd)
+            if st.st_uid == os.geteuid() and st.st_mode & 0o077:
+                os.fchmod(fd, st.st_mode & 0o700)
+        except OSError:
+            pass
+        return open(fd, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
 
     def reopen(self) -> None:
         with self._reopen_lock:

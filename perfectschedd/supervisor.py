@@ -353,9 +353,12 @@ class Supervisor:
             # The units it reported, and any other that names it as its owner (a report
             # lost with the worker): stopped before its leases are given back.
             mark = unitjobs.owner_mark(self.config.node, proc.pid)
-            self.unit_cleanups.start(proc.index, f"worker {proc.index} (pid {proc.pid})",
-                                     lambda name, description: description.endswith(mark),
-                                     list(proc.units.values()), then)
+            tag = unitprops.daemon_tag(self.config.control_socket)
+            self.unit_cleanups.start(
+                proc.index, f"worker {proc.index} (pid {proc.pid})",
+                lambda name, description: description.endswith(mark)
+                and unitprops.started_by(description, tag),
+                list(proc.units.values()), then)
             proc.units.clear()
             units_stopping = True
         groups = [g for g in proc.runs.values() if g is not None]
@@ -859,9 +862,13 @@ class Supervisor:
             # A previous daemon of this host that died without stopping its jobs (killed,
             # crashed): its units must not run beside the occurrences run again now.
             mark = unitjobs.owner_mark(self.config.node, 0).rsplit(":", 1)[0] + ":"
+            # Only this instance's: another daemon of this host (another table, database
+            # or configuration, one socket each) keeps its units.
+            tag = unitprops.daemon_tag(self.config.control_socket)
             # Before any worker exists: waiting here is what keeps them from running twice.
             stop_units(self.unit_cleanups.stopper, "a previous daemon of this host",
-                       lambda name, description: mark in description)
+                       lambda name, description: mark in description
+                       and unitprops.started_by(description, tag))
         log.info("perfectschedd %s starting: %d worker(s), database %s", __version__,
                  self.config.workers, engine_url(self.config.url).render_as_string(
                      hide_password=True))

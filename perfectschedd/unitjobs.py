@@ -85,7 +85,7 @@ os.register_at_fork(after_in_child=_client.reset_after_fork)
 
 
 def properties(task: TaskLike, handler: UnitHandler, name: str, *, node: str, kill_grace: float,
-               stderr_index: int = 0) -> list[tuple[str, Variant]]:
+               stderr_index: int = 0, tag: str = "") -> list[tuple[str, Variant]]:
     """The transient unit of one run (StartTransientUnit's properties)."""
     route = handler.route
     argv = [*handler.argv, task.key] if route.append_key else list(handler.argv)
@@ -98,8 +98,8 @@ def properties(task: TaskLike, handler: UnitHandler, name: str, *, node: str, ki
            f"PERFECTSCHED_ATTEMPT={int(task.attempt)}", f"PERFECTSCHED_UNIT={name}",
            *(f"{k}={v}" for k, v in route.env)]
     props: list[tuple[str, Variant]] = [
-        ("Description", Variant("s", f"PerfectSched job {task.key} "
-                                     f"{owner_mark(node, os.getpid())}")),
+        ("Description", Variant("s", " ".join(filter(None, (
+            f"PerfectSched job {task.key}", tag, owner_mark(node, os.getpid())))))),
         ("Type", Variant("s", "exec")),
         ("ExecStart", Variant("a(sasb)", [[python, wrapped, False]])),
         ("SyslogIdentifier", Variant("s", os.path.basename(argv[0]) or "perfectsched-job")),
@@ -141,14 +141,15 @@ def properties(task: TaskLike, handler: UnitHandler, name: str, *, node: str, ki
 
 
 def run(task: TaskLike, handler: UnitHandler, log: Log, stop: Any, kill_grace: float,
-        node: str, on_unit: Callable[[str], None] | None) -> tuple[Outcome, int | None, str]:
+        node: str, on_unit: Callable[[str], None] | None, tag: str = ""
+        ) -> tuple[Outcome, int | None, str]:
     """Run one task as a unit and end it (as handlers.run_task's exec branch does)."""
     key = task.key
     name = unitprops.unit_name(key, task.scheduled_time, task.attempt)
     verdict_r, verdict_w = os.pipe()
     try:
         try:
-            props = properties(task, handler, name, node=node, kill_grace=kill_grace)
+            props = properties(task, handler, name, node=node, kill_grace=kill_grace, tag=tag)
             if on_unit is not None:
                 on_unit(name)  # the master knows the unit before it can exist
             watch = _client.start(name, props, [verdict_w])

@@ -101,6 +101,20 @@ def _unit_escape(key: str) -> str:
     return escaped
 
 
+def daemon_tag(control_socket: str) -> str:
+    """What a unit's Description says of the daemon instance that started it: two
+    daemons of one host (one node name, other tables or databases) never stop each
+    other's units.  Its control socket names it: one daemon per socket (its lock)."""
+    digest = hashlib.sha256(control_socket.encode("utf-8", "surrogateescape")).hexdigest()
+    return f"[daemon {digest[:12]}]"
+
+
+def started_by(description: str, tag: str) -> bool:
+    """Whether a unit was started by the daemon instance of `tag` (or by a release that
+    tagged none: 0.1.0, one instance per node as far as it knew)."""
+    return tag in description or "[daemon " not in description
+
+
 def bus_path(unit: str) -> str:
     """The unit's object path (systemd's bus label escaping: every byte outside
     [A-Za-z0-9] as _xx)."""

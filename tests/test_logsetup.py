@@ -168,3 +168,22 @@ def test_log_option_sends_everything_to_the_file(daemon_factory: Any, tmp_path: 
     assert re.search(r"INFO worker-\d\[\d+\]: k: hi$", text, re.M)  # the command's output
     assert re.search(r"INFO master\[\d+\]: stopped$", text, re.M)
     assert "start key=k" not in d.log()  # nothing of it on stderr
+
+
+def test_the_log_file_is_the_daemon_s_user_s_alone(daemon_factory: Any, tmp_path: Path
+                                                   ) -> None:
+    """It holds jobs' output: not readable by the daemon's group, even when an older
+    version (or logrotate's old `create 0640`) made it so."""
+    logfile = tmp_path / "perfectschedd.log"
+    logfile.write_text("")
+    logfile.chmod(0o640)
+    d = daemon_factory({"log": str(logfile)}).start()
+    assert oct(logfile.stat().st_mode & 0o777) == oct(0o600)
+    logfile.rename(tmp_path / "perfectschedd.log.1")
+    d.send_signal(signal.SIGUSR2)  # after logrotate: a new file, narrow from the start
+    wait_until(logfile.exists, what="the reopened log file")
+    assert oct(logfile.stat().st_mode & 0o777) == oct(0o600)
+    assert d.stop() == 0
+    rotate = (Path(__file__).resolve().parents[1] / "etc" / "logrotate.d" /
+              "perfectsched").read_text()
+    assert "create 0600 perfectsched perfectsched" in rotate

@@ -31,7 +31,8 @@ def handler(**route: Any) -> UnitHandler:
 
 
 def props(task: FakeTask, h: UnitHandler) -> dict[str, tuple[str, Any]]:
-    got = unitjobs.properties(task, h, NAME, node="host1", kill_grace=5)
+    got = unitjobs.properties(task, h, NAME, node="host1", kill_grace=5,
+                              tag=unitprops.daemon_tag("/run/perfectsched/perfectschedd.sock"))
     return {name: (v.signature, v.value) for name, v in got}
 
 
@@ -60,6 +61,11 @@ def test_the_transient_unit_of_a_run() -> None:
             "A=1"} <= set(env)
     assert p["Description"][1].endswith(unitjobs.owner_mark("host1", __import__("os")
                                                             .getpid()))
+    # Which daemon of this host started it: the clean-ups of another leave it alone.
+    tag = unitprops.daemon_tag("/run/perfectsched/perfectschedd.sock")
+    assert tag in p["Description"][1] and unitprops.started_by(p["Description"][1], tag)
+    assert not unitprops.started_by(p["Description"][1], unitprops.daemon_tag("/tmp/x.sock"))
+    assert unitprops.started_by("PerfectSched job k (worker host1:1)", tag)  # 0.1.0's
 
 
 def test_a_route_s_key_is_the_last_argument_and_no_timeout_no_limit() -> None:
