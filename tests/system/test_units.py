@@ -43,7 +43,10 @@ def entry(key: str, command: str, **extra: Any) -> dict[str, Any]:
 # A job that tries to become root through systemd, and says how it went.
 ESCAPE = ('if out=$(systemd-run --wait --pipe --quiet -p User=root /usr/bin/id -u 2>&1); '
           'then echo "ESCAPED uid=$out"; else echo "escape refused: $out" | head -c 300; '
-          'echo; fi')
+          'echo; fi; '
+          'if busctl call org.freedesktop.systemd1 /org/freedesktop/systemd1 '
+          'org.freedesktop.systemd1.Manager ClearJobs >/dev/null 2>&1; '
+          'then echo "ESCAPED ClearJobs"; else echo "ClearJobs refused"; fi')
 
 
 KEYS = {name: f"unit-{name}-{TOKEN}" for name in
@@ -248,7 +251,7 @@ def test_u10_with_the_grant_no_job_runs_as_the_daemon_s_user(ns: Namespace, unit
     runs = runs_until(ns, KEYS["whoami"], lambda h: h[0]["outcome"] == "success", 60,
                       "the whoami unit's run")
     out = ns.out("journalctl", "--no-pager", "-o", "cat", "-u", runs[0]["unit"])
-    assert "escape refused" in out and "ESCAPED" not in out, out
+    assert "escape refused" in out and "ClearJobs refused" in out and "ESCAPED" not in out, out
     ns.ctl("run", KEYS["asdaemon"])
     time.sleep(3)
     assert history(ns, KEYS["asdaemon"]) == []
@@ -447,3 +450,46 @@ def test_u09_a_frozen_bus_stops_neither_the_master_nor_the_rule(ns: Namespace, u
     ns.ctl("delete", key)
     wait_for(lambda: not active_units(ns, key), 30, "the run stopped by delete",
              lambda: journal(ns))
+
+
+def test_u11_schedules_files_follow_cron_s_rules(ns: Namespace, units) -> None:
+    """A schedules file owned by nobody, one the group may write, and a symlink to a file
+    of nobody's: each rejected whole with its reason, its entries never stored or run;
+    the package's own files apply."""
+    d = "/etc/perfectsched/schedules.d"
+    bad = {name: [{"key": f"{name}-{TOKEN}", "cron": "* * * * *",
+                   "exec": ["/bin/sh", "-c", f"echo RAN {name}"], "user": "root",
+                   "executor": "systemd"}] for name in ("nobodys", "groupw", "linked")}
+    ns.write(f"{d}/nobodys.yml", json.dumps(bad["nobodys"]))
+    ns.run("chown", "nobody", f"{d}/nobodys.yml")
+    ns.write(f"{d}/groupw.yml", json.dumps(bad["groupw"]), mode="0664")
+    ns.write("/var/tmp/linked.yml", json.dumps(bad["linked"]))
+    ns.run("chown", "nobody", "/var/tmp/linked.yml")
+    ns.run("ln", "-sfn", "/var/tmp/linked.yml", f"{d}/linked.yml")
+    try:
+        ns.run("systemctl", "reload", UNIT, timeout=60)
+        log = wait_for(lambda: (j := journal(ns, lines=300)) and all(
+            f"{n}.yml" in j for n in bad) and j, 30, "the three files' lines",
+            lambda: journal(ns))
+        assert re.search(r"nobodys\.yml: owned by uid 65534 \(nobody\), not root", log), log
+        assert re.search(r"groupw\.yml: .*writ", log), log
+        assert re.search(r"linked\.yml: .*(nobody|65534)", log), log
+        listed = ns.ctl("list").stdout
+        assert not any(f"{n}-{TOKEN}" in listed for n in bad), listed
+        assert KEYS["whoami"] in listed  # units.yml, root's, still applies
+        assert "RAN " not in ns.run("journalctl", "--no-pager", "-o", "cat", "--since",
+                                    "-2min", check=False).stdout
+    finally:
+        ns.run("rm", "-f", f"{d}/nobodys.yml", f"{d}/groupw.yml", f"{d}/linked.yml",
+               "/var/tmp/linked.yml")
+        ns.run("systemctl", "reload", UNIT, timeout=60)
+
+
+def test_u12_a_user_crontab_needs_its_user(ns: Namespace, installed) -> None:
+    ns.write("/var/tmp/alice.crontab", "17 3 * * * /usr/bin/true\n")
+    r = ns.run("perfectschedctl", "import-crontab", "/var/tmp/alice.crontab", check=False)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r
+    assert "--user" in r.stderr, r.stderr
+    r = ns.run("perfectschedctl", "import-crontab", "/var/tmp/alice.crontab", "--user",
+               "nobody")
+    assert "user: nobody" in r.stdout, r.stdout
