@@ -6,6 +6,7 @@
 #   - dbus-daemon, setpriv/runuser
 #   - Debian's own Python libraries, for the `make test-debian` run against Debian 12's versions
 #   - the Debian packaging toolchain (and packaging/debian/control's Build-Depends, if present)
+#   - mmdebstrap: tests/system/rootfs.sh builds the Debian 13 tree the system tests boot
 #
 # Idempotent: when everything is installed it only runs one dpkg-query (well under 1 s).
 # Needs root (or passwordless sudo) when something is missing.  Never starts a service:
@@ -25,6 +26,9 @@ PACKAGES=(
   # packaging toolchain (make deb)
   build-essential fakeroot debhelper dh-python pybuild-plugin-pyproject python3-setuptools
   python3-all lintian devscripts
+  # the Debian 13 root file system of the system tests (tests/system/rootfs.sh); the
+  # keyring has trixie's keys
+  mmdebstrap debian-archive-keyring
 )
 
 missing_packages() {
@@ -113,7 +117,7 @@ rm -f "$LOG"
 # Sanity: the binaries the tests look for.
 for f in /usr/lib/postgresql/15/bin/initdb /usr/lib/postgresql/15/bin/postgres \
          /usr/sbin/mariadbd /usr/bin/mariadb-install-db /usr/bin/promtool \
-         /usr/bin/dbus-daemon /usr/bin/setpriv /usr/sbin/runuser; do
+         /usr/bin/dbus-daemon /usr/bin/setpriv /usr/sbin/runuser /usr/bin/mmdebstrap; do
   [ -x "$f" ] || { echo "install-test-deps: $f is missing after install" >&2; exit 1; }
 done
 echo "install-test-deps: done in $((SECONDS - T0)) s" >&2
