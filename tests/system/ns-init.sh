@@ -1,18 +1,21 @@
 #!/bin/bash
 # PID 1 of a fresh PID namespace (started by ns-up.sh through `unshare`); never run by hand.
 #
-# Builds a throw-away root: overlayfs with lower = the host's / and upper = a tmpfs,
-# private /dev /proc /sys /run /tmp and a private cgroup2 tree, pivot_root()s into it
-# and exec()s /lib/systemd/systemd, which therefore IS pid 1 of the namespace.
-# Nothing written inside (dpkg, apt, sysusers, tmpfiles, the daemon's SQLite file)
-# reaches the host: it all lands in the tmpfs upper layer and vanishes with the namespace.
+# Builds a throw-away root: overlayfs with lower = $ROOTFS (the host's / or a tree of
+# rootfs.sh) and upper = a tmpfs, private /dev /proc /sys /run /tmp and a private cgroup2
+# tree, pivot_root()s into it and exec()s the tree's /lib/systemd/systemd, which
+# therefore IS pid 1 of the namespace.  Nothing written inside (dpkg, apt, sysusers,
+# tmpfiles, the daemon's SQLite file) reaches the host or the cached tree: it all lands
+# in the tmpfs upper layer and vanishes with the namespace.
 # Every mount uses -n (no /run/mount/utab bookkeeping on the host's /run).
 #
 # Env (from ns-up.sh): NS_DIR  state dir on the host
+#                      ROOTFS  the overlay's lower layer (read-only; default /)
 #                      SHARE   host dir bind-mounted read-write at /srv/perfectsched-test
 #                      TARGET  unit systemd boots into (default basic.target)
 set -euo pipefail
-NS_DIR=${NS_DIR:?}; SHARE=${SHARE:?}; TARGET=${TARGET:-basic.target}
+NS_DIR=${NS_DIR:?}; SHARE=${SHARE:?}; TARGET=${TARGET:-basic.target}; ROOTFS=${ROOTFS:-/}
+exec 8>&-   # ns-up.sh's hold on a cached tree: unshare, our parent, keeps it
 R=$NS_DIR/root
 
 mount -n --make-rprivate /
@@ -20,7 +23,7 @@ mkdir -p "$NS_DIR/layer" "$R"
 mount -n -t tmpfs -o mode=755 psyslayer "$NS_DIR/layer"
 mkdir -p "$NS_DIR/layer/upper" "$NS_DIR/layer/work"
 mount -n -t overlay overlay \
-  -o "lowerdir=/,upperdir=$NS_DIR/layer/upper,workdir=$NS_DIR/layer/work" "$R"
+  -o "lowerdir=$ROOTFS,upperdir=$NS_DIR/layer/upper,workdir=$NS_DIR/layer/work" "$R"
 
 # --- API file systems -------------------------------------------------------------
 mount -n -t proc proc "$R/proc"
@@ -33,6 +36,8 @@ if [ -e "$R/proc/sysrq-trigger" ]; then
   mount -n -o remount,bind,ro "$R/proc/sysrq-trigger"
 fi
 mount -n --bind /sys "$R/sys"; mount -n -o remount,bind,ro "$R/sys"
+# cgroup2 only, whatever the host has (hybrid v1+v2 here): systemd >= 256 refuses a
+# hybrid hierarchy; a cgroup v1 controller of the host (memory) is missing inside.
 mount -n -t cgroup2 cgroup2 "$R/sys/fs/cgroup"   # our cgroupns root = host .../unified/<ns>
 mount -n -t tmpfs -o mode=755,nosuid,size=64m psysdev "$R/dev"
 for n in null zero full random urandom tty; do
@@ -55,16 +60,23 @@ mount -n -t tmpfs -o mode=1777,nosuid,nodev psystmp "$R/tmp"
 # the exchange dir: NOT under /tmp (Debian's tmpfiles.d cleans /tmp at boot)
 mkdir -p "$R/srv/perfectsched-test"; mount -n --bind "$SHARE" "$R/srv/perfectsched-test"
 
+# --- per-boot identity, in the upper layer (the tree is never written) -------------
+# A fresh machine-id (a rootfs.sh tree has an empty one; the host's is the host's), the
+# hostname, and the host's resolver (host network; the image's resolv.conf may be a
+# symlink into its /run, or absent).
+tr -d - < /proc/sys/kernel/random/uuid > "$R/etc/machine-id"
+echo perfectsched-ns > "$R/etc/hostname"
+rm -f "$R/etc/resolv.conf"; cat /etc/resolv.conf > "$R/etc/resolv.conf"
+
 # --- boot something small; never touch host-global state -------------------------
-mkdir -p "$R/run/systemd"
+mkdir -p "$R/run/systemd" "$R/etc/systemd/system"
 for u in systemd-sysctl.service systemd-binfmt.service systemd-modules-load.service \
          systemd-timesyncd.service systemd-time-wait-sync.service systemd-hwdb-update.service \
-         systemd-networkd.service systemd-resolved.service \
+         systemd-networkd.service systemd-resolved.service systemd-firstboot.service \
          getty@tty1.service console-getty.service apt-daily.timer apt-daily-upgrade.timer; do
   ln -sf /dev/null "$R/etc/systemd/system/$u"
 done
 echo perfectsched-ns > "$R/run/systemd/container"
-echo perfectsched-ns > "$R/etc/hostname"
 # Docker-style images ship a policy-rc.d that `exit 101`s, which stops maintainer
 # scripts from starting services.  Remove it in the overlay only (host file untouched).
 rm -f "$R/usr/sbin/policy-rc.d"

@@ -7,14 +7,21 @@ shares the host network, so Debian dependencies resolve), and checks the unit
 end to end: start waits for READY=1, watchdog, control socket, exec jobs into
 the journal, reload, metrics, D-Bus, worker replacement, stop, purge.
 
+The root file system under the overlay is the host's own (Debian 12) unless
+PERFECTSCHED_NS_ROOTFS names another: a suite (`trixie`: Debian 13, built once with
+mmdebstrap by rootfs.sh and cached in /var/cache/perfectsched-ns) or a directory.  The
+same .deb, built on the host, is installed on either; `make test-system` runs every
+module on both.
+
 Needs root (CI runs as root); without it, or without the tools, the test FAILS,
 it does not skip.  It never changes host state: /proc/sys and /sys stay
 read-only inside, everything written lands in a tmpfs upper layer, and the
 namespace is always torn down (fixture finalizer + atexit + SIGTERM/SIGHUP
 handler; namespaces left by a killed run are reaped on the next run).
 
-Run:  make test-system            (builds the .deb first)
+Run:  make test-system            (builds the .deb first; both releases)
       PERFECTSCHED_DEB=path/to.deb python3 -m pytest -m system tests/system
+      PERFECTSCHED_NS_ROOTFS=trixie ...          (the same on Debian 13)
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ pytestmark = pytest.mark.system
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 NS_LAB = Path(os.environ.get("PERFECTSCHED_NS_LAB", "/tmp/perfectsched-systest"))
+# ns-up.sh's ROOTFS: "/" (the host's), a suite for rootfs.sh ("trixie"), or a directory
+NS_ROOTFS = os.environ.get("PERFECTSCHED_NS_ROOTFS", "/")
 INNER_SHARE = "/srv/perfectsched-test"  # where ns-init.sh bind-mounts the share dir
 SYS_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 ENV_IN = [f"PATH={SYS_PATH}", "LANG=C.UTF-8", "DEBIAN_FRONTEND=noninteractive",
@@ -69,7 +78,8 @@ class Namespace:
         self._down = False
 
     def _env(self) -> dict[str, str]:
-        return dict(os.environ, NS_LAB=str(NS_LAB), SHARE=str(self.share), PATH=SYS_PATH)
+        return dict(os.environ, NS_LAB=str(NS_LAB), SHARE=str(self.share), PATH=SYS_PATH,
+                    ROOTFS=NS_ROOTFS)
 
     def up(self) -> None:
         self.share.mkdir(parents=True, exist_ok=True)
