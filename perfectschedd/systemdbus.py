@@ -123,8 +123,11 @@ class Systemd:
                 watch.update(started=True)
                 try:  # the old connection's reference went with it (AddRef)
                     await call(bus, watch.path, UNIT, "Ref")
-                except SystemdError:
-                    pass  # collected meanwhile: its result is lost
+                except SystemdError as exc:
+                    # Collected meanwhile, or refused (polkit: verb "ref"): once the
+                    # unit ends, systemd collects it before its result is read.
+                    logger.warning("unit %s: cannot keep its result for this run (%s)",
+                                   watch.name, exc)
             asyncio.ensure_future(_until_disconnected(bus))
             self._bus = bus
             for watch in list(self._watches.values()):

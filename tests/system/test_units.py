@@ -118,6 +118,18 @@ def escaped(key: str) -> str:
     return key.replace("-", "\\x2d")
 
 
+def bus_path(unit: str) -> str:
+    """The D-Bus object path of a unit (sd_bus_path_encode)."""
+    return "/org/freedesktop/systemd1/unit/" + "".join(
+        c if c.isascii() and c.isalnum() else f"_{ord(c):02x}" for c in unit)
+
+
+def ref_unit(ns: Namespace, user: str, unit: str) -> Any:
+    """The Ref() of a unit by `user` (as a worker does again after a bus restart)."""
+    return as_user(ns, user, "busctl", "call", "org.freedesktop.systemd1", bus_path(unit),
+                   "org.freedesktop.systemd1.Unit", "Ref")
+
+
 def active_units(ns: Namespace, key: str) -> list[str]:
     """Active units of runs of `key` (its extra runs, `run KEY`, included)."""
     out = ns.out("systemctl", "list-units", "--no-legend", "--plain", "--state=active",
@@ -188,6 +200,9 @@ def test_u01_the_polkit_rule(ns: Namespace, installed) -> None:
     assert ns.out("systemctl", "is-active", ours, check=False) == "active"
     r = as_user(ns, "perfectsched", "systemctl", "kill", "--signal=SIGCONT", ours)
     assert r.returncode == 0, r.stderr
+    # Ref(): a worker's new bus connection keeps its unit's result (test_u08)
+    r = ref_unit(ns, "perfectsched", ours)
+    assert r.returncode == 0, r.stderr
     r = as_user(ns, "perfectsched", "systemctl", "stop", ours)
     assert r.returncode == 0, r.stderr
     assert ns.out("systemctl", "is-active", ours, check=False) != "active"
@@ -218,6 +233,8 @@ def test_u01_the_polkit_rule(ns: Namespace, installed) -> None:
                     "/org/freedesktop/systemd1", "org.freedesktop.systemd1.Manager",
                     "ClearJobs")
         assert r.returncode != 0, r.stdout + r.stderr
+        r = ref_unit(ns, "perfectsched", "dbus.service")
+        assert r.returncode != 0 and "Access denied" in r.stderr, r.stdout + r.stderr
     # The rule is for perfectsched only.
     r = as_user(ns, "nobody", "systemd-run", f"--unit=perfectsched-y-{TOKEN}", "/bin/true")
     assert r.returncode != 0
