@@ -336,6 +336,28 @@ def test_01_unit_verifies_and_scores(ns: Namespace, installed) -> None:
     assert score <= SCORE_LIMIT, f"exposure {score} > {SCORE_LIMIT}:\n{out}"
 
 
+def test_01b_the_unit_s_programs_come_with_the_package(ns: Namespace, installed) -> None:
+    """Every program the unit runs is the package's, an essential package's, or one it
+    depends on: a minimal system (a container, a minbase tree) has no procps, whose
+    /bin/kill ExecReload= runs."""
+    depends = {alt.split()[0].split(":")[0] for dep in ns.out(
+        "dpkg-query", "-W", "-f=${Depends}", "perfectsched").split(",")
+        for alt in dep.split("|") if alt.strip()}
+    for prop in ("ExecStart", "ExecReload"):
+        value = ns.show(prop)[prop]
+        m = re.search(r"path=(\S+)", value)
+        assert m, f"{prop}={value}"
+        # merged /usr: dpkg knows /bin/kill on Debian 12, /usr/bin/kill on Debian 13
+        found = ns.sh('dpkg-query -S "$1" 2>/dev/null || dpkg-query -S "$(readlink -f "$1")"',
+                      m.group(1), check=False)
+        assert found.returncode == 0, f"{prop}: no package ships {m.group(1)}"
+        package = found.stdout.split(":")[0]
+        essential = ns.out("dpkg-query", "-W", "-f=${Essential}", package) == "yes"
+        assert package == "perfectsched" or essential or package in depends, (
+            f"{prop} runs {m.group(1)} of {package}, which perfectsched does not depend on "
+            f"(Depends: {sorted(depends)})")
+
+
 def test_02_install_creates_user_enables_and_starts(ns: Namespace, installed) -> None:
     pw = ns.out("getent", "passwd", "perfectsched").split(":")
     assert pw[5] == "/var/lib/perfectsched" and pw[6].endswith("nologin"), pw
