@@ -105,8 +105,30 @@ $(OLD_DEB):
 
 # --- system test: real systemd as PID 1 of a namespace, the .deb installed by apt -----
 # test_upgrade.py installs $(OLD_DEB) first, then upgrades to the .deb of `make deb`.
-test-system: deb deb-$(OLD_VERSION)
-	env PATH=$(DEB_PATH) PERFECTSCHED_OLD_DEB=$(CURDIR)/$(OLD_DEB) python3 -m pytest -v -rP -p no:cacheprovider --noconftest --durations=0 -m system tests/system
+# Every module runs once per root in SYSTEST_ROOTS (PERFECTSCHED_NS_ROOTFS): / is the
+# host's own (Debian 12, systemd 252), trixie is Debian 13 (systemd 257), a tree that
+# tests/system/rootfs.sh builds once with mmdebstrap (test-deps installs it) and keeps in
+# /var/cache/perfectsched-ns.  The same two .debs on each.  Each run's log is in
+# build/systest/; their summary lines are repeated at the end.
+SYSTEST_ROOTS ?= / trixie
+SYSTEST_LOGS  := build/systest
+test-system: test-deps deb deb-$(OLD_VERSION)
+	@rm -rf $(SYSTEST_LOGS) && mkdir -p $(SYSTEST_LOGS); rc=0; \
+	for root in $(SYSTEST_ROOTS); do \
+	  case $$root in /*) tree=$$root;; *) tree=$$(tests/system/rootfs.sh $$root) || exit 1;; esac; \
+	  name=$$(. $$tree/etc/os-release && echo "$$PRETTY_NAME"); \
+	  case $$root in /) label=host;; *) label=$$(basename $$root);; esac; \
+	  log=$(SYSTEST_LOGS)/$$label.log; start=$$(date +%s); \
+	  echo "=== system tests on $$name (PERFECTSCHED_NS_ROOTFS=$$root)"; \
+	  { env PATH=$(DEB_PATH) PERFECTSCHED_NS_ROOTFS=$$root \
+	      PERFECTSCHED_OLD_DEB=$(CURDIR)/$(OLD_DEB) python3 -m pytest -v -rsP \
+	      -p no:cacheprovider --noconftest --durations=0 -m system tests/system; \
+	    echo $$? > $$log.rc; } 2>&1 | tee $$log; \
+	  [ "$$(cat $$log.rc 2>/dev/null)" = 0 ] || rc=1; \
+	  echo "$$name: $$(tail -n 1 $$log | sed 's/^=* *//; s/ *=*$$//') [$$(( $$(date +%s) - start )) s]" \
+	    >> $(SYSTEST_LOGS)/summary; \
+	done; \
+	echo "=== test-system summary ($(SYSTEST_LOGS)/)"; cat $(SYSTEST_LOGS)/summary; exit $$rc
 
 # --- benchmark: PerfectSched vs APScheduler 3.11 (docs/performance.md) -----------------
 # APScheduler lives only in this venv, never in the project's dependencies.
