@@ -94,18 +94,19 @@ def holds_grant(timeout: float = PROBE_TIMEOUT) -> bool:
 
 
 def grant_state() -> bool:
-    """holds_grant(), or when systemd cannot be asked, whether a rule of ours is enabled
-    (the file the enabling command links): better a refused exec route than a job that
-    could become root."""
+    """holds_grant(), or when systemd cannot be asked, whether `perfectsched-grant
+    enable` left its mark: better a refused exec route than a job that could become
+    root.  (The rule itself is out of sight: /etc/polkit-1/rules.d is polkitd's alone.)"""
     try:
         return holds_grant()
     except (SystemdError, OSError) as exc:
-        enabled = os.path.exists(ENABLED_RULE)
+        enabled = os.path.exists(ENABLED_MARK)
         log.warning("cannot ask systemd whether this daemon may start units (%s); "
-                    "taking the polkit rule at %s as %s", exc, ENABLED_RULE,
-                    "enabled" if enabled else "absent")
+                    "taking the grant as %s (%s %s)", exc, "held" if enabled else "off",
+                    ENABLED_MARK, "exists" if enabled else "is absent")
         return enabled
 
 
-# Where `perfectsched-grant enable` links the shipped rule (packaging/perfectsched-grant).
-ENABLED_RULE = "/etc/polkit-1/rules.d/60-perfectsched.rules"
+# What `perfectsched-grant enable` writes beside linking the rule, readable by the daemon
+# (packaging/scripts/perfectsched-grant).
+ENABLED_MARK = "/etc/perfectsched/polkit-grant-enabled"

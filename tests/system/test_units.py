@@ -191,6 +191,11 @@ def test_u01_the_polkit_rule(ns: Namespace, installed) -> None:
     assert link == ("/usr/share/perfectsched/polkit-1/perfectsched.rules" if systemd >= 257
                     else "/usr/share/perfectsched/polkit-1/perfectsched-before-257.rules")
     assert "perfectsched-" in ns.out("cat", link)
+    # The mark the daemon reads when systemd cannot answer it (polkit's directory is not
+    # readable by the daemon's user).
+    assert ns.out("cat", "/etc/perfectsched/polkit-grant-enabled") == link
+    assert ns.run("runuser", "-u", "perfectsched", "--", "test", "-r",
+                  "/etc/perfectsched/polkit-grant-enabled", check=False).returncode == 0
     ns.run("systemctl", "restart", "polkit.service")  # reads the rule (it also watches)
 
     ours = f"perfectsched-x-{TOKEN}.service"
@@ -240,6 +245,8 @@ def test_u01_the_polkit_rule(ns: Namespace, installed) -> None:
     assert r.returncode != 0
     # The documented way to turn it off.
     ns.run("perfectsched-grant", "disable")
+    assert ns.run("test", "-e", "/etc/perfectsched/polkit-grant-enabled",
+                  check=False).returncode != 0
     try:
         ns.run("systemctl", "restart", "polkit.service")
         r = as_user(ns, "perfectsched", "systemd-run", f"--unit=perfectsched-z-{TOKEN}",
@@ -480,9 +487,9 @@ def test_u11_schedules_files_follow_cron_s_rules(ns: Namespace, units) -> None:
     ns.write(f"{d}/nobodys.yml", json.dumps(bad["nobodys"]))
     ns.run("chown", "nobody", f"{d}/nobodys.yml")
     ns.write(f"{d}/groupw.yml", json.dumps(bad["groupw"]), mode="0664")
-    ns.write("/var/tmp/linked.yml", json.dumps(bad["linked"]))
-    ns.run("chown", "nobody", "/var/tmp/linked.yml")
-    ns.run("ln", "-sfn", "/var/tmp/linked.yml", f"{d}/linked.yml")
+    ns.write("/srv/linked.yml", json.dumps(bad["linked"]))
+    ns.run("chown", "nobody", "/srv/linked.yml")
+    ns.run("ln", "-sfn", "/srv/linked.yml", f"{d}/linked.yml")
     try:
         ns.run("systemctl", "reload", UNIT, timeout=60)
         log = wait_for(lambda: (j := journal(ns, lines=300)) and all(
@@ -498,7 +505,7 @@ def test_u11_schedules_files_follow_cron_s_rules(ns: Namespace, units) -> None:
                                     "-2min", check=False).stdout
     finally:
         ns.run("rm", "-f", f"{d}/nobodys.yml", f"{d}/groupw.yml", f"{d}/linked.yml",
-               "/var/tmp/linked.yml")
+               "/srv/linked.yml")
         ns.run("systemctl", "reload", UNIT, timeout=60)
 
 
