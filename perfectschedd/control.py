@@ -1,8 +1,9 @@
 """Unix-socket server: one request -> one dispatch() call -> one response.
 
 Protocol: protocol.py and docs/protocol.md (newline-delimited JSON, MAX_FRAME bytes per
-frame).  Every connection is authorised by its peer's credentials (SO_PEERCRED): root, the
-daemon's own user, or a member of `control_group` (default: the daemon's group).
+frame).  Every connection is authorised by its peer's credentials (SO_PEERCRED and
+SO_PEERGROUPS), by callers.py's rule: root, the daemon's own user, or a member of
+`control_group` (default: the daemon's group).
 
 One thread owns every connection (a selector loop: idle or slow clients cost a buffer, not
 a thread); complete requests run on a small thread pool, because dispatch() talks to the
@@ -19,7 +20,6 @@ import json
 import logging
 import math
 import os
-import pwd
 import queue
 import selectors
 import socket
@@ -35,6 +35,7 @@ from typing import Any
 from sqlalchemy.exc import SQLAlchemyError
 
 from . import __version__, commands, protocol, registry
+from .callers import Caller, admission
 from .config import Config
 from .errors import ConfigError, InvalidInputError, ScheduleError
 from .fdguard import AcceptGuard
@@ -84,18 +85,11 @@ def peer_groups(conn: socket.socket, pid: int) -> set[int]:
     return set()
 
 
-def _user_name(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return f"uid {uid}"
-
-
 @dataclass(eq=False)
 class _Conn:
     sock: socket.socket
     pid: int
-    uid: int
+    caller: Caller  # as the kernel recorded it at connect()
     inbuf: bytearray = field(default_factory=bytearray)
     outbuf: bytearray = field(default_factory=bytearray)
     busy: bool = False  # a request is being dispatched
@@ -334,31 +328,19 @@ class ControlServer:
             except OSError:
                 sock.close()
                 continue
-            conn = _Conn(sock, pid, uid)
+            caller = Caller.of(uid, {gid} | peer_groups(sock, pid))
+            conn = _Conn(sock, pid, caller)
             self.conns[sock.fileno()] = conn
             if len(self.conns) > self.max_clients:
                 self._refuse(conn, "Busy", f"busy: {self.max_clients} connections are open; "
                                            "try again")
                 continue
-            allowed, why = self.authorise(sock, pid, uid, gid)
-            if not allowed:
-                self.log.warning("control socket: refused %s (pid %d)", _user_name(uid), pid)
+            why = admission(caller, self.my_uid, self.group_gid)
+            if why is not None:
+                self.log.warning("control socket: refused %s (pid %d)", caller.name, pid)
                 self._refuse(conn, "PermissionDenied", why)
                 continue
             self._update(conn)
-
-    def authorise(self, sock: socket.socket, pid: int, uid: int, gid: int) -> tuple[bool, str]:
-        if uid == 0 or uid == self.my_uid:
-            return True, ""
-        if gid == self.group_gid or self.group_gid in peer_groups(sock, pid):
-            return True, ""
-        try:
-            group = grp.getgrgid(self.group_gid).gr_name
-        except KeyError:
-            group = f"gid {self.group_gid}"
-        return False, (f"permission denied: {_user_name(uid)} may not control perfectschedd "
-                       f"(allowed: root, {_user_name(self.my_uid)} and members of group "
-                       f"{group})")
 
     def _refuse(self, conn: _Conn, type_: str, message: str) -> None:
         """Answer with an error, then close the connection."""

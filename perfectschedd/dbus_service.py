@@ -7,8 +7,8 @@ org.perfectsched1.Error.<Type> (NotFoundError, InvalidInputError, ...) with the 
 message.  The signal ScheduleChanged(s key, s change) follows every change of a schedule.
 
 Who may call: the bus policy (etc/dbus-1/org.perfectsched1.conf) on the system bus, and,
-in any case, the same rule as the socket: root, the daemon's user, or members of its group
-(checked with the bus's GetConnectionCredentials, once per caller).
+in any case, the socket's rule (callers.admission): root, the daemon's user, or members of
+its group (checked with the bus's GetConnectionCredentials, once per caller).
 
 dbus-next runs an asyncio loop; it gets its own thread, so the master's select loop and
 this interface never wait for each other.  Requests run on a small thread pool.
@@ -35,6 +35,7 @@ from dbus_next.aio import MessageBus
 from dbus_next.service import PropertyAccess, ServiceInterface, dbus_property, method, signal
 
 from . import __version__, protocol, registry
+from .callers import Caller, admission
 from .errors import ConfigError, ScheduleError
 
 BUS_NAME = "org.perfectsched1"
@@ -241,8 +242,9 @@ class DBusService:
         self.quick_pool = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="dbus-quick")
         self.stopping: asyncio.Event | None = None
-        # Unique bus names are never reused: a verdict per caller holds for its connection.
-        self.verdicts: OrderedDict[str, str | None] = OrderedDict()
+        # Unique bus names are never reused: who a caller is, and the verdict on it, hold
+        # for its connection.
+        self.verdicts: OrderedDict[str, tuple[Caller, str | None]] = OrderedDict()
 
     # -- lifecycle (called from the master's thread) --------------------------------------
 
@@ -400,7 +402,7 @@ class DBusService:
             return None
         sender = msg.sender or ""
         if sender in self.verdicts:
-            refusal = self.verdicts[sender]
+            refusal = self.verdicts[sender][1]
             if refusal is None:
                 return None
             return Message.new_error(msg, ERROR_PREFIX + "PermissionDenied", refusal)
@@ -413,20 +415,20 @@ class DBusService:
             return
         sender = msg.sender or ""
         try:
-            refusal = await self._check(bus, sender)
+            caller, refusal = await self._check(bus, sender)
         except Exception as exc:  # noqa: BLE001 - cannot tell: refuse, and say why
             refusal = f"permission denied: cannot read the caller's credentials: {exc}"
             bus.send(Message.new_error(msg, ERROR_PREFIX + "PermissionDenied", refusal))
             return
-        self.verdicts[sender] = refusal
+        self.verdicts[sender] = (caller, refusal)
         while len(self.verdicts) > 4096:
             self.verdicts.popitem(last=False)
         if refusal is not None:
             self.log.warning("D-Bus: refused %s", refusal.split(": ", 1)[-1])
         bus._process_message(msg)  # noqa: SLF001 - now _gate has a verdict for the sender
 
-    async def _check(self, bus: MessageBus, sender: str) -> str | None:
-        """None if `sender` may call us, else the refusal message."""
+    async def _check(self, bus: MessageBus, sender: str) -> tuple[Caller, str | None]:
+        """Who `sender` is, and None if it may call us, else the refusal."""
         reply = await bus.call(Message(
             destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
             interface="org.freedesktop.DBus", member="GetConnectionCredentials",
@@ -435,13 +437,10 @@ class DBusService:
             raise RuntimeError(reply.body[0] if reply is not None and reply.body else "no reply")
         creds = {k: v.value for k, v in reply.body[0].items()}
         uid = int(creds["UnixUserID"])
-        if uid in (0, self.my_uid):
-            return None
         try:
-            user = pwd.getpwuid(uid)
-            name, primary = user.pw_name, {user.pw_gid}
+            primary = {pwd.getpwuid(uid).pw_gid}
         except KeyError:
-            name, primary = f"uid {uid}", set()
+            primary = set()
         # The groups the calling process holds, as the bus recorded them at connect (like
         # SO_PEERGROUPS on the socket), never the group database's member lists: a user
         # added to the group after logging in, or removed from it, is judged by what the
@@ -452,6 +451,5 @@ class DBusService:
             groups |= process_groups(int(creds["ProcessID"])) or primary
         else:
             groups |= primary
-        if self.group_gid in groups:
-            return None
-        return f"permission denied: {name} may not control perfectschedd"
+        caller = Caller.of(uid, groups)
+        return caller, admission(caller, self.my_uid, self.group_gid)

@@ -1,0 +1,66 @@
+"""Who is calling, and what they may do: every authorisation rule, written once.
+
+A Caller is a uid and the groups its process holds, as the kernel recorded them for the
+control socket (SO_PEERCRED, SO_PEERGROUPS), as the bus did for D-Bus
+(GetConnectionCredentials), or this process's own (perfectschedctl -c, the library).
+Never the group database's member lists: a user added to a group is judged by what their
+processes hold.
+
+The rules (docs/security.md):
+- admission(): who may talk to the daemon at all: root, the daemon's user, members of
+  control_group.  The socket and D-Bus both ask it, and refuse in its words.
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import pwd
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+def user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
+def group_name(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return f"gid {gid}"
+
+
+@dataclass(frozen=True)
+class Caller:
+    uid: int
+    gids: frozenset[int]
+
+    @classmethod
+    def of(cls, uid: int, gids: Iterable[int]) -> Caller:
+        return cls(int(uid), frozenset(int(g) for g in gids))
+
+    @classmethod
+    def this_process(cls) -> Caller:
+        """The process itself: perfectschedctl -c and the library."""
+        return cls.of(os.geteuid(), {os.getegid(), *os.getgroups()})
+
+    @property
+    def root(self) -> bool:
+        return self.uid == 0
+
+    @property
+    def name(self) -> str:
+        return user_name(self.uid)
+
+
+def admission(caller: Caller, daemon_uid: int, group_gid: int) -> str | None:
+    """None if `caller` may use the daemon (socket, D-Bus), else the refusal."""
+    if caller.uid in (0, daemon_uid) or group_gid in caller.gids:
+        return None
+    allowed = "root" if daemon_uid == 0 else f"root, {user_name(daemon_uid)}"
+    return (f"permission denied: {caller.name} may not control perfectschedd (allowed: "
+            f"{allowed} and members of group {group_name(group_gid)})")

@@ -1,0 +1,159 @@
+"""Who may do what (issue #25): perfectschedd/callers.py's rules, as users meet them.
+
+Every rule is tested against a real daemon: through its socket with perfectschedctl run
+as another user (setpriv), and over D-Bus on a private bus where the D-Bus tests do it.
+A refusal is one line, and a refused request changes nothing stored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from daemon_harness import Daemon, foreign_python
+
+from perfectschedd.callers import Caller, admission
+from perfectschedd.dbus_service import BUS_NAME, INTERFACE, OBJECT_PATH
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
+                                reason="needs root and setpriv")
+needs_dbus = pytest.mark.skipif(shutil.which("dbus-daemon") is None,
+                                reason="dbus-daemon is not installed")
+
+NOBODY, NOGROUP, DAEMON_UID = 65534, 65534, 1
+AS_NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+AS_DAEMON = ["setpriv", "--reuid=daemon", "--regid=daemon", "--clear-groups"]
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A directory other users can traverse (pytest's tmp_path is private to root)."""
+    path = Path(tempfile.mkdtemp(prefix="psched-callers-"))
+    os.chmod(path, 0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# -- D-Bus, as another user ---------------------------------------------------------------
+
+DOCTYPE = ('<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-BUS Bus Configuration 1.0//EN"\n'
+           ' "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">\n')
+OPEN_POLICY = """
+  <policy context="default">
+    <allow user="*"/>
+    <allow own="*"/>
+    <allow send_destination="*"/>
+    <allow receive_sender="*"/>
+  </policy>"""
+
+# Calls one method of the Manager: argv address, method (as dbus-next names it: add,
+# modify, call...), JSON list of arguments (an
+# object is an a{sv}, each value [signature, value]); prints "OK <result>" or
+# "<error name> <message>".
+DBUS_CLIENT = """
+import asyncio, json, sys
+from dbus_next import DBusError, Variant
+from dbus_next.aio import MessageBus
+
+NAME, PATH, IFACE = sys.argv[4:7]
+
+
+async def main():
+    bus = await MessageBus(bus_address=sys.argv[1]).connect()
+    intro = await bus.introspect(NAME, PATH)
+    m = bus.get_proxy_object(NAME, PATH, intro).get_interface(IFACE)
+    args = [{k: Variant(*v) for k, v in a.items()} if isinstance(a, dict) else a
+            for a in json.loads(sys.argv[3])]
+    try:
+        print("OK", await getattr(m, "call_" + sys.argv[2])(*args))
+    except DBusError as exc:
+        print(exc.type, exc.text)
+
+asyncio.run(main())
+"""
+
+
+class Bus:
+    def __init__(self, directory: Path) -> None:
+        sock = directory / "bus.sock"
+        conf = directory / "bus.conf"
+        conf.write_text(f"{DOCTYPE}<busconfig>\n  <listen>unix:path={sock}</listen>\n"
+                        f"  <auth>EXTERNAL</auth>{OPEN_POLICY}\n</busconfig>\n")
+        self.proc = subprocess.Popen(["dbus-daemon", f"--config-file={conf}", "--nofork",
+                                      "--nosyslog", "--print-address=1"],
+                                     stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        self.address = self.proc.stdout.readline().strip()
+        assert self.address.startswith("unix:"), self.address
+
+    def call(self, user: list[str], method: str, *args: Any) -> tuple[str, str]:
+        """(error name or "OK", the result or message) of one call made as `user`."""
+        res = subprocess.run([*user, *foreign_python(), "-c", DBUS_CLIENT, self.address,
+                              method, json.dumps(args), BUS_NAME, OBJECT_PATH, INTERFACE],
+                             capture_output=True, text=True, timeout=60, cwd="/")
+        assert res.returncode == 0 and len(res.stdout.splitlines()) == 1, res
+        name, _, rest = res.stdout.strip().partition(" ")
+        return name, rest
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def bus(open_dir: Path) -> Iterator[Bus]:
+    b = Bus(open_dir)
+    yield b
+    b.stop()
+
+
+def refused(res: subprocess.CompletedProcess[str], *texts: str) -> str:
+    """Exit 1, nothing on stdout, one line on stderr holding every text; the line."""
+    assert res.returncode == 1, (res.returncode, res.stdout, res.stderr)
+    assert res.stdout == ""
+    lines = res.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("perfectschedctl: "), res.stderr
+    for text in texts:
+        assert text in lines[0], (text, lines[0])
+    return lines[0].removeprefix("perfectschedctl: ")
+
+
+# -- who may talk to the daemon: one rule, one wording -------------------------------------
+
+def test_admission_rule() -> None:
+    daemon_uid, group = 999, 998
+    assert admission(Caller(0, frozenset()), daemon_uid, group) is None
+    assert admission(Caller(daemon_uid, frozenset()), daemon_uid, group) is None
+    assert admission(Caller(1000, frozenset({5, group})), daemon_uid, group) is None
+    why = admission(Caller(NOBODY, frozenset({NOGROUP})), daemon_uid, group)
+    assert why is not None and why.startswith("permission denied: nobody may not control "
+                                              "perfectschedd (allowed: root, ")
+    assert "\n" not in why and "uid 999" in why and "members of group" in why
+
+
+@needs_root
+@needs_dbus
+def test_socket_and_dbus_refuse_a_stranger_in_the_same_words(open_dir: Path, bus: Bus) -> None:
+    d = Daemon(open_dir, {"control_group": "nogroup", "dbus": True,
+                          "dbus_address": bus.address})
+    try:
+        d.start()
+        os.chmod(d.dir, 0o755)
+        os.chmod(d.socket_path, 0o666)  # past the file mode: the daemon's own check
+        on_socket = refused(d.ctl("status", as_user="daemon", check=False),
+                            "permission denied")
+        name, on_dbus = bus.call(AS_DAEMON, "status")
+        assert name == "org.perfectsched1.Error.PermissionDenied"
+        assert on_dbus == on_socket == ("permission denied: daemon may not control "
+                                        "perfectschedd (allowed: root and members of group "
+                                        "nogroup)")
+        assert bus.call(AS_NOBODY, "status")[0] == "OK"
+    finally:
+        d.kill()
