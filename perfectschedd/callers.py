@@ -8,7 +8,10 @@ processes hold.
 
 The rules (docs/security.md):
 - admission(): who may talk to the daemon at all: root, the daemon's user, members of
-  control_group.  The socket and D-Bus both ask it, and refuse in its words.
+  control_group.  The socket and D-Bus both ask it, and refuse in its words;
+- Access: what one caller's request may do (commands.execute makes one per request, for
+  the socket, D-Bus and direct mode alike); what it records as the creator of what it
+  adds.
 """
 
 from __future__ import annotations
@@ -16,15 +19,24 @@ from __future__ import annotations
 import grp
 import os
 import pwd
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+from .config import RouteConfig
+
+
+def known_user_name(uid: int | None) -> str | None:
+    """The name of user `uid` on this host, or None (no such user, or no uid)."""
+    if uid is None:
+        return None
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except (KeyError, OverflowError):
+        return None
 
 
 def user_name(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return f"uid {uid}"
+    return known_user_name(uid) or f"uid {uid}"
 
 
 def group_name(gid: int) -> str:
@@ -64,3 +76,16 @@ def admission(caller: Caller, daemon_uid: int, group_gid: int) -> str | None:
     allowed = "root" if daemon_uid == 0 else f"root, {user_name(daemon_uid)}"
     return (f"permission denied: {caller.name} may not control perfectschedd (allowed: "
             f"{allowed} and members of group {group_name(group_gid)})")
+
+
+@dataclass(frozen=True)
+class Access:
+    """One caller, and the routes of the configuration it reaches."""
+
+    caller: Caller
+    routes: Sequence[RouteConfig] = ()
+
+    @property
+    def creator(self) -> int:
+        """The uid recorded as creator of what this caller adds."""
+        return self.caller.uid

@@ -9,18 +9,22 @@ those that run on the database.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from . import registry
+from .callers import Access, Caller, known_user_name
+from .config import RouteConfig
 from .errors import InvalidInputError
 from .policy import OPTIONS as POLICY_OPTIONS
 from .protocol import HISTORY_MAX
 from .schedules import ScheduleCollection, ScheduleInfo, lookup_key
 
+Args = Mapping[str, Any]
+
 # Fields of `list --json` (SPEC) and of `show`, in this order.
 LIST_FIELDS = ("key", "type", "cron", "delay", "timezone", "next_time", "next_run_time", "data",
-               *POLICY_OPTIONS, "source")
+               *POLICY_OPTIONS, "source", "creator")
 SHOW_FIELDS = LIST_FIELDS + ("paused", "paused_reason", "attempt", "owner", "claimed_at")
 
 
@@ -37,14 +41,15 @@ def _arg(args: Mapping[str, Any], name: str, required: bool = True) -> Any:
     return args[name]
 
 
-def _add(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[str, Any]:
+def _add(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
     options = {k: a[k] for k in ("delay", "timezone", "start", "at", "data", *POLICY_OPTIONS)
                if a.get(k) is not None}
-    sc.add(_arg(a, "key"), _arg(a, "type"), _arg(a, "cron"), now=now, **options)
+    sc.add(_arg(a, "key"), _arg(a, "type"), _arg(a, "cron"), now=now, creator=access.creator,
+           **options)
     return _info(sc[a["key"]].info(), LIST_FIELDS)
 
 
-def _add_many(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[str, Any]:
+def _add_many(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
     items = _arg(a, "schedules")
     if not isinstance(items, list) or not all(isinstance(i, Mapping) for i in items):
         raise InvalidInputError("schedules", "must be a list of objects")
@@ -54,10 +59,11 @@ def _add_many(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[
         unknown = set(item) - allowed
         if unknown:
             raise InvalidInputError("schedules", f"unknown field(s) {', '.join(sorted(unknown))}")
-    return {"added": sc.add_many([{**i, "now": now} for i in items])}
+    return {"added": sc.add_many([{**i, "now": now, "creator": access.creator}
+                                  for i in items])}
 
 
-def _list(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> list[dict[str, Any]]:
+def _list(sc: ScheduleCollection, a: Args, now: float, access: Access) -> list[dict[str, Any]]:
     prefix = a.get("prefix")
     if prefix == "":
         prefix = None
@@ -79,8 +85,10 @@ def check_limit(limit: Any) -> int | None:
     return limit
 
 
-def _show(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[str, Any]:
-    shown = _info(sc[_arg(a, "key")].info(), SHOW_FIELDS)
+def _show(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
+    info = sc[_arg(a, "key")].info()
+    shown = _info(info, SHOW_FIELDS)
+    shown["creator_name"] = known_user_name(info.creator)
     # Extra runs (`run KEY`) not ended yet; each starts only once no other run of the
     # schedule is running.
     shown["extra_runs"] = [{"run_key": r.key, "run_at": r.next_run_time,
@@ -89,31 +97,31 @@ def _show(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[str,
     return shown
 
 
-def _delete(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[str, Any]:
+def _delete(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
     extra = sc[_arg(a, "key")].delete()
     return {"key": a["key"], "deleted": True, "extra_runs": extra}
 
 
-def _modify(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[str, Any]:
+def _modify(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
     changes = {k: a[k] for k in ("type", "cron", "delay", "timezone", "data", *POLICY_OPTIONS)
                if k in a}
     sc[_arg(a, "key")].modify(now=now, **changes)
     return _info(sc[a["key"]].info(), SHOW_FIELDS)
 
 
-def _pause(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[str, Any]:
+def _pause(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
     sc[_arg(a, "key")].pause()
     return _info(sc[a["key"]].info(), SHOW_FIELDS)
 
 
-def _resume(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[str, Any]:
+def _resume(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
     sc[_arg(a, "key")].resume()
     return _info(sc[a["key"]].info(), SHOW_FIELDS)
 
 
-def _run(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[str, Any]:
+def _run(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
     schedule = sc[_arg(a, "key")]
-    run_key = schedule.run_now(now=now)
+    run_key = schedule.run_now(now=now, creator=access.creator)
     busy = sc.store.group_busy(run_key, a["key"], int(now))
     return {"key": a["key"], "run_key": run_key, "run_at": int(now),
             "after_running": busy,
@@ -121,7 +129,7 @@ def _run(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[str, 
                      if busy else "starts now")}
 
 
-def _history(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> list[dict[str, Any]]:
+def _history(sc: ScheduleCollection, a: Args, now: float, access: Access) -> list[dict[str, Any]]:
     key = lookup_key(_arg(a, "key"))
     limit = a.get("limit", 20)
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= HISTORY_MAX:
@@ -134,12 +142,12 @@ def _history(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> list[d
     return runs
 
 
-def _init(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[str, Any]:
+def _init(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
     created = sc.init()
     return {"table": sc.config.table, "initialized": True, "created": created}
 
 
-def _apply(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[str, Any]:
+def _apply(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
     """Converge to schedules files read by the caller (perfectschedctl apply): their
     entries, without commands.  Adds and changes; with `prune`, also removes."""
     from . import converge
@@ -154,7 +162,7 @@ def _apply(sc: ScheduleCollection, a: Mapping[str, Any], now: float) -> dict[str
     return converge.summary(changes)
 
 
-Handler = Callable[[ScheduleCollection, Mapping[str, Any], float], Any]
+Handler = Callable[[ScheduleCollection, Args, float, Access], Any]
 
 # The implementation of each command that runs on the database (registry.COMMANDS says
 # everything else about it; status and reload are answered by the daemon itself).
@@ -166,10 +174,13 @@ HANDLERS: dict[str, Handler] = {
 
 
 def execute(sc: ScheduleCollection, command: str, args: Mapping[str, Any] | None = None,
-            now: float | None = None, where: str = registry.DIRECT) -> Any:
-    """Run one command as a caller reaching it `where` (registry.DAEMON: the daemon's
-    dispatch; DIRECT: perfectschedctl -c); raises ScheduleError subclasses for refused
-    requests."""
+            now: float | None = None, where: str = registry.DIRECT,
+            caller: Caller | None = None,
+            routes: Sequence[RouteConfig] | None = None) -> Any:
+    """Run one command for `caller` (default: this process, as perfectschedctl -c is)
+    reaching it `where` (registry.DAEMON: the daemon's dispatch; DIRECT: perfectschedctl
+    -c), under `routes` (default: sc's configuration's); raises ScheduleError subclasses
+    for refused requests."""
     cmd = registry.command(command, where)
     handler = HANDLERS.get(cmd.name)
     if handler is None:  # the daemon's own (status, reload): never on the database
@@ -180,4 +191,6 @@ def execute(sc: ScheduleCollection, command: str, args: Mapping[str, Any] | None
     if not isinstance(args, Mapping):
         raise InvalidInputError("args", "must be an object")
     registry.check_args(cmd, args)
-    return handler(sc, args, time.time() if now is None else now)
+    access = Access(caller or Caller.this_process(),
+                    sc.config.routes if routes is None else routes)
+    return handler(sc, args, time.time() if now is None else now, access)

@@ -40,7 +40,10 @@ from .config import Config
 from .errors import ConfigError, InvalidInputError, ScheduleError
 from .fdguard import AcceptGuard
 
-Dispatch = Callable[[str, dict[str, Any]], Any]
+# One request of a caller: the daemon's Supervisor.dispatch.
+Dispatch = Callable[[str, dict[str, Any], Caller], Any]
+# One request, the caller known.
+_Ask = Callable[[str, dict[str, Any]], Any]
 # Connections open at once; one more is answered with a "Busy" error and closed.
 MAX_CLIENTS = 256
 # A connection with no request in flight and no traffic for this long is closed.
@@ -431,7 +434,7 @@ class ControlServer:
             assert self.pool is not None
             pool = self.quick_pool if _is_quick(line) else self.pool
             try:
-                future = pool.submit(self.handle, line)
+                future = pool.submit(self.handle, line, conn.caller)
             except RuntimeError:  # the pool is shut down: we are stopping
                 self._close(conn)
                 return
@@ -503,14 +506,18 @@ class ControlServer:
 
     # -- one request ----------------------------------------------------------------------
 
-    def handle(self, line: bytes) -> bytes:
-        """One request frame -> one response frame; never raises."""
+    def handle(self, line: bytes, caller: Caller) -> bytes:
+        """One request frame of `caller` -> one response frame; never raises."""
         client: str | None = None
+
+        def ask(cmd: str, args: dict[str, Any]) -> Any:
+            return self.dispatch(cmd, args, caller)
+
         try:
             cmd, args, client = protocol.parse_request_from(line)
             if cmd == "list":
-                return list_page(self.dispatch, args)
-            return protocol.ok(self.dispatch(cmd, args))
+                return list_page(ask, args)
+            return protocol.ok(ask(cmd, args))
         except protocol.ProtocolError as exc:
             return self._error("ProtocolError", str(exc))
         except ScheduleError as exc:
@@ -533,7 +540,7 @@ class ControlServer:
         return protocol.error(type_, message, daemon=__version__)
 
 
-def list_page(dispatch: Dispatch, args: dict[str, Any]) -> bytes:
+def list_page(dispatch: _Ask, args: dict[str, Any]) -> bytes:
     """A `list` answer of at most LIST_PAGE schedules and about LIST_PAGE_BYTES, with a
     "more" marker when the client asked for more than that (or for all).
 
@@ -574,7 +581,7 @@ def list_page(dispatch: Dispatch, args: dict[str, Any]) -> bytes:
 _FIRST_BATCH = 16
 
 
-def _has_after(dispatch: Dispatch, args: dict[str, Any], after: str | None) -> bool:
+def _has_after(dispatch: _Ask, args: dict[str, Any], after: str | None) -> bool:
     rest = {**args, "limit": 1} if after is None else {**args, "after": after, "limit": 1}
     return bool(dispatch("list", rest))
 

@@ -58,10 +58,15 @@ def _differences(info: ScheduleInfo, wanted: Mapping[str, Any]) -> dict[str, Any
 
 def converge(sc: ScheduleCollection, entries: Mapping[str, Entry],
              remove_from: Collection[str], *, previous: Mapping[str, Entry] | None = None,
-             dry_run: bool = False, now: float | None = None) -> list[Change]:
+             dry_run: bool = False, now: float | None = None,
+             creators: Mapping[str, int] | None = None, creator: int | None = None
+             ) -> list[Change]:
     """Make the database hold `entries`, and remove the schedules of sources
     `remove_from` that they do not hold.  `previous`: what this caller applied last
-    time (None: nothing is known, everything that differs is written)."""
+    time (None: nothing is known, everything that differs is written).  What it adds
+    records as creator the uid `creators` gives for its source, else `creator`, else
+    this process's."""
+    creators = creators or {}
     now = time.time() if now is None else now
     tz = sc.config.timezone
     rows = {r.key: r for r in sc.store.rows_of(keys=list(entries), sources=list(remove_from))}
@@ -76,7 +81,8 @@ def converge(sc: ScheduleCollection, entries: Mapping[str, Entry],
                 continue
             if not dry_run:
                 try:
-                    sc.add(key, now=now, source=entry.source, **entry.stored(tz))
+                    sc.add(key, now=now, source=entry.source,
+                           creator=creators.get(entry.source, creator), **entry.stored(tz))
                 except AlreadyExistsError:  # another host added it just now
                     changes.append(Change(UNCHANGED, key, "added by another host"))
                     continue
@@ -145,6 +151,8 @@ class FileSchedules:
             for key, entry in self.loaded.entries.items():
                 if entry.source in loaded.broken and key not in loaded.entries:
                     loaded.entries[key] = entry
+                    if entry.source in self.loaded.owners:
+                        loaded.owners[entry.source] = self.loaded.owners[entry.source]
             self.directory = directory
             self.loaded = loaded
             self.due_at = time.monotonic()
@@ -165,7 +173,8 @@ class FileSchedules:
             loaded, previous = self.loaded, self.applied
         remove_from = (loaded.sources | self.applied_sources) - loaded.broken
         try:
-            changes = converge(sc, loaded.entries, remove_from, previous=previous)
+            changes = converge(sc, loaded.entries, remove_from, previous=previous,
+                               creators=loaded.owners)
         except Exception:
             with self.lock:
                 if self.due_at is None:

@@ -19,6 +19,7 @@ this interface never wait for each other.  Requests run on a small thread pool.
 
 import asyncio
 import concurrent.futures
+import contextvars
 import json
 import logging
 import os
@@ -52,7 +53,11 @@ U = "u"
 ASV = "a{sv}"
 SS = "ss"
 
-Dispatch = Callable[[str, dict[str, Any]], Any]
+# One request of a caller: the daemon's Supervisor.dispatch.
+Dispatch = Callable[[str, dict[str, Any], Caller], Any]
+# The unique bus name of the caller whose method call is being answered (set for each
+# call's task by _Bus, read by DBusService.call).
+_SENDER: contextvars.ContextVar[str] = contextvars.ContextVar("sender", default="")
 _ADD, _MODIFY = registry.COMMANDS["add"], registry.COMMANDS["modify"]
 
 
@@ -115,6 +120,9 @@ class _Bus(MessageBus):
       error, and that is all: the reply context's __exit__ drops _exit's True, so the
       error, already answered, was re-raised into the event loop, which logged a
       traceback for each refused call.
+
+    And each method call runs as a task that knows its sender (_SENDER): our methods
+    answer for that caller.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -137,7 +145,11 @@ class _Bus(MessageBus):
                                                      unix_fds))
 
             args = ServiceInterface._msg_body_to_args(msg)  # noqa: SLF001
-            asyncio.ensure_future(method.fn(interface, *args)).add_done_callback(done)
+            context = contextvars.copy_context()
+            context.run(_SENDER.set, msg.sender or "")
+            task = asyncio.get_running_loop().create_task(method.fn(interface, *args),
+                                                          context=context)
+            task.add_done_callback(done)
 
         return handler
 
@@ -363,9 +375,15 @@ class DBusService:
     # -- requests -------------------------------------------------------------------------
 
     async def call(self, cmd: str, args: dict[str, Any]) -> Any:
-        """One control request on the thread pool; refusals become D-Bus errors."""
+        """One control request of the method call's sender, on the thread pool; refusals
+        become D-Bus errors."""
         from sqlalchemy.exc import SQLAlchemyError
 
+        verdict = self.verdicts.get(_SENDER.get())
+        if verdict is None or verdict[1] is not None:  # _gate lets no such call through
+            raise _error("PermissionDenied", verdict[1] if verdict is not None else
+                         "permission denied: the caller is not known; call again")
+        caller = verdict[0]
         loop = asyncio.get_running_loop()
         if cmd == "list":
             # An answer waits whole in memory until the bus takes it: at most one page;
@@ -377,7 +395,7 @@ class DBusService:
             # Status never queues behind requests waiting on the database.
             quick = cmd in registry.COMMANDS and registry.COMMANDS[cmd].quick
             pool = self.quick_pool if quick else self.pool
-            result = await loop.run_in_executor(pool, self.dispatch, cmd, args)
+            result = await loop.run_in_executor(pool, self.dispatch, cmd, args, caller)
         except ScheduleError as exc:
             raise _error(protocol.error_type(exc), str(exc)) from None
         except ConfigError as exc:

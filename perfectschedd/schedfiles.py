@@ -23,13 +23,10 @@ from . import runas, unitprops
 from .config import RouteConfig
 from .errors import InvalidInputError, describe
 from .schedules import check_cron, check_data, check_int, check_key, check_text, check_timezone
-from .schema import TYPE_MAX
+from .schema import EXEC_TYPE, SOURCE_FILE, TYPE_MAX
 
 # The source of a schedule made with `add` (stored as NULL).
 SOURCE_API = "api"
-SOURCE_FILE = "file:"
-# An exec entry's task type: only hosts whose files hold the entry route it.
-EXEC_TYPE = "exec:"
 FILE_MAX = 4 << 20      # bytes of one schedules file
 ENTRIES_MAX = 20_000    # entries of one file
 SUFFIX = ".yml"
@@ -78,6 +75,7 @@ class Loaded:
     entries: dict[str, Entry] = field(default_factory=dict)  # by key, in file order
     sources: set[str] = field(default_factory=set)           # files read whole
     broken: set[str] = field(default_factory=set)            # files rejected whole
+    owners: dict[str, int] = field(default_factory=dict)     # uid of each file read whole
     errors: list[str] = field(default_factory=list)          # one line per problem
 
     def routes(self) -> tuple[RouteConfig, ...]:
@@ -120,6 +118,10 @@ def load(paths: Iterable[str | os.PathLike[str]], *, need_user_support: bool = T
             loaded.broken.add(source)
             continue
         loaded.sources.add(source)
+        try:  # the creator of its schedules: who may change the file
+            loaded.owners[source] = path.stat().st_uid
+        except OSError:
+            loaded.owners[source] = 0
         for e in entries:
             loaded.entries[e.key] = e
     return loaded

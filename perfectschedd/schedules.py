@@ -66,6 +66,7 @@ class ScheduleInfo:
     jitter: int = 0
     timeout: float | None = None
     source: str = "api"  # file:NAME for a schedule from a schedules file
+    creator: int | None = None  # the uid that made it; None: unknown (before 0.2.0)
 
     @property
     def running(self) -> bool:
@@ -83,7 +84,8 @@ class ScheduleInfo:
             next_time=row.next_time, next_run_time=row.next_run_time,
             data=_stored_data(row.data), paused=row.paused, attempt=row.attempt,
             owner=row.owner, claimed_at=row.claimed_at, paused_reason=row.paused_reason,
-            source=row.source or "api", **policy_mod.from_text(row.policy).as_fields(),
+            source=row.source or "api", creator=row.creator,
+            **policy_mod.from_text(row.policy).as_fields(),
         )
 
     @property
@@ -450,8 +452,9 @@ class Schedule:
                                              take_lease=False):
             raise NotFoundError(f"schedule {self.key!r} not found")
 
-    def run_now(self, now: float | None = None) -> str:
-        """Run one extra occurrence now, without moving the schedule; returns its key."""
+    def run_now(self, now: float | None = None, *, creator: int | None = None) -> str:
+        """Run one extra occurrence now, without moving the schedule; returns its key.
+        `creator`: who asked (default: this process's uid)."""
         info = self.info()
         now_s = int(time.time() if now is None else now)
         run_key = f"{self.key}{RUN_NOW_MARK}{now_s}-{os.urandom(3).hex()}"
@@ -462,7 +465,8 @@ class Schedule:
         self._collection.store.insert(Row(
             key=run_key, type=info.type, cron=None, delay=0, timezone=info.timezone,
             data=dumps_data(info.data), next_time=now_s, next_run_time=now_s, paused=False,
-            fence=0, attempt=0, owner=None, claimed_at=None))
+            fence=0, attempt=0, owner=None, claimed_at=None,
+            creator=os.geteuid() if creator is None else creator))
         return run_key
 
 
@@ -505,9 +509,10 @@ class ScheduleCollection:
                   next_run_time: int | None = None, data: Any = None,
                   now: float | None = None, start: int | None = None,
                   at: int | None = None, source: str | None = None,
-                  **policies: Any) -> Row:
+                  creator: int | None = None, **policies: Any) -> Row:
         """Validate an `add` request into a row (no I/O).  `policies`: the schedule
-        policy options (policy.OPTIONS)."""
+        policy options (policy.OPTIONS); `creator`: the uid recorded as its maker
+        (default: this process's)."""
         unknown = set(policies) - set(policy_mod.OPTIONS)
         if unknown:
             raise InvalidInputError(sorted(unknown)[0], "unknown option")
@@ -532,7 +537,8 @@ class ScheduleCollection:
         run_at = at if at is not None else first + delay + chosen.offset(key)
         return Row(key=key, type=type, cron=expr, delay=delay, timezone=tz, data=data_text,
                    next_time=first, next_run_time=run_at, paused=False, fence=0, attempt=0,
-                   owner=None, claimed_at=None, policy=chosen.to_text(), source=source)
+                   owner=None, claimed_at=None, policy=chosen.to_text(), source=source,
+                   creator=os.geteuid() if creator is None else creator)
 
     def add(self, key: str, type: str, cron: str | None = None, **options: Any) -> Schedule:
         """Register a schedule (SPEC `add`); AlreadyExistsError if the key is taken."""

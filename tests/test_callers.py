@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_harness import Daemon, foreign_python
+from daemon_harness import Daemon, foreign_ctl, foreign_python
 
 from perfectschedd.callers import Caller, admission
 from perfectschedd.dbus_service import BUS_NAME, INTERFACE, OBJECT_PATH
@@ -114,6 +114,18 @@ def bus(open_dir: Path) -> Iterator[Bus]:
     b.stop()
 
 
+def ctl_as(d: Daemon, user: list[str], *args: str) -> subprocess.CompletedProcess[str]:
+    """perfectschedctl --socket of daemon `d`, run as `user` (a setpriv command)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PERFECTSCHED_")}
+    return subprocess.run([*user, *foreign_ctl(), "--socket", d.socket_path, *args],
+                          capture_output=True, text=True, timeout=60, env=env, cwd="/")
+
+
+def ok(res: subprocess.CompletedProcess[str]) -> str:
+    assert res.returncode == 0, (res.returncode, res.stdout, res.stderr)
+    return res.stdout
+
+
 def refused(res: subprocess.CompletedProcess[str], *texts: str) -> str:
     """Exit 1, nothing on stdout, one line on stderr holding every text; the line."""
     assert res.returncode == 1, (res.returncode, res.stdout, res.stderr)
@@ -155,5 +167,44 @@ def test_socket_and_dbus_refuse_a_stranger_in_the_same_words(open_dir: Path, bus
                                         "perfectschedd (allowed: root and members of group "
                                         "nogroup)")
         assert bus.call(AS_NOBODY, "status")[0] == "OK"
+    finally:
+        d.kill()
+
+
+# -- each schedule records who made it ------------------------------------------------------
+
+def direct_ctl(d: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
+    """perfectschedctl -c (the daemon's config: its database, no daemon), as root."""
+    return subprocess.run([*d.ctl_command, "-c", str(d.config_path), *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+@needs_root
+@needs_dbus
+def test_each_schedule_records_its_creator(open_dir: Path, bus: Bus) -> None:
+    files = open_dir / "schedules.d"
+    files.mkdir()
+    (files / "root.yml").write_text("- {key: from-file, cron: '@daily', type: t}\n")
+    d = Daemon(open_dir, {"control_group": "nogroup", "dbus": True,
+                          "dbus_address": bus.address, "schedules_dir": str(files)})
+    try:
+        d.start()
+        os.chmod(d.dir, 0o755)
+        d.ctl("add", "by-root", "t", "@daily")
+        ok(ctl_as(d, AS_NOBODY, "add", "by-nobody", "t", "@daily"))
+        ok(ctl_as(d, AS_NOBODY, "run", "by-root"))
+        assert bus.call(AS_NOBODY, "add", "by-dbus", "t", "@daily", "", {})[0] == "OK"
+        assert direct_ctl(d, "add", "by-direct", "t", "@daily").returncode == 0
+
+        listed = {r["key"]: r["creator"] for r in d.ctl_json("list")}
+        run_key = next(k for k in listed if k.startswith("by-root@run-"))
+        assert listed == {"by-root": 0, "by-nobody": NOBODY, "by-dbus": NOBODY,
+                          "by-direct": 0, "from-file": 0, run_key: NOBODY}
+        shown = d.ctl_json("show", "by-nobody")
+        assert (shown["creator"], shown["creator_name"]) == (NOBODY, "nobody")
+        assert d.ctl_json("show", "from-file")["creator_name"] == "root"
+        text = d.ctl("show", "by-dbus").stdout
+        assert any(line.split() == ["creator", str(NOBODY)] for line in text.splitlines())
+        assert any(line.split() == ["creator_name", "nobody"] for line in text.splitlines())
     finally:
         d.kill()
