@@ -23,6 +23,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .config import RouteConfig
+from .errors import PermissionDeniedError
+from .schema import EXEC_TYPE
 
 
 def known_user_name(uid: int | None) -> str | None:
@@ -89,3 +91,11 @@ class Access:
     def creator(self) -> int:
         """The uid recorded as creator of what this caller adds."""
         return self.caller.uid
+
+    def check_apply_type(self, key: str, task_type: str) -> None:
+        """An entry `apply` sends: an exec entry's type (exec:KEY) only from root, who
+        writes the files that hold its command."""
+        if task_type.startswith(EXEC_TYPE) and not self.caller.root:
+            raise PermissionDeniedError(
+                f"{key}: an exec entry (type {task_type}) is applied by root only: put its "
+                "file in schedules_dir, or apply it as root")

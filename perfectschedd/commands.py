@@ -153,12 +153,15 @@ def _apply(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[
     from . import converge
 
     entries = converge.from_wire(_arg(a, "entries"))
+    for entry in entries.values():
+        access.check_apply_type(entry.key, entry.type)
     prune, dry_run = a.get("prune", False), a.get("dry_run", False)
     if not isinstance(prune, bool) or not isinstance(dry_run, bool):
         raise InvalidInputError("prune", "prune and dry_run must be true or false")
     # --prune: every schedule that came from a file and is not in these files goes.
     remove_from = sc.store.file_sources() if prune else []
-    changes = converge.converge(sc, entries, remove_from, dry_run=dry_run, now=now)
+    changes = converge.converge(sc, entries, remove_from, dry_run=dry_run, now=now,
+                                creator=access.creator)
     return converge.summary(changes)
 
 

@@ -16,6 +16,7 @@ import yaml
 
 from . import runas, unitprops
 from .errors import ConfigError, InvalidInputError, NotSupportedError, describe
+from .schema import EXEC_TYPE
 
 DEFAULT_CONFIG_PATH = "/etc/perfectsched/perfectsched.yml"
 DEFAULT_SOCKET = "/run/perfectsched/perfectschedd.sock"
@@ -369,18 +370,16 @@ def refuse_entry_routes(config: Config, grant: bool) -> tuple[Config, list[str]]
     routes = list(config.routes)
     refused = []
     for i, route in enumerate(routes):
-        if not route.pattern.startswith(ENTRY_TYPE_PREFIX) or route.refused is not None:
+        if not route.pattern.startswith(EXEC_TYPE) or route.refused is not None:
             continue
         why = privilege_refusal(route.executor, route.user, grant)
         if why is not None:
-            line = f"schedules file entry {route.pattern[len(ENTRY_TYPE_PREFIX):]}: {why}"
+            line = f"schedules file entry {route.pattern[len(EXEC_TYPE):]}: {why}"
             routes[i] = replace(route, refused=line)
             refused.append(line)
     return (replace(config, routes=tuple(routes)) if refused else config), refused
 
 
-# The type of a schedules file's exec entry: exec:KEY (schedfiles.EXEC_TYPE).
-ENTRY_TYPE_PREFIX = "exec:"
 # The one command that turns the polkit grant on (packaging/perfectsched-grant).
 GRANT_COMMAND = "perfectsched-grant enable"
 

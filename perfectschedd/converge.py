@@ -81,7 +81,7 @@ def converge(sc: ScheduleCollection, entries: Mapping[str, Entry],
                 continue
             if not dry_run:
                 try:
-                    sc.add(key, now=now, source=entry.source,
+                    sc.add(key, now=now, source=entry.source, file_entry=True,
                            creator=creators.get(entry.source, creator), **entry.stored(tz))
                 except AlreadyExistsError:  # another host added it just now
                     changes.append(Change(UNCHANGED, key, "added by another host"))
@@ -102,7 +102,7 @@ def converge(sc: ScheduleCollection, entries: Mapping[str, Entry],
         else:
             if not dry_run:
                 try:
-                    sc[key].modify(now=now, **diff)
+                    sc[key].modify(now=now, file_entry=True, **diff)
                 except NotFoundError:  # deleted meanwhile: added again next time
                     continue
             changes.append(Change(CHANGED, key, ", ".join(sorted(diff))))

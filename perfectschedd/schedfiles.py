@@ -22,7 +22,7 @@ from . import policy as policy_mod
 from . import runas, unitprops
 from .config import RouteConfig
 from .errors import InvalidInputError, describe
-from .schedules import check_cron, check_data, check_int, check_key, check_text, check_timezone
+from .schedules import check_cron, check_data, check_int, check_key, check_timezone, check_type
 from .schema import EXEC_TYPE, SOURCE_FILE, TYPE_MAX
 
 # The source of a schedule made with `add` (stored as NULL).
@@ -202,10 +202,8 @@ def check_entry(raw: Any, source: str, need_user_support: bool = True,
             raise InvalidInputError("key", f"longer than {TYPE_MAX - len(EXEC_TYPE)} "
                                     "characters (an exec entry's type is exec:KEY)")
     else:
-        task_type = check_text("type", raw["type"], TYPE_MAX)
-        if task_type.startswith(EXEC_TYPE) and not (
-                stored_only and task_type == f"{EXEC_TYPE}{key}"):
-            raise InvalidInputError("type", f"{EXEC_TYPE!r} is kept for exec entries")
+        # An entry `apply` sends may name its own exec entry's type; a file's may not.
+        task_type = check_type(raw["type"], exec_key=key if stored_only else None)
     tz = raw.get("timezone")
     if tz is not None:
         tz = check_timezone(tz)

@@ -28,6 +28,7 @@ from .errors import (
     describe,
 )
 from .protocol import MAX_DEPTH, json_depth
+from .schema import EXEC_TYPE
 from .store import (
     CRON_MAX,
     DATA_MAX,
@@ -138,6 +139,23 @@ def check_key(key: Any) -> str:
         raise InvalidInputError("key", f"must not contain {RUN_NOW_MARK!r} (the mark of "
                                 "extra runs)")
     return key
+
+
+def check_type(task_type: Any, *, exec_key: str | None = None) -> str:
+    """A task type to store: the one place that says what a type may be (add, modify,
+    add_many and so import-legacy, apply, schedules files; socket, D-Bus, direct mode and
+    the library all store through here).  `exec:` starts only the type of a schedules
+    file's exec entry, exec:KEY, which the hosts whose files hold that entry route to its
+    command, as its user: a type chosen by anyone else would feed their data to that
+    command.  `exec_key`: the key of the exec entry being stored by the files'
+    convergence (converge.py), whose own exec:KEY alone it may store."""
+    check_text("type", task_type, TYPE_MAX)
+    if task_type.startswith(EXEC_TYPE) and (exec_key is None
+                                            or task_type != f"{EXEC_TYPE}{exec_key}"):
+        raise InvalidInputError("type", f"{EXEC_TYPE!r} is kept for the exec entries of "
+                                "schedules files (exec:KEY runs the command their file "
+                                "holds)")
+    return task_type
 
 
 def lookup_key(key: Any, field: str = "key") -> str:
@@ -402,9 +420,10 @@ class Schedule:
 
     def modify(self, *, type: str = _UNSET, cron: str = _UNSET, delay: int = _UNSET,
                timezone: str = _UNSET, data: Any = _UNSET, now: float | None = None,
-               **policies: Any) -> None:
+               file_entry: bool = False, **policies: Any) -> None:
         """Change fields; new cron/timezone/delay/jitter recompute next_time and
         next_run_time.  `policies`: policy options to change (None: back to the default).
+        `file_entry`: the schedules files' convergence writes its entry (check_type).
 
         A task of this schedule running now loses its lease (PreemptedError on finish).
         """
@@ -414,7 +433,7 @@ class Schedule:
         policy_changes = policy_mod.check(policies)
         values: dict[str, Any] = {}
         if type is not _UNSET:
-            values["type"] = check_text("type", type, TYPE_MAX)
+            values["type"] = check_type(type, exec_key=self.key if file_entry else None)
         if cron is not _UNSET:
             values["cron"] = check_cron(cron)
         if delay is not _UNSET:
@@ -509,16 +528,18 @@ class ScheduleCollection:
                   next_run_time: int | None = None, data: Any = None,
                   now: float | None = None, start: int | None = None,
                   at: int | None = None, source: str | None = None,
-                  creator: int | None = None, **policies: Any) -> Row:
+                  creator: int | None = None, file_entry: bool = False,
+                  **policies: Any) -> Row:
         """Validate an `add` request into a row (no I/O).  `policies`: the schedule
         policy options (policy.OPTIONS); `creator`: the uid recorded as its maker
-        (default: this process's)."""
+        (default: this process's); `file_entry`: the schedules files' convergence adds its
+        entry (check_type)."""
         unknown = set(policies) - set(policy_mod.OPTIONS)
         if unknown:
             raise InvalidInputError(sorted(unknown)[0], "unknown option")
         chosen = policy_mod.DEFAULT.changed(policies)
         check_key(key)
-        check_text("type", type, TYPE_MAX)
+        check_type(type, exec_key=key if file_entry else None)
         tz = check_timezone(timezone if timezone is not None else self.config.timezone)
         delay = check_int("delay", delay)
         data_text = check_data(data)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sqlite3
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -19,8 +20,10 @@ from typing import Any
 import pytest
 from daemon_harness import Daemon, foreign_ctl, foreign_python
 
+import perfectschedd
 from perfectschedd.callers import Caller, admission
 from perfectschedd.dbus_service import BUS_NAME, INTERFACE, OBJECT_PATH
+from perfectschedd.errors import InvalidInputError
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
                                 reason="needs root and setpriv")
@@ -206,5 +209,90 @@ def test_each_schedule_records_its_creator(open_dir: Path, bus: Bus) -> None:
         text = d.ctl("show", "by-dbus").stdout
         assert any(line.split() == ["creator", str(NOBODY)] for line in text.splitlines())
         assert any(line.split() == ["creator_name", "nobody"] for line in text.splitlines())
+    finally:
+        d.kill()
+
+
+# -- the exec: prefix is the schedules files' ------------------------------------------------
+
+ROOTJOB = "- {key: rootjob, cron: '0 0 1 1 *', exec: 'echo $PERFECTSCHED_KEY'}\n"
+EXEC_KEPT = "type: 'exec:' is kept for the exec entries of schedules files"
+
+
+def fingerprint(d: Daemon) -> list[dict[str, Any]]:
+    """Every schedule as `list --json` shows it (what a refused request must not change)."""
+    return [s for s in d.ctl_json("list")]
+
+
+@needs_root
+@needs_dbus
+def test_the_exec_prefix_is_refused_outside_schedules_files(open_dir: Path, bus: Bus) -> None:
+    files = open_dir / "schedules.d"
+    files.mkdir()
+    (files / "root.yml").write_text(ROOTJOB)
+    legacy = open_dir / "legacy.db"
+    with sqlite3.connect(legacy) as con:
+        con.execute("CREATE TABLE perfectsched (id VARCHAR(255) NOT NULL, timeout INT NOT "
+                    "NULL, next_time INT NOT NULL, cron VARCHAR(128) NOT NULL, delay INT NOT "
+                    "NULL, data LONGBLOB NOT NULL, timezone VARCHAR(255) NULL, PRIMARY KEY "
+                    "(id))")
+        con.execute("INSERT INTO perfectsched VALUES ('sneaky', 0, 0, '@daily', 0, "
+                    "'{\"type\": \"exec:rootjob\", \"evil\": 1}', NULL)")
+    os.chmod(legacy, 0o644)
+    mine = open_dir / "mine.yml"
+    mine.write_text(ROOTJOB.replace("rootjob", "minejob"))
+    os.chmod(mine, 0o644)
+    d = Daemon(open_dir, {"control_group": "nogroup", "dbus": True,
+                          "dbus_address": bus.address, "schedules_dir": str(files)})
+    try:
+        d.start()
+        os.chmod(d.dir, 0o755)
+        d.ctl("add", "plain", "t", "@daily")
+        before = fingerprint(d)
+        assert {s["key"]: s["type"] for s in before} == {"rootjob": "exec:rootjob",
+                                                          "plain": "t"}
+
+        # perfectschedctl, as a member of the group and as root
+        for user in (AS_NOBODY, []):
+            refused(ctl_as(d, user, "add", "rootjob2", "exec:rootjob", "@daily", '{"a": 1}')
+                    if user else d.ctl("add", "k", "exec:rootjob", "@daily", check=False),
+                    EXEC_KEPT)
+            refused(ctl_as(d, user, "modify", "plain", "--type", "exec:rootjob") if user
+                    else d.ctl("modify", "plain", "--type", "exec:x", check=False), EXEC_KEPT)
+        refused(ctl_as(d, AS_NOBODY, "import-legacy", f"sqlite:///{legacy}"),
+                "cannot import 'sneaky': " + EXEC_KEPT)
+        # apply sends an exec entry as its type (exec:KEY): root's files only
+        refused(ctl_as(d, AS_NOBODY, "apply", str(mine)), "minejob: an exec entry "
+                "(type exec:minejob) is applied by root only")
+        # a request no perfectschedctl makes
+        for cmd, args in (("add_many", {"schedules": [{"key": "s", "type": "exec:rootjob",
+                                                       "cron": "@daily"}]}),
+                          ("run", {"key": "plain", "type": "exec:rootjob"})):
+            name, message = bus.call(AS_NOBODY, "call", cmd, json.dumps(args))
+            assert name.startswith("org.perfectsched1.Error.InvalidInputError"), message
+        # D-Bus methods
+        name, message = bus.call(AS_NOBODY, "add", "k", "exec:rootjob", "@daily", "", {})
+        assert (name, message) == ("org.perfectsched1.Error.InvalidInputError",
+                                   EXEC_KEPT + " (exec:KEY runs the command their file "
+                                   "holds)")
+        name, message = bus.call(AS_NOBODY, "modify", "plain", {"type": ["s", "exec:k"]})
+        assert EXEC_KEPT in message and name.endswith("InvalidInputError")
+        name, message = bus.call(AS_NOBODY, "call", "add", json.dumps(
+            {"key": "k", "type": "exec:rootjob", "cron": "@daily"}))
+        assert EXEC_KEPT in message
+        assert fingerprint(d) == before
+
+        # the library, too (this process: root)
+        with perfectschedd.open(str(d.config_path)) as sc:
+            with pytest.raises(InvalidInputError, match=EXEC_KEPT):
+                sc.add("k", "exec:rootjob", "@daily")
+            with pytest.raises(InvalidInputError, match=EXEC_KEPT):
+                sc["plain"].modify(type="exec:plain")
+            with pytest.raises(InvalidInputError, match=EXEC_KEPT):
+                sc.add_many([{"key": "k", "type": "exec:k", "cron": "@daily"}])
+        assert fingerprint(d) == before
+        # root writes the files: root's apply of one stores its exec entry's type
+        assert d.ctl("apply", str(mine)).stdout == "added minejob\n"
+        assert d.ctl_json("show", "minejob")["type"] == "exec:minejob"
     finally:
         d.kill()

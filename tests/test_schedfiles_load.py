@@ -63,7 +63,8 @@ def test_each_file_s_owner_is_recorded(tmp_path: Path) -> None:
     ({**GOOD, "cron": "@once"}, "cron: @once is not for schedules files"),
     ({"key": "k", "cron": "@daily"}, "type: needs exactly one of type or exec"),
     ({**GOOD, "exec": "true"}, "type: needs exactly one of type or exec"),
-    ({**GOOD, "type": "exec:k"}, "type: 'exec:' is kept for exec entries"),
+    ({**GOOD, "type": "exec:k"}, "type: 'exec:' is kept for the exec entries of schedules "
+                                   "files"),
     ({"key": "k", "cron": "@daily", "exec": []}, "exec: must be a shell line or"),
     ({"key": "k", "cron": "@daily", "exec": "  "}, "exec: must not be empty"),
     ({**GOOD, "timezone": "Mars/Base"}, "timezone: unknown time zone"),
