@@ -11,7 +11,8 @@ The rules (docs/security.md):
   control_group.  The socket and D-Bus both ask it, and refuse in its words;
 - Access: what one caller's request may do (commands.execute makes one per request, for
   the socket, D-Bus and direct mode alike); what it records as the creator of what it
-  adds.
+  adds.  A schedules file's schedule (source file:NAME) changes through its file, or by
+  root with force; `apply` by anyone else changes or prunes only what they made.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ import os
 import pwd
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .config import RouteConfig
-from .errors import PermissionDeniedError
-from .schema import EXEC_TYPE
+from .errors import InvalidInputError, PermissionDeniedError
+from .schema import EXEC_TYPE, SOURCE_FILE
 
 
 def known_user_name(uid: int | None) -> str | None:
@@ -39,6 +41,11 @@ def known_user_name(uid: int | None) -> str | None:
 
 def user_name(uid: int) -> str:
     return known_user_name(uid) or f"uid {uid}"
+
+
+def made_by(creator: int | None) -> str:
+    """Who made a schedule, for messages."""
+    return "an unknown user" if creator is None else user_name(creator)
 
 
 def group_name(gid: int) -> str:
@@ -80,6 +87,18 @@ def admission(caller: Caller, daemon_uid: int, group_gid: int) -> str | None:
             f"{allowed} and members of group {group_name(group_gid)})")
 
 
+def check_force(caller: Caller, force: Any) -> bool:
+    """A request's `force` argument: false when absent; true only from root."""
+    if force is None:
+        return False
+    if not isinstance(force, bool):
+        raise InvalidInputError("force", "must be true or false")
+    if force and not caller.root:
+        raise PermissionDeniedError(f"force: only root may force a change of a schedules "
+                                    f"file's schedule, not {caller.name}")
+    return force
+
+
 @dataclass(frozen=True)
 class Access:
     """One caller, and the routes of the configuration it reaches."""
@@ -99,3 +118,18 @@ class Access:
             raise PermissionDeniedError(
                 f"{key}: an exec entry (type {task_type}) is applied by root only: put its "
                 "file in schedules_dir, or apply it as root")
+
+    def check_change(self, key: str, source: str | None, force: bool) -> None:
+        """Refuse to change (modify, pause, resume, delete) a schedules file's schedule:
+        its file says what it is.  Root may force it (check_force), until the file
+        changes."""
+        if source is None or not source.startswith(SOURCE_FILE) or force:
+            return
+        raise PermissionDeniedError(f"{key}: comes from schedules file {source}; change the "
+                                    "file (or, as root, --force)")
+
+    def owns(self, creator: int | None) -> bool:
+        """Whether this caller's `apply` may change or prune a schedules file's schedule
+        made by `creator` (None: unknown, made before creators were recorded): root's may
+        (root writes the files), anyone else's only their own."""
+        return self.caller.root or creator == self.caller.uid

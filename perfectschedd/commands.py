@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from . import registry
-from .callers import Access, Caller, known_user_name
+from .callers import Access, Caller, check_force, known_user_name
 from .config import RouteConfig
 from .errors import InvalidInputError
 from .policy import OPTIONS as POLICY_OPTIONS
@@ -97,29 +97,45 @@ def _show(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[s
     return shown
 
 
+def _changing(sc: ScheduleCollection, a: Args, access: Access) -> ScheduleInfo:
+    """The schedule a change (modify, pause, resume, delete) is about, once the caller may
+    change it: a schedules file's only with root's `force` (callers.py)."""
+    force = check_force(access.caller, a.get("force"))
+    info = sc[_arg(a, "key")].info()
+    access.check_change(info.key, info.source, force)
+    return info
+
+
 def _delete(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
-    extra = sc[_arg(a, "key")].delete()
+    _changing(sc, a, access)
+    extra = sc[a["key"]].delete()
     return {"key": a["key"], "deleted": True, "extra_runs": extra}
 
 
 def _modify(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
     changes = {k: a[k] for k in ("type", "cron", "delay", "timezone", "data", *POLICY_OPTIONS)
                if k in a}
-    sc[_arg(a, "key")].modify(now=now, **changes)
+    _changing(sc, a, access)
+    sc[a["key"]].modify(now=now, **changes)
     return _info(sc[a["key"]].info(), SHOW_FIELDS)
 
 
 def _pause(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
-    sc[_arg(a, "key")].pause()
+    _changing(sc, a, access)
+    sc[a["key"]].pause()
     return _info(sc[a["key"]].info(), SHOW_FIELDS)
 
 
 def _resume(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
-    sc[_arg(a, "key")].resume()
+    _changing(sc, a, access)
+    sc[a["key"]].resume()
     return _info(sc[a["key"]].info(), SHOW_FIELDS)
 
 
 def _run(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
+    # `run` of a schedules file's schedule needs no force: an extra occurrence is no change
+    # of the file (the schedule does not move; the run has the file's type and data), and
+    # the route's own rule says who may make its type run (callers.Access.check_route).
     schedule = sc[_arg(a, "key")]
     run_key = schedule.run_now(now=now, creator=access.creator)
     busy = sc.store.group_busy(run_key, a["key"], int(now))
@@ -158,10 +174,11 @@ def _apply(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[
     prune, dry_run = a.get("prune", False), a.get("dry_run", False)
     if not isinstance(prune, bool) or not isinstance(dry_run, bool):
         raise InvalidInputError("prune", "prune and dry_run must be true or false")
-    # --prune: every schedule that came from a file and is not in these files goes.
+    # --prune: every schedule that came from a file and is not in these files goes (those
+    # the caller may change: callers.Access.owns).
     remove_from = sc.store.file_sources() if prune else []
     changes = converge.converge(sc, entries, remove_from, dry_run=dry_run, now=now,
-                                creator=access.creator)
+                                creator=access.creator, access=access)
     return converge.summary(changes)
 
 

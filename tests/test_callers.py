@@ -296,3 +296,110 @@ def test_the_exec_prefix_is_refused_outside_schedules_files(open_dir: Path, bus:
         assert d.ctl_json("show", "minejob")["type"] == "exec:minejob"
     finally:
         d.kill()
+
+
+# -- a schedules file's schedules change through the file -----------------------------------
+
+FROM_FILE = ("nightly: comes from schedules file file:backup.yml; change the file (or, as "
+             "root, --force)")
+NOT_ROOT_FORCE = "force: only root may force a change of a schedules file's schedule"
+
+
+def entries(path: Path, *items: dict[str, Any]) -> Path:
+    path.write_text(json.dumps(list(items)))  # JSON is YAML
+    os.chmod(path, 0o644)
+    return path
+
+
+@needs_root
+@needs_dbus
+def test_a_schedules_file_s_schedules_change_through_the_file(open_dir: Path,
+                                                               bus: Bus) -> None:
+    files = open_dir / "schedules.d"
+    files.mkdir()
+    entries(files / "backup.yml", {"key": "nightly", "cron": "0 3 * * *", "type": "t"},
+            {"key": "weekly", "cron": "@weekly", "type": "t"})
+    d = Daemon(open_dir, {"control_group": "nogroup", "dbus": True,
+                          "dbus_address": bus.address, "schedules_dir": str(files)})
+    try:
+        d.start()
+        os.chmod(d.dir, 0o755)
+        ok(ctl_as(d, AS_NOBODY, "add", "mine", "t", "@daily"))
+        before = fingerprint(d)
+
+        for args in (["modify", "nightly", "--cron", "@hourly"], ["pause", "nightly"],
+                     ["resume", "nightly"], ["delete", "nightly"]):
+            refused(ctl_as(d, AS_NOBODY, *args), FROM_FILE)
+            refused(d.ctl(*args, check=False), FROM_FILE)  # root, without --force
+            refused(ctl_as(d, AS_NOBODY, *args, "--force"), NOT_ROOT_FORCE)
+        refused(ctl_as(d, AS_NOBODY, "pause", "mine", "--force"), NOT_ROOT_FORCE)
+        for method, args in (("modify", ["nightly", {"cron": ["s", "@hourly"]}]),
+                             ("pause", ["nightly"]), ("resume", ["nightly"]),
+                             ("delete", ["nightly"])):
+            name, message = bus.call(AS_NOBODY, method, *args)
+            assert (name, message) == ("org.perfectsched1.Error.PermissionDeniedError",
+                                       FROM_FILE)
+        name, message = bus.call(AS_NOBODY, "modify", "nightly", {
+            "cron": ["s", "@hourly"], "force": ["b", True]})
+        assert name.endswith("PermissionDeniedError") and message.startswith(NOT_ROOT_FORCE)
+        name, message = bus.call(AS_NOBODY, "call", "delete", json.dumps(
+            {"key": "nightly", "force": True}))
+        assert name.endswith("PermissionDeniedError") and message.startswith(NOT_ROOT_FORCE)
+        assert fingerprint(d) == before
+
+        # An extra run is no change of the file: the schedule does not move, and the run
+        # is the file's own (its type, its data), at a time of the member's choosing.
+        assert "queued a run of nightly" in ok(ctl_as(d, AS_NOBODY, "run", "nightly"))
+        # Plain schedules stay the group's.
+        ok(ctl_as(d, AS_NOBODY, "pause", "mine"))
+        ok(ctl_as(d, AS_NOBODY, "delete", "mine"))
+
+        # Root may force a change (until the file changes: see perfectschedctl(1)).
+        assert d.ctl_json("pause", "nightly", "--force")["paused"] is True
+        assert d.ctl_json("resume", "nightly", "--force")["paused"] is False
+        assert d.ctl_json("modify", "nightly", "--force", "--delay", "7")["delay"] == 7
+        name, result = bus.call([], "modify", "nightly", {"delay": ["x", 9],
+                                                          "force": ["b", True]})
+        assert name == "OK" and json.loads(result)["delay"] == 9
+        name, result = bus.call([], "call", "pause", json.dumps({"key": "nightly",
+                                                                 "force": True}))
+        assert name == "OK" and json.loads(result)["paused"] is True
+        d.ctl("delete", "weekly", "--force")
+        keys = {s["key"] for s in d.ctl_json("list")}
+        assert "nightly" in keys and "weekly" not in keys
+    finally:
+        d.kill()
+
+
+@needs_root
+def test_apply_by_a_member_changes_and_prunes_only_its_own(open_dir: Path) -> None:
+    files = open_dir / "schedules.d"
+    files.mkdir()
+    entries(files / "backup.yml", {"key": "nightly", "cron": "0 3 * * *", "type": "t"})
+    d = Daemon(open_dir, {"control_group": "nogroup", "schedules_dir": str(files)})
+    try:
+        d.start()
+        os.chmod(d.dir, 0o755)
+        team = entries(open_dir / "team.yml", {"key": "team1", "cron": "@daily", "type": "t"},
+                       {"key": "team2", "cron": "@daily", "type": "t"})
+        assert ok(ctl_as(d, AS_NOBODY, "apply", str(team))).splitlines() == [
+            "added team1", "added team2"]
+        assert d.ctl_json("show", "team1")["creator"] == NOBODY
+        entries(team, {"key": "team1", "cron": "@hourly", "type": "t"})
+        # --prune: the member's own schedules that its files no longer hold go; root's
+        # file's (nightly) stay, unmentioned.
+        assert ok(ctl_as(d, AS_NOBODY, "apply", "--prune", str(team))).splitlines() == [
+            "changed team1 (cron)", "removed team2"]
+        assert {s["key"] for s in d.ctl_json("list")} == {"nightly", "team1"}
+        # A file of the same name as root's may not change root's file's schedules.
+        theirs = open_dir / "other"
+        theirs.mkdir(mode=0o755)
+        entries(theirs / "backup.yml", {"key": "nightly", "cron": "@hourly", "type": "t"})
+        before = fingerprint(d)
+        refused(ctl_as(d, AS_NOBODY, "apply", str(theirs / "backup.yml")),
+                "refused nightly (the key belongs to file:backup.yml, made by root)")
+        assert fingerprint(d) == before
+        # Root's apply may (root writes the files).
+        assert d.ctl("apply", str(theirs / "backup.yml")).stdout == "changed nightly (cron)\n"
+    finally:
+        d.kill()
