@@ -10,9 +10,13 @@ The rules (docs/security.md):
 - admission(): who may talk to the daemon at all: root, the daemon's user, members of
   control_group.  The socket and D-Bus both ask it, and refuse in its words;
 - Access: what one caller's request may do (commands.execute makes one per request, for
-  the socket, D-Bus and direct mode alike); what it records as the creator of what it
-  adds.  A schedules file's schedule (source file:NAME) changes through its file, or by
-  root with force; `apply` by anyone else changes or prunes only what they made.
+  the socket, D-Bus and direct mode alike), and the uid it records as the creator of
+  what it adds:
+  - a route with `user:` is schedulable (add, modify, run, apply) only by root and the
+    users and groups its `allow:` names; other routes are the group's (the `exec:`
+    prefix of types is schedules.check_type's, refused to every caller);
+  - a schedules file's schedule (source file:NAME) changes through its file, or by root
+    with force; `apply` by anyone but root changes or prunes only what they made.
 """
 
 from __future__ import annotations
@@ -87,6 +91,26 @@ def admission(caller: Caller, daemon_uid: int, group_gid: int) -> str | None:
             f"{allowed} and members of group {group_name(group_gid)})")
 
 
+def route_of(task_type: str, routes: Sequence[RouteConfig]) -> RouteConfig | None:
+    """The route that takes `task_type` (the first that matches), or None."""
+    return next((r for r in routes if r.matches(task_type)), None)
+
+
+def allowed_by(allow: Iterable[str], caller: Caller) -> bool:
+    """Whether one of `allow` (user names, @group names) names the caller: its uid, or a
+    group its process holds.  A name this host does not know names nobody."""
+    for name in allow:
+        try:
+            if name.startswith("@"):
+                if grp.getgrnam(name[1:]).gr_gid in caller.gids:
+                    return True
+            elif pwd.getpwnam(name).pw_uid == caller.uid:
+                return True
+        except KeyError:
+            continue
+    return False
+
+
 def check_force(caller: Caller, force: Any) -> bool:
     """A request's `force` argument: false when absent; true only from root."""
     if force is None:
@@ -111,13 +135,28 @@ class Access:
         """The uid recorded as creator of what this caller adds."""
         return self.caller.uid
 
+    def check_route(self, key: str, task_type: str) -> None:
+        """Refuse to make `task_type` run for this caller (add, modify, run, apply) when
+        its route runs as another user (`user:`), unless the caller is root or the route's
+        `allow:` names them.  Other routes are the group's."""
+        route = route_of(task_type, self.routes)
+        if route is None or route.user is None or self.caller.root:
+            return
+        if allowed_by(route.allow, self.caller):
+            return
+        who = "root" + (f" and {', '.join(route.allow)}" if route.allow else "")
+        raise PermissionDeniedError(
+            f"{key}: type {task_type} runs as user {route.user}: only {who} may schedule "
+            f"it (its route's allow:), not {self.caller.name}")
+
     def check_apply_type(self, key: str, task_type: str) -> None:
         """An entry `apply` sends: an exec entry's type (exec:KEY) only from root, who
-        writes the files that hold its command."""
+        writes the files that hold its command; the route rule for every type."""
         if task_type.startswith(EXEC_TYPE) and not self.caller.root:
             raise PermissionDeniedError(
                 f"{key}: an exec entry (type {task_type}) is applied by root only: put its "
                 "file in schedules_dir, or apply it as root")
+        self.check_route(key, task_type)
 
     def check_change(self, key: str, source: str | None, force: bool) -> None:
         """Refuse to change (modify, pause, resume, delete) a schedules file's schedule:

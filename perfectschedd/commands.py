@@ -18,7 +18,7 @@ from .config import RouteConfig
 from .errors import InvalidInputError
 from .policy import OPTIONS as POLICY_OPTIONS
 from .protocol import HISTORY_MAX
-from .schedules import ScheduleCollection, ScheduleInfo, lookup_key
+from .schedules import ScheduleCollection, ScheduleInfo, check_key, check_type, lookup_key
 
 Args = Mapping[str, Any]
 
@@ -41,11 +41,17 @@ def _arg(args: Mapping[str, Any], name: str, required: bool = True) -> Any:
     return args[name]
 
 
+def _may_schedule(access: Access, key: Any, task_type: Any) -> None:
+    """Whether the caller may make `task_type` run as `key` (callers.py), once both are
+    what add would take."""
+    access.check_route(check_key(key), check_type(task_type))
+
+
 def _add(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
     options = {k: a[k] for k in ("delay", "timezone", "start", "at", "data", *POLICY_OPTIONS)
                if a.get(k) is not None}
-    sc.add(_arg(a, "key"), _arg(a, "type"), _arg(a, "cron"), now=now, creator=access.creator,
-           **options)
+    _may_schedule(access, _arg(a, "key"), _arg(a, "type"))
+    sc.add(a["key"], a["type"], _arg(a, "cron"), now=now, creator=access.creator, **options)
     return _info(sc[a["key"]].info(), LIST_FIELDS)
 
 
@@ -59,6 +65,7 @@ def _add_many(sc: ScheduleCollection, a: Args, now: float, access: Access) -> di
         unknown = set(item) - allowed
         if unknown:
             raise InvalidInputError("schedules", f"unknown field(s) {', '.join(sorted(unknown))}")
+        _may_schedule(access, item.get("key"), item.get("type"))
     return {"added": sc.add_many([{**i, "now": now, "creator": access.creator}
                                   for i in items])}
 
@@ -115,7 +122,10 @@ def _delete(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict
 def _modify(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
     changes = {k: a[k] for k in ("type", "cron", "delay", "timezone", "data", *POLICY_OPTIONS)
                if k in a}
-    _changing(sc, a, access)
+    info = _changing(sc, a, access)
+    access.check_route(info.key, info.type)  # what runs as its route's user changes
+    if "type" in changes:
+        access.check_route(info.key, check_type(changes["type"]))
     sc[a["key"]].modify(now=now, **changes)
     return _info(sc[a["key"]].info(), SHOW_FIELDS)
 
@@ -137,6 +147,8 @@ def _run(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[st
     # of the file (the schedule does not move; the run has the file's type and data), and
     # the route's own rule says who may make its type run (callers.Access.check_route).
     schedule = sc[_arg(a, "key")]
+    info = schedule.info()
+    access.check_route(info.key, info.type)
     run_key = schedule.run_now(now=now, creator=access.creator)
     busy = sc.store.group_busy(run_key, a["key"], int(now))
     return {"key": a["key"], "run_key": run_key, "run_at": int(now),

@@ -403,3 +403,73 @@ def test_apply_by_a_member_changes_and_prunes_only_its_own(open_dir: Path) -> No
         assert d.ctl("apply", str(theirs / "backup.yml")).stdout == "changed nightly (cron)\n"
     finally:
         d.kill()
+
+
+# -- a route that runs as another user: root and its allow: list ---------------------------
+
+AS_DAEMON_IN_GROUP = ["setpriv", "--reuid=daemon", "--regid=daemon", "--groups=nogroup"]
+TRUE = ["/bin/true"]
+
+
+@needs_root
+@needs_dbus
+def test_a_route_with_a_user_is_scheduled_by_root_and_its_allow_list(open_dir: Path,
+                                                                      bus: Bus) -> None:
+    d = Daemon(open_dir, {"control_group": "nogroup", "dbus": True,
+                          "dbus_address": bus.address, "routes": [
+                              {"type": "secret", "exec": TRUE, "user": "backup"},
+                              {"type": "ops", "exec": TRUE, "user": "backup",
+                               "allow": ["@nogroup"]},
+                              {"type": "/^named-/", "exec": TRUE, "user": "backup",
+                               "allow": ["nobody", "no-such-user", "@no-such-group"]},
+                              {"type": "plain", "exec": TRUE}]})
+    try:
+        d.start()
+        os.chmod(d.dir, 0o755)
+        d.ctl("add", "root-secret", "secret", "@daily")  # root may
+        ok(ctl_as(d, AS_NOBODY, "add", "plain1", "plain", "@daily"))
+        before = fingerprint(d)
+
+        only_root = ("k: type secret runs as user backup: only root may schedule it (its "
+                     "route's allow:), not nobody")
+        refused(ctl_as(d, AS_NOBODY, "add", "k", "secret", "@daily"), only_root)
+        refused(ctl_as(d, AS_NOBODY, "run", "root-secret"), "root-secret: type secret runs "
+                "as user backup: only root may schedule it")
+        refused(ctl_as(d, AS_NOBODY, "modify", "root-secret", "--delay", "5"),
+                "root-secret: type secret runs as user backup")
+        refused(ctl_as(d, AS_NOBODY, "modify", "plain1", "--type", "secret"),
+                "plain1: type secret runs as user backup")
+        refused(ctl_as(d, AS_DAEMON_IN_GROUP, "add", "k", "named-x", "@daily"),
+                "k: type named-x runs as user backup: only root and nobody, no-such-user, "
+                "@no-such-group may schedule it (its route's allow:), not daemon")
+        team = entries(open_dir / "team.yml", {"key": "k", "cron": "@daily", "type": "secret"})
+        refused(ctl_as(d, AS_NOBODY, "apply", str(team)), "k: type secret runs as user backup")
+        assert bus.call(AS_NOBODY, "add", "k", "secret", "@daily", "", {}) == (
+            "org.perfectsched1.Error.PermissionDeniedError", only_root)
+        name, message = bus.call(AS_NOBODY, "call", "add_many", json.dumps({"schedules": [
+            {"key": "j", "type": "plain", "cron": "@daily"},
+            {"key": "k", "type": "secret", "cron": "@daily"}]}))
+        assert (name, message) == ("org.perfectsched1.Error.PermissionDeniedError",
+                                   only_root)
+        name, message = bus.call(AS_NOBODY, "modify", "plain1", {"type": ["s", "secret"]})
+        assert name.endswith("PermissionDeniedError"), message
+        name, message = bus.call(AS_NOBODY, "run", "root-secret")
+        assert name.endswith("PermissionDeniedError"), message
+        assert fingerprint(d) == before
+
+        # allow: ["@nogroup"]: the group the caller's process holds, primary or not
+        ok(ctl_as(d, AS_NOBODY, "add", "o1", "ops", "@daily"))
+        ok(ctl_as(d, AS_DAEMON_IN_GROUP, "add", "o2", "ops", "@daily"))
+        ok(ctl_as(d, AS_NOBODY, "modify", "plain1", "--type", "ops"))
+        ok(ctl_as(d, AS_DAEMON_IN_GROUP, "run", "o1"))
+        # allow: ["nobody", ...]: that user
+        ok(ctl_as(d, AS_NOBODY, "add", "n1", "named-1", "@daily"))
+        assert bus.call(AS_NOBODY, "add", "n2", "named-2", "@daily", "", {})[0] == "OK"
+        # root: everything
+        d.ctl("run", "root-secret")
+        d.ctl("modify", "o2", "--type", "secret")
+        keys = {s["key"] for s in d.ctl_json("list")}
+        assert {"root-secret", "plain1", "o1", "o2", "n1", "n2"} <= keys
+        assert not keys & {"k", "j"}
+    finally:
+        d.kill()
