@@ -473,3 +473,20 @@ def test_a_route_with_a_user_is_scheduled_by_root_and_its_allow_list(open_dir: P
         assert not keys & {"k", "j"}
     finally:
         d.kill()
+
+
+# -- the documents say what the code does ---------------------------------------------------
+
+def test_force_is_documented_where_the_registry_takes_it() -> None:
+    from perfectschedd import registry
+
+    forced = {c.name for c in registry.COMMANDS.values() if "force" in c.args}
+    assert forced == {"modify", "pause", "resume", "delete"}
+    repo = Path(__file__).resolve().parent.parent
+    man = (repo / "docs" / "man" / "perfectschedctl.1").read_text()
+    for name in forced:
+        assert f'.BI {name} " KEY \\fR[\\fP" \\-\\-force \\fR]\\fP' in man, name
+    security = (repo / "docs" / "security.md").read_text()
+    row = next(line for line in security.splitlines() if "with `--force`" in line)
+    assert all(f"`{name}`" in row for name in forced) and "`run`" not in row
+    assert "## Who can make what run as whom" in security
