@@ -154,12 +154,19 @@ def _apply_request(ns: argparse.Namespace) -> dict[str, Any]:
     if loaded.errors:
         raise _BadArgument("\n".join(f"perfectschedctl: {e}" for e in loaded.errors)
                            .removeprefix("perfectschedctl: "))
-    execs = sum(e.exec is not None for e in loaded.entries.values())
+    return {"entries": converge.to_wire(loaded.entries), "prune": ns.prune,
+            "dry_run": ns.dry_run}
+
+
+def _note_exec_entries(entries: list[dict[str, Any]]) -> None:
+    """After an apply: where its exec entries run (said once it was taken, so that a
+    refusal stays one line)."""
+    from perfectschedd.schema import EXEC_TYPE
+
+    execs = sum(str(e.get("type")).startswith(EXEC_TYPE) for e in entries)
     if execs:
         print(f"perfectschedctl: note: {execs} exec entr{'y runs' if execs == 1 else 'ies run'}"
               " only on hosts whose schedules_dir holds the file", file=sys.stderr)
-    return {"entries": converge.to_wire(loaded.entries), "prune": ns.prune,
-            "dry_run": ns.dry_run}
 
 
 class _BadArgument(Exception):
@@ -296,6 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise _BadArgument("\n".join(f"perfectschedctl: {c}" for c in refused)
                                    .removeprefix("perfectschedctl: "))
         result = send(cmd, args)
+        if cmd == "apply":
+            _note_exec_entries(args["entries"])
     except protocol.RemoteError as exc:
         print(f"perfectschedctl: {exc}", file=sys.stderr)
         return protocol.refusal(exc.type).exit_status

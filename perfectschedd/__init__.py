@@ -11,6 +11,7 @@ from .errors import (
     InvalidInputError,
     NotFoundError,
     NotSupportedError,
+    PermissionDeniedError,
     PreemptedError,
     ProcessStopError,
     ScheduleError,
@@ -21,8 +22,8 @@ __version__ = "0.2.0"
 __all__ = [
     "AlreadyExistsError", "AlreadyFinishedError", "Application", "Config", "ConfigError",
     "DatabaseUnavailableError", "InvalidInputError", "NotFoundError", "NotSupportedError",
-    "PreemptedError", "ProcessStopError", "Schedule", "ScheduleCollection", "ScheduleError",
-    "ScheduleInfo", "Task", "open",
+    "PermissionDeniedError", "PreemptedError", "ProcessStopError", "Schedule",
+    "ScheduleCollection", "ScheduleError", "ScheduleInfo", "Task", "open",
 ]
 
 

@@ -16,6 +16,7 @@ import yaml
 
 from . import runas, unitprops
 from .errors import ConfigError, InvalidInputError, NotSupportedError, describe
+from .schema import EXEC_TYPE
 
 DEFAULT_CONFIG_PATH = "/etc/perfectsched/perfectsched.yml"
 DEFAULT_SOCKET = "/run/perfectsched/perfectschedd.sock"
@@ -25,6 +26,8 @@ DEFAULT_METRICS_PORT = 9839
 DEFAULT_METRICS_LISTEN = f"127.0.0.1:{DEFAULT_METRICS_PORT}"
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+# A user or group name in a route's allow: (what useradd takes, and then some).
+_ACCOUNT_NAME = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]{0,63}\$?$")
 _NODE_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 
@@ -39,6 +42,9 @@ class RouteConfig:
     env: tuple[tuple[str, str], ...] = ()  # added to the job's environment
     # Run the job as this user: the daemon is root, or systemd sets it (executor systemd).
     user: str | None = None
+    # Who besides root may schedule this route's types when it has a `user` (user names,
+    # @group names; callers.Access.check_route).  A route without `user` is the group's.
+    allow: tuple[str, ...] = ()
     append_key: bool = True  # the key as last argument (a schedules file's entry: never)
     # "systemd": each run is a transient unit (unitjobs.py) with these properties
     # (unitprops.convert: D-Bus name, signature, value).
@@ -156,7 +162,7 @@ def _routes(raw: Any) -> tuple[RouteConfig, ...]:
         if not isinstance(entry, Mapping):
             raise ConfigError(f"{where}: must be a mapping")
         unknown = set(entry) - {"type", "exec", "python", "timeout", "executor", "unit",
-                                "user", "env"}
+                                "user", "env", "allow"}
         if unknown:
             raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
         pattern = entry.get("type")
@@ -202,6 +208,10 @@ def _routes(raw: Any) -> tuple[RouteConfig, ...]:
             env = runas.check_env(entry.get("env"))
         except InvalidInputError as exc:
             raise ConfigError(f"{where}.{exc}") from None
+        allow = _allow(where, entry.get("allow"))
+        if allow and user is None:
+            raise ConfigError(f"{where}.allow: only for a route with user: (a route without "
+                              "one is open to control_group)")
         route = RouteConfig(
             pattern=pattern,
             exec=tuple(route_exec) if route_exec is not None else None,
@@ -211,6 +221,7 @@ def _routes(raw: Any) -> tuple[RouteConfig, ...]:
             unit=unit,
             user=user,
             env=env,
+            allow=allow,
         )
         try:
             route.regexp  # noqa: B018 - compile now so a bad regexp is a config error
@@ -218,6 +229,23 @@ def _routes(raw: Any) -> tuple[RouteConfig, ...]:
             raise ConfigError(f"{where}.type: bad regular expression: {exc}") from None
         out.append(route)
     return tuple(out)
+
+
+def _allow(where: str, raw: Any) -> tuple[str, ...]:
+    """A route's allow: list of user names and @group names (none: root only)."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise ConfigError(f"{where}.allow: must be a list of user names and @group names")
+    seen: list[str] = []
+    for name in raw:
+        if not isinstance(name, str) or not _ACCOUNT_NAME.match(name.removeprefix("@")):
+            raise ConfigError(f"{where}.allow: {describe(name)} is not a user name or "
+                              "@group name")
+        if name in seen:
+            raise ConfigError(f"{where}.allow: {name!r} appears twice")
+        seen.append(name)
+    return tuple(seen)
 
 
 def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
@@ -369,18 +397,16 @@ def refuse_entry_routes(config: Config, grant: bool) -> tuple[Config, list[str]]
     routes = list(config.routes)
     refused = []
     for i, route in enumerate(routes):
-        if not route.pattern.startswith(ENTRY_TYPE_PREFIX) or route.refused is not None:
+        if not route.pattern.startswith(EXEC_TYPE) or route.refused is not None:
             continue
         why = privilege_refusal(route.executor, route.user, grant)
         if why is not None:
-            line = f"schedules file entry {route.pattern[len(ENTRY_TYPE_PREFIX):]}: {why}"
+            line = f"schedules file entry {route.pattern[len(EXEC_TYPE):]}: {why}"
             routes[i] = replace(route, refused=line)
             refused.append(line)
     return (replace(config, routes=tuple(routes)) if refused else config), refused
 
 
-# The type of a schedules file's exec entry: exec:KEY (schedfiles.EXEC_TYPE).
-ENTRY_TYPE_PREFIX = "exec:"
 # The one command that turns the polkit grant on (packaging/perfectsched-grant).
 GRANT_COMMAND = "perfectsched-grant enable"
 

@@ -1,8 +1,9 @@
 """Unix-socket server: one request -> one dispatch() call -> one response.
 
 Protocol: protocol.py and docs/protocol.md (newline-delimited JSON, MAX_FRAME bytes per
-frame).  Every connection is authorised by its peer's credentials (SO_PEERCRED): root, the
-daemon's own user, or a member of `control_group` (default: the daemon's group).
+frame).  Every connection is authorised by its peer's credentials (SO_PEERCRED and
+SO_PEERGROUPS), by callers.py's rule: root, the daemon's own user, or a member of
+`control_group` (default: the daemon's group).
 
 One thread owns every connection (a selector loop: idle or slow clients cost a buffer, not
 a thread); complete requests run on a small thread pool, because dispatch() talks to the
@@ -19,7 +20,6 @@ import json
 import logging
 import math
 import os
-import pwd
 import queue
 import selectors
 import socket
@@ -35,11 +35,15 @@ from typing import Any
 from sqlalchemy.exc import SQLAlchemyError
 
 from . import __version__, commands, protocol, registry
+from .callers import Caller, admission
 from .config import Config
 from .errors import ConfigError, InvalidInputError, ScheduleError
 from .fdguard import AcceptGuard
 
-Dispatch = Callable[[str, dict[str, Any]], Any]
+# One request of a caller: the daemon's Supervisor.dispatch.
+Dispatch = Callable[[str, dict[str, Any], Caller], Any]
+# One request, the caller known.
+_Ask = Callable[[str, dict[str, Any]], Any]
 # Connections open at once; one more is answered with a "Busy" error and closed.
 MAX_CLIENTS = 256
 # A connection with no request in flight and no traffic for this long is closed.
@@ -84,18 +88,11 @@ def peer_groups(conn: socket.socket, pid: int) -> set[int]:
     return set()
 
 
-def _user_name(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return f"uid {uid}"
-
-
 @dataclass(eq=False)
 class _Conn:
     sock: socket.socket
     pid: int
-    uid: int
+    caller: Caller  # as the kernel recorded it at connect()
     inbuf: bytearray = field(default_factory=bytearray)
     outbuf: bytearray = field(default_factory=bytearray)
     busy: bool = False  # a request is being dispatched
@@ -334,31 +331,19 @@ class ControlServer:
             except OSError:
                 sock.close()
                 continue
-            conn = _Conn(sock, pid, uid)
+            caller = Caller.of(uid, {gid} | peer_groups(sock, pid))
+            conn = _Conn(sock, pid, caller)
             self.conns[sock.fileno()] = conn
             if len(self.conns) > self.max_clients:
                 self._refuse(conn, "Busy", f"busy: {self.max_clients} connections are open; "
                                            "try again")
                 continue
-            allowed, why = self.authorise(sock, pid, uid, gid)
-            if not allowed:
-                self.log.warning("control socket: refused %s (pid %d)", _user_name(uid), pid)
+            why = admission(caller, self.my_uid, self.group_gid)
+            if why is not None:
+                self.log.warning("control socket: refused %s (pid %d)", caller.name, pid)
                 self._refuse(conn, "PermissionDenied", why)
                 continue
             self._update(conn)
-
-    def authorise(self, sock: socket.socket, pid: int, uid: int, gid: int) -> tuple[bool, str]:
-        if uid == 0 or uid == self.my_uid:
-            return True, ""
-        if gid == self.group_gid or self.group_gid in peer_groups(sock, pid):
-            return True, ""
-        try:
-            group = grp.getgrgid(self.group_gid).gr_name
-        except KeyError:
-            group = f"gid {self.group_gid}"
-        return False, (f"permission denied: {_user_name(uid)} may not control perfectschedd "
-                       f"(allowed: root, {_user_name(self.my_uid)} and members of group "
-                       f"{group})")
 
     def _refuse(self, conn: _Conn, type_: str, message: str) -> None:
         """Answer with an error, then close the connection."""
@@ -449,7 +434,7 @@ class ControlServer:
             assert self.pool is not None
             pool = self.quick_pool if _is_quick(line) else self.pool
             try:
-                future = pool.submit(self.handle, line)
+                future = pool.submit(self.handle, line, conn.caller)
             except RuntimeError:  # the pool is shut down: we are stopping
                 self._close(conn)
                 return
@@ -521,14 +506,18 @@ class ControlServer:
 
     # -- one request ----------------------------------------------------------------------
 
-    def handle(self, line: bytes) -> bytes:
-        """One request frame -> one response frame; never raises."""
+    def handle(self, line: bytes, caller: Caller) -> bytes:
+        """One request frame of `caller` -> one response frame; never raises."""
         client: str | None = None
+
+        def ask(cmd: str, args: dict[str, Any]) -> Any:
+            return self.dispatch(cmd, args, caller)
+
         try:
             cmd, args, client = protocol.parse_request_from(line)
             if cmd == "list":
-                return list_page(self.dispatch, args)
-            return protocol.ok(self.dispatch(cmd, args))
+                return list_page(ask, args)
+            return protocol.ok(ask(cmd, args))
         except protocol.ProtocolError as exc:
             return self._error("ProtocolError", str(exc))
         except ScheduleError as exc:
@@ -551,7 +540,7 @@ class ControlServer:
         return protocol.error(type_, message, daemon=__version__)
 
 
-def list_page(dispatch: Dispatch, args: dict[str, Any]) -> bytes:
+def list_page(dispatch: _Ask, args: dict[str, Any]) -> bytes:
     """A `list` answer of at most LIST_PAGE schedules and about LIST_PAGE_BYTES, with a
     "more" marker when the client asked for more than that (or for all).
 
@@ -592,7 +581,7 @@ def list_page(dispatch: Dispatch, args: dict[str, Any]) -> bytes:
 _FIRST_BATCH = 16
 
 
-def _has_after(dispatch: Dispatch, args: dict[str, Any], after: str | None) -> bool:
+def _has_after(dispatch: _Ask, args: dict[str, Any], after: str | None) -> bool:
     rest = {**args, "limit": 1} if after is None else {**args, "after": after, "limit": 1}
     return bool(dispatch("list", rest))
 

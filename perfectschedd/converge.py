@@ -7,7 +7,8 @@ Rules (SPEC "Declarative schedules and migration"):
   its times and any running lease stay, and hosts with the same files write nothing.
 - A schedule is removed only when it came from a file of this host (source file:NAME)
   and left it.  Schedules made with `add` are never touched, nor are keys that another
-  file holds.
+  file holds.  `apply` by a caller other than root changes and removes only the
+  schedules that caller made (callers.Access.owns).
 - A daemon remembers what it applied.  After its first apply it writes only what
   changed in its own files since: where the database holds something else for an entry
   it did not change, another host (whose files differ) wrote it, and the daemon logs the
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from .callers import Access, made_by
 from .config import Config
 from .errors import AlreadyExistsError, InvalidInputError, NotFoundError
 from .schedfiles import SOURCE_API, SOURCE_FILE, Entry, Loaded, check_entry, load
@@ -59,10 +61,16 @@ def _differences(info: ScheduleInfo, wanted: Mapping[str, Any]) -> dict[str, Any
 
 def converge(sc: ScheduleCollection, entries: Mapping[str, Entry],
              remove_from: Collection[str], *, previous: Mapping[str, Entry] | None = None,
-             dry_run: bool = False, now: float | None = None) -> list[Change]:
+             dry_run: bool = False, now: float | None = None,
+             creators: Mapping[str, int] | None = None, creator: int | None = None,
+             access: Access | None = None) -> list[Change]:
     """Make the database hold `entries`, and remove the schedules of sources
     `remove_from` that they do not hold.  `previous`: what this caller applied last
-    time (None: nothing is known, everything that differs is written)."""
+    time (None: nothing is known, everything that differs is written).  What it adds
+    records as creator the uid `creators` gives for its source, else `creator`, else
+    this process's.  `access`: the caller of `apply` (None: the daemon, for its own
+    files), who changes and removes only what it owns."""
+    creators = creators or {}
     now = time.time() if now is None else now
     tz = sc.config.timezone
     rows = {r.key: r for r in sc.store.rows_of(keys=list(entries), sources=list(remove_from))}
@@ -77,7 +85,8 @@ def converge(sc: ScheduleCollection, entries: Mapping[str, Entry],
                 continue
             if not dry_run:
                 try:
-                    sc.add(key, now=now, source=entry.source, **entry.stored(tz))
+                    sc.add(key, now=now, source=entry.source, file_entry=True,
+                           creator=creators.get(entry.source, creator), **entry.stored(tz))
                 except AlreadyExistsError:  # another host added it just now
                     changes.append(Change(UNCHANGED, key, "added by another host"))
                     continue
@@ -88,6 +97,10 @@ def converge(sc: ScheduleCollection, entries: Mapping[str, Entry],
             changes.append(Change(REFUSED, key, f"the key belongs to {owner}"
                                   + (" (made with add)" if owner == SOURCE_API else "")))
             continue
+        if access is not None and not access.owns(row.creator):
+            changes.append(Change(REFUSED, key, f"the key belongs to {owner}, made by "
+                                  f"{made_by(row.creator)}"))
+            continue
         diff = _differences(ScheduleInfo.from_row(row), entry.stored(tz))
         if not diff:
             changes.append(Change(UNCHANGED, key))
@@ -97,13 +110,15 @@ def converge(sc: ScheduleCollection, entries: Mapping[str, Entry],
         else:
             if not dry_run:
                 try:
-                    sc[key].modify(now=now, **diff)
+                    sc[key].modify(now=now, file_entry=True, **diff)
                 except NotFoundError:  # deleted meanwhile: added again next time
                     continue
             changes.append(Change(CHANGED, key, ", ".join(sorted(diff))))
     for key, row in rows.items():
         if key in entries or row.source not in remove_from:
             continue
+        if access is not None and not access.owns(row.creator):
+            continue  # another's: not this caller's to prune
         if previous is not None and key not in previous:
             # Never in this caller's files: a file of the same name elsewhere holds it.
             changes.append(Change(DIFFERS, key, f"in {row.source} of another host only; "
@@ -151,6 +166,8 @@ class FileSchedules:
             for key, entry in self.loaded.entries.items():
                 if entry.source in loaded.broken and key not in loaded.entries:
                     loaded.entries[key] = entry
+                    if entry.source in self.loaded.owners:
+                        loaded.owners[entry.source] = self.loaded.owners[entry.source]
             self.directory = directory
             self.loaded = loaded
             self.due_at = time.monotonic()
@@ -171,7 +188,8 @@ class FileSchedules:
             loaded, previous = self.loaded, self.applied
         remove_from = (loaded.sources | self.applied_sources) - loaded.broken
         try:
-            changes = converge(sc, loaded.entries, remove_from, previous=previous)
+            changes = converge(sc, loaded.entries, remove_from, previous=previous,
+                               creators=loaded.owners)
         except Exception:
             with self.lock:
                 if self.due_at is None:

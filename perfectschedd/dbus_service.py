@@ -7,8 +7,8 @@ org.perfectsched1.Error.<Type> (NotFoundError, InvalidInputError, ...) with the 
 message.  The signal ScheduleChanged(s key, s change) follows every change of a schedule.
 
 Who may call: the bus policy (etc/dbus-1/org.perfectsched1.conf) on the system bus, and,
-in any case, the same rule as the socket: root, the daemon's user, or members of its group
-(checked with the bus's GetConnectionCredentials, once per caller).
+in any case, the socket's rule (callers.admission): root, the daemon's user, or members of
+its group (checked with the bus's GetConnectionCredentials, once per caller).
 
 dbus-next runs an asyncio loop; it gets its own thread, so the master's select loop and
 this interface never wait for each other.  Requests run on a small thread pool.
@@ -19,6 +19,7 @@ this interface never wait for each other.  Requests run on a small thread pool.
 
 import asyncio
 import concurrent.futures
+import contextvars
 import json
 import logging
 import os
@@ -35,6 +36,7 @@ from dbus_next.aio import MessageBus
 from dbus_next.service import PropertyAccess, ServiceInterface, dbus_property, method, signal
 
 from . import __version__, protocol, registry
+from .callers import Caller, admission
 from .errors import ConfigError, ScheduleError
 
 BUS_NAME = "org.perfectsched1"
@@ -51,7 +53,11 @@ U = "u"
 ASV = "a{sv}"
 SS = "ss"
 
-Dispatch = Callable[[str, dict[str, Any]], Any]
+# One request of a caller: the daemon's Supervisor.dispatch.
+Dispatch = Callable[[str, dict[str, Any], Caller], Any]
+# The unique bus name of the caller whose method call is being answered (set for each
+# call's task by _Bus, read by DBusService.call).
+_SENDER: contextvars.ContextVar[str] = contextvars.ContextVar("sender", default="")
 _ADD, _MODIFY = registry.COMMANDS["add"], registry.COMMANDS["modify"]
 
 
@@ -114,6 +120,9 @@ class _Bus(MessageBus):
       error, and that is all: the reply context's __exit__ drops _exit's True, so the
       error, already answered, was re-raised into the event loop, which logged a
       traceback for each refused call.
+
+    And each method call runs as a task that knows its sender (_SENDER): our methods
+    answer for that caller.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -136,7 +145,11 @@ class _Bus(MessageBus):
                                                      unix_fds))
 
             args = ServiceInterface._msg_body_to_args(msg)  # noqa: SLF001
-            asyncio.ensure_future(method.fn(interface, *args)).add_done_callback(done)
+            context = contextvars.copy_context()
+            context.run(_SENDER.set, msg.sender or "")
+            task = asyncio.get_running_loop().create_task(method.fn(interface, *args),
+                                                          context=context)
+            task.add_done_callback(done)
 
         return handler
 
@@ -241,8 +254,9 @@ class DBusService:
         self.quick_pool = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="dbus-quick")
         self.stopping: asyncio.Event | None = None
-        # Unique bus names are never reused: a verdict per caller holds for its connection.
-        self.verdicts: OrderedDict[str, str | None] = OrderedDict()
+        # Unique bus names are never reused: who a caller is, and the verdict on it, hold
+        # for its connection.
+        self.verdicts: OrderedDict[str, tuple[Caller, str | None]] = OrderedDict()
 
     # -- lifecycle (called from the master's thread) --------------------------------------
 
@@ -361,9 +375,15 @@ class DBusService:
     # -- requests -------------------------------------------------------------------------
 
     async def call(self, cmd: str, args: dict[str, Any]) -> Any:
-        """One control request on the thread pool; refusals become D-Bus errors."""
+        """One control request of the method call's sender, on the thread pool; refusals
+        become D-Bus errors."""
         from sqlalchemy.exc import SQLAlchemyError
 
+        verdict = self.verdicts.get(_SENDER.get())
+        if verdict is None or verdict[1] is not None:  # _gate lets no such call through
+            raise _error("PermissionDenied", verdict[1] if verdict is not None else
+                         "permission denied: the caller is not known; call again")
+        caller = verdict[0]
         loop = asyncio.get_running_loop()
         if cmd == "list":
             # An answer waits whole in memory until the bus takes it: at most one page;
@@ -375,7 +395,7 @@ class DBusService:
             # Status never queues behind requests waiting on the database.
             quick = cmd in registry.COMMANDS and registry.COMMANDS[cmd].quick
             pool = self.quick_pool if quick else self.pool
-            result = await loop.run_in_executor(pool, self.dispatch, cmd, args)
+            result = await loop.run_in_executor(pool, self.dispatch, cmd, args, caller)
         except ScheduleError as exc:
             raise _error(protocol.error_type(exc), str(exc)) from None
         except ConfigError as exc:
@@ -400,7 +420,7 @@ class DBusService:
             return None
         sender = msg.sender or ""
         if sender in self.verdicts:
-            refusal = self.verdicts[sender]
+            refusal = self.verdicts[sender][1]
             if refusal is None:
                 return None
             return Message.new_error(msg, ERROR_PREFIX + "PermissionDenied", refusal)
@@ -413,20 +433,20 @@ class DBusService:
             return
         sender = msg.sender or ""
         try:
-            refusal = await self._check(bus, sender)
+            caller, refusal = await self._check(bus, sender)
         except Exception as exc:  # noqa: BLE001 - cannot tell: refuse, and say why
             refusal = f"permission denied: cannot read the caller's credentials: {exc}"
             bus.send(Message.new_error(msg, ERROR_PREFIX + "PermissionDenied", refusal))
             return
-        self.verdicts[sender] = refusal
+        self.verdicts[sender] = (caller, refusal)
         while len(self.verdicts) > 4096:
             self.verdicts.popitem(last=False)
         if refusal is not None:
             self.log.warning("D-Bus: refused %s", refusal.split(": ", 1)[-1])
         bus._process_message(msg)  # noqa: SLF001 - now _gate has a verdict for the sender
 
-    async def _check(self, bus: MessageBus, sender: str) -> str | None:
-        """None if `sender` may call us, else the refusal message."""
+    async def _check(self, bus: MessageBus, sender: str) -> tuple[Caller, str | None]:
+        """Who `sender` is, and None if it may call us, else the refusal."""
         reply = await bus.call(Message(
             destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
             interface="org.freedesktop.DBus", member="GetConnectionCredentials",
@@ -435,13 +455,10 @@ class DBusService:
             raise RuntimeError(reply.body[0] if reply is not None and reply.body else "no reply")
         creds = {k: v.value for k, v in reply.body[0].items()}
         uid = int(creds["UnixUserID"])
-        if uid in (0, self.my_uid):
-            return None
         try:
-            user = pwd.getpwuid(uid)
-            name, primary = user.pw_name, {user.pw_gid}
+            primary = {pwd.getpwuid(uid).pw_gid}
         except KeyError:
-            name, primary = f"uid {uid}", set()
+            primary = set()
         # The groups the calling process holds, as the bus recorded them at connect (like
         # SO_PEERGROUPS on the socket), never the group database's member lists: a user
         # added to the group after logging in, or removed from it, is judged by what the
@@ -452,6 +469,5 @@ class DBusService:
             groups |= process_groups(int(creds["ProcessID"])) or primary
         else:
             groups |= primary
-        if self.group_gid in groups:
-            return None
-        return f"permission denied: {name} may not control perfectschedd"
+        caller = Caller.of(uid, groups)
+        return caller, admission(caller, self.my_uid, self.group_gid)

@@ -25,6 +25,11 @@ class NotSupportedError(ScheduleError):
     """The configuration asks for something this build does not provide."""
 
 
+class PermissionDeniedError(ScheduleError):
+    """The caller may not do this (callers.py): a route that runs as another user, a
+    schedules file's schedule, or --force without being root."""
+
+
 class DatabaseUnavailableError(ScheduleError):
     """The database did not answer in time (or is not open yet); nothing was changed
     by this request, though a write may still complete once the database answers."""

@@ -17,8 +17,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from .errors import ConfigError, InvalidInputError
-from .schedules import check_cron, check_data, check_int, check_key, check_text, check_timezone
-from .schema import TYPE_MAX
+from .schedules import check_cron, check_data, check_int, check_key, check_timezone, check_type
 from .store import engine_url
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
@@ -70,7 +69,7 @@ def convert(row: Any) -> LegacySchedule:
     kind = data.pop("type", None)
     if not isinstance(kind, str) or not kind:
         kind = key.split(".", 1)[0]
-    check_text("type", kind, TYPE_MAX)
+    check_type(kind)
     check_data(data)
     return LegacySchedule(
         key=key, type=kind, cron=check_cron(row.cron), delay=check_int("delay", row.delay),

@@ -57,6 +57,8 @@ REFUSALS: dict[str, Refusal] = {name: Refusal(EXIT_REFUSED, DBUS_ERROR_PREFIX + 
     ("NotSupportedError", "not possible in this daemon/config"),
     ("ConfigError", "a configuration problem"),
     ("PermissionDenied", "the caller may not use the daemon"),
+    ("PermissionDeniedError", "the caller may not do this: a route that runs as another "
+                              "user, a schedules file's schedule, --force (not root)"),
     ("ProtocolError", "the frame is not a valid request (bad JSON, too large, ...)"),
     ("DatabaseError", "the database refused the request"),
     ("DatabaseUnavailableError", "the database does not answer"),

@@ -98,6 +98,9 @@ def _policy_args() -> tuple[Arg, ...]:
 
 POLICIES = _policy_args()
 KEY = Arg(("key",), "key")
+# A schedule from a schedules file changes through its file; root may force it.
+FORCE = Arg(("--force",), "force", "change a schedule from a schedules file (root only; "
+            "until the file changes)", kind="flag")
 _EVERYWHERE = frozenset({DAEMON, DIRECT})
 
 COMMANDS: dict[str, Command] = {c.name: c for c in (
@@ -119,12 +122,12 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
         Arg(("-n", "--limit"), "limit", "at most this many (default: all)", kind="count")),
         extra_args=frozenset({"verbose", "after"})),
     Command("show", "show one schedule in full", (KEY,), required=frozenset({"key"})),
-    Command("delete", "remove a schedule", (KEY,), required=frozenset({"key"}),
+    Command("delete", "remove a schedule", (KEY, FORCE), required=frozenset({"key"}),
             change="deleted"),
-    Command("pause", "stop a schedule from firing", (KEY,), required=frozenset({"key"}),
-            change="paused"),
-    Command("resume", "let a paused schedule fire again (missed occurrences run)", (KEY,),
-            required=frozenset({"key"}), wakes=True, change="resumed"),
+    Command("pause", "stop a schedule from firing", (KEY, FORCE),
+            required=frozenset({"key"}), change="paused"),
+    Command("resume", "let a paused schedule fire again (missed occurrences run)",
+            (KEY, FORCE), required=frozenset({"key"}), wakes=True, change="resumed"),
     Command("run", "run one occurrence now without moving the schedule", (KEY,),
             required=frozenset({"key"}), wakes=True, change="run"),
     Command("modify", "change a schedule (new cron/timezone recompute its next time)", (
@@ -132,7 +135,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
         Arg(("-d", "--delay"), "delay", kind="seconds"),
         Arg(("-t", "--timezone"), "timezone"),
         Arg(("--data",), "data", "JSON object replacing the data", kind="json"),
-        *POLICIES), required=frozenset({"key"}), wakes=True, change="modified"),
+        *POLICIES, FORCE), required=frozenset({"key"}), wakes=True, change="modified"),
     Command("history", "recent runs of a schedule", (
         KEY, Arg(("-n", "--limit"), "limit", f"at most this many runs, newest first "
                  f"(1-{HISTORY_MAX}, default 20)", kind="limit", default=20)),

@@ -22,14 +22,11 @@ from . import filetrust, runas, unitprops
 from . import policy as policy_mod
 from .config import RouteConfig
 from .errors import InvalidInputError, describe
-from .schedules import check_cron, check_data, check_int, check_key, check_text, check_timezone
-from .schema import TYPE_MAX
+from .schedules import check_cron, check_data, check_int, check_key, check_timezone, check_type
+from .schema import EXEC_TYPE, SOURCE_FILE, TYPE_MAX
 
 # The source of a schedule made with `add` (stored as NULL).
 SOURCE_API = "api"
-SOURCE_FILE = "file:"
-# An exec entry's task type: only hosts whose files hold the entry route it.
-EXEC_TYPE = "exec:"
 FILE_MAX = 4 << 20      # bytes of one schedules file
 ENTRIES_MAX = 20_000    # entries of one file
 SUFFIX = ".yml"
@@ -79,6 +76,7 @@ class Loaded:
     sources: set[str] = field(default_factory=set)           # files read whole
     broken: set[str] = field(default_factory=set)            # files rejected whole
     refused_dirs: set[str] = field(default_factory=set)      # directories not read at all
+    owners: dict[str, int] = field(default_factory=dict)     # uid of each file read whole
     errors: list[str] = field(default_factory=list)          # one line per problem
 
     def routes(self) -> tuple[RouteConfig, ...]:
@@ -116,6 +114,10 @@ def load(paths: Iterable[str | os.PathLike[str]], *, need_user_support: bool = T
             loaded.broken.add(source)
             continue
         loaded.sources.add(source)
+        try:  # the creator of its schedules: who may change the file
+            loaded.owners[source] = path.stat().st_uid
+        except OSError:
+            loaded.owners[source] = 0
         for e in entries:
             loaded.entries[e.key] = e
     return loaded
@@ -264,10 +266,8 @@ def check_entry(raw: Any, source: str, need_user_support: bool = True,
             raise InvalidInputError("key", f"longer than {TYPE_MAX - len(EXEC_TYPE)} "
                                     "characters (an exec entry's type is exec:KEY)")
     else:
-        task_type = check_text("type", raw["type"], TYPE_MAX)
-        if task_type.startswith(EXEC_TYPE) and not (
-                stored_only and task_type == f"{EXEC_TYPE}{key}"):
-            raise InvalidInputError("type", f"{EXEC_TYPE!r} is kept for exec entries")
+        # An entry `apply` sends may name its own exec entry's type; a file's may not.
+        task_type = check_type(raw["type"], exec_key=key if stored_only else None)
     tz = raw.get("timezone")
     if tz is not None:
         tz = check_timezone(tz)

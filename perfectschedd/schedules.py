@@ -28,6 +28,7 @@ from .errors import (
     describe,
 )
 from .protocol import MAX_DEPTH, json_depth
+from .schema import EXEC_TYPE
 from .store import (
     CRON_MAX,
     DATA_MAX,
@@ -66,6 +67,7 @@ class ScheduleInfo:
     jitter: int = 0
     timeout: float | None = None
     source: str = "api"  # file:NAME for a schedule from a schedules file
+    creator: int | None = None  # the uid that made it; None: unknown (before 0.2.0)
 
     @property
     def running(self) -> bool:
@@ -83,7 +85,8 @@ class ScheduleInfo:
             next_time=row.next_time, next_run_time=row.next_run_time,
             data=_stored_data(row.data), paused=row.paused, attempt=row.attempt,
             owner=row.owner, claimed_at=row.claimed_at, paused_reason=row.paused_reason,
-            source=row.source or "api", **policy_mod.from_text(row.policy).as_fields(),
+            source=row.source or "api", creator=row.creator,
+            **policy_mod.from_text(row.policy).as_fields(),
         )
 
     @property
@@ -136,6 +139,23 @@ def check_key(key: Any) -> str:
         raise InvalidInputError("key", f"must not contain {RUN_NOW_MARK!r} (the mark of "
                                 "extra runs)")
     return key
+
+
+def check_type(task_type: Any, *, exec_key: str | None = None) -> str:
+    """A task type to store: the one place that says what a type may be (add, modify,
+    add_many and so import-legacy, apply, schedules files; socket, D-Bus, direct mode and
+    the library all store through here).  `exec:` starts only the type of a schedules
+    file's exec entry, exec:KEY, which the hosts whose files hold that entry route to its
+    command, as its user: a type chosen by anyone else would feed their data to that
+    command.  `exec_key`: the key of the exec entry being stored by the files'
+    convergence (converge.py), whose own exec:KEY alone it may store."""
+    check_text("type", task_type, TYPE_MAX)
+    if task_type.startswith(EXEC_TYPE) and (exec_key is None
+                                            or task_type != f"{EXEC_TYPE}{exec_key}"):
+        raise InvalidInputError("type", f"{EXEC_TYPE!r} is kept for the exec entries of "
+                                "schedules files (exec:KEY runs the command their file "
+                                "holds)")
+    return task_type
 
 
 def lookup_key(key: Any, field: str = "key") -> str:
@@ -400,9 +420,10 @@ class Schedule:
 
     def modify(self, *, type: str = _UNSET, cron: str = _UNSET, delay: int = _UNSET,
                timezone: str = _UNSET, data: Any = _UNSET, now: float | None = None,
-               **policies: Any) -> None:
+               file_entry: bool = False, **policies: Any) -> None:
         """Change fields; new cron/timezone/delay/jitter recompute next_time and
         next_run_time.  `policies`: policy options to change (None: back to the default).
+        `file_entry`: the schedules files' convergence writes its entry (check_type).
 
         A task of this schedule running now loses its lease (PreemptedError on finish).
         """
@@ -412,7 +433,7 @@ class Schedule:
         policy_changes = policy_mod.check(policies)
         values: dict[str, Any] = {}
         if type is not _UNSET:
-            values["type"] = check_text("type", type, TYPE_MAX)
+            values["type"] = check_type(type, exec_key=self.key if file_entry else None)
         if cron is not _UNSET:
             values["cron"] = check_cron(cron)
         if delay is not _UNSET:
@@ -450,8 +471,9 @@ class Schedule:
                                              take_lease=False):
             raise NotFoundError(f"schedule {self.key!r} not found")
 
-    def run_now(self, now: float | None = None) -> str:
-        """Run one extra occurrence now, without moving the schedule; returns its key."""
+    def run_now(self, now: float | None = None, *, creator: int | None = None) -> str:
+        """Run one extra occurrence now, without moving the schedule; returns its key.
+        `creator`: who asked (default: this process's uid)."""
         info = self.info()
         now_s = int(time.time() if now is None else now)
         run_key = f"{self.key}{RUN_NOW_MARK}{now_s}-{os.urandom(3).hex()}"
@@ -462,7 +484,8 @@ class Schedule:
         self._collection.store.insert(Row(
             key=run_key, type=info.type, cron=None, delay=0, timezone=info.timezone,
             data=dumps_data(info.data), next_time=now_s, next_run_time=now_s, paused=False,
-            fence=0, attempt=0, owner=None, claimed_at=None))
+            fence=0, attempt=0, owner=None, claimed_at=None,
+            creator=os.geteuid() if creator is None else creator))
         return run_key
 
 
@@ -505,15 +528,18 @@ class ScheduleCollection:
                   next_run_time: int | None = None, data: Any = None,
                   now: float | None = None, start: int | None = None,
                   at: int | None = None, source: str | None = None,
+                  creator: int | None = None, file_entry: bool = False,
                   **policies: Any) -> Row:
         """Validate an `add` request into a row (no I/O).  `policies`: the schedule
-        policy options (policy.OPTIONS)."""
+        policy options (policy.OPTIONS); `creator`: the uid recorded as its maker
+        (default: this process's); `file_entry`: the schedules files' convergence adds its
+        entry (check_type)."""
         unknown = set(policies) - set(policy_mod.OPTIONS)
         if unknown:
             raise InvalidInputError(sorted(unknown)[0], "unknown option")
         chosen = policy_mod.DEFAULT.changed(policies)
         check_key(key)
-        check_text("type", type, TYPE_MAX)
+        check_type(type, exec_key=key if file_entry else None)
         tz = check_timezone(timezone if timezone is not None else self.config.timezone)
         delay = check_int("delay", delay)
         data_text = check_data(data)
@@ -532,7 +558,8 @@ class ScheduleCollection:
         run_at = at if at is not None else first + delay + chosen.offset(key)
         return Row(key=key, type=type, cron=expr, delay=delay, timezone=tz, data=data_text,
                    next_time=first, next_run_time=run_at, paused=False, fence=0, attempt=0,
-                   owner=None, claimed_at=None, policy=chosen.to_text(), source=source)
+                   owner=None, claimed_at=None, policy=chosen.to_text(), source=source,
+                   creator=os.geteuid() if creator is None else creator)
 
     def add(self, key: str, type: str, cron: str | None = None, **options: Any) -> Schedule:
         """Register a schedule (SPEC `add`); AlreadyExistsError if the key is taken."""

@@ -15,6 +15,11 @@ import sqlalchemy as sa
 
 # Extra runs of a schedule (perfectschedctl run) are one-off rows keyed KEY@run-....
 RUN_NOW_MARK = "@run-"
+# The source of a schedule from a schedules file: file:NAME (NULL: made with `add`).
+SOURCE_FILE = "file:"
+# The type of a schedules file's exec entry: exec:KEY (schedules.check_type keeps it for
+# them), routed to the command of that entry on the hosts whose files hold it.
+EXEC_TYPE = "exec:"
 KEY_MAX = 256
 TYPE_MAX = 256
 CRON_MAX = 256
@@ -49,6 +54,7 @@ class Row:
     paused_reason: str | None = None
     policy: str | None = None  # policy.Policy.to_text(): NULL for the defaults
     source: str | None = None  # file:NAME; None: made with `add`
+    creator: int | None = None  # the uid that made it; None: unknown (made before 0.2.0)
 
 
 class Claimed(NamedTuple):
@@ -120,6 +126,10 @@ def schedules_table(metadata: sa.MetaData, name: str, data_type: sa.types.TypeEn
         sa.Column("group_holder", sa.String(KEY_MAX), nullable=True),
         # Where the schedule comes from: file:NAME (a schedules file); NULL: `add`.
         sa.Column("source", sa.String(SOURCE_MAX), nullable=True),
+        # The uid that made the schedule (the caller of add, apply, import; a schedules
+        # file's owner).  NULL: unknown, made by a version that did not record it.
+        # (A uid takes 32 bits unsigned: BigInteger on every database.)
+        sa.Column("creator", sa.BigInteger, nullable=True),
     )
     # The claim reads "unpaused rows, smallest next_run_time first": O(log n) on this index.
     sa.Index(f"{name}_due", t.c.paused, t.c.next_run_time)

@@ -29,6 +29,7 @@ from .schema import (
     PAUSED_REASON_MAX,
     POLICY_MAX,
     RUN_NOW_MARK,
+    SOURCE_FILE,
     TRY_AGAIN_FOR,
     TYPE_MAX,
     TZ_MAX,
@@ -224,7 +225,7 @@ class Store:
             "timezone": row.timezone, "data": row.data, "next_time": row.next_time,
             "next_run_time": row.next_run_time, "paused": int(row.paused),
             "fence": 0, "attempt": 0, "owner": None, "claimed_at": None,
-            "policy": row.policy, "source": row.source,
+            "policy": row.policy, "source": row.source, "creator": row.creator,
         }
         try:
             with self._tx(durable=True) as conn:
@@ -241,7 +242,7 @@ class Store:
              "timezone": r.timezone, "data": r.data, "next_time": r.next_time,
              "next_run_time": r.next_run_time, "paused": int(r.paused), "fence": 0,
              "attempt": 0, "owner": None, "claimed_at": None, "policy": r.policy,
-             "source": r.source}
+             "source": r.source, "creator": r.creator}
             for r in rows
         ]
         with self._tx(durable=True) as conn:
@@ -296,7 +297,7 @@ class Store:
     def file_sources(self) -> list[str]:
         """The sources of schedules that came from schedules files (file:NAME)."""
         t = self.t
-        q = sa.select(t.c.source).where(t.c.source.startswith("file:")).distinct()
+        q = sa.select(t.c.source).where(t.c.source.startswith(SOURCE_FILE)).distinct()
         with self._tx(readonly=True) as conn:
             return [r[0] for r in conn.execute(q)]
 
@@ -389,6 +390,7 @@ class Store:
             fence=int(m["fence"]), attempt=int(m["attempt"]), owner=m["owner"],
             claimed_at=m["claimed_at"], paused_reason=m.get("paused_reason"),
             policy=m.get("policy"), source=m.get("source"),
+            creator=int(m["creator"]) if m.get("creator") is not None else None,
         )
 
     # -- holder-side: claim, heartbeat, finish, retry, release ----------------------------

@@ -35,6 +35,7 @@ import sdnotify
 
 from . import __version__, commands, jobreaper, logsetup, metrics, registry, unitprops
 from . import config as config_mod
+from .callers import Caller
 from .config import Config
 from .converge import FileSchedules
 from .errors import (
@@ -460,14 +461,17 @@ class Supervisor:
 
     # -- control requests (from the control socket and D-Bus threads) ---------------------
 
-    def dispatch(self, cmd: str, args: dict[str, Any]) -> Any:
+    def dispatch(self, cmd: str, args: dict[str, Any], caller: Caller) -> Any:
+        """One request of `caller` (as the socket or D-Bus knows it)."""
         command = registry.command(cmd, registry.DAEMON)
         registry.check_args(command, args)
         if command.name == "status":
             return self.status()
         if command.name == "reload":
             return self._request_reload()
-        result = self.db.call(lambda sc: commands.execute(sc, cmd, args, where=registry.DAEMON))
+        routes = self.config.routes  # the configuration running now (reload swaps it)
+        result = self.db.call(lambda sc: commands.execute(
+            sc, cmd, args, where=registry.DAEMON, caller=caller, routes=routes))
         if command.wakes:
             self.wake_workers()
         if self.dbus is not None:

@@ -25,10 +25,10 @@ from daemon_harness import CTL, Daemon, foreign_ctl, wait_until
 import perfectschedd
 from perfectschedctl import cli
 
-# The table's columns (SPEC `list`); --json adds the schedule policies.
+# The table's columns (SPEC `list`); --json adds the schedule policies, source and creator.
 TABLE_KEYS = ["key", "type", "cron", "delay", "timezone", "next_time", "next_run_time", "data"]
 LIST_KEYS = [*TABLE_KEYS, "misfire", "grace", "max_attempts", "retry_wait", "jitter", "timeout",
-             "source"]
+             "source", "creator"]
 # 2030-01-01 00:00:00 UTC, a Tuesday
 T2030 = 1893456000
 

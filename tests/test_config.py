@@ -152,3 +152,42 @@ def test_environments_may_share_a_section_by_alias(tmp_path: pathlib.Path) -> No
     path.write_text("base: &base {type: rdb_compat, url: 'sqlite:///a.db'}\n"
                     "production: {<<: *base, workers: 8}\n")
     assert load(str(path), "production").workers == 8
+
+
+ROUTE_AS_NOBODY = {"type": "backup", "exec": ["/bin/true"], "user": "nobody"}
+
+
+def test_a_route_s_allow_names_users_and_groups() -> None:
+    c = from_mapping({**BASE, "routes": [{**ROUTE_AS_NOBODY, "allow": ["alice", "@ops"]},
+                                         ROUTE_AS_NOBODY]})
+    assert c.routes[0].allow == ("alice", "@ops")
+    assert c.routes[1].allow == ()  # root only
+
+
+@pytest.mark.parametrize(("allow", "error"), [
+    ("alice", "routes[0].allow: must be a list of user names and @group names"),
+    ([], None),
+    (["alice", 7], "routes[0].allow: 7 is not a user name or @group name"),
+    ([""], "routes[0].allow: '' is not a user name or @group name"),
+    (["@"], "routes[0].allow: '@' is not a user name or @group name"),
+    (["two words"], "routes[0].allow: 'two words' is not a user name or @group name"),
+    (["-rf"], "routes[0].allow: '-rf' is not a user name or @group name"),
+    (["al\nice"], "routes[0].allow: 'al\\nice' is not a user name or @group name"),
+    (["alice", "alice"], "routes[0].allow: 'alice' appears twice"),
+])
+def test_bad_allow_lists_are_one_line(allow: object, error: str | None) -> None:
+    raw = {**BASE, "routes": [{**ROUTE_AS_NOBODY, "allow": allow}]}
+    if error is None:
+        assert from_mapping(raw).routes[0].allow == ()
+        return
+    with pytest.raises(ConfigError) as info:
+        from_mapping(raw)
+    assert str(info.value) == error
+
+
+def test_allow_is_for_routes_that_run_as_another_user() -> None:
+    with pytest.raises(ConfigError) as info:
+        from_mapping({**BASE, "routes": [{"type": "t", "exec": ["/bin/true"],
+                                          "allow": ["alice"]}]})
+    assert str(info.value) == ("routes[0].allow: only for a route with user: (a route "
+                               "without one is open to control_group)")

@@ -82,7 +82,7 @@ class FakeDispatch:
         self.calls: list[tuple[str, dict[str, Any]]] = []
         self.lock = threading.Lock()
 
-    def __call__(self, cmd: str, args: dict[str, Any]) -> Any:
+    def __call__(self, cmd: str, args: dict[str, Any], caller: Any) -> Any:
         with self.lock:
             self.calls.append((cmd, args))
         if cmd == "echo":

@@ -45,6 +45,16 @@ def test_a_good_file(tmp_path: Path) -> None:
         "cannot read: No such file or directory")
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (chown)")
+def test_each_file_s_owner_is_recorded(tmp_path: Path) -> None:
+    """Who made a file's schedules (their creator): the file's owner."""
+    for name, uid in (("root.yml", 0), ("nobody.yml", 65534)):
+        (tmp_path / name).write_text(yaml.safe_dump([{**GOOD, "key": name[:-4]}]))
+        os.chown(tmp_path / name, uid, -1)
+    loaded = schedfiles.load([tmp_path])
+    assert loaded.owners == {"file:root.yml": 0, "file:nobody.yml": 65534}
+
+
 @pytest.mark.parametrize("entry,error", [
     ({**GOOD, "colour": "red"}, "colour: unknown field"),
     ({"cron": "@daily", "type": "t"}, "key: must be a non-empty string"),
@@ -54,7 +64,8 @@ def test_a_good_file(tmp_path: Path) -> None:
     ({**GOOD, "cron": "@once"}, "cron: @once is not for schedules files"),
     ({"key": "k", "cron": "@daily"}, "type: needs exactly one of type or exec"),
     ({**GOOD, "exec": "true"}, "type: needs exactly one of type or exec"),
-    ({**GOOD, "type": "exec:k"}, "type: 'exec:' is kept for exec entries"),
+    ({**GOOD, "type": "exec:k"}, "type: 'exec:' is kept for the exec entries of schedules "
+                                   "files"),
     ({"key": "k", "cron": "@daily", "exec": []}, "exec: must be a shell line or"),
     ({"key": "k", "cron": "@daily", "exec": "  "}, "exec: must not be empty"),
     ({**GOOD, "timezone": "Mars/Base"}, "timezone: unknown time zone"),

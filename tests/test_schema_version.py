@@ -10,6 +10,7 @@ Databases made by the real 0.1.0 are tests/test_upgrade_db.py's.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import sqlalchemy as sa
 from daemon_harness import Daemon, wait_until
 
 import perfectschedd
-from perfectschedd import schemaversion
+from perfectschedd import commands, schemaversion
 from perfectschedd.errors import ConfigError, SchemaError
 from perfectschedd.store import Store
 
@@ -241,3 +242,23 @@ def test_status_lists_the_hosts_and_a_host_too_old_to_record_itself(
     # A clean stop takes the host off the list.
     assert b.stop() == 0
     wait_until(lambda: "host-b" not in hosts(), timeout=30, what="host-b gone")
+
+
+def test_a_table_from_before_creators_gets_the_column_and_its_rows_read_as_unknown(
+        db_url: str) -> None:
+    """0.1.0 (and 0.2.0 before creators) wrote no creator: the column is added at start,
+    expand-only (nullable), and those rows read as unknown."""
+    config = {"type": "rdb_compat", "url": db_url}
+    with perfectschedd.open(config) as sc:
+        sc.add("old", "t", cron="@daily")
+        with sc.store.engine.begin() as conn:
+            conn.exec_driver_sql("ALTER TABLE perfectsched DROP COLUMN creator")
+    with perfectschedd.open(config) as sc:
+        assert sc["old"].info().creator is None
+        sc.add("new", "t", cron="@daily")
+        assert sc["new"].info().creator == os.geteuid()
+        shown = commands.execute(sc, "show", {"key": "old"})
+        assert (shown["creator"], shown["creator_name"]) == (None, None)
+        assert [(s["key"], s["creator"]) for s in commands.execute(sc, "list")] == [
+            ("new", os.geteuid()), ("old", None)]
+    assert meta(db_url)["schema_version"] == "2"
