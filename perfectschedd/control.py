@@ -64,7 +64,7 @@ def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
     return _PEERCRED.unpack(raw)
 
 
-def peer_groups(conn: socket.socket, pid: int) -> set[int]:
+def peer_groups(conn: socket.socket) -> set[int]:
     """Supplementary groups of the peer, as the kernel recorded them at connect()."""
     size = 256 * 4
     for _ in range(4):
@@ -77,14 +77,8 @@ def peer_groups(conn: socket.socket, pid: int) -> set[int]:
             break
         n = len(raw) // 4
         return set(struct.unpack(f"{n}I", raw[:n * 4]))
-    # Old kernel: read them from /proc (invisible under ProtectProc=invisible).
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("Groups:"):
-                    return {int(g) for g in line.split()[1:]}
-    except OSError:
-        pass
+    # No SO_PEERGROUPS (Linux before 4.13): the peer's egid from SO_PEERCRED alone.
+    # Never /proc/PID: the peer may have exited and its PID gone to another process.
     return set()
 
 
@@ -331,7 +325,7 @@ class ControlServer:
             except OSError:
                 sock.close()
                 continue
-            caller = Caller.of(uid, {gid} | peer_groups(sock, pid))
+            caller = Caller.of(uid, {gid} | peer_groups(sock))
             conn = _Conn(sock, pid, caller)
             self.conns[sock.fileno()] = conn
             if len(self.conns) > self.max_clients:

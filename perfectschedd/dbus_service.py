@@ -72,19 +72,26 @@ def _unwrap(options: dict[str, Any], what: str, allowed: set[str]) -> dict[str, 
     return out
 
 
-def process_groups(pid: int) -> set[int]:
-    """Primary and supplementary groups of a live process ({} when it cannot be read)."""
+def process_groups(pid: int, uid: int) -> set[int]:
+    """Primary and supplementary groups of live process `pid`, provided it runs as `uid`
+    ({} otherwise, or when it cannot be read).  The bus gives the caller's PID, not a
+    handle: the caller may have exited and its PID gone to another process, and that
+    process's groups must never be judged as the caller's.  One of the same user holds
+    no group that user could not hold."""
     groups: set[int] = set()
+    uids: set[int] = set()
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("Gid:"):
+                if line.startswith("Uid:"):
+                    uids.update(int(u) for u in line.split()[1:])
+                elif line.startswith("Gid:"):
                     groups.update(int(g) for g in line.split()[1:3])
                 elif line.startswith("Groups:"):
                     groups.update(int(g) for g in line.split()[1:])
     except (OSError, ValueError):
         return set()
-    return groups
+    return groups if uids == {uid} else set()
 
 
 def _error(type_: str, message: str) -> DBusError:
@@ -462,11 +469,11 @@ class DBusService:
         # The groups the calling process holds, as the bus recorded them at connect (like
         # SO_PEERGROUPS on the socket), never the group database's member lists: a user
         # added to the group after logging in, or removed from it, is judged by what the
-        # process has.  Its primary group from /proc when we may read it (not under
-        # ProtectProc=invisible), else from its passwd entry.
+        # process has.  Its primary group from /proc when we may read it and the process
+        # there is still the caller's user's (process_groups), else from its passwd entry.
         groups = {int(g) for g in creds.get("UnixGroupIDs", [])}
         if "ProcessID" in creds:
-            groups |= process_groups(int(creds["ProcessID"])) or primary
+            groups |= process_groups(int(creds["ProcessID"]), uid) or primary
         else:
             groups |= primary
         caller = Caller.of(uid, groups)

@@ -414,3 +414,14 @@ def test_callers_are_judged_by_the_groups_their_process_holds(open_dir: Path,
         assert _client_as(holding, open_bus.address)[0] == "OK"
     finally:
         d.kill()
+
+
+def test_a_recycled_pid_lends_no_groups() -> None:
+    """The bus names the caller's PID; if another user's process has it by now, its
+    groups are not the caller's."""
+    from perfectschedd.dbus_service import process_groups
+
+    me = os.getpid()
+    assert os.getegid() in process_groups(me, os.geteuid())
+    assert process_groups(me, 65534) == set()  # "nobody" asked, root's process found
+    assert process_groups(2**22 + 7, os.geteuid()) == set()  # gone
