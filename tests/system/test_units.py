@@ -63,7 +63,11 @@ def units(ns: Namespace, installed) -> dict[str, Any]:
         "alive_time": 30,
     }
     # With the grant on, a plain exec route and a unit as the daemon's user are refused.
-    config["routes"] = [{"type": f"plain-{TOKEN}", "exec": ["/bin/sh", "-c", ESCAPE]}]
+    config["routes"] = [{"type": f"plain-{TOKEN}", "exec": ["/bin/sh", "-c", ESCAPE]},
+                        {"type": f"asroot-{TOKEN}", "exec": ["/usr/bin/id"],
+                         "executor": "systemd", "user": "root"},
+                        {"type": f"asnobody-{TOKEN}", "exec": ["/usr/bin/id"],
+                         "executor": "systemd", "user": "nobody", "allow": ["@ops"]}]
     entries = [
         entry(KEYS["whoami"], 'echo "unit-out uid=$(id -u) key=$PERFECTSCHED_KEY '
                               'attempt=$PERFECTSCHED_ATTEMPT data=$(cat)"; '
@@ -517,3 +521,43 @@ def test_u12_a_user_crontab_needs_its_user(ns: Namespace, installed) -> None:
     r = ns.run("perfectschedctl", "import-crontab", "/var/tmp/alice.crontab", "--user",
                "nobody")
     assert "user: nobody" in r.stdout, r.stdout
+
+
+def test_u13_a_group_member_cannot_become_root(ns: Namespace, units) -> None:
+    """A member of the daemon's group (who may control it) cannot feed an `exec:` entry of
+    root's, change a schedules file's schedule, or schedule a route that runs as another
+    user unless its allow: names them; a plain route stays theirs."""
+    ns.run("sh", "-c", "getent group ops >/dev/null || groupadd ops; "
+           "id alice >/dev/null 2>&1 || useradd -M -G perfectsched alice; "
+           "id bob >/dev/null 2>&1 || useradd -M -G perfectsched,ops bob")
+
+    def as_(user: str, *args: str) -> Any:
+        return ns.run("runuser", "-u", user, "--", "perfectschedctl", *args, check=False)
+
+    def refused(r: Any, text: str) -> None:
+        assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r
+        assert text in r.stderr, r.stderr
+
+    before = ns.ctl("--json", "list").stdout
+    refused(as_("alice", "add", f"m1-{TOKEN}", f"exec:{KEYS['whoami']}", "17 3 * * *"),
+            "exec:")
+    refused(as_("alice", "modify", f"x-{TOKEN}", "--type", f"exec:{KEYS['whoami']}"), "")
+    for cmd in (["pause", KEYS["whoami"]], ["delete", KEYS["whoami"]],
+                ["modify", KEYS["whoami"], "--cron", "* * * * *"]):
+        refused(as_("alice", *cmd), "comes from schedules file")
+    refused(as_("alice", "add", f"m2-{TOKEN}", f"asroot-{TOKEN}", "17 3 * * *"),
+            "runs as user root: only root may schedule it")
+    refused(as_("alice", "add", f"m3-{TOKEN}", f"asnobody-{TOKEN}", "17 3 * * *"),
+            "only root and @ops may schedule it")
+    assert ns.ctl("--json", "list").stdout == before  # nothing stored changed
+    r = as_("bob", "add", f"m4-{TOKEN}", f"asnobody-{TOKEN}", "17 3 * * *")
+    assert r.returncode == 0, r
+    r = as_("alice", "add", f"m5-{TOKEN}", f"plain-{TOKEN}", "17 3 * * *")
+    assert r.returncode == 0, r
+    shown = json.loads(ns.ctl("--json", "show", f"m5-{TOKEN}").stdout)
+    assert shown["creator"] == int(ns.out("id", "-u", "alice"))
+    # root may force a change of a file's schedule
+    ns.ctl("pause", KEYS["whoami"], "--force")
+    ns.ctl("resume", KEYS["whoami"], "--force")
+    for key in (f"m4-{TOKEN}", f"m5-{TOKEN}"):
+        ns.ctl("delete", key)
