@@ -404,7 +404,7 @@ def test_u07_a_crashed_daemon_s_units_stop_and_leftovers_are_stopped_at_start(
              lambda: journal(ns) + ns.out("systemctl", "list-units", "perfectsched-*"))
     wait_for(lambda: ns.show("ActiveState")["ActiveState"] == "active", 60,
              "the daemon restarted (Restart=on-failure)", lambda: journal(ns))
-    ns.ctl("delete", key, check=False)
+    ns.ctl("delete", key, "--force", check=False)
 
     node = ns.out("hostname")
     mine, theirs = f"perfectsched-stray-{TOKEN}.service", f"perfectsched-far-{TOKEN}.service"
@@ -475,7 +475,7 @@ def test_u09_a_frozen_bus_stops_neither_the_master_nor_the_rule(ns: Namespace, u
                      rf".*{re.escape(first)}", journal(ns, UNIT, 400)), journal(ns)
     wait_for(lambda: ns.show("StatusText")["StatusText"].startswith("2 workers"), 30,
              "the replacement worker", lambda: journal(ns))
-    ns.ctl("delete", key)
+    ns.ctl("delete", key, "--force")  # a schedules file's: root forces it
     wait_for(lambda: not active_units(ns, key), 30, "the run stopped by delete",
              lambda: journal(ns))
 
