@@ -367,23 +367,30 @@ def stop_units(belongs: Callable[[str, str], bool], names: Iterable[str] = (),
         finally:
             bus.disconnect()
 
-    # A thread of its own: the caller's thread may have a loop, and none must survive.
+    # Bounded: a dead worker's replacement and its leases wait for this.
+    run_apart(work, 2 * timeout, "systemd-cleanup")
+    return result
+
+
+def run_apart(work: Callable[[], Coroutine[Any, Any, None]], timeout: float, name: str
+              ) -> None:
+    """Run `work()` on an asyncio loop of a thread of its own, ended before the return: the
+    caller's thread may have a loop, and nothing of it must cross a later fork.  Its
+    failure, or no end within `timeout`, raises SystemdError (one line)."""
     errors: list[BaseException] = []
 
     def target() -> None:
         try:
-            # Bounded: a dead worker's replacement and its leases wait for this.
-            asyncio.run(asyncio.wait_for(work(), 2 * timeout))
+            asyncio.run(asyncio.wait_for(work(), timeout))
         except TimeoutError:
-            errors.append(SystemdError(f"no answer from systemd within {2 * timeout:.0f}s"))
+            errors.append(SystemdError(f"no answer from systemd within {timeout:g}s"))
         except BaseException as exc:  # noqa: BLE001 - reported to the caller
             errors.append(exc)
 
-    thread = threading.Thread(target=target, name="systemd-cleanup")
+    thread = threading.Thread(target=target, name=name)
     thread.start()
     thread.join()
     if errors:
         if isinstance(errors[0], SystemdError):
             raise errors[0]
         raise SystemdError(first_line(errors[0]))
-    return result

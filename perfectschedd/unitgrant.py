@@ -15,18 +15,16 @@ systemd 257 and later needs.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import os
 import pwd
-import threading
 
 from dbus_next import BusType, Variant
 from dbus_next.aio import MessageBus
 
 from . import unitprops
-from .systemdbus import MANAGER, MANAGER_PATH, SystemdError, call
+from .systemdbus import MANAGER, MANAGER_PATH, SystemdError, call, run_apart
 
 log = logging.getLogger("perfectschedd")
 
@@ -59,7 +57,6 @@ def holds_grant(timeout: float = PROBE_TIMEOUT) -> bool:
         ["NoNewPrivileges", Variant("b", True)],
     ]
     answer: list[bool] = []
-    errors: list[BaseException] = []
 
     async def ask() -> None:
         bus = await MessageBus(bus_type=BusType.SYSTEM).connect()
@@ -75,21 +72,7 @@ def holds_grant(timeout: float = PROBE_TIMEOUT) -> bool:
         finally:
             bus.disconnect()
 
-    def target() -> None:
-        try:
-            asyncio.run(asyncio.wait_for(ask(), timeout))
-        except TimeoutError:
-            errors.append(SystemdError(f"no answer from systemd within {timeout:g}s"))
-        except BaseException as exc:  # noqa: BLE001 - reported to the caller
-            errors.append(exc)
-
-    # A thread of its own, ended before the return: nothing of it crosses a fork.
-    thread = threading.Thread(target=target, name="grant-probe")
-    thread.start()
-    thread.join()
-    if errors:
-        raise errors[0] if isinstance(errors[0], SystemdError) else SystemdError(
-            str(errors[0]).splitlines()[0] if str(errors[0]) else type(errors[0]).__name__)
+    run_apart(ask, timeout, "grant-probe")
     return answer[0]
 
 
