@@ -114,8 +114,10 @@ class LeasePipeline:
         alive = config.alive_time
         self.fence_lead = min(alive / 10 + config.kill_grace, alive / 4)
         self.fence_grace = max(0.1, self.fence_lead - alive / 10)
-        self.run_ids = (f"{os.getpid()}.{time.time_ns() // 1_000_000 % 10**9}.{n}"
-                        for n in itertools.count(1))
+        # Task threads take ids at once: a generator raises "already executing" when two
+        # threads resume it together; itertools.count's next() is one C call (atomic).
+        self.run_id_prefix = f"{os.getpid()}.{time.time_ns() // 1_000_000 % 10**9}."
+        self.run_numbers = itertools.count(1)
         self.lock = threading.Lock()
         self.history: list[dict[str, Any]] = []
         self.finished: list[Task] = []  # finished by handlers, not yet written
@@ -150,6 +152,10 @@ class LeasePipeline:
         if ok != self.db_ok:
             metrics.set_db_up(ok)
         self.db_ok = ok
+
+    def new_run_id(self) -> str:
+        """An exec run's id (PERFECTSCHED_RUN_ID), unique on this host; any thread."""
+        return f"{self.run_id_prefix}{next(self.run_numbers)}"
 
     def step(self, submit: Callable[[Task], None]) -> float:
         """Write finished runs, claim and submit what is due; return how long to sleep."""
@@ -312,7 +318,7 @@ class LeasePipeline:
             if isinstance(handler, handlers.ExecHandler):
                 # Reported before the spawn: the master must know the run before any
                 # process of it can become the master's orphan.
-                run_id = next(self.run_ids)
+                run_id = self.new_run_id()
                 self.report(f"s {run_id}")
             if task.policy.timeout is not None:  # the schedule's, over the route's
                 handler = dataclasses.replace(handler, timeout=task.policy.timeout)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -131,4 +132,31 @@ def test_a_stale_heartbeat_never_stops_the_next_run_of_the_same_key(tmp_path: Pa
     assert p.controls["k"].reason is None
     p.renew([(new.key, new.fence)])
     assert p.controls["k"].reason is None
+    p.close()
+
+
+def test_task_threads_taking_run_ids_at_once_get_distinct_ids(tmp_path: Path) -> None:
+    """Seen in a burst: two task threads taking a run id together made a shared generator
+    raise "already executing" (an internal error, the run retried 10 s later)."""
+    p, _ = pipeline(tmp_path)
+    ids: list[list[str]] = [[] for _ in range(8)]
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(ids))
+
+    def take(out: list[str]) -> None:
+        start.wait()
+        try:
+            for _ in range(20_000):
+                out.append(p.new_run_id())
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=take, args=(out,)) for out in ids]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    every = [i for out in ids for i in out]
+    assert len(every) == len(set(every)) == 8 * 20_000
     p.close()
