@@ -12,12 +12,12 @@ import os
 import shutil
 import sqlite3
 import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import test_dbus_service as dbus_harness
 from daemon_harness import Daemon, foreign_ctl, foreign_python
 
 import perfectschedd
@@ -35,26 +35,7 @@ AS_NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
 AS_DAEMON = ["setpriv", "--reuid=daemon", "--regid=daemon", "--clear-groups"]
 
 
-@pytest.fixture
-def open_dir() -> Iterator[Path]:
-    """A directory other users can traverse (pytest's tmp_path is private to root)."""
-    path = Path(tempfile.mkdtemp(prefix="psched-callers-"))
-    os.chmod(path, 0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 # -- D-Bus, as another user ---------------------------------------------------------------
-
-DOCTYPE = ('<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-BUS Bus Configuration 1.0//EN"\n'
-           ' "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">\n')
-OPEN_POLICY = """
-  <policy context="default">
-    <allow user="*"/>
-    <allow own="*"/>
-    <allow send_destination="*"/>
-    <allow receive_sender="*"/>
-  </policy>"""
 
 # Calls one method of the Manager: argv address, method (as dbus-next names it: add,
 # modify, call...), JSON list of arguments (an
@@ -83,18 +64,15 @@ asyncio.run(main())
 """
 
 
-class Bus:
+open_dir = dbus_harness.open_dir  # the fixture: a directory other users can traverse
+
+
+class Bus(dbus_harness.Bus):
+    """A private bus anyone may use (the D-Bus tests' own), and calls made on it as
+    another user."""
+
     def __init__(self, directory: Path) -> None:
-        sock = directory / "bus.sock"
-        conf = directory / "bus.conf"
-        conf.write_text(f"{DOCTYPE}<busconfig>\n  <listen>unix:path={sock}</listen>\n"
-                        f"  <auth>EXTERNAL</auth>{OPEN_POLICY}\n</busconfig>\n")
-        self.proc = subprocess.Popen(["dbus-daemon", f"--config-file={conf}", "--nofork",
-                                      "--nosyslog", "--print-address=1"],
-                                     stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None
-        self.address = self.proc.stdout.readline().strip()
-        assert self.address.startswith("unix:"), self.address
+        super().__init__(directory, dbus_harness.OPEN_POLICY)
 
     def call(self, user: list[str], method: str, *args: Any) -> tuple[str, str]:
         """(error name or "OK", the result or message) of one call made as `user`."""
@@ -104,11 +82,6 @@ class Bus:
         assert res.returncode == 0 and len(res.stdout.splitlines()) == 1, res
         name, _, rest = res.stdout.strip().partition(" ")
         return name, rest
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
-
 
 @pytest.fixture
 def bus(open_dir: Path) -> Iterator[Bus]:
