@@ -157,16 +157,7 @@ class Store:
         found = schemaversion.read(self.engine, self.backend.meta, self.t)
         schemaversion.refuse_unusable(found)
         self._refuse_missing_required()
-        try:
-            self.metadata.create_all(self.engine, checkfirst=True)
-        except (IntegrityError, OperationalError, sa.exc.ProgrammingError):
-            # Another process created them between the check and the CREATE; or this
-            # role may not create tables, which the second try reports.
-            try:
-                self.metadata.create_all(self.engine, checkfirst=True)
-            except sa.exc.ProgrammingError as exc:
-                raise SchemaError(f"cannot create the tables: {first_line(exc.orig or exc)}"
-                                  ) from None
+        self._create_missing_tables()
         self._add_missing_columns()
         schemaversion.record(self.engine, self.backend.meta, found)
         if found.version < schemaversion.SCHEMA_VERSION:
@@ -174,6 +165,20 @@ class Store:
         self._initialized = True
         self.created_table = self.created_table or found.version == 0
         return found.version == 0
+
+    def _create_missing_tables(self) -> None:
+        """Create each missing table on its own: hosts starting at once race between
+        the existence check and the CREATE, and on MySQL each of several tables can be
+        lost to a different process, so one retry of the whole set is not enough.  A
+        failed CREATE is fine when the table now exists; otherwise (this role may not
+        create tables) it is reported."""
+        for table in self.metadata.sorted_tables:
+            try:
+                table.create(self.engine, checkfirst=True)
+            except (IntegrityError, OperationalError, sa.exc.ProgrammingError) as exc:
+                if not sa.inspect(self.engine).has_table(table.name):
+                    raise SchemaError(f"cannot create the table {table.name}: "
+                                      f"{first_line(exc.orig or exc)}") from None
 
     def _refuse_missing_required(self) -> None:
         """A table of ours that lacks a NOT NULL column was not made by any version of
