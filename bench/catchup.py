@@ -17,7 +17,7 @@ MISSED = 100_000
 
 def run(url: str, tmp: Path, log: Any) -> dict[str, float]:
     import perfectschedd
-    from perfectschedd import catchup
+    from perfectschedd.schedules import catchup
 
     out: dict[str, float] = {}
     with perfectschedd.open({"type": "rdb_compat", "url": url}) as sc:

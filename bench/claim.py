@@ -37,8 +37,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from perfectschedd.config import load  # noqa: E402
-from perfectschedd.schedules import ScheduleCollection, Task  # noqa: E402
-from perfectschedd.store import Row, Store  # noqa: E402
+from perfectschedd.schedules.collection import ScheduleCollection, Task  # noqa: E402
+from perfectschedd.store.sql import Row, Store  # noqa: E402
 
 T0 = 1_500_000_000 - 1_500_000_000 % 60  # minute-aligned
 NOW = T0 + 10**8  # every schedule has a huge backlog: each claim finds due rows

@@ -14,9 +14,10 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from perfectschedd import ConfigError, ScheduleError, __version__, protocol, registry
+from perfectschedd import ConfigError, ScheduleError, __version__
 from perfectschedd.config import DEFAULT_SOCKET
-from perfectschedd.protocol import HISTORY_MAX
+from perfectschedd.control import protocol, registry
+from perfectschedd.control.protocol import HISTORY_MAX
 
 from .client import DaemonUnavailable, SocketClient
 from .output import print_result
@@ -145,7 +146,8 @@ def request_of(ns: argparse.Namespace) -> tuple[str, dict[str, Any]]:
 def _apply_request(ns: argparse.Namespace) -> dict[str, Any]:
     """Read and check the files here; only what is stored travels (no command, env or
     user).  Every problem is a line on stderr, and nothing is sent."""
-    from perfectschedd import converge, schedfiles
+    from perfectschedd.schedules import converge
+    from perfectschedd.schedules import files as schedfiles
 
     missing = [p for p in ns.paths if not os.path.exists(p)]
     if missing:
@@ -161,7 +163,7 @@ def _apply_request(ns: argparse.Namespace) -> dict[str, Any]:
 def _note_exec_entries(entries: list[dict[str, Any]]) -> None:
     """After an apply: where its exec entries run (said once it was taken, so that a
     refusal stays one line)."""
-    from perfectschedd.schema import EXEC_TYPE
+    from perfectschedd.schedules.fields import EXEC_TYPE
 
     execs = sum(str(e.get("type")).startswith(EXEC_TYPE) for e in entries)
     if execs:
@@ -181,7 +183,8 @@ def _json_arg(name: str, text: str) -> Any:
 
 
 def _direct(ns: argparse.Namespace, cmd: str, args: dict[str, Any]) -> Any:
-    from perfectschedd import commands, schedules
+    from perfectschedd.control import commands
+    from perfectschedd.schedules import collection as schedules
 
     registry.command(cmd, registry.DIRECT)  # before opening anything
     with schedules.open(ns.config, ns.environment) as sc:
@@ -190,7 +193,7 @@ def _direct(ns: argparse.Namespace, cmd: str, args: dict[str, Any]) -> Any:
 
 def _import_crontab(ns: argparse.Namespace) -> int:
     """Local only: reads a file, prints a schedules file, talks to no daemon."""
-    from perfectschedd import crontab
+    from perfectschedd.schedules import from_crontab as crontab
 
     try:
         tab = crontab.read(ns.file, user=ns.user, system=ns.system)
@@ -244,7 +247,7 @@ def _import_legacy(ns: argparse.Namespace, send: Callable[[str, dict[str, Any]],
                    ) -> int:
     """Read the legacy table here; add its schedules through the usual channel (the
     daemon, or the database of -c), all checked before the first is written."""
-    from perfectschedd import legacy
+    from perfectschedd.schedules import from_legacy as legacy
 
     found, problems = legacy.read(ns.url, ns.table)
     if problems:

@@ -6,7 +6,8 @@ import errno
 import socket
 from typing import Any
 
-from perfectschedd import __version__, protocol
+from perfectschedd import __version__
+from perfectschedd.control import protocol
 
 
 class DaemonUnavailable(Exception):

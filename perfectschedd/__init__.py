@@ -2,8 +2,8 @@
 
 from typing import Any
 
-from .config import Config
-from .errors import (
+from perfectschedd.config import Config
+from perfectschedd.errors import (
     AlreadyExistsError,
     AlreadyFinishedError,
     ConfigError,
@@ -29,9 +29,9 @@ __all__ = [
 
 # Loaded on first use: perfectschedctl in socket mode needs only the errors and the
 # protocol, and importing SQLAlchemy would double its start time.
-_LAZY = {"Schedule": "schedules", "ScheduleCollection": "schedules",
-         "ScheduleInfo": "schedules", "Task": "schedules", "open": "schedules",
-         "Application": "handlers"}
+_LAZY = {"Schedule": "schedules.collection", "ScheduleCollection": "schedules.collection",
+         "ScheduleInfo": "schedules.collection", "Task": "schedules.collection",
+         "open": "schedules.collection", "Application": "executors.handlers"}
 
 
 def __getattr__(name: str) -> Any:

@@ -1,3 +1,3 @@
-from .supervisor import main
+from perfectschedd.master.supervisor import main
 
 raise SystemExit(main())

@@ -14,9 +14,10 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import yaml
 
-from . import runas, unitprops
-from .errors import ConfigError, InvalidInputError, NotSupportedError, describe
-from .schema import EXEC_TYPE
+from perfectschedd.errors import ConfigError, InvalidInputError, NotSupportedError, describe
+from perfectschedd.executors import runas
+from perfectschedd.executors.systemd import props as unitprops
+from perfectschedd.schedules.fields import EXEC_TYPE
 
 DEFAULT_CONFIG_PATH = "/etc/perfectsched/perfectsched.yml"
 DEFAULT_SOCKET = "/run/perfectsched/perfectschedd.sock"

@@ -41,7 +41,7 @@ if str(TESTS_DIR) not in sys.path:
 from daemon_harness import Daemon, pid_alive, wait_until  # noqa: E402
 
 import perfectschedd  # noqa: E402
-from perfectschedd import cron  # noqa: E402
+from perfectschedd.schedules import cron  # noqa: E402
 
 JOB_TYPE = "job"
 # Sleeps 0.1-0.9 s (by pid) so that kills find runs in flight.

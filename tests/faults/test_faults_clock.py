@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 
 import perfectschedd
-from perfectschedd import PreemptedError, cron
+from perfectschedd import PreemptedError
+from perfectschedd.schedules import cron
 
 pytestmark = pytest.mark.faults
 

@@ -15,7 +15,7 @@ from faultlib import (
     wait_until,
 )
 
-from perfectschedd import cron
+from perfectschedd.schedules import cron
 
 pytestmark = pytest.mark.faults
 

@@ -1,0 +1,174 @@
+"""Who is calling, and what they may do: every authorisation rule, written once.
+
+A Caller is a uid and the groups its process holds, as the kernel recorded them for the
+control socket (SO_PEERCRED, SO_PEERGROUPS), as the bus did for D-Bus
+(GetConnectionCredentials), or this process's own (perfectschedctl -c, the library).
+Never the group database's member lists: a user added to a group is judged by what their
+processes hold.
+
+The rules (docs/security.md):
+- admission(): who may talk to the daemon at all: root, the daemon's user, members of
+  control_group.  The socket and D-Bus both ask it, and refuse in its words;
+- Access: what one caller's request may do (commands.execute makes one per request, for
+  the socket, D-Bus and direct mode alike), and the uid it records as the creator of
+  what it adds:
+  - a route with `user:` is schedulable (add, modify, run, apply) only by root and the
+    users and groups its `allow:` names; other routes are the group's (the `exec:`
+    prefix of types is schedules.check_type's, refused to every caller);
+  - a schedules file's schedule (source file:NAME) changes through its file, or by root
+    with force; `apply` by anyone but root changes or prunes only what they made.
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import pwd
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from perfectschedd.config import RouteConfig
+from perfectschedd.errors import InvalidInputError, PermissionDeniedError
+from perfectschedd.schedules.fields import EXEC_TYPE, SOURCE_FILE
+
+
+def known_user_name(uid: int | None) -> str | None:
+    """The name of user `uid` on this host, or None (no such user, or no uid)."""
+    if uid is None:
+        return None
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except (KeyError, OverflowError):
+        return None
+
+
+def user_name(uid: int) -> str:
+    return known_user_name(uid) or f"uid {uid}"
+
+
+def made_by(creator: int | None) -> str:
+    """Who made a schedule, for messages."""
+    return "an unknown user" if creator is None else user_name(creator)
+
+
+def group_name(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return f"gid {gid}"
+
+
+@dataclass(frozen=True)
+class Caller:
+    uid: int
+    gids: frozenset[int]
+
+    @classmethod
+    def of(cls, uid: int, gids: Iterable[int]) -> Caller:
+        return cls(int(uid), frozenset(int(g) for g in gids))
+
+    @classmethod
+    def this_process(cls) -> Caller:
+        """The process itself: perfectschedctl -c and the library."""
+        return cls.of(os.geteuid(), {os.getegid(), *os.getgroups()})
+
+    @property
+    def root(self) -> bool:
+        return self.uid == 0
+
+    @property
+    def name(self) -> str:
+        return user_name(self.uid)
+
+
+def admission(caller: Caller, daemon_uid: int, group_gid: int) -> str | None:
+    """None if `caller` may use the daemon (socket, D-Bus), else the refusal."""
+    if caller.uid in (0, daemon_uid) or group_gid in caller.gids:
+        return None
+    allowed = "root" if daemon_uid == 0 else f"root, {user_name(daemon_uid)}"
+    return (f"permission denied: {caller.name} may not control perfectschedd (allowed: "
+            f"{allowed} and members of group {group_name(group_gid)})")
+
+
+def route_of(task_type: str, routes: Sequence[RouteConfig]) -> RouteConfig | None:
+    """The route that takes `task_type` (the first that matches), or None."""
+    return next((r for r in routes if r.matches(task_type)), None)
+
+
+def allowed_by(allow: Iterable[str], caller: Caller) -> bool:
+    """Whether one of `allow` (user names, @group names) names the caller: its uid, or a
+    group its process holds.  A name this host does not know names nobody."""
+    for name in allow:
+        try:
+            if name.startswith("@"):
+                if grp.getgrnam(name[1:]).gr_gid in caller.gids:
+                    return True
+            elif pwd.getpwnam(name).pw_uid == caller.uid:
+                return True
+        except KeyError:
+            continue
+    return False
+
+
+def check_force(caller: Caller, force: Any) -> bool:
+    """A request's `force` argument: false when absent; true only from root."""
+    if force is None:
+        return False
+    if not isinstance(force, bool):
+        raise InvalidInputError("force", "must be true or false")
+    if force and not caller.root:
+        raise PermissionDeniedError(f"force: only root may force a change of a schedules "
+                                    f"file's schedule, not {caller.name}")
+    return force
+
+
+@dataclass(frozen=True)
+class Access:
+    """One caller, and the routes of the configuration it reaches."""
+
+    caller: Caller
+    routes: Sequence[RouteConfig] = ()
+
+    @property
+    def creator(self) -> int:
+        """The uid recorded as creator of what this caller adds."""
+        return self.caller.uid
+
+    def check_route(self, key: str, task_type: str) -> None:
+        """Refuse to make `task_type` run for this caller (add, modify, run, apply) when
+        its route runs as another user (`user:`), unless the caller is root or the route's
+        `allow:` names them.  Other routes are the group's."""
+        route = route_of(task_type, self.routes)
+        if route is None or route.user is None or self.caller.root:
+            return
+        if allowed_by(route.allow, self.caller):
+            return
+        who = "root" + (f" and {', '.join(route.allow)}" if route.allow else "")
+        raise PermissionDeniedError(
+            f"{key}: type {task_type} runs as user {route.user}: only {who} may schedule "
+            f"it (its route's allow:), not {self.caller.name}")
+
+    def check_apply_type(self, key: str, task_type: str) -> None:
+        """An entry `apply` sends: an exec entry's type (exec:KEY) only from root, who
+        writes the files that hold its command; the route rule for every type."""
+        if task_type.startswith(EXEC_TYPE) and not self.caller.root:
+            raise PermissionDeniedError(
+                f"{key}: an exec entry (type {task_type}) is applied by root only: put its "
+                "file in schedules_dir, or apply it as root")
+        self.check_route(key, task_type)
+
+    def check_change(self, key: str, source: str | None, force: bool) -> None:
+        """Refuse to change (modify, pause, resume, delete) a schedules file's schedule:
+        its file says what it is.  Root may force it (check_force), until the file
+        changes."""
+        if source is None or not source.startswith(SOURCE_FILE) or force:
+            return
+        raise PermissionDeniedError(f"{key}: comes from schedules file {source}; change the "
+                                    "file (or, as root, --force)")
+
+    def owns(self, creator: int | None) -> bool:
+        """Whether this caller's `apply` may change or prune a schedules file's schedule
+        made by `creator` (None: unknown, made before creators were recorded): root's may
+        (root writes the files), anyone else's only their own."""
+        return self.caller.root or creator == self.caller.uid

@@ -1,0 +1,234 @@
+"""One request (a JSON-able dict) -> one schedules.py call -> a JSON-able result.
+
+Shared by the control socket, D-Bus and `perfectschedctl -c` (direct mode), so the three
+accept the same arguments and refuse the same bad input with the same messages.  What
+each command is, takes and may be called by is registry.py's; this module implements
+those that run on the database.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from perfectschedd.config import RouteConfig
+from perfectschedd.control import registry
+from perfectschedd.control.auth import Access, Caller, check_force, known_user_name
+from perfectschedd.control.protocol import HISTORY_MAX
+from perfectschedd.errors import InvalidInputError
+from perfectschedd.schedules.collection import (
+    ScheduleCollection,
+    ScheduleInfo,
+    check_key,
+    check_type,
+    lookup_key,
+)
+from perfectschedd.schedules.policy import OPTIONS as POLICY_OPTIONS
+
+Args = Mapping[str, Any]
+
+# Fields of `list --json` (SPEC) and of `show`, in this order.
+LIST_FIELDS = ("key", "type", "cron", "delay", "timezone", "next_time", "next_run_time", "data",
+               *POLICY_OPTIONS, "source", "creator")
+SHOW_FIELDS = LIST_FIELDS + ("paused", "paused_reason", "attempt", "owner", "claimed_at")
+
+
+def _info(info: ScheduleInfo, fields: tuple[str, ...]) -> dict[str, Any]:
+    d = info.as_dict()
+    return {f: d[f] for f in fields}
+
+
+def _arg(args: Mapping[str, Any], name: str, required: bool = True) -> Any:
+    if name not in args:
+        if required:
+            raise InvalidInputError(name, "required")
+        return None
+    return args[name]
+
+
+def _may_schedule(access: Access, key: Any, task_type: Any) -> None:
+    """Whether the caller may make `task_type` run as `key` (callers.py), once both are
+    what add would take."""
+    access.check_route(check_key(key), check_type(task_type))
+
+
+def _add(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
+    options = {k: a[k] for k in ("delay", "timezone", "start", "at", "data", *POLICY_OPTIONS)
+               if a.get(k) is not None}
+    _may_schedule(access, _arg(a, "key"), _arg(a, "type"))
+    sc.add(a["key"], a["type"], _arg(a, "cron"), now=now, creator=access.creator, **options)
+    return _info(sc[a["key"]].info(), LIST_FIELDS)
+
+
+def _add_many(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
+    items = _arg(a, "schedules")
+    if not isinstance(items, list) or not all(isinstance(i, Mapping) for i in items):
+        raise InvalidInputError("schedules", "must be a list of objects")
+    allowed = {"key", "type", "cron", "delay", "timezone", "start", "at", "data",
+               *POLICY_OPTIONS}
+    for item in items:
+        unknown = set(item) - allowed
+        if unknown:
+            raise InvalidInputError("schedules", f"unknown field(s) {', '.join(sorted(unknown))}")
+        _may_schedule(access, item.get("key"), item.get("type"))
+    return {"added": sc.add_many([{**i, "now": now, "creator": access.creator}
+                                  for i in items])}
+
+
+def _list(sc: ScheduleCollection, a: Args, now: float, access: Access) -> list[dict[str, Any]]:
+    prefix = a.get("prefix")
+    if prefix == "":
+        prefix = None
+    if prefix is not None:
+        lookup_key(prefix, "prefix")
+    after = a.get("after")
+    if after is not None:
+        lookup_key(after, "after")
+    limit = check_limit(a.get("limit"))
+    fields = SHOW_FIELDS if a.get("verbose") else LIST_FIELDS
+    return [_info(i, fields) for i in sc.list(prefix=prefix, limit=limit, after_key=after)]
+
+
+def check_limit(limit: Any) -> int | None:
+    """A `list` limit: None (all) or a whole number >= 0."""
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
+                              or not 0 <= limit < 1 << 62):
+        raise InvalidInputError("limit", "must be a whole number >= 0")
+    return limit
+
+
+def _show(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
+    info = sc[_arg(a, "key")].info()
+    shown = _info(info, SHOW_FIELDS)
+    shown["creator_name"] = known_user_name(info.creator)
+    # Extra runs (`run KEY`) not ended yet; each starts only once no other run of the
+    # schedule is running.
+    shown["extra_runs"] = [{"run_key": r.key, "run_at": r.next_run_time,
+                            "running": r.owner is not None and r.next_run_time > now}
+                           for r in sc.store.extra_runs(a["key"])]
+    return shown
+
+
+def _changing(sc: ScheduleCollection, a: Args, access: Access) -> ScheduleInfo:
+    """The schedule a change (modify, pause, resume, delete) is about, once the caller may
+    change it: a schedules file's only with root's `force` (callers.py)."""
+    force = check_force(access.caller, a.get("force"))
+    info = sc[_arg(a, "key")].info()
+    access.check_change(info.key, info.source, force)
+    return info
+
+
+def _delete(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
+    _changing(sc, a, access)
+    extra = sc[a["key"]].delete()
+    return {"key": a["key"], "deleted": True, "extra_runs": extra}
+
+
+def _modify(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
+    changes = {k: a[k] for k in ("type", "cron", "delay", "timezone", "data", *POLICY_OPTIONS)
+               if k in a}
+    info = _changing(sc, a, access)
+    access.check_route(info.key, info.type)  # what runs as its route's user changes
+    if "type" in changes:
+        access.check_route(info.key, check_type(changes["type"]))
+    sc[a["key"]].modify(now=now, **changes)
+    return _info(sc[a["key"]].info(), SHOW_FIELDS)
+
+
+def _pause(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
+    _changing(sc, a, access)
+    sc[a["key"]].pause()
+    return _info(sc[a["key"]].info(), SHOW_FIELDS)
+
+
+def _resume(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
+    _changing(sc, a, access)
+    sc[a["key"]].resume()
+    return _info(sc[a["key"]].info(), SHOW_FIELDS)
+
+
+def _run(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
+    # `run` of a schedules file's schedule needs no force: an extra occurrence is no change
+    # of the file (the schedule does not move; the run has the file's type and data), and
+    # the route's own rule says who may make its type run (callers.Access.check_route).
+    schedule = sc[_arg(a, "key")]
+    info = schedule.info()
+    access.check_route(info.key, info.type)
+    run_key = schedule.run_now(now=now, creator=access.creator)
+    busy = sc.store.group_busy(run_key, a["key"], int(now))
+    return {"key": a["key"], "run_key": run_key, "run_at": int(now),
+            "after_running": busy,
+            "note": ("starts once the running occurrence of this schedule has ended"
+                     if busy else "starts now")}
+
+
+def _history(sc: ScheduleCollection, a: Args, now: float, access: Access) -> list[dict[str, Any]]:
+    key = lookup_key(_arg(a, "key"))
+    limit = a.get("limit", 20)
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= HISTORY_MAX:
+        raise InvalidInputError("limit", f"must be a whole number from 1 to {HISTORY_MAX}")
+    runs = sc.store.history(key, limit)
+    if not runs and not sc[key].exists():
+        sc[key].info()  # raises NotFoundError with the usual message
+    for r in runs:
+        r.pop("id", None)
+    return runs
+
+
+def _init(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
+    created = sc.init()
+    return {"table": sc.config.table, "initialized": True, "created": created}
+
+
+def _apply(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
+    """Converge to schedules files read by the caller (perfectschedctl apply): their
+    entries, without commands.  Adds and changes; with `prune`, also removes."""
+    from perfectschedd.schedules import converge
+
+    entries = converge.from_wire(_arg(a, "entries"))
+    for entry in entries.values():
+        access.check_apply_type(entry.key, entry.type)
+    prune, dry_run = a.get("prune", False), a.get("dry_run", False)
+    if not isinstance(prune, bool) or not isinstance(dry_run, bool):
+        raise InvalidInputError("prune", "prune and dry_run must be true or false")
+    # --prune: every schedule that came from a file and is not in these files goes (those
+    # the caller may change: callers.Access.owns).
+    remove_from = sc.store.file_sources() if prune else []
+    changes = converge.converge(sc, entries, remove_from, dry_run=dry_run, now=now,
+                                creator=access.creator, access=access)
+    return converge.summary(changes)
+
+
+Handler = Callable[[ScheduleCollection, Args, float, Access], Any]
+
+# The implementation of each command that runs on the database (registry.COMMANDS says
+# everything else about it; status and reload are answered by the daemon itself).
+HANDLERS: dict[str, Handler] = {
+    "add": _add, "add_many": _add_many, "list": _list, "show": _show, "delete": _delete,
+    "modify": _modify, "pause": _pause, "resume": _resume, "run": _run,
+    "history": _history, "init": _init, "apply": _apply,
+}
+
+
+def execute(sc: ScheduleCollection, command: str, args: Mapping[str, Any] | None = None,
+            now: float | None = None, where: str = registry.DIRECT,
+            caller: Caller | None = None,
+            routes: Sequence[RouteConfig] | None = None) -> Any:
+    """Run one command for `caller` (default: this process, as perfectschedctl -c is)
+    reaching it `where` (registry.DAEMON: the daemon's dispatch; DIRECT: perfectschedctl
+    -c), under `routes` (default: sc's configuration's); raises ScheduleError subclasses
+    for refused requests."""
+    cmd = registry.command(command, where)
+    handler = HANDLERS.get(cmd.name)
+    if handler is None:  # the daemon's own (status, reload): never on the database
+        raise InvalidInputError("command", f"{cmd.name} needs the daemon: use --socket, "
+                                "not -c")
+    if args is None:
+        args = {}
+    if not isinstance(args, Mapping):
+        raise InvalidInputError("args", "must be an object")
+    registry.check_args(cmd, args)
+    access = Access(caller or Caller.this_process(),
+                    sc.config.routes if routes is None else routes)
+    return handler(sc, args, time.time() if now is None else now, access)

@@ -1,0 +1,213 @@
+"""Every control command, in one table: its name and help, its arguments (as requests
+carry them and as perfectschedctl reads them), where it may run and so who may call it,
+what it changes.  How refusals reach each client (socket error types, perfectschedctl exit
+statuses, D-Bus error names) is protocol.REFUSALS, one table for every command.
+
+The control socket, D-Bus, the daemon's dispatch and perfectschedctl (its parser, its
+requests, its direct mode) all read this table; none keeps a list of its own.  The
+handlers themselves are commands.py's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from perfectschedd.control.protocol import HISTORY_MAX
+from perfectschedd.errors import InvalidInputError
+from perfectschedd.schedules.policy import OPTIONS as POLICY_OPTIONS
+
+# -- who may call a command ----------------------------------------------------------------
+# DAEMON: through the daemon (control socket, D-Bus): root, the daemon's user and members
+#   of control_group (the socket's and the bus policy's rule).
+# DIRECT: perfectschedctl -c CONFIG, on the database itself: whoever can read the config
+#   and reach the database.
+# LOCAL: perfectschedctl alone, reading local files; it talks to the daemon (or the
+#   database) only through other commands.
+DAEMON, DIRECT, LOCAL = "daemon", "direct", "local"
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One argument as perfectschedctl reads it (`flags`) and as the request carries it
+    (`dest`; `sent=False`: read by perfectschedctl only)."""
+
+    flags: tuple[str, ...]
+    dest: str
+    help: str = ""
+    # How perfectschedctl reads it: text, json, seconds, unix_time, limit, count, policy
+    # (a number, or text the daemon refuses by name), flag, paths (one or more).
+    kind: str = "text"
+    default: Any = None
+    optional: bool = False  # a positional that may be left out
+    sent: bool = True
+    metavar: str | None = None
+
+    @property
+    def positional(self) -> bool:
+        return not self.flags[0].startswith("-")
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    cli: tuple[Arg, ...] = ()
+    # Request arguments accepted besides the CLI's (programs' own: paging, verbose...).
+    extra_args: frozenset[str] = frozenset()
+    required: frozenset[str] = frozenset()
+    where: frozenset[str] = frozenset({DAEMON, DIRECT})
+    quick: bool = False         # answered from the daemon's own state, never the database
+    wakes: bool = False         # changes what workers do next: wake them at once
+    change: str | None = None   # its word in D-Bus ScheduleChanged signals
+    in_cli: bool = True         # a perfectschedctl command (else for programs only)
+
+    @property
+    def args(self) -> frozenset[str]:
+        return frozenset(a.dest for a in self.cli if a.sent) | self.extra_args
+
+    def changes(self, args: Mapping[str, Any], result: Any) -> list[tuple[str, str]]:
+        """(key, change) for each schedule a successful call changed (D-Bus signals)."""
+        if self.change is None:
+            return []
+        if self.name == "add_many":
+            return [(str(i.get("key")), self.change) for i in args.get("schedules", [])]
+        if self.name == "apply":
+            words = {"added": "added", "changed": "modified", "removed": "deleted"}
+            return [(parts[1], words[parts[0]]) for line in result.get("changes", [])
+                    if (parts := line.split()) and parts[0] in words]
+        return [(str(args.get("key")), self.change)]
+
+
+def _policy_args() -> tuple[Arg, ...]:
+    texts = {
+        "misfire": ("--misfire", "after downtime: all (default), latest or skip"),
+        "grace": ("--grace", "skip an occurrence that cannot start within SEC of its time"),
+        "max_attempts": ("--max-attempts", "give an occurrence up after N failed attempts "
+                         "(0: never)"),
+        "retry_wait": ("--retry-wait", "seconds before the 2nd attempt, doubling per "
+                       "attempt"),
+        "jitter": ("--jitter", "start each occurrence a fixed per-key 0..SEC later"),
+        "timeout": ("--timeout", "stop a run after SEC (default: the route's)"),
+    }
+    assert set(texts) == set(POLICY_OPTIONS)
+    return tuple(Arg((flag,), dest, text, kind="policy") for dest, (flag, text) in
+                 texts.items())
+
+
+POLICIES = _policy_args()
+KEY = Arg(("key",), "key")
+# A schedule from a schedules file changes through its file; root may force it.
+FORCE = Arg(("--force",), "force", "change a schedule from a schedules file (root only; "
+            "until the file changes)", kind="flag")
+_EVERYWHERE = frozenset({DAEMON, DIRECT})
+
+COMMANDS: dict[str, Command] = {c.name: c for c in (
+    Command("add", "register a schedule", (
+        KEY, Arg(("type",), "type"),
+        Arg(("cron",), "cron", "five cron fields or @hourly-style alias"),
+        Arg(("data",), "data", "JSON object (default {})", kind="json", optional=True),
+        Arg(("-d", "--delay"), "delay", kind="seconds", default=0),
+        Arg(("-t", "--timezone"), "timezone"),
+        Arg(("-s", "--start"), "start", kind="unix_time"),
+        Arg(("-a", "--at"), "at", kind="unix_time"),
+        *POLICIES), required=frozenset({"key", "type", "cron"}), wakes=True,
+        change="added"),
+    Command("add_many", "register many schedules at once (all or nothing)",
+            extra_args=frozenset({"schedules"}), required=frozenset({"schedules"}),
+            wakes=True, change="added", in_cli=False),
+    Command("list", "list schedules", (
+        Arg(("--prefix",), "prefix", "only keys starting with this"),
+        Arg(("-n", "--limit"), "limit", "at most this many (default: all)", kind="count")),
+        extra_args=frozenset({"verbose", "after"})),
+    Command("show", "show one schedule in full", (KEY,), required=frozenset({"key"})),
+    Command("delete", "remove a schedule", (KEY, FORCE), required=frozenset({"key"}),
+            change="deleted"),
+    Command("pause", "stop a schedule from firing", (KEY, FORCE),
+            required=frozenset({"key"}), change="paused"),
+    Command("resume", "let a paused schedule fire again (missed occurrences run)",
+            (KEY, FORCE), required=frozenset({"key"}), wakes=True, change="resumed"),
+    Command("run", "run one occurrence now without moving the schedule", (KEY,),
+            required=frozenset({"key"}), wakes=True, change="run"),
+    Command("modify", "change a schedule (new cron/timezone recompute its next time)", (
+        KEY, Arg(("--type",), "type"), Arg(("--cron",), "cron"),
+        Arg(("-d", "--delay"), "delay", kind="seconds"),
+        Arg(("-t", "--timezone"), "timezone"),
+        Arg(("--data",), "data", "JSON object replacing the data", kind="json"),
+        *POLICIES, FORCE), required=frozenset({"key"}), wakes=True, change="modified"),
+    Command("history", "recent runs of a schedule", (
+        KEY, Arg(("-n", "--limit"), "limit", f"at most this many runs, newest first "
+                 f"(1-{HISTORY_MAX}, default 20)", kind="limit", default=20)),
+        required=frozenset({"key"})),
+    Command("logs", "print the journal of a schedule's newest run as a systemd unit "
+                    "(executor: systemd)", (
+        Arg(("key",), "key", sent=False),
+        Arg(("-n", "--lines"), "lines", "only the last N lines (default: the whole run)",
+            kind="count", sent=False)),
+        where=frozenset({LOCAL})),
+    Command("apply", "converge the database to schedules files "
+                     "(added|changed|removed|unchanged KEY)", (
+        Arg(("paths",), "paths", "schedules files, or directories of *.yml files",
+            kind="paths", sent=False, metavar="FILE|DIR"),
+        Arg(("--dry-run",), "dry_run", "say what would change, write nothing", kind="flag"),
+        Arg(("--prune",), "prune", "also remove schedules from schedules files (source "
+            "file:*) that these files do not hold", kind="flag")),
+        extra_args=frozenset({"entries"}), required=frozenset({"entries"}), wakes=True,
+        change="applied"),
+    Command("import-crontab", "print a schedules file made from a crontab (nothing is "
+                              "written)", (
+        Arg(("file",), "file", "a user crontab, /etc/crontab or an /etc/cron.d file "
+            "(default: standard input)", optional=True, default="-", sent=False,
+            metavar="FILE|-"),
+        Arg(("--user",), "user", "the owner of a user crontab: its entries run as NAME "
+            "(needed unless FILE is /var/spool/cron/crontabs/NAME)", sent=False,
+            metavar="NAME"),
+        Arg(("--system",), "system", "the lines have a user column (implied for "
+            "/etc/crontab and /etc/cron.d/*)", kind="flag", sent=False)),
+        where=frozenset({LOCAL})),
+    Command("import-legacy", "copy the schedules of a Ruby PerfectSched table into this "
+                             "one (keys that exist are refused)", (
+        Arg(("url",), "url", "the legacy database (SQLAlchemy URL, read only)", sent=False),
+        Arg(("--table",), "table", "the legacy table (default perfectsched)",
+            default="perfectsched", sent=False),
+        Arg(("--dry-run",), "dry_run", "say what would be imported", kind="flag",
+            sent=False)),
+        where=frozenset({LOCAL})),
+    Command("status", "daemon status: workers, running tasks, backlog",
+            where=frozenset({DAEMON}), quick=True),
+    Command("reload", "reload the daemon's configuration (like SIGHUP)",
+            where=frozenset({DAEMON})),
+    Command("init", "create the table (with -c)", where=frozenset({DIRECT})),
+)}
+
+
+def command(name: Any, where: str) -> Command:
+    """The command `name` as a caller reaching it `where` (DAEMON or DIRECT) may run it;
+    InvalidInputError (naming what to do instead) otherwise."""
+    cmd = COMMANDS.get(name) if isinstance(name, str) else None
+    if cmd is None:
+        raise InvalidInputError("command", f"unknown command {name!r}")
+    if where not in cmd.where:
+        if DIRECT in cmd.where:
+            raise InvalidInputError("command", f"{cmd.name} opens the database directly: "
+                                    f"give -c CONFIG (perfectschedctl -c CONFIG {cmd.name}), "
+                                    "not the daemon")
+        if DAEMON in cmd.where:
+            raise InvalidInputError("command", f"{cmd.name} needs the daemon: use "
+                                    "--socket, not -c")
+        raise InvalidInputError("command", f"{cmd.name} runs in perfectschedctl only")
+    return cmd
+
+
+def check_args(cmd: Command, args: Mapping[str, Any]) -> None:
+    """Refuse arguments a command does not know, naming them (a typo never goes unseen),
+    and required ones that are missing."""
+    unknown = set(args) - cmd.args
+    if unknown:
+        raise InvalidInputError(
+            "args", f"unknown argument(s) for {cmd.name}: "
+                    f"{', '.join(sorted(map(str, unknown)))}")
+    missing = sorted(cmd.required - set(args))
+    if missing:
+        raise InvalidInputError(missing[0], "required")

@@ -1,0 +1,126 @@
+"""Find and kill what is left of exec runs whose lease is gone.
+
+A run's command leads its own process group, and every process it starts inherits
+``PERFECTSCHED_RUN_ID=<worker pid>.<n>`` from its environment.  A process that left the
+group (``setsid``, a double fork) is still recognised by that variable, and once its
+parent dies it is re-parented to the master (a child subreaper): so whatever a run left
+behind is either in the run's group, or marked, or a child of the master.
+
+Invariant kept by the callers: nothing of a run outlives its lease.  The worker kills
+its run's group when the run ends; the master kills a dead worker's groups and marked
+processes before it starts a replacement, and kills its own non-worker children whose
+run is no longer running.  What both leaves the group and clears its environment is
+only found as the master's child; the systemd executor (cgroups) closes that gap.
+
+Everything here reads /proc (Linux); nothing blocks for long.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable, Iterable
+
+from perfectschedd.executors.handlers import RUN_ID_ENV
+
+_MARK = f"{RUN_ID_ENV}=".encode()
+# A dead worker's runs are killed in rounds: each round's victims re-parent their
+# children to us, who are found by the next round.  Bounded, so a fork bomb cannot
+# hold the master's loop.
+_ROUNDS = 20
+_ROUND_PAUSE = 0.01
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of `pid` (all its threads'); [] if it is gone."""
+    kids: list[int] = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return kids
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                kids.extend(int(x) for x in f.read().split())
+        except OSError:
+            continue
+    return kids
+
+
+def run_id(pid: int) -> str | None:
+    """The run a process belongs to, from its environment; None if it has none (or it
+    is not ours to read: another user, a zombie)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read()
+    except OSError:
+        return None
+    for item in env.split(b"\0"):
+        if item.startswith(_MARK):
+            return item[len(_MARK):].decode("ascii", "replace")
+    return None
+
+
+def parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat.rsplit(b")", 1)[1].split()[1])
+
+
+def all_pids() -> list[int]:
+    return [int(e) for e in os.listdir("/proc") if e.isdigit()]
+
+
+def kill(pid: int) -> None:
+    """SIGKILL `pid` and, if it leads one, its process group."""
+    for send, target in ((os.killpg, pid), (os.kill, pid)):
+        try:
+            send(target, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def kill_groups(pgids: Iterable[int], master: int) -> int:
+    """SIGKILL the process groups of a dead worker's runs.
+
+    A group whose leader is gone cannot have its id reused while members remain; a
+    leader that is still there must be ours (re-parented to `master`, or marked), so a
+    recycled pid of a stranger is never signalled.
+    """
+    count = 0
+    for pgid in pgids:
+        if os.path.exists(f"/proc/{pgid}") and parent(pgid) != master \
+                and run_id(pgid) is None:
+            continue
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+            count += 1
+        except OSError:
+            pass
+    return count
+
+
+def kill_marked(belongs: Callable[[str], bool], *, me: int) -> int:
+    """SIGKILL every process whose run id satisfies `belongs`, in rounds until none is
+    left (or the bound is reached); returns how many were signalled."""
+    count = 0
+    for _ in range(_ROUNDS):
+        victims = [p for p in all_pids() if p != me and (r := run_id(p)) is not None
+                   and belongs(r)]
+        if not victims:
+            break
+        for pid in victims:
+            kill(pid)
+        count += len(victims)
+        time.sleep(_ROUND_PAUSE)
+    return count
+
+
+def worker_of(run: str) -> int | None:
+    """The worker pid in a run id ("<worker pid>.<n>")."""
+    head, _, _ = run.partition(".")
+    return int(head) if head.isdigit() else None

@@ -1,0 +1,389 @@
+"""The master's database: every query the master makes runs here, never on its loop.
+
+Invariants:
+- The master's main loop never waits on the database.  The store is opened, status
+  figures are read and history is pruned by one housekeeping thread, which publishes a
+  snapshot; commands run on a small pool with a deadline, so a database that hangs
+  answers "database unreachable" instead of hanging the caller.
+- The loop forks workers only while no master thread is inside a database call
+  (`fork_gate`): a worker never inherits a lock held mid-call (SQLite's mutexes, the
+  connection pool's).  If a call is in flight, the fork waits for the next turn of the
+  loop rather than for the call.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
+
+from sqlalchemy.exc import DBAPIError
+
+from perfectschedd import __version__
+from perfectschedd.config import Config
+from perfectschedd.errors import DatabaseUnavailableError, SchemaError, first_line
+from perfectschedd.metrics import counters as metrics
+from perfectschedd.schedules.collection import ScheduleCollection, key_problem
+from perfectschedd.store.sql import RUN_NOW_MARK
+
+log = logging.getLogger("perfectschedd")
+
+T = TypeVar("T")
+
+COMMAND_TIMEOUT = 10.0  # a command that needs the database answers within this
+COMMAND_THREADS = 4     # calls in flight at once; more wait for a thread (and a deadline)
+PROBE_EVERY = 2.0       # a cheap query: is the database answering?
+COUNTS_EVERY = 15.0     # totals: a count over the table
+PRUNE_EVERY = 60.0
+OPEN_RETRY_MAX = 2.0  # cheap queries: the master may look again soon
+# Due and unclaimed for this long: no live worker takes it (shown by status and metrics).
+UNCLAIMED_AFTER = 60
+RENAME_CHECK_EVERY = 3600.0  # a read of every key: rare, and off the master's loop
+# On PostgreSQL and MySQL a call in flight that long is waiting on its socket, where no
+# lock of ours is held: a fork may go ahead.  SQLite calls run inside the library (its
+# mutexes), so there a fork always waits for them to end (busy_timeout bounds them).
+FORK_AFTER_NETWORK_WAIT = 2.0
+# While a fork waits for calls in flight to end, new calls hold back this long, so that a
+# steady stream of requests cannot starve worker starts.
+FORK_PRIORITY = 1.0
+# A status call in flight this long means the database does not answer.
+UNANSWERED_AFTER = 3.0
+# This host's row in the hosts table is refreshed this often (status reads "last seen").
+HOST_EVERY = 10.0
+# A host not heard of for this long has gone for good: its row is deleted.
+HOST_FORGET_AFTER = 7 * 86400.0
+
+
+@dataclass
+class Snapshot:
+    """What the housekeeping thread last read; replaced whole, never changed in place."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    running: list[dict[str, Any]] = field(default_factory=list)
+    unclaimed: dict[str, int] = field(default_factory=dict)  # type -> occurrences
+    # Keys stored before today's key rules (they work; a rename is advised): key -> why.
+    rename: dict[str, str] = field(default_factory=dict)
+    # The hosts table (name, version, last_seen, ...), and nodes seen at work (leases,
+    # recent runs) that are not in it: hosts of a release before 0.2.0.
+    hosts: list[dict[str, Any]] = field(default_factory=list)
+    unrecorded_nodes: list[str] = field(default_factory=list)
+    read_at: float | None = None       # Unix time of `counts`/`running`
+    ok: bool | None = None             # None: not asked yet
+    unreachable_since: float | None = None
+    error: str | None = None
+
+
+class MasterDatabase:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.sc: ScheduleCollection | None = None
+        self.snapshot = Snapshot()
+        self._pool = ThreadPoolExecutor(COMMAND_THREADS, thread_name_prefix="master-db")
+        self._cond = threading.Condition()
+        self._in_flight = 0
+        self._started: dict[int, float] = {}  # calls in flight: token -> monotonic start
+        self._tokens = itertools.count()
+        self._busy_since = 0.0  # monotonic time _in_flight last went from 0 to 1
+        self._network = not config.url.startswith("sqlite")
+        self._forking = False
+        self._fork_wanted: float | None = None  # monotonic time a fork was first postponed
+        self._stop = threading.Event()
+        self._refresh = threading.Event()
+        self._refreshed = threading.Condition()
+        self._thread = threading.Thread(target=self._housekeeping, name="housekeeping",
+                                        daemon=True)
+        self.started_at = time.time()
+        # Set once the first attempt to open the store has ended, whatever its outcome.
+        self.first_open = threading.Event()
+        # Why the database can never be used by this version (SchemaError): the daemon
+        # stops.  None while it can, or may once it answers.
+        self.fatal: str | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Let calls in flight end (at most `timeout`), then close the store."""
+        end = time.monotonic() + timeout
+        self._stop.set()
+        self._refresh.set()
+        self._pool.shutdown(wait=False)
+        with self._cond:
+            self._cond.wait_for(lambda: self._in_flight == 0,
+                                max(0.0, end - time.monotonic()))
+        if self._thread.ident is not None:  # started
+            self._thread.join(max(0.0, end - time.monotonic()))
+        sc, self.sc = self.sc, None
+        if sc is not None:
+            # Say this host left, if the database answers in time: a stop never waits
+            # on it longer (the row ages out otherwise).
+            leave = threading.Thread(target=self._forget_host, args=(sc,), daemon=True,
+                                     name="leave")
+            leave.start()
+            leave.join(max(0.5, end - time.monotonic()))
+            sc.close()
+
+    def _forget_host(self, sc: ScheduleCollection) -> None:
+        try:
+            sc.store.forget_host(self.config.node, os.getpid())
+        except Exception as exc:  # noqa: BLE001 - stopping goes on
+            log.info("could not remove this host from the hosts table: %s", first_line(exc))
+
+    def stop_in_background(self) -> None:
+        """For a reload that moved the database: the old one may be the one that hangs."""
+        threading.Thread(target=self.stop, name="old-database", daemon=True).start()
+
+    # -- the fork gate ----------------------------------------------------------------------
+
+    @contextmanager
+    def _gate(self) -> Iterator[None]:
+        with self._cond:
+            while self._forking or (
+                    self._fork_wanted is not None
+                    and time.monotonic() - self._fork_wanted < FORK_PRIORITY):
+                self._cond.wait(0.05)
+            if not self._in_flight:
+                self._busy_since = time.monotonic()
+            self._in_flight += 1
+            token = next(self._tokens)
+            self._started[token] = time.monotonic()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._in_flight -= 1
+                del self._started[token]
+                self._cond.notify_all()
+
+    @contextmanager
+    def fork_gate(self) -> Iterator[bool]:
+        """Yields True when no database call is in flight (and none starts until the block
+        ends); False when one is, so the caller tries again later instead of waiting."""
+        with self._cond:
+            now = time.monotonic()
+            clear = not self._in_flight or (
+                self._network and now - self._busy_since > FORK_AFTER_NETWORK_WAIT)
+            self._forking = clear
+            self._fork_wanted = None if clear else (self._fork_wanted or now)
+        if not clear:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            with self._cond:
+                self._forking = False
+                self._cond.notify_all()
+
+    # -- commands ---------------------------------------------------------------------------
+
+    def call(self, fn: Callable[[ScheduleCollection], T],
+             timeout: float = COMMAND_TIMEOUT) -> T:
+        """Run fn(sc) off the caller's thread; DatabaseUnavailableError if the store is not
+        open, every call slot is taken by calls that do not return, or fn does not return
+        within `timeout`."""
+        sc = self.sc
+        if sc is None:
+            raise DatabaseUnavailableError(self._why("the database is not open yet"))
+        stuck = self._stuck_for()
+        if stuck > timeout:
+            # Known to hang: answer now rather than hold the caller for another timeout.
+            raise DatabaseUnavailableError(self._why(
+                f"a query has been waiting for {stuck:.0f}s"))
+
+        def run() -> T:
+            with self._gate():
+                return fn(sc)
+
+        future: Future[T] = self._pool.submit(run)
+        try:
+            result = future.result(timeout)
+            if self.snapshot.ok is False:
+                self._mark(True)  # it answered: say so before the next probe does
+            return result
+        except FutureTimeout:
+            future.cancel()  # not started yet: it never will (a stale write, later)
+            self._mark(False, f"no answer within {timeout:g}s")
+            raise DatabaseUnavailableError(self._why(f"no answer within {timeout:g}s")
+                                           ) from None
+        except DBAPIError as exc:
+            if exc.connection_invalidated or isinstance(exc.orig, OSError):
+                self._mark(False, first_line(exc.orig or exc))
+            raise
+
+    def health(self) -> tuple[bool | None, float | None, str | None]:
+        """(reachable, unreachable since (Unix time), why): the snapshot's word, unless a
+        call has been waiting so long that the database is not answering right now."""
+        snap = self.snapshot
+        stuck = self._stuck_for()
+        if stuck > UNANSWERED_AFTER and snap.ok is not False:
+            return False, time.time() - stuck, f"no answer for {stuck:.0f}s"
+        return snap.ok, snap.unreachable_since, snap.error
+
+    def _stuck_for(self) -> float:
+        """How long the oldest call in flight has been waiting (0 when none is)."""
+        with self._cond:
+            started = min(self._started.values(), default=None)
+        return 0.0 if started is None else time.monotonic() - started
+
+    def in_background(self, what: str, fn: Callable[[ScheduleCollection], Any]) -> None:
+        """Run fn(sc) when the store is open, without waiting for it; failures are logged."""
+        sc = self.sc
+        if sc is None:
+            return
+
+        def run() -> None:
+            try:
+                with self._gate():
+                    fn(sc)
+            except Exception as exc:  # noqa: BLE001 - logged; the caller does not wait
+                log.warning("%s failed: %s", what, first_line(exc))
+
+        try:
+            self._pool.submit(run)
+        except RuntimeError:  # stopping
+            pass
+
+    def _why(self, detail: str) -> str:
+        since = self.health()[1]
+        if since is not None:
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since))
+            return f"database unreachable since {stamp} ({detail})"
+        return f"database unreachable ({detail})"
+
+    # -- status -----------------------------------------------------------------------------
+
+    def fresh_snapshot(self, wait: float) -> Snapshot:
+        """Ask for a refresh and wait at most `wait` seconds for it; the snapshot either
+        way (its `read_at` says how old it is)."""
+        before = self.snapshot
+        with self._refreshed:
+            self._refresh.set()
+            self._refreshed.wait_for(lambda: self.snapshot is not before, timeout=wait)
+        return self.snapshot
+
+    def _mark(self, ok: bool, error: str | None = None) -> None:
+        old = self.snapshot
+        if ok == old.ok and (ok or error == old.error):
+            return
+        since = None if ok else (old.unreachable_since or time.time())
+        if not ok and old.ok is not False:
+            log.error("database unreachable: %s", error)
+        elif ok and old.ok is False:
+            log.info("database reachable again")
+        self._publish(replace(old, ok=ok, unreachable_since=since,
+                              error=None if ok else error))
+
+    def _publish(self, snap: Snapshot) -> None:
+        with self._refreshed:
+            self.snapshot = snap
+            self._refreshed.notify_all()
+
+    # -- housekeeping thread ----------------------------------------------------------------
+
+    def _housekeeping(self) -> None:
+        backoff = 0.5
+        next_probe = next_counts = next_host = 0.0
+        next_prune = time.monotonic() + PRUNE_EVERY
+        next_rename_check = 0.0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            try:
+                if self.sc is None:
+                    try:
+                        self._open()
+                    finally:
+                        self.first_open.set()
+                    backoff = 0.5
+                if now >= next_host:
+                    next_host = now + HOST_EVERY
+                    self._record_host()
+                if self._refresh.is_set() or now >= next_counts:
+                    self._refresh.clear()
+                    self._read_status()
+                    next_counts = now + COUNTS_EVERY
+                    next_probe = now + PROBE_EVERY
+                elif now >= next_probe:
+                    with self._gate():
+                        assert self.sc is not None
+                        self.sc.store.earliest_due()
+                    self._mark(True)
+                    next_probe = now + PROBE_EVERY
+                if now >= next_rename_check:
+                    next_rename_check = now + RENAME_CHECK_EVERY
+                    self._check_keys()
+                if now >= next_prune:
+                    next_prune = now + PRUNE_EVERY
+                    with self._gate():
+                        assert self.sc is not None
+                        self.sc.store.prune_history(self.config.history_limit)
+            except SchemaError as exc:
+                # Waiting will not fix it: the supervisor stops the daemon (and says why).
+                self.fatal = first_line(exc)
+                return
+            except Exception as exc:  # noqa: BLE001 - this thread must not die
+                self._mark(False, first_line(getattr(exc, "orig", None) or exc))
+                # A status request (or stop) arriving meanwhile cuts the wait short.
+                self._refresh.clear()
+                if self._stop.is_set():
+                    break
+                self._refresh.wait(backoff)
+                backoff = min(backoff * 2, OPEN_RETRY_MAX)
+                continue
+            wake = min(next_probe, next_counts) - time.monotonic()
+            self._refresh.wait(max(0.05, wake))
+
+    def _open(self) -> None:
+        with self._gate():
+            sc = ScheduleCollection(self.config)
+        self.sc = sc
+        log.info("database open")
+
+    def _record_host(self) -> None:
+        with self._gate():
+            assert self.sc is not None
+            self.sc.store.record_host(self.config.node, __version__, os.getpid(),
+                                      self.started_at, time.time())
+
+    def _check_keys(self) -> None:
+        sc = self.sc
+        assert sc is not None
+
+        def bad(key: str) -> bool:
+            # Extra runs (KEY@run-...) are named by the daemon; their base key is checked.
+            return key_problem(key.split(RUN_NOW_MARK, 1)[0]) is not None
+
+        with self._gate():
+            keys = sc.store.keys_matching(bad)
+        rename = {k: key_problem(k.split(RUN_NOW_MARK, 1)[0]) or "" for k in keys}
+        self._publish(replace(self.snapshot, rename=rename))
+
+    def _read_status(self) -> None:
+        sc = self.sc
+        assert sc is not None
+        now = time.time()
+        with self._gate():
+            counts = sc.store.counts(int(now))
+            rows = sc.store.running()
+            unclaimed = sc.store.unclaimed(int(now) - UNCLAIMED_AFTER)
+            hosts = sc.store.hosts(forget_before=now - HOST_FORGET_AFTER)
+            at_work = sc.store.nodes_at_work(now - self.config.alive_time)
+        running = [{"key": r.key, "type": r.type, "scheduled_time": r.next_time,
+                    "timezone": r.timezone, "owner": r.owner,
+                    "age": round(now - r.claimed_at, 3) if r.claimed_at else None,
+                    "attempt": r.attempt} for r in rows]
+        metrics.set_schedule_counts(counts, now, unclaimed)
+        recorded = {h["name"] for h in hosts}
+        self._publish(replace(self.snapshot, counts=counts, running=running,
+                              unclaimed=unclaimed, hosts=hosts,
+                              unrecorded_nodes=sorted(at_work - recorded),
+                              read_at=now, ok=True,
+                              unreachable_since=None, error=None))

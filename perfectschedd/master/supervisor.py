@@ -1,0 +1,1027 @@
+"""The master: fork/reap workers, signals, sd_notify, reload (gunicorn's arbiter, smaller).
+
+One class owns the worker table.  Signal handlers only queue the signal and write to a
+self-pipe; the main loop acts.  Workers prove liveness by writing to a pipe; a silent
+one is killed and replaced, and a worker that keeps dying is replaced with a back-off.
+
+Nothing of a dead worker's runs survives it: before a replacement is forked, the master
+kills the process groups the worker reported and every process marked with one of its
+run ids (jobreaper.py) and stops its systemd units (systemdbus.py), then gives the worker's
+leases back (recording those attempts as `lost`), so the occurrences run again at once
+and never beside a leftover copy.  Stopping units waits on D-Bus and systemd, so it runs
+on a thread of its own: the loop goes on, and the worker's replacement and the give-back
+wait for it (UnitCleanups).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import errno
+import functools
+import gc
+import importlib
+import logging
+import os
+import selectors
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import sdnotify
+
+from perfectschedd import __version__, logsetup
+from perfectschedd import config as config_mod
+from perfectschedd.config import Config
+from perfectschedd.control import commands, registry
+from perfectschedd.control.auth import Caller
+from perfectschedd.errors import (
+    EXIT_UNUSABLE_DATABASE,
+    ConfigError,
+    NotSupportedError,
+    SchemaError,
+    first_line,
+)
+from perfectschedd.executors import reaper as jobreaper
+from perfectschedd.executors.systemd import props as unitprops
+from perfectschedd.master.database import HOST_EVERY, MasterDatabase
+from perfectschedd.master.processes import Processes
+from perfectschedd.master.workertable import WorkerProc, WorkerTable
+from perfectschedd.metrics import counters as metrics
+from perfectschedd.schedules.converge import FileSchedules
+from perfectschedd.store.sql import check_url, engine_url
+
+log = logging.getLogger("perfectschedd")
+
+_PR_SET_CHILD_SUBREAPER = 36
+STATUS_EVERY = 2.0
+# How long `status` waits for fresh figures from the database before it answers with the
+# last ones it has (and their age): it answers within a second whatever the database does.
+STATUS_FRESH_WAIT = 0.5
+RELOAD_ANSWER_WAIT = 10.0
+DBUS_RETRY_MAX = 30.0
+SPAWN_RETRY = 2.0  # after a fork or pipe failed
+SWEEP_EVERY = 1.0  # looking for what ended runs left behind
+TURN_MIN = 0.05  # the loop's duties at most this often when only run reports arrive
+REPORT_GATHER = 0.01  # after a turn woken only by run reports, the next one waits this
+
+
+UnitStopper = Callable[[Callable[[str, str], bool], list[str]], list[str]]
+
+
+def _stop_units_over_dbus(belongs: Callable[[str, str], bool], names: list[str]) -> list[str]:
+    from perfectschedd.executors.systemd import bus as systemdbus
+
+    return systemdbus.stop_units(belongs, names)
+
+
+class UnitCleanups:
+    """Dead workers' systemd units being stopped, each on a thread of its own (a hung bus
+    or systemd must not stop the master's loop, its watchdog or `status`).  While a
+    worker's units stop, its index gets no replacement and its leases are not given back:
+    the occurrence must not run again beside them.  Bounded: systemdbus.stop_units gives
+    up after 20 s, and then the leases expire as any lease does."""
+
+    def __init__(self, stopper: UnitStopper, wake: Callable[[], None]) -> None:
+        self.stopper = stopper
+        self.wake = wake
+        self.threads: list[tuple[int, threading.Thread]] = []  # (worker index, its clean-up)
+
+    def start(self, index: int, whose: str, belongs: Callable[[str, str], bool],
+              names: list[str], then: Callable[[], None] | None) -> None:
+        def work() -> None:
+            # Units that could not be stopped may still run: their leases are not given
+            # back, they expire after alive_time (RuntimeMaxSec bounds the units).
+            if stop_units(self.stopper, whose, belongs, names) and then is not None:
+                then()
+            self.wake()  # the loop frees the index now, not at its next timeout
+
+        thread = threading.Thread(target=work, name=f"units-of-worker-{index}", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:  # no thread to be had (out of memory or tasks): wait here
+            work()
+            return
+        self.threads.append((index, thread))
+
+    def busy(self) -> set[int]:
+        """Indexes whose clean-up still runs (forgetting those that ended)."""
+        self.threads = [(i, t) for i, t in self.threads if t.is_alive()]
+        return {i for i, _ in self.threads}
+
+    def join(self, timeout: float) -> None:
+        end = time.monotonic() + timeout
+        for _, thread in list(self.threads):
+            thread.join(max(0.0, end - time.monotonic()))
+
+
+def stop_units(stopper: UnitStopper, whose: str, belongs: Callable[[str, str], bool],
+               names: list[str] | None = None) -> bool:
+    """Stop (SIGKILL, then wait until inactive) the perfectsched-* units of `whose`; False
+    when systemd could not be asked or did not stop them in time."""
+    try:
+        stopped = stopper(belongs, names or [])
+    except Exception as exc:  # noqa: BLE001 - SystemdError, or no fd left to import or connect
+        log.error("cannot stop the systemd units of %s: %s; their leases expire after "
+                  "alive_time", whose, first_line(exc))
+        return False
+    if stopped:
+        log.warning("stopped %d systemd unit(s) of %s: %s", len(stopped), whose,
+                    ", ".join(stopped))
+    return True
+
+
+class Supervisor:
+    def __init__(self, config: Config, config_source: str, environment: str | None,
+                 processes: Processes | None = None,
+                 unit_stopper: UnitStopper = _stop_units_over_dbus) -> None:
+        self.config = config
+        self.config_source = config_source
+        self.environment = environment
+        self.table = WorkerTable(config.workers, config.worker_timeout)
+        self.procs = processes or Processes()
+        self.master_pid = os.getpid()
+        self.signals: list[int] = []
+        self.wake_pending = False
+        self.selfpipe_r, self.selfpipe_w = os.pipe()
+        for fd in (self.selfpipe_r, self.selfpipe_w):
+            os.set_blocking(fd, False)
+        self.unit_cleanups = UnitCleanups(unit_stopper, self._poke)
+        self.sel = selectors.DefaultSelector()
+        self.notifier = sdnotify.SystemdNotifier()
+        self.watchdog_interval = self._watchdog_interval()
+        self.last_watchdog = 0.0
+        self.state = "starting"
+        self.started = time.time()
+        self.started_mono = time.monotonic()
+        self.ready = False
+        # Why the daemon must stop with a failure (a database it can never use).
+        self.fatal: str | None = None
+        # The routes of the configuration this host refuses (config.refuse_routes).
+        self.refused_routes: list[str] = []
+        # Whether this daemon may start systemd units (the polkit grant; host_grant).
+        self.unit_grant = False
+        self.db = MasterDatabase(config)
+        self.files = FileSchedules()
+        self.config = self.host_config(config)
+        self.spawn_postponed = False
+        self.gc_frozen = False
+        self.dbus_attempt = 0  # a retry thread gives up when this moves on
+        self.last_spawn_error = -SPAWN_RETRY
+        self.next_sweep = 0.0
+        self.last_turn = 0.0
+        # Control threads waiting for the answer of a reload they asked for.
+        self.reload_waiters: list[tuple[threading.Event, list[str | None]]] = []
+        self.last_status = 0.0
+        self.status_line = ""
+        self.last_error: str | None = None
+        self.control: Any = None
+        self.dbus: Any = None
+        self.metrics_server: Any = None
+        # For child processes: fds of the master that a worker must close after fork.
+        self.listener_fds: Callable[[], list[int]] = lambda: []
+
+    # -- systemd --------------------------------------------------------------------------
+
+    @staticmethod
+    def _watchdog_interval() -> float | None:
+        usec = os.environ.pop("WATCHDOG_USEC", None)
+        wpid = os.environ.pop("WATCHDOG_PID", None)
+        if not usec or (wpid and wpid.isdigit() and int(wpid) != os.getpid()):
+            return None
+        try:
+            return int(usec) / 1e6 / 2
+        except ValueError:
+            return None
+
+    def notify(self, *lines: str) -> None:
+        self.notifier.notify("\n".join(lines))
+
+    # -- signals --------------------------------------------------------------------------
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.signals.append(signum)
+        try:
+            os.write(self.selfpipe_w, b"s")
+        except OSError:
+            pass
+
+    def _install_signals(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP,
+                    signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
+            signal.signal(sig, self._on_signal)
+        self.sel.register(self.selfpipe_r, selectors.EVENT_READ, "signal")
+
+    # -- workers --------------------------------------------------------------------------
+
+    def spawn_worker(self, index: int) -> bool:
+        """Fork worker `index`; False (try again next turn) while a thread of the master
+        is inside a database call: the child would inherit its locks mid-call."""
+        with self.db.fork_gate() as clear:
+            if not clear:
+                return False
+            self._fork_worker(index)
+        return True
+
+    def _fork_worker(self, index: int) -> None:
+        from perfectschedd.worker import process as worker
+
+        if not self.gc_frozen:
+            # What the master built at start (imported modules, mostly) is shared with
+            # every worker copy-on-write; a collection in a worker would write to each
+            # object's GC header and copy those pages.  Frozen objects are never visited.
+            gc.collect()
+            gc.freeze()
+            self.gc_frozen = True
+
+        def child(wake_r: int, alive_w: int) -> int:
+            try:
+                self._child_cleanup()
+                return worker.run(self.config, index, wake_r, alive_w, self.master_pid)
+            except SchemaError as exc:
+                # The master says it as an error, once: it finds the same on its own.
+                log.info("worker %d cannot use the database: %s", index, first_line(exc))
+                return EXIT_UNUSABLE_DATABASE
+            except BaseException:  # noqa: BLE001 - never return into the master's code
+                log.exception("worker %d crashed", index)
+                return 1
+            finally:
+                logsetup.shutdown()
+                logging.shutdown()
+
+        pid, wake_w, alive_r = self.procs.fork(child)
+        now = time.monotonic()
+        generation = self.table.generation
+        self.table.add(WorkerProc(pid, index, generation, wake_w, alive_r, now, now))
+        self.sel.register(alive_r, selectors.EVENT_READ, pid)
+        log.info("worker %d spawned (pid %d, generation %d)", index, pid, generation)
+
+    def _child_cleanup(self) -> None:
+        logsetup.after_fork()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGCHLD):
+            signal.signal(sig, signal.SIG_DFL)
+        # Until the worker installs its handlers, a USR2 or reload sent to the whole
+        # group must not kill it (their default action is to terminate).
+        for sig in (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, signal.SIG_IGN)
+        self.sel.close()
+        for fd in [self.selfpipe_r, self.selfpipe_w, *self.listener_fds()]:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        for w in self.table:
+            self.procs.close(w.wake_w, w.alive_r)
+        if self.db.sc is not None:
+            # The master's pooled connections must not be used or closed by the child.
+            self.db.sc.store.engine.dispose(close=False)
+        metrics.after_fork_in_worker()
+
+    def _forget(self, proc: WorkerProc) -> None:
+        try:
+            self.sel.unregister(proc.alive_r)
+        except (KeyError, ValueError):
+            pass
+        self.procs.close(proc.wake_w, proc.alive_r)
+
+    def reap(self) -> None:
+        for pid, code in self.procs.reap():
+            proc = self.table.get(pid)
+            if proc is None:
+                continue  # an orphaned job process re-parented to us (child subreaper)
+            self.read_alive(pid)  # its last run events
+            ended = self.table.exited(pid, time.monotonic(), self.state == "stopping")
+            assert ended is not None
+            self._forget(proc)
+            metrics.worker_exited(pid)
+            # Before anything else starts: nothing of its runs may outlive it.
+            give_back = (functools.partial(self._reclaim, f"{self.config.node}:{pid}")
+                         if code != 0 else None)
+            # With units, the give-back waits until they have stopped (UnitCleanups).
+            units_stopping = bool(code != 0 or proc.runs or proc.units) and \
+                self._kill_runs(proc, then=give_back)
+            if give_back is not None and not units_stopping:
+                give_back()
+            if not ended.unexpected:
+                log.info("worker %d (pid %d) exited", proc.index, pid)
+                continue
+            if code == EXIT_UNUSABLE_DATABASE and self.fatal is None:
+                self.fatal = "a worker cannot use the database (its reason is logged above)"
+                continue
+            metrics.worker_restarted()
+            how = f"signal {-code}" if code < 0 else f"status {code}"
+            log.error("worker %d (pid %d) died (%s) after %.1fs; replacing it",
+                      proc.index, pid, how, ended.lived)
+            if ended.backoff is not None and self.table.spawn_failures > 1:
+                log.warning("workers keep dying; next start in %.1fs", ended.backoff)
+
+    def manage_workers(self) -> None:
+        """Converge the current generation to `workers` processes; kill unresponsive ones."""
+        now = time.monotonic()
+        for proc, why in self.table.unresponsive(now):
+            log.error("worker %d (pid %d) %s; killing it", proc.index, proc.pid, why)
+            self.procs.kill(proc.pid, signal.SIGKILL)
+        if self.state == "stopping":
+            return
+        self.spawn_postponed = False
+        cleaning = self.unit_cleanups.busy()
+        for index in self.table.missing(now):
+            if index in cleaning:
+                continue  # its predecessor's units are still being stopped
+            try:
+                started = self.spawn_worker(index)
+            except OSError as exc:
+                # Out of descriptors or processes (EMFILE, EAGAIN, ENOMEM): the daemon
+                # and its running workers go on; the start is tried again shortly.
+                self.table.next_spawn = now + SPAWN_RETRY
+                if now - self.last_spawn_error >= SPAWN_RETRY:
+                    self.last_spawn_error = now
+                    log.error("cannot start worker %d: %s; trying again in %.0fs", index,
+                              exc.strerror or exc, SPAWN_RETRY)
+                break
+            if not started:
+                self.spawn_postponed = True  # a database call is in flight: next turn
+                break
+        for proc in self.table.surplus():  # a reload lowered `workers`
+            self.procs.kill(proc.pid, signal.SIGTERM)
+
+    def _kill_runs(self, proc: WorkerProc, then: Callable[[], None] | None = None) -> bool:
+        """Kill every process of a dead worker's runs (before its replacement starts).
+        True when its units are being stopped: `then` runs once they have."""
+        units_stopping = False
+        if proc.units or self._runs_units():
+            from perfectschedd.executors.systemd import unit as unitjobs
+
+            # The units it reported, and any other that names it as its owner (a report
+            # lost with the worker): stopped before its leases are given back.
+            mark = unitjobs.owner_mark(self.config.node, proc.pid)
+            tag = unitprops.daemon_tag(self.config.control_socket)
+            self.unit_cleanups.start(
+                proc.index, f"worker {proc.index} (pid {proc.pid})",
+                lambda name, description: description.endswith(mark)
+                and unitprops.started_by(description, tag),
+                list(proc.units.values()), then)
+            proc.units.clear()
+            units_stopping = True
+        groups = [g for g in proc.runs.values() if g is not None]
+        killed = jobreaper.kill_groups(groups, self.master_pid)
+        dead = proc.pid
+        killed += jobreaper.kill_marked(lambda r: jobreaper.worker_of(r) == dead,
+                                        me=self.master_pid)
+        if killed:
+            log.warning("worker %d (pid %d) died with %d run(s); killed what was left of "
+                        "them", proc.index, dead, len(proc.runs) or killed)
+        proc.runs.clear()
+        return units_stopping
+
+    def _runs_units(self) -> bool:
+        return any(r.executor == "systemd" and r.refused is None for r in self.config.routes)
+
+    def _reclaim(self, owner: str) -> None:
+        """Give a dead worker's leases back now (its runs were killed), off the loop: the
+        database may be slow, and the occurrences need not wait for alive_time."""
+        def work(sc: Any) -> None:
+            n = sc.store.reclaim_owner(owner, time.time())
+            if n:
+                log.info("gave back %d lease(s) of %s; recorded as lost", n, owner)
+
+        # If the database does not answer, the leases expire by themselves.
+        self.db.in_background(f"giving back the leases of {owner}", work)
+
+    def sweep_orphans(self) -> None:
+        """Kill the master's children that are not workers and whose run has ended.
+
+        Workers are not subreapers: a process a run left behind (it left the group,
+        its parent died) lands here.  Reports are read first, so a run that just
+        started is known before its first orphan is judged.
+        """
+        now = time.monotonic()
+        if now < self.next_sweep:
+            return
+        # Once a second: the loop turns for every run event of every worker (thousands a
+        # second in a burst of exec jobs), and /proc reads on each turn showed.
+        self.next_sweep = now + SWEEP_EVERY
+        strays = [p for p in jobreaper.children(self.master_pid)
+                  if self.table.get(p) is None]
+        if not strays:
+            return
+        for proc in self.table:
+            self.read_alive(proc.pid)
+        active = {r for p in self.table for r in p.runs}
+        for pid in strays:
+            run = jobreaper.run_id(pid)
+            if run is not None and run in active:
+                continue
+            if run is not None:
+                log.warning("killing pid %d, left behind by run %s that has ended", pid, run)
+            jobreaper.kill(pid)
+
+    def read_alive(self, pid: int) -> None:
+        proc = self.table.get(pid)
+        if proc is None:
+            return
+        data = self.procs.read(proc.alive_r)
+        if data is None:  # EOF: it exited; reap() takes it from here
+            try:
+                self.sel.unregister(proc.alive_r)
+            except (KeyError, ValueError):
+                pass
+            return
+        if not data:
+            return
+        proc.buf += data
+        *lines, rest = proc.buf.split(b"\n")
+        proc.buf = bytearray(rest)
+        now = time.monotonic()
+        for line in lines:
+            proc.report(line, now)
+
+    def wake_workers(self) -> None:
+        """A schedule changed: every worker looks for due work now.
+
+        Called from the control and D-Bus threads, so it only asks the main loop, which
+        owns the worker pipes (a pipe it just closed could otherwise be a reused fd).
+        """
+        self.wake_pending = True
+        try:
+            os.write(self.selfpipe_w, b"w")
+        except OSError:
+            pass
+
+    def _poke(self) -> None:
+        """From another thread: the loop takes a whole turn now."""
+        try:
+            os.write(self.selfpipe_w, b"p")
+        except OSError:
+            pass
+
+    def _wake_now(self) -> None:
+        self.wake_pending = False
+        for proc in self.table:
+            self.procs.poke(proc.wake_w)
+
+    # -- control requests (from the control socket and D-Bus threads) ---------------------
+
+    def dispatch(self, cmd: str, args: dict[str, Any], caller: Caller) -> Any:
+        """One request of `caller` (as the socket or D-Bus knows it)."""
+        command = registry.command(cmd, registry.DAEMON)
+        registry.check_args(command, args)
+        if command.name == "status":
+            return self.status()
+        if command.name == "reload":
+            return self._request_reload()
+        routes = self.config.routes  # the configuration running now (reload swaps it)
+        result = self.db.call(lambda sc: commands.execute(
+            sc, cmd, args, where=registry.DAEMON, caller=caller, routes=routes))
+        if command.wakes:
+            self.wake_workers()
+        if self.dbus is not None:
+            for key, change in command.changes(args, result):
+                self.dbus.schedule_changed(key, change)
+        return result
+
+    def _request_reload(self) -> dict[str, Any]:
+        """Called from a control thread: the main loop reloads; the answer says whether
+        the new configuration was taken."""
+        answer: list[str | None] = []
+        done = threading.Event()
+        self.reload_waiters.append((done, answer))
+        self._on_signal(signal.SIGHUP, None)
+        if not done.wait(RELOAD_ANSWER_WAIT):
+            return {"reload": "requested"}  # the loop is busy: the log will say
+        if answer[0] is not None:
+            raise ConfigError(f"reload rejected, the running configuration stays: {answer[0]}")
+        return {"reload": "done", "workers": self.config.workers,
+                "refused": list(self.refused_routes)}
+
+    def status(self) -> dict[str, Any]:
+        """Called from the control threads; never waits on the database for more than
+        STATUS_FRESH_WAIT: the figures are the housekeeping thread's snapshot."""
+        procs = list(self.table)  # a copy: never iterate the live table
+        snap = self.db.fresh_snapshot(STATUS_FRESH_WAIT)
+        now = time.time()
+        mono = time.monotonic()
+        workers = [{"pid": p.pid, "index": p.index, "generation": p.generation,
+                    "age": round(mono - p.started, 1), "last_seen": round(mono - p.last_seen, 1),
+                    "running": p.running, "retiring": p.retiring, "db_ok": p.db_ok,
+                    "in_db_call": p.in_db}
+                   for p in sorted(procs, key=lambda p: (p.generation, p.index))]
+        ok, since, why = self.db.health()
+        reachable = ok is not False and all(p.db_ok for p in procs)
+        database: dict[str, Any] = {"ok": reachable}
+        if since is not None:
+            database["unreachable_since"] = round(since, 3)
+            database["error"] = why
+        if snap.read_at is not None:
+            database["figures_age"] = round(max(0.0, now - snap.read_at), 3)
+        return {
+            "version": __version__, "host": self.config.node, "pid": os.getpid(),
+            "uptime": round(now - self.started, 1), "state": self.state,
+            "workers_configured": self.config.workers,
+            "workers_alive": sum(1 for p in procs if not p.retiring),
+            "workers": workers, "running": list(snap.running),
+            "unclaimed": [{"type": t, "occurrences": n,
+                           "routed_here": self._routed_here(t)}
+                          for t, n in snap.unclaimed.items()],
+            "keys_to_rename": [{"key": k, "why": why} for k, why in snap.rename.items()],
+            "last_error": self.last_error or (f"database: {why}" if why else None) or (
+                f"route refused: {self.refused_routes[0]}" if self.refused_routes else None),
+            "refused_routes": list(self.refused_routes), "unit_grant": self.unit_grant,
+            "database_ok": reachable, "database": database,
+            "hosts": self._hosts(snap, now),
+            **{k: snap.counts.get(k, 0) for k in ("schedules", "paused", "due")},
+        }
+
+    def _routed_here(self, task_type: str) -> bool:
+        route = next((r for r in self.config.routes if r.matches(task_type)), None)
+        return route is not None and route.refused is None
+
+    def _hosts(self, snap: Any, now: float) -> list[dict[str, Any]]:
+        """The hosts on this database: those that record themselves (0.2.0 on), and nodes
+        seen at work that do not (an older release)."""
+        live_after = now - max(self.config.alive_time, 3 * HOST_EVERY)
+        hosts = [{"name": h["name"], "version": h["version"],
+                  "schema_version": h["schema_version"], "pid": h["pid"],
+                  "started_at": round(h["started_at"], 3),
+                  "last_seen": round(h["last_seen"], 3),
+                  "live": h["last_seen"] >= live_after}
+                 for h in snap.hosts]
+        hosts += [{"name": n, "version": "0.1.0", "schema_version": 1, "pid": None,
+                   "started_at": None, "last_seen": None, "live": True}
+                  for n in snap.unrecorded_nodes]
+        return sorted(hosts, key=lambda h: h["name"])
+
+    def _update_status(self) -> None:
+        now = time.monotonic()
+        if now - self.last_status < STATUS_EVERY:
+            return
+        self.last_status = now
+        alive = self.table.active()
+        running = sum(p.running for p in self.table)
+        db_ok = self.db.health()[0] is not False and all(p.db_ok for p in self.table)
+        counts = self.db.snapshot.counts
+        line = (f"{len(alive)} workers, {running} running, "
+                f"{counts.get('due', 0)} due, {counts.get('schedules', 0)} schedules")
+        if not db_ok:
+            line += "; database unreachable"
+        metrics.set_workers(self.config.workers, len(alive))
+        if line != self.status_line:
+            self.status_line = line
+            self.notify(f"STATUS={line}")
+
+    def _watchdog(self) -> None:
+        if self.watchdog_interval is None:
+            return
+        now = time.monotonic()
+        if now - self.last_watchdog < self.watchdog_interval:
+            return
+        # Healthy: the loop runs and at least one worker proved liveness recently.
+        healthy = self.table.any_alive(now) or self.state == "starting"
+        if healthy:
+            self.last_watchdog = now
+            self.notify("WATCHDOG=1")
+
+    # -- reload / stop --------------------------------------------------------------------
+
+    def host_config(self, config: Config) -> Config:
+        """The configuration as this host runs it: the schedules files' entries first,
+        and every route or entry it cannot run marked refused (reported once)."""
+        grant = self.unit_grant = host_grant()
+        config, refused = config_mod.refuse_routes(config, grant)
+        config = self.files.load(config)
+        config, refused_entries = config_mod.refuse_entry_routes(config, grant)
+        self.report_refused_routes(refused + refused_entries)
+        return config
+
+    def report_refused_routes(self, refused: list[str]) -> None:
+        """Say once, in the journal and in status, which routes this host refuses."""
+        for why in refused:
+            if why not in self.refused_routes:
+                log.error("%s; this route is refused, the other routes run", why)
+        self.refused_routes = list(refused)
+
+    def reload(self) -> str | None:
+        """Re-read the configuration; the reason it was rejected (the running one stays),
+        or None once the new one is in place and its workers are starting."""
+        mono_usec = int(time.clock_gettime(time.CLOCK_MONOTONIC) * 1e6)
+        self.notify("RELOADING=1", f"MONOTONIC_USEC={mono_usec}", "STATUS=reloading")
+        old = self.config
+        try:
+            new = config_mod.load(self.config_source, self.environment)
+            if (new.url, new.table) != (old.url, old.table):
+                check_url(new.url)  # the old store stays unless the new one can be made
+            self._swap_listeners(old, new)
+        except Exception as exc:  # noqa: BLE001 - whatever the new file does, the old one runs
+            # One bounded line, never a repr() of what the file holds.
+            why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:500]
+            if not isinstance(exc, ConfigError | NotSupportedError | OSError):
+                why = f"{type(exc).__name__}: {why}"
+            log.error("reload failed, keeping the running configuration: %s", why)
+            self.last_error = f"reload: {why}"
+            self.notify("READY=1", f"STATUS={self.status_line} (reload failed)")
+            return why
+        if self.last_error is not None and self.last_error.startswith("reload: "):
+            self.last_error = None  # that error is over: this configuration loaded
+        new = self.host_config(new)  # a bad schedules file is its own error, never fatal
+        self.config = new
+        if (new.url, new.table) != (old.url, old.table):
+            self.db.stop_in_background()
+            self.db = MasterDatabase(new)
+            self.db.start()
+        if (new.dbus, new.dbus_address) != (old.dbus, old.dbus_address):
+            self.dbus_attempt += 1  # stops a retry of the old address
+            if self.dbus is not None:
+                self.dbus.stop()
+                self.dbus = None
+            self._start_dbus()  # optional: a failure is logged and the daemon runs on
+        # The old generation retires once the new one is up.
+        self.table.begin_reload(new.workers, new.worker_timeout, time.monotonic())
+        log.info("reloading: starting %d new worker(s)", new.workers)
+        return None
+
+    def _swap_listeners(self, old: Config, new: Config) -> None:
+        """Open what the new configuration needs before closing what the old one had, so
+        a new port in use or an unwritable log path leaves everything as it was."""
+        from perfectschedd.control import server as control
+
+        new_control = new_metrics = None
+        try:
+            # A socket file someone deleted (tmpfiles cleaning, a careless rm) comes back
+            # with a reload, as with a restart.
+            if new.control_socket != old.control_socket or \
+                    new.control_group != old.control_group or \
+                    (self.control is not None and not self.control.file_intact()):
+                new_control = control.ControlServer(new, self.dispatch, log=log)
+                if new.control_socket == old.control_socket and self.control is not None:
+                    self.control.stop()  # same path: it must be free to bind again
+                new_control.start()
+            if new.metrics_listen != old.metrics_listen and new.metrics_listen is not None:
+                new_metrics = self._serve_metrics(new.metrics_listen)
+            logsetup.setup(new.log)
+        except BaseException:
+            if new_control is not None:
+                new_control.stop()
+                if new.control_socket == old.control_socket:
+                    self._start_control()
+            if new_metrics is not None:
+                new_metrics.stop()
+            logsetup.setup(old.log)
+            raise
+        if new_control is not None:
+            if self.control is not None and new.control_socket != old.control_socket:
+                self.control.stop()
+            self.control = new_control
+        if new.metrics_listen != old.metrics_listen:
+            if self.metrics_server is not None:
+                self.metrics_server.stop()
+            self.metrics_server = new_metrics
+            if new.metrics_listen is not None:
+                log.info("metrics on http://%s:%d/metrics", *new.metrics_listen)
+
+    def _finish_reload(self) -> None:
+        old = self.table.finish_reload(time.monotonic())
+        if old is None:
+            return
+        for proc in old:
+            self.procs.kill(proc.pid, signal.SIGTERM)
+        self.last_status = 0.0
+        log.info("reloaded")
+        self.notify("READY=1")
+
+    def stop(self) -> None:
+        self.state = "stopping"
+        log.info("stopping")
+        self.notify("STOPPING=1", "STATUS=stopping")
+        self._stop_listeners()
+        for p in self.table:
+            self.procs.kill(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.config.shutdown_timeout + self.config.kill_grace + 5
+        while len(self.table) and time.monotonic() < deadline:
+            self.reap()
+            time.sleep(0.05)
+        for p in self.table:
+            log.error("worker %d (pid %d) did not stop; killing it", p.index, p.pid)
+            self.procs.kill(p.pid, signal.SIGKILL)
+        while len(self.table):
+            self.reap()
+            time.sleep(0.02)
+        self.unit_cleanups.join(25.0)  # their give-backs need the database, still open
+        self._kill_orphans()
+        self.db.stop(timeout=5.0)  # lets the killed workers' leases be given back
+        log.info("stopped")
+
+    def _kill_orphans(self) -> None:
+        """Job processes re-parented to us (their worker died) must not outlive us."""
+        me = str(os.getpid())
+        pids = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if stat.rsplit(")", 1)[1].split()[1] == me:
+                pids.append(int(entry))
+        for pid in pids:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                self.procs.kill(pid, signal.SIGKILL)
+        for pid in pids:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+
+    # -- listeners ------------------------------------------------------------------------
+
+    def _start_control(self) -> None:
+        from perfectschedd.control import server as control
+
+        previous = self.control  # set (and stopped) when a reload moved the socket
+        server = control.ControlServer(self.config, self.dispatch, log=log)
+        try:
+            server.start()
+        except ConfigError as exc:
+            if previous is None:  # at start: the daemon cannot be controlled, so it stops
+                log.error("%s", exc)
+                raise SystemExit(1) from None
+            log.error("%s; keeping the control socket at %s", exc, previous.path)
+            self.last_error = str(exc)
+            server = control.ControlServer(self.config, self.dispatch, log=log,
+                                           path=previous.path)
+            server.start()
+        self.control = server
+
+    def _start_metrics_server(self) -> None:
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
+            self.metrics_server = None
+        if self.config.metrics_listen is not None:
+            self.metrics_server = self._serve_metrics(self.config.metrics_listen)
+            log.info("metrics on http://%s:%d/metrics", *self.config.metrics_listen)
+
+    def _serve_metrics(self, listen: tuple[str, int]) -> Any:
+        try:
+            return metrics.serve(listen, self._healthy)
+        except OSError as exc:
+            hint = " (another perfectschedd?  Set metrics_listen to a free port, or off)" \
+                if exc.errno == errno.EADDRINUSE else ""
+            raise ConfigError(f"metrics_listen: cannot listen on {listen[0]}:{listen[1]}: "
+                              f"{exc.strerror or exc}{hint}") from None
+
+    def _start_dbus(self) -> None:
+        if not self.config.dbus:
+            return
+        self.dbus_attempt += 1
+        try:
+            self.dbus = self._dbus_service()
+        except Exception as exc:  # noqa: BLE001 - D-Bus is optional; the daemon runs on
+            log.error("D-Bus interface not available: %s; trying again with back-off", exc)
+            self.dbus = None
+            # The bus may not have read our policy yet (right after the package was
+            # installed) or may not run yet: keep trying, off the loop.
+            threading.Thread(target=self._retry_dbus, args=(self.dbus_attempt,),
+                             name="dbus-retry", daemon=True).start()
+
+    def _dbus_service(self) -> Any:
+        from perfectschedd.control import dbus_server as dbus_service
+
+        group = self.control.group_gid if self.control is not None else None
+        service = dbus_service.DBusService(self.dispatch, log=log,
+                                           address=self.config.dbus_address, group_gid=group)
+        service.start()
+        return service
+
+    def _retry_dbus(self, attempt: int) -> None:
+        wait = 1.0
+        while True:
+            time.sleep(wait)
+            wait = min(wait * 2, DBUS_RETRY_MAX)
+            if attempt != self.dbus_attempt or self.state == "stopping":
+                return  # a reload or a stop took over
+            try:
+                service = self._dbus_service()
+            except Exception:  # noqa: BLE001 - said once; the daemon runs on without it
+                continue
+            if attempt != self.dbus_attempt or self.state == "stopping":
+                service.stop()
+                return
+            self.dbus = service
+            return
+
+    def _healthy(self) -> bool:
+        """Running, a worker alive, and the database reachable from the master and from
+        every worker (as each last saw it): a daemon that cannot write cannot run jobs."""
+        now = time.monotonic()
+        procs = list(self.table)
+        return self.state in ("running", "reloading") and any(
+            now - p.last_seen < self.config.worker_timeout for p in procs) \
+            and self.db.health()[0] is not False and all(p.db_ok for p in procs)
+
+    def _listener_fds(self) -> list[int]:
+        fds: list[int] = []
+        for obj in (self.control, self.metrics_server, self.dbus):
+            if obj is not None and hasattr(obj, "fds"):
+                fds.extend(obj.fds())
+        fds.extend(metrics.master_fds())
+        return fds
+
+    def _stop_listeners(self) -> None:
+        for obj in (self.control, self.dbus, self.metrics_server):
+            if obj is not None:
+                try:
+                    obj.stop()
+                except Exception:  # noqa: BLE001 - stopping must go on
+                    log.exception("error while stopping a listener")
+
+    # -- main loop ------------------------------------------------------------------------
+
+    def run(self) -> int:
+        self.master_pid = os.getpid()
+        logsetup.set_process_name("master")
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        except OSError:
+            pass
+        self._install_signals()
+        self.listener_fds = self._listener_fds
+        # The control socket first: its lock refuses a second daemon before anything of the
+        # running one (its metric files, its port) is touched.
+        self._start_control()
+        try:
+            metrics.setup_master(self.config)
+            self._start_metrics_server()
+        except ConfigError as exc:
+            log.error("%s", exc)
+            self._stop_listeners()  # no control socket file left behind
+            return 1
+        self.db.start()
+        self._start_dbus()
+        if self._runs_units():
+            from perfectschedd.executors.systemd import unit as unitjobs
+
+            # A previous daemon of this host that died without stopping its jobs (killed,
+            # crashed): its units must not run beside the occurrences run again now.
+            mark = unitjobs.owner_mark(self.config.node, 0).rsplit(":", 1)[0] + ":"
+            # Only this instance's: another daemon of this host (another table, database
+            # or configuration, one socket each) keeps its units.
+            tag = unitprops.daemon_tag(self.config.control_socket)
+            # Before any worker exists: waiting here is what keeps them from running twice.
+            stop_units(self.unit_cleanups.stopper, "a previous daemon of this host",
+                       lambda name, description: mark in description
+                       and unitprops.started_by(description, tag))
+        log.info("perfectschedd %s starting: %d worker(s), database %s", __version__,
+                 self.config.workers, engine_url(self.config.url).render_as_string(
+                     hide_password=True))
+        self.manage_workers()
+        try:
+            while True:
+                if self._loop_once():
+                    break
+        finally:
+            self.stop()
+        return 1 if self.fatal is not None else 0
+
+    def _loop_once(self) -> bool:
+        """One turn of the main loop; True when the daemon must stop."""
+        if self.db.fatal is not None and self.fatal is None:
+            self.fatal = self.db.fatal
+        if self.fatal is not None:
+            # Waiting will not fix it: fail (the start, under systemd) rather than run
+            # workers that can do nothing.
+            log.error("%s: %s", "stopping" if self.ready else "cannot start", self.fatal)
+            self.notify(f"STATUS=failed: {self.fatal}"[:400])
+            return True
+        only_reports = True
+        for key, _ in self.sel.select(timeout=0.02 if self.spawn_postponed else 0.5):
+            if key.data == "signal":
+                only_reports = False
+                try:
+                    os.read(self.selfpipe_r, 4096)
+                except BlockingIOError:
+                    pass
+            else:
+                self.read_alive(key.data)
+        now = time.monotonic()
+        if only_reports and not self.wake_pending and now - self.last_turn < TURN_MIN:
+            # Workers report every exec run (thousands a second in a burst): read them,
+            # but run the rest of the turn at most every TURN_MIN.  A death comes with
+            # SIGCHLD, a signal, which always gets a whole turn.  And let the next
+            # reports gather a moment: one wake-up reads many (a signal waits at most
+            # REPORT_GATHER for its turn).
+            time.sleep(REPORT_GATHER)
+            return False
+        self.last_turn = now
+        if self.wake_pending:
+            self._wake_now()
+        while self.signals:
+            sig = self.signals.pop(0)
+            if sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
+                log.info("got %s", signal.Signals(sig).name)
+                return True
+            if sig in (signal.SIGHUP, signal.SIGUSR1):
+                log.info("got %s: reloading", signal.Signals(sig).name)
+                why = self.reload()
+                waiters, self.reload_waiters = self.reload_waiters, []
+                for done, answer in waiters:
+                    answer.append(why)
+                    done.set()
+            elif sig == signal.SIGUSR2:
+                logsetup.reopen()
+                for p in self.table:
+                    self.procs.kill(p.pid, signal.SIGUSR2)
+            elif sig == signal.SIGCHLD:
+                self.reap()
+        self.reap()
+        self.sweep_orphans()
+        self.manage_workers()
+        if self.db.sc is not None and self.files.take_pending():
+            self.db.in_background("applying schedules files", self.files.apply)
+        self._finish_reload()
+        if not self.ready and self.table.all_pinged() and (
+                self.db.first_open.is_set()
+                or time.monotonic() - self.started_mono > READY_DATABASE_WAIT):
+            self.ready = True
+            self.state = "running"
+            log.info("ready")
+            self.notify("READY=1", f"MAINPID={os.getpid()}")
+            self.last_status = 0.0  # STATUS= says at once what is up
+        self._update_status()
+        self._watchdog()
+        return False
+
+
+def host_grant() -> bool:
+    """Whether this daemon may start systemd units (the polkit grant).  Asked only where
+    it decides something: a daemon that is not root, on a host systemd runs."""
+    if os.geteuid() == 0 or not unitprops.systemd_booted():
+        return False
+    from perfectschedd.executors.systemd import (
+        grant as unitgrant,  # D-Bus: loaded only where it is used
+    )
+
+    held = unitgrant.grant_state()
+    log.info("polkit grant to start units: %s", "held" if held else "not held")
+    return held
+
+
+# READY=1 waits this long at most for the first try to open the database: a database
+# that is only unreachable does not hold the start, one it can never use stops it.
+READY_DATABASE_WAIT = 10.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="perfectschedd",
+                                description="PerfectSched daemon (runs in the foreground).")
+    p.add_argument("-c", "--config", metavar="CONFIG",
+                   help=f"configuration file (default $PERFECTSCHED_CONFIG or "
+                        f"{config_mod.DEFAULT_CONFIG_PATH})")
+    p.add_argument("-e", "--environment", metavar="ENV", help="section of a multi-env config")
+    p.add_argument("-I", dest="include", metavar="PATH", action="append", default=[],
+                   help="add PATH to the module search path (for python routes)")
+    p.add_argument("-r", dest="require", metavar="MODULE", action="append", default=[],
+                   help="import MODULE at start (for python routes)")
+    p.add_argument("--version", action="version", version=f"perfectschedd {__version__}")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    finally:
+        logsetup.shutdown()  # write what the log queue still holds
+
+
+def _main(argv: list[str] | None) -> int:
+    ns = build_parser().parse_args(argv)
+    source = ns.config or os.environ.get("PERFECTSCHED_CONFIG") or \
+        config_mod.DEFAULT_CONFIG_PATH
+    logsetup.setup(None)
+    try:
+        cfg = config_mod.load(source, ns.environment)
+    except (ConfigError, NotSupportedError) as exc:
+        log.error("%s", exc)
+        return 1
+    logsetup.setup(cfg.log)
+    for path in reversed(ns.include):
+        sys.path.insert(0, os.path.abspath(path))
+    for module in ns.require:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # noqa: BLE001 - report any import failure in one line
+            log.error("cannot import %s: %s", module, exc)
+            return 1
+    try:
+        return Supervisor(cfg, source, ns.environment).run()
+    except OSError as exc:
+        if exc.errno in (errno.EADDRINUSE, errno.EACCES, errno.EPERM):
+            log.error("%s", exc)
+            return 1
+        raise

@@ -1,0 +1,186 @@
+"""The master's worker table and its decisions: which workers to start, which to kill as
+unresponsive, which to retire after a reload, how long to back off when they keep dying.
+
+No processes and no clock here: the supervisor passes `now` (monotonic seconds) and acts
+on the answers through its process layer (workerprocs.py), so every decision is tested
+in-process (tests/master/test_workertable.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+QUICK_DEATH = 10.0  # a worker that dies sooner than this counts towards the back-off
+BACKOFF_MAX = 30.0
+
+
+@dataclass
+class WorkerProc:
+    pid: int
+    index: int
+    generation: int
+    wake_w: int
+    alive_r: int
+    started: float
+    last_seen: float
+    pinged: bool = False
+    retiring: bool = False
+    running: int = 0
+    db_ok: bool = True
+    loop_age: float = 0.0  # seconds since its main loop turned, as of its last ping
+    in_db: bool = False    # its main loop was inside a database call
+    buf: bytearray = field(default_factory=bytearray)
+    # Its exec and unit runs: run id -> process group (None until spawned, or a unit).
+    runs: dict[str, int | None] = field(default_factory=dict)
+    # Its unit runs (executor systemd): run id -> unit name.
+    units: dict[str, str] = field(default_factory=dict)
+
+    def report(self, line: bytes, now: float) -> None:
+        """One line of its alive pipe: "RUNNING DB_OK [LOOP_AGE IN_DB]" (a ping) or a run
+        event: "s RUN" (about to spawn), "g RUN PGID" (spawned), "u RUN UNIT" (about to
+        start a systemd unit), "e RUN" (ended)."""
+        self.last_seen = now
+        self.pinged = True
+        words = line.split()
+        try:
+            if words[0] not in (b"s", b"g", b"u", b"e"):
+                self.running, self.db_ok = int(words[0]), words[1] == b"1"
+                if len(words) >= 4:
+                    self.loop_age, self.in_db = float(words[2]), words[3] == b"1"
+            elif words[0] == b"s":
+                self.runs[words[1].decode()] = None
+            elif words[0] == b"g":
+                self.runs[words[1].decode()] = int(words[2])
+            elif words[0] == b"u":
+                self.units[words[1].decode()] = words[2].decode()
+            else:
+                self.runs.pop(words[1].decode(), None)
+                self.units.pop(words[1].decode(), None)
+        except (ValueError, IndexError, UnicodeDecodeError):
+            pass  # a line cut by a dying worker
+
+
+@dataclass(frozen=True)
+class Exit:
+    """What the table made of a worker's exit."""
+
+    proc: WorkerProc
+    lived: float
+    unexpected: bool             # not retiring, not stopping: it died and is replaced
+    backoff: float | None = None  # set when it died young: the next start waits this long
+
+
+class WorkerTable:
+    def __init__(self, size: int, worker_timeout: float) -> None:
+        self.size = size
+        self.worker_timeout = worker_timeout
+        self.procs: dict[int, WorkerProc] = {}
+        self.generation = 0
+        self.spawn_failures = 0
+        self.next_spawn = 0.0
+        self.restarts = 0
+        self.reload_since: float | None = None
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(list(self.procs.values()))
+
+    def __len__(self) -> int:
+        return len(self.procs)
+
+    def add(self, proc: WorkerProc) -> None:
+        self.procs[proc.pid] = proc
+
+    def get(self, pid: int) -> WorkerProc | None:
+        return self.procs.get(pid)
+
+    # -- decisions ----------------------------------------------------------------------------
+
+    def exited(self, pid: int, now: float, stopping: bool) -> Exit | None:
+        """A child exited; None if it was not a worker (an orphaned job process)."""
+        proc = self.procs.pop(pid, None)
+        if proc is None:
+            return None
+        lived = now - proc.started
+        if proc.retiring or stopping:
+            return Exit(proc, lived, unexpected=False)
+        self.restarts += 1
+        if lived >= QUICK_DEATH:
+            self.spawn_failures = 0
+            return Exit(proc, lived, unexpected=True)
+        self.spawn_failures += 1
+        delay = min(0.5 * 2 ** (self.spawn_failures - 1), BACKOFF_MAX)
+        self.next_spawn = now + delay
+        return Exit(proc, lived, unexpected=True, backoff=delay)
+
+    def unresponsive(self, now: float) -> list[tuple[WorkerProc, str]]:
+        """Workers to kill, with why: silent (no ping: frozen, or holding the GIL), or
+        wedged (pings say the main loop stopped outside a database call).  A loop inside a
+        database call waits on the database, which has its own timeouts: that worker
+        lives, and a replacement would only wait the same way."""
+        found = []
+        for proc in self:
+            silent = now - proc.last_seen
+            stalled = 0.0 if proc.in_db else proc.loop_age + silent
+            if silent > self.worker_timeout:
+                found.append((proc, f"silent for {silent:.0f}s"))
+            elif stalled > self.worker_timeout:
+                found.append((proc, f"main loop stopped for {stalled:.0f}s outside a "
+                                    "database call"))
+            else:
+                continue
+            proc.last_seen = now  # one kill per timeout period
+            proc.loop_age = 0.0
+        return found
+
+    def missing(self, now: float) -> list[int]:
+        """Indexes of the current generation that have no worker and may start now."""
+        if now < self.next_spawn:
+            return []
+        current = {p.index for p in self
+                   if p.generation == self.generation and not p.retiring}
+        return [i for i in range(self.size) if i not in current]
+
+    def surplus(self) -> list[WorkerProc]:
+        """Workers of the current generation beyond `size` (a reload lowered it); marked
+        retiring."""
+        extra = [p for p in self if p.generation == self.generation
+                 and p.index >= self.size and not p.retiring]
+        for p in extra:
+            p.retiring = True
+        return extra
+
+    # -- reload by generation -----------------------------------------------------------------
+
+    def begin_reload(self, size: int, worker_timeout: float, now: float) -> None:
+        """New workers of a new generation start; the old ones run until they are up."""
+        self.size = size
+        self.worker_timeout = worker_timeout
+        self.generation += 1
+        self.reload_since = now
+        self.next_spawn = 0.0
+
+    def finish_reload(self, now: float) -> list[WorkerProc] | None:
+        """Once the new generation is up (or did not come up within worker_timeout), the
+        old workers to retire (marked retiring); None while the reload goes on."""
+        if self.reload_since is None:
+            return None
+        new = [p for p in self if p.generation == self.generation]
+        up = len(new) >= self.size and all(p.pinged for p in new)
+        if not up and now - self.reload_since <= self.worker_timeout:
+            return None
+        self.reload_since = None
+        old = [p for p in self if p.generation < self.generation and not p.retiring]
+        for p in old:
+            p.retiring = True
+        return old
+
+    # -- health -------------------------------------------------------------------------------
+
+    def all_pinged(self) -> bool:
+        return bool(self.procs) and all(p.pinged for p in self)
+
+    def any_alive(self, now: float) -> bool:
+        return any(now - p.last_seen < self.worker_timeout for p in self)
+
+    def active(self) -> list[WorkerProc]:
+        return [p for p in self if not p.retiring]

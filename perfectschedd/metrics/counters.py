@@ -1,0 +1,532 @@
+"""The metric objects, nothing else: Prometheus metrics summed over all forked workers.
+
+Workers count tasks with prometheus_client in multiprocess mode: every worker process
+writes its own files in PROMETHEUS_MULTIPROC_DIR, and the master's /metrics sums them with
+``MultiProcessCollector``, so a worker that dies or is replaced keeps its counts in the
+totals.  The master's own numbers (workers, restarts, schedule counts, build info) are
+held in memory and exported by a small collector: one writer needs no files, and no
+gauge merge mode (``mostrecent`` is missing on prometheus-client 0.16) is involved.
+
+Every function is a cheap no-op until ``setup_master`` ran (library use, perfectschedctl
+-c) and, for the worker-side ones, until ``after_fork_in_worker`` ran in this process.
+prometheus_client is only imported once the directory is set up.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import fcntl
+import glob
+import logging
+import os
+import selectors
+import shutil
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from perfectschedd import __version__
+from perfectschedd.errors import ConfigError
+from perfectschedd.fdguard import AcceptGuard
+
+log = logging.getLogger("perfectschedd")
+
+PREFIX = "perfectsched"
+# Lateness and duration: from a millisecond to a day.
+BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+           300.0, 600.0, 1800.0, 3600.0, 7200.0, 14400.0, 43200.0, 86400.0)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+HTTP_TIMEOUT = 10.0  # seconds a scrape connection may stay silent
+# A whole request (and its answer) within this; a client that sends a byte now and then
+# is cut off here, not kept forever.
+HTTP_DEADLINE = 10.0
+# Connections served at once (a thread each); more are closed unserved.  Prometheus needs
+# one; the cap keeps a local user with a loop from holding every thread and descriptor.
+HTTP_MAX_CONNECTIONS = 32
+
+_dir: str | None = None      # the multiprocess directory, once setup_master ran
+_dir_lock: int | None = None  # the master's lock on it
+_master: _MasterState | None = None
+_worker: _WorkerMetrics | None = None
+
+
+# --------------------------------------------------------------------------- worker side
+
+class _WorkerMetrics:
+    """Created in each worker after fork; written to this process' multiprocess files."""
+
+    def __init__(self) -> None:
+        from prometheus_client import Counter, Gauge, Histogram
+
+        p = PREFIX
+        self.started = Counter(f"{p}_tasks_started", "Tasks started, by task type.",
+                               ["type"], registry=None)
+        self.finished = Counter(
+            f"{p}_tasks_finished",
+            "Tasks ended, by task type and outcome (success, failed, timeout, later, "
+            "preempted, released, stopped, no_route, db_error).",
+            ["type", "outcome"], registry=None)
+        self.lateness = Histogram(f"{p}_task_lateness_seconds",
+                                  "Start time minus due time of started tasks.",
+                                  ["type"], buckets=BUCKETS, registry=None)
+        self.duration = Histogram(f"{p}_task_duration_seconds",
+                                  "Run time of tasks, by task type.",
+                                  ["type"], buckets=BUCKETS, registry=None)
+        self.last_success = Gauge(f"{p}_last_success_timestamp_seconds",
+                                  "Unix time of the last successful run, by task type.",
+                                  ["type"], multiprocess_mode="max", registry=None)
+        self.leases_lost = Counter(f"{p}_leases_lost",
+                                   "Tasks whose lease was taken over while they ran.",
+                                   ["type"], registry=None)
+        self.skipped = Counter(f"{p}_occurrences_skipped",
+                               "Occurrences not run by their misfire or grace policy.",
+                               ["type"], registry=None)
+        self.given_up = Counter(f"{p}_occurrences_given_up",
+                                "Occurrences given up after max_attempts failed attempts.",
+                                ["type"], registry=None)
+        self.db_errors = Counter(f"{p}_database_errors",
+                                 "Failed database operations of the workers.", registry=None)
+        # livemin: 1 only while every live worker reaches the database.
+        self.db_up = Gauge(f"{p}_database_up",
+                           "1 if every live worker reached the database on its last try.",
+                           multiprocess_mode="livemin", registry=None)
+        self.db_up.set(1)
+        # Labelled children by type (and outcome): .labels() per task cost as much as
+        # the updates themselves.
+        self._per_type: dict[str, tuple[Any, Any, Any, Any]] = {}
+        self._finished: dict[tuple[str, str], Any] = {}
+
+    def for_type(self, task_type: str) -> tuple[Any, Any, Any, Any]:
+        """(started, lateness, duration, last_success) of one task type."""
+        children = self._per_type.get(task_type)
+        if children is None:
+            children = self._per_type[task_type] = (
+                self.started.labels(task_type), self.lateness.labels(task_type),
+                self.duration.labels(task_type), self.last_success.labels(task_type))
+        return children
+
+    def finished_of(self, task_type: str, outcome: str) -> Any:
+        child = self._finished.get((task_type, outcome))
+        if child is None:
+            child = self._finished[task_type, outcome] = self.finished.labels(task_type,
+                                                                              outcome)
+        return child
+
+
+def after_fork_in_worker() -> None:
+    """In a freshly forked worker: count into files of its own pid."""
+    global _worker
+    if _dir is None:
+        return
+    from prometheus_client import values
+
+    # A fresh value class: new files for this pid, and a lock no master thread can hold
+    # at the instant of fork.  Also switches on multiprocess mode even if something
+    # imported prometheus_client before the directory was set.
+    # The pid, read once: prometheus_client asks for it on every update (a system call
+    # each, several per task) to notice forks, and a worker never forks a process that
+    # counts.
+    pid = os.getpid()
+    values.ValueClass = values.MultiProcessValue(process_identifier=lambda: pid)
+    _worker = _WorkerMetrics()
+
+
+def task_started(task_type: str, lateness: float) -> None:
+    if _worker is None:
+        return
+    started, late, _, _ = _worker.for_type(task_type)
+    started.inc()
+    late.observe(max(0.0, lateness))
+
+
+def task_finished(task_type: str, outcome: str, duration: float) -> None:
+    if _worker is None:
+        return
+    _worker.finished_of(task_type, outcome).inc()
+    if outcome == "no_route":  # never started: no run time to record
+        return
+    _, _, run_time, last_success = _worker.for_type(task_type)
+    run_time.observe(max(0.0, duration))
+    if outcome == "success":
+        last_success.set(time.time())
+
+
+def occurrences_skipped(task_type: str, count: int) -> None:
+    if _worker is not None and count > 0:
+        _worker.skipped.labels(task_type).inc(count)
+
+
+def occurrence_given_up(task_type: str) -> None:
+    if _worker is not None:
+        _worker.given_up.labels(task_type).inc()
+
+
+def lease_lost(task_type: str) -> None:
+    if _worker is not None:
+        _worker.leases_lost.labels(task_type).inc()
+
+
+def db_error() -> None:
+    if _worker is not None:
+        _worker.db_errors.inc()
+
+
+def set_db_up(ok: bool) -> None:
+    if _worker is not None:
+        _worker.db_up.set(1 if ok else 0)
+
+
+# --------------------------------------------------------------------------- master side
+
+class _MasterState:
+    """What only the master knows; read by the HTTP thread, written by the main loop."""
+
+    def __init__(self) -> None:
+        self.started = time.time()
+        self.workers_configured = 0
+        self.workers_alive = 0
+        self.restarts = 0
+        self.counts: dict[str, int] | None = None
+        self.counts_time = 0.0
+        self.unclaimed: dict[str, int] = {}
+
+
+class _MasterCollector:
+    def __init__(self, state: _MasterState) -> None:
+        self.state = state
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        s, p = self.state, PREFIX
+        build = GaugeMetricFamily(f"{p}_build_info", "Version of the running perfectschedd.",
+                                  labels=["version", "python_version"])
+        build.add_metric([__version__, ".".join(map(str, sys.version_info[:3]))], 1)
+        yield build
+        yield GaugeMetricFamily(f"{p}_start_time_seconds",
+                                "Unix time the master process started.", value=s.started)
+        yield GaugeMetricFamily(f"{p}_workers_configured",
+                                "Worker processes the configuration asks for.",
+                                value=s.workers_configured)
+        yield GaugeMetricFamily(f"{p}_workers_alive", "Worker processes running.",
+                                value=s.workers_alive)
+        yield CounterMetricFamily(f"{p}_worker_restarts",
+                                  "Workers that died unexpectedly and were replaced.",
+                                  value=s.restarts)
+        counts = s.counts
+        if counts is None:  # not read from the database yet: absent rather than wrong
+            return
+        for name, key, doc in (
+                ("registered", "schedules", "Schedules in the table."),
+                ("paused", "paused", "Paused schedules."),
+                ("overdue", "due", "Unpaused schedules due now that no worker holds."),
+                ("running", "running", "Schedules a worker holds (running tasks).")):
+            yield GaugeMetricFamily(f"{p}_schedules_{name}",
+                                    f"{doc} Refreshed every 15 s.", value=counts.get(key, 0))
+        yield GaugeMetricFamily(f"{p}_schedule_counts_timestamp_seconds",
+                                "Unix time the schedule counts were read.",
+                                value=s.counts_time)
+        unclaimed = GaugeMetricFamily(
+            f"{p}_occurrences_unclaimed",
+            "Occurrences due for over a minute that no worker claimed (no live host routes "
+            "their type, or every worker is busy), by type.", labels=["type"])
+        for task_type, n in sorted(s.unclaimed.items()):
+            unclaimed.add_metric([task_type], n)
+        yield unclaimed
+
+
+def multiproc_dir(config: Any) -> str:
+    """Where the workers' metric files go (created if needed; not yet cleared)."""
+    runtime = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
+    candidates = []
+    if runtime:
+        candidates.append(os.path.join(runtime, "metrics"))
+    sock = getattr(config, "control_socket", None)
+    if sock:
+        stem = os.path.splitext(os.path.basename(sock))[0] or "perfectschedd"
+        candidates.append(os.path.join(os.path.dirname(os.path.abspath(sock)),
+                                       f"{stem}-metrics"))
+    for path in candidates:
+        try:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(path, os.W_OK | os.X_OK):
+            return path
+    path = tempfile.mkdtemp(prefix="perfectschedd-metrics-")
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
+def _lock_dir(path: str) -> int:
+    """Hold the directory for this daemon: a second daemon given the same one (the same
+    RUNTIME_DIRECTORY, another socket) is refused before it clears the files of the
+    running one's workers.  The lock goes with the master's last descriptor of it."""
+    fd = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(f"metrics directory {path} is in use by another perfectschedd; "
+                          "give each daemon its own control_socket and runtime directory"
+                          ) from None
+    return fd
+
+
+def master_fds() -> list[int]:
+    """Descriptors only the master keeps (a forked worker closes them)."""
+    return [] if _dir_lock is None else [_dir_lock]
+
+
+def setup_master(config: Any) -> None:
+    """Prepare and clear the multiprocess directory, set the environment, master metrics."""
+    global _dir, _master, _dir_lock
+    path = multiproc_dir(config)
+    _dir_lock = _lock_dir(path)
+    for f in glob.glob(os.path.join(path, "*.db")):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(f)
+    # Read by prometheus_client's value classes in every process forked from here on.
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+    _dir = path
+    _master = _MasterState()
+    # Imported here, once, not by each worker after its fork (its pages are then shared
+    # with every worker) nor lazily on a path that may run out of file descriptors.
+    import prometheus_client.multiprocess  # noqa: F401
+    import prometheus_client.values  # noqa: F401
+
+    from perfectschedd.metrics import archive as metrics_archive  # noqa: F401
+
+
+def worker_exited(pid: int) -> None:
+    if _dir is None:
+        return
+    from prometheus_client import multiprocess  # imported by setup_master already
+
+    from perfectschedd.metrics import archive as metrics_archive
+
+    multiprocess.mark_process_dead(pid, _dir)
+    metrics_archive.fold_dead(_dir, pid)
+
+
+def worker_restarted() -> None:
+    if _master is not None:
+        _master.restarts += 1
+
+
+def set_schedule_counts(counts: dict[str, int], read_at: float | None = None,
+                        unclaimed: dict[str, int] | None = None) -> None:
+    if _master is not None:
+        _master.unclaimed = dict(unclaimed or {})
+        _master.counts = dict(counts)
+        _master.counts_time = time.time() if read_at is None else read_at
+
+
+def set_workers(configured: int, alive: int) -> None:
+    if _master is not None:
+        _master.workers_configured = configured
+        _master.workers_alive = alive
+
+
+def _complete_files(path: str) -> list[str]:
+    """The *.db files past their 8-byte header.
+
+    A worker that starts creates its files empty and then sizes them; reading one in
+    between makes prometheus_client's reader fail (struct.error), so a scrape during a
+    worker replacement would fail.  Files only grow, so a size check first is enough."""
+    files = []
+    for f in glob.glob(os.path.join(path, "*.db")):
+        try:
+            if os.path.getsize(f) >= 8:
+                files.append(f)
+        except FileNotFoundError:  # a live gauge's file removed by mark_process_dead
+            pass
+    return files
+
+
+def render() -> bytes:
+    """The /metrics body: the workers' files summed, plus the master's own metrics."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    class WorkerFiles(MultiProcessCollector):  # type: ignore[misc]
+        def collect(self) -> Any:
+            return self.merge(_complete_files(self._path), accumulate=True)
+
+    from perfectschedd.metrics import archive as metrics_archive
+
+    registry = CollectorRegistry(auto_describe=False)
+    if _dir is not None and os.path.isdir(_dir):
+        WorkerFiles(registry, path=_dir)
+    if _master is not None:
+        registry.register(_MasterCollector(_master))
+    with metrics_archive.LOCK:  # no fold half-way: no total counted twice or missing
+        return bytes(generate_latest(registry))
+
+
+# --------------------------------------------------------------------------- HTTP
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _HTTPServer
+    timeout = HTTP_TIMEOUT
+    server_version = f"perfectschedd/{__version__}"
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        path = self.path.split("?", 1)[0]
+        if path == "/metrics":
+            try:
+                self._reply(200, render(), CONTENT_TYPE)
+            except Exception:  # noqa: BLE001 - a scrape must not take the server down
+                log.exception("cannot render /metrics")
+                self._reply(500, b"cannot render metrics; see the daemon's log\n")
+        elif path == "/healthz":
+            ok = self.server.is_healthy()
+            self._reply(200 if ok else 503, b"ok\n" if ok else b"unhealthy\n")
+        elif path == "/":
+            self._reply(200, b"perfectschedd: /metrics, /healthz\n")
+        else:
+            self._reply(404, b"not found\n")
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        self.do_GET()
+
+    def _reply(self, code: int, body: bytes, ctype: str = "text/plain; charset=utf-8") -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - base signature
+        log.debug("metrics http: %s - %s", self.address_string(), format % args)
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    # The kernel queues this many clients while the loop accepts (socketserver's 5 made a
+    # burst of scrapes wait a second for SYN retransmits); beyond the cap they are closed.
+    request_queue_size = 128
+
+    def __init__(self, listen: tuple[str, int], healthy: Callable[[], bool]) -> None:
+        host, port = listen
+        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.healthy = healthy
+        self.conns: set[int] = set()  # accepted sockets, for fds() in a forked worker
+        # Open connections and when each must be done (monotonic); the serve loop cuts
+        # off the late ones.
+        self.deadlines: dict[socket.socket, float] = {}
+        self.lock = threading.Lock()
+        self.guard = AcceptGuard("metrics_listen", log)
+        super().__init__((host, port), _Handler)
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        try:
+            return self.socket.accept()
+        except OSError as exc:
+            self.guard.exhausted(self.socket, exc)
+            raise  # socketserver drops this attempt; the loop looks again
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self.lock:
+            full = len(self.deadlines) >= HTTP_MAX_CONNECTIONS
+            if not full:
+                self.deadlines[request] = time.monotonic() + HTTP_DEADLINE
+                self.conns.add(request.fileno())
+        if full:
+            self.close_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self.lock:
+            self.deadlines.pop(request, None)
+            self.conns.discard(request.fileno())
+        super().shutdown_request(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client gone, or cut off at its deadline: not worth a traceback on stderr.
+        log.debug("metrics http: %s: %s", client_address, sys.exc_info()[1])
+
+    def cut_late(self) -> float | None:
+        """Shut the connections past their deadline; seconds until the next one is due
+        (None: no connection open)."""
+        now = time.monotonic()
+        with self.lock:
+            late = [s for s, t in self.deadlines.items() if t <= now]
+            upcoming = [t for t in self.deadlines.values() if t > now]
+        for sock in late:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # its thread's read ends; it cleans up
+            except OSError:
+                pass
+        return max(0.05, min(upcoming) - now) if upcoming else None
+
+    def is_healthy(self) -> bool:
+        for _ in range(3):  # the callable reads the master's worker table while it changes
+            try:
+                return bool(self.healthy())
+            except RuntimeError:
+                time.sleep(0.001)
+            except Exception:  # noqa: BLE001 - an error means "not healthy", not a 500
+                log.exception("health check failed")
+                return False
+        return False
+
+
+class MetricsServer:
+    """The master's HTTP endpoint: /metrics, /healthz (200 healthy, 503 not)."""
+
+    def __init__(self, listen: tuple[str, int], healthy: Callable[[], bool]) -> None:
+        self.httpd = _HTTPServer(listen, healthy)
+        self.httpd.timeout = 0  # handle_request() runs once select() saw a client: no wait
+        self.address: tuple[str, int] = self.httpd.server_address[:2]  # type: ignore[assignment]
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC)
+        self._stopping = False
+        self.thread = threading.Thread(target=self._serve, name="metrics-http", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        # Not serve_forever(): it wakes every poll_interval, all day long, only to see
+        # whether shutdown() was called.  This sleeps until a client connects or stop().
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.httpd.fileno(), selectors.EVENT_READ)
+            sel.register(self._wake_r, selectors.EVENT_READ)
+            while not self._stopping:
+                for key, _ in sel.select(self.httpd.cut_late()):
+                    if key.fd != self._wake_r and not self._stopping:
+                        self.httpd.handle_request()
+
+    @property
+    def port(self) -> int:
+        return int(self.address[1])
+
+    def fds(self) -> list[int]:
+        """Listening (and open connection) sockets, which a forked worker closes.
+
+        Called in the child right after fork, where no other thread runs: no lock."""
+        reserve = self.httpd.guard.reserve
+        return [self.httpd.fileno(), self._wake_r, self._wake_w, *list(self.httpd.conns),
+                *([reserve] if reserve is not None else [])]
+
+    def stop(self) -> None:
+        self._stopping = True
+        os.write(self._wake_w, b"x")
+        self.thread.join(5)
+        self.httpd.server_close()
+        self.httpd.guard.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+
+def serve(listen: tuple[str, int], healthy: Callable[[], bool]) -> MetricsServer:
+    """Serve /metrics and /healthz on `listen` in a thread; raises OSError if it cannot bind."""
+    return MetricsServer(listen, healthy)

@@ -1,0 +1,630 @@
+"""Public API: open(), ScheduleCollection, Schedule, Task.
+
+Validation of user input happens here, before anything reaches the store, so a refused
+request never changes what is stored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import unicodedata
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from perfectschedd.config import Config, load
+from perfectschedd.control.protocol import MAX_DEPTH, json_depth
+from perfectschedd.errors import (
+    AlreadyExistsError,
+    AlreadyFinishedError,
+    InvalidInputError,
+    NotFoundError,
+    PreemptedError,
+    describe,
+)
+from perfectschedd.schedules import cron
+from perfectschedd.schedules import cron as cron_mod
+from perfectschedd.schedules import policy as policy_mod
+from perfectschedd.schedules.fields import EXEC_TYPE
+from perfectschedd.store.sql import (
+    CRON_MAX,
+    DATA_MAX,
+    KEY_MAX,
+    RUN_NOW_MARK,
+    TYPE_MAX,
+    Advance,
+    Claimed,
+    Row,
+    Store,
+    dumps_data,
+)
+
+_UNSET: Any = object()
+
+
+@dataclass(frozen=True)
+class ScheduleInfo:
+    key: str
+    type: str
+    cron: str | None
+    delay: int
+    timezone: str
+    next_time: int
+    next_run_time: int
+    data: dict[str, Any]
+    paused: bool = False
+    attempt: int = 0
+    owner: str | None = None
+    claimed_at: float | None = None
+    paused_reason: str | None = None
+    misfire: str = "all"
+    grace: int | None = None
+    max_attempts: int = 0
+    retry_wait: int | None = None
+    jitter: int = 0
+    timeout: float | None = None
+    source: str = "api"  # file:NAME for a schedule from a schedules file
+    creator: int | None = None  # the uid that made it; None: unknown (before 0.2.0)
+
+    @property
+    def running(self) -> bool:
+        return self.owner is not None
+
+    def as_dict(self) -> dict[str, Any]:
+        # Shallow: asdict() deep-copies `data` recursively, and a row stored by an older
+        # version may hold data nested deeper than the recursion limit.
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_row(cls, row: Row) -> ScheduleInfo:
+        return cls(
+            key=row.key, type=row.type, cron=row.cron, delay=row.delay, timezone=row.timezone,
+            next_time=row.next_time, next_run_time=row.next_run_time,
+            data=_stored_data(row.data), paused=row.paused, attempt=row.attempt,
+            owner=row.owner, claimed_at=row.claimed_at, paused_reason=row.paused_reason,
+            source=row.source or "api", creator=row.creator,
+            **policy_mod.from_text(row.policy).as_fields(),
+        )
+
+    @property
+    def policy(self) -> policy_mod.Policy:
+        return policy_mod.Policy(**{k: getattr(self, k) for k in policy_mod.OPTIONS})
+
+
+def _stored_data(text: str) -> dict[str, Any]:
+    try:
+        return json.loads(text)
+    except RecursionError:  # stored before depth limits existed: shown, not fatal
+        return {"unreadable": f"data nested deeper than {MAX_DEPTH} levels; modify or "
+                              "delete this schedule"}
+
+
+# -- validation of user input -------------------------------------------------------------
+
+def check_text(field: str, value: Any, limit: int) -> str:
+    if not isinstance(value, str) or not value:
+        raise InvalidInputError(field, "must be a non-empty string")
+    if len(value) > limit:
+        raise InvalidInputError(field, f"longer than {limit} characters")
+    if any(ord(c) < 32 for c in value):
+        raise InvalidInputError(field, "contains control characters")
+    if not value.isascii() and any(0xD800 <= ord(c) <= 0xDFFF for c in value):
+        raise InvalidInputError(field, "contains lone surrogates (not valid Unicode text)")
+    return value
+
+
+# Characters a key never holds: controls (C0, DEL, C1), format characters (bidi
+# overrides), line and paragraph separators (they split a journald or log line),
+# surrogates.
+_KEY_FORBIDDEN = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs"})
+
+
+def check_key(key: Any) -> str:
+    """A key for a new schedule: the one place that says what a key may be (socket,
+    D-Bus, CLI and library all add through here).  A key reaches exec jobs as their last
+    argument, so it never starts with `-` (GNU tools read options after operands), and it
+    is written to logs, so it holds no control or separator character; `@run-` is kept
+    for the keys of extra runs."""
+    check_text("key", key, KEY_MAX)
+    if key.startswith("-"):
+        raise InvalidInputError("key", "must not start with '-' (it reaches jobs as an "
+                                "argument)")
+    if any(unicodedata.category(c) in _KEY_FORBIDDEN for c in key):
+        raise InvalidInputError("key", "contains control, format or line-separator "
+                                "characters")
+    if RUN_NOW_MARK in key:
+        raise InvalidInputError("key", f"must not contain {RUN_NOW_MARK!r} (the mark of "
+                                "extra runs)")
+    return key
+
+
+def check_type(task_type: Any, *, exec_key: str | None = None) -> str:
+    """A task type to store: the one place that says what a type may be (add, modify,
+    add_many and so import-legacy, apply, schedules files; socket, D-Bus, direct mode and
+    the library all store through here).  `exec:` starts only the type of a schedules
+    file's exec entry, exec:KEY, which the hosts whose files hold that entry route to its
+    command, as its user: a type chosen by anyone else would feed their data to that
+    command.  `exec_key`: the key of the exec entry being stored by the files'
+    convergence (converge.py), whose own exec:KEY alone it may store."""
+    check_text("type", task_type, TYPE_MAX)
+    if task_type.startswith(EXEC_TYPE) and (exec_key is None
+                                            or task_type != f"{EXEC_TYPE}{exec_key}"):
+        raise InvalidInputError("type", f"{EXEC_TYPE!r} is kept for the exec entries of "
+                                "schedules files (exec:KEY runs the command their file "
+                                "holds)")
+    return task_type
+
+
+def lookup_key(key: Any, field: str = "key") -> str:
+    """A key to look up (or a prefix, or a paging cursor): text of a key's length, but not
+    held to check_key's rules, so keys stored before those rules keep working."""
+    return check_text(field, key, KEY_MAX)
+
+
+def key_problem(key: str) -> str | None:
+    """Why a stored key would be refused today (it still works), or None."""
+    try:
+        check_key(key)
+    except InvalidInputError as exc:
+        return str(exc)
+    return None
+
+
+def _no_json_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def check_data(data: Any) -> str:
+    if data is None:
+        data = {}
+    if isinstance(data, str):
+        if len(data) > DATA_MAX:
+            raise InvalidInputError("data", f"larger than {DATA_MAX} bytes")
+        try:
+            data = json.loads(data, parse_constant=_no_json_constant)
+        except json.JSONDecodeError as exc:
+            raise InvalidInputError("data", f"not valid JSON: {exc.msg}") from None
+        except ValueError as exc:  # NaN, Infinity
+            raise InvalidInputError("data", f"not valid JSON: {exc}") from None
+        except RecursionError:
+            raise InvalidInputError("data", f"nested deeper than {MAX_DEPTH} levels") from None
+    if not isinstance(data, Mapping):
+        raise InvalidInputError("data", "must be a JSON object")
+    # Before anything walks it recursively (json.dumps, the answer's asdict()).
+    if json_depth(data) > MAX_DEPTH:
+        raise InvalidInputError("data", f"nested deeper than {MAX_DEPTH} levels")
+    try:
+        text = dumps_data(dict(data))
+    except (TypeError, ValueError) as exc:
+        raise InvalidInputError("data", f"not serialisable as JSON: {str(exc)[:200]}") from None
+    if "\\ud" in text:  # an escaped surrogate: fine in pairs, refused alone (PostgreSQL does)
+        try:
+            json.dumps(data, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise InvalidInputError("data", "contains lone surrogates (not valid Unicode "
+                                    "text)") from None
+    if len(text.encode()) > DATA_MAX:
+        raise InvalidInputError("data", f"larger than {DATA_MAX} bytes")
+    return text
+
+
+def check_int(field: str, value: Any, *, minimum: int = 0,
+              maximum: int = cron.LAST_INSTANT) -> int:
+    """A whole number in [minimum, maximum]; the default maximum, the last second of year
+    9999, bounds every time and duration we store (and keeps them inside 64 bits)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidInputError(field, f"must be a whole number, got {describe(value)}")
+    if int(value) != value or not minimum <= value <= maximum:
+        raise InvalidInputError(field, f"must be a whole number from {minimum} to {maximum}, "
+                                f"got {describe(value)}")
+    return int(value)
+
+
+
+def check_timezone(name: Any) -> str:
+    if not isinstance(name, str) or not name:
+        raise InvalidInputError("timezone", "must be a time zone name such as Asia/Tokyo")
+    cron.zone(name)
+    return name
+
+
+def check_cron(expr: Any) -> str:
+    if not isinstance(expr, str):
+        raise InvalidInputError("cron", "must be a string")
+    if len(expr) > CRON_MAX:
+        raise InvalidInputError("cron", f"longer than {CRON_MAX} characters")
+    cron.normalize(expr)
+    return cron.ONCE if cron.is_once(expr) else expr.strip()
+
+
+# -- tasks --------------------------------------------------------------------------------
+
+class Task:
+    """One leased occurrence of a schedule.  Exactly one of finish/retry/release ends it."""
+
+    __slots__ = ("_collection", "key", "type", "cron", "delay", "timezone", "scheduled_time",
+                 "attempt", "fence", "_data_text", "_data", "done", "claimed_at",
+                 "due_time", "has_extra", "_advance", "policy", "gave_up")
+
+    def __init__(self, collection: ScheduleCollection, claimed: Claimed, claimed_at: float):
+        self._collection = collection
+        self.key = claimed.key
+        self.type = claimed.type
+        self.cron = claimed.cron
+        self.delay = claimed.delay
+        self.timezone = claimed.timezone
+        self.scheduled_time = claimed.next_time
+        self.attempt = claimed.attempt
+        self.fence = claimed.fence
+        self._data_text = claimed.data
+        self._data: dict[str, Any] | None = None
+        self.done = False
+        self.claimed_at = claimed_at
+        self.due_time = claimed.due_time
+        self.has_extra = bool(claimed.has_extra)
+        self._advance: Advance | None = None
+        self.policy = policy_mod.from_text(claimed.policy)
+        self.gave_up = False  # its last failed attempt was its last (max_attempts)
+
+    @property
+    def group(self) -> str | None:
+        """The schedule whose runs must not overlap this one's, when that may happen: its
+        own key if it has had extra runs, the schedule's key for an extra run."""
+        if RUN_NOW_MARK in self.key:
+            return self.key.split(RUN_NOW_MARK, 1)[0]
+        return self.key if self.has_extra else None
+
+    @property
+    def data(self) -> dict[str, Any]:
+        if self._data is None:
+            self._data = json.loads(self._data_text)
+        return self._data
+
+    def __repr__(self) -> str:
+        return (f"Task(key={self.key!r}, type={self.type!r}, "
+                f"scheduled_time={self.scheduled_time}, attempt={self.attempt})")
+
+    def _end(self) -> None:
+        if self.done:
+            raise AlreadyFinishedError(f"task {self.key!r} was already finished")
+        self.done = True
+
+    def next_advance(self) -> Advance:
+        """The holder-side write that finishing this occurrence means (computed once)."""
+        if self._advance is None:
+            self._advance = self._compute_advance()
+        return self._advance
+
+    @property
+    def exhausted(self) -> str | None:
+        """Why finishing did not move the schedule on (it has no next occurrence and is
+        paused), once finished; else None."""
+        return self._advance.pause_reason if self._advance is not None else None
+
+    def _compute_advance(self) -> Advance:
+        if self.cron is None or cron.is_once(self.cron):
+            return Advance(self.key, self.fence, None, None)  # removed once it ran
+        try:
+            nxt = cron.next_after(self.cron, self.timezone, self.scheduled_time)
+        except cron.NoNextOccurrence as exc:
+            return Advance(self.key, self.fence, None, None,
+                           pause_reason=f"paused by perfectschedd: {exc}")
+        return self.advance_to(nxt)
+
+    def advance_to(self, next_time: int) -> Advance:
+        """The write that moves the schedule on to its occurrence at `next_time`."""
+        return Advance(self.key, self.fence, next_time, self.due_of(next_time))
+
+    def due_of(self, occurrence: int) -> int:
+        """When an occurrence of this schedule is due: its time, the delay, the jitter."""
+        return occurrence + self.delay + self.policy.offset(self.key)
+
+    def finish(self) -> None:
+        """Mark the occurrence done; the schedule moves to its next cron time."""
+        self._end()
+        if self._collection.store.advance([self.next_advance()]):
+            raise PreemptedError(f"task {self.key!r} lost its lease before finish")
+
+    def retry(self, wait: float | None = None, now: float | None = None, *,
+              later: bool = False) -> None:
+        """Run the same occurrence again after `wait` seconds (default: the schedule's
+        back-off: retry_wait, doubled per attempt up to retry_wait_max).  After the
+        schedule's max_attempts the occurrence is given up instead: the schedule moves
+        on to its next one (`gave_up` says so).  `later`: the job asked to run again
+        (SCHED_LATER), which is not a failure."""
+        if not later and self.policy.gives_up(self.attempt):
+            self._end()
+            self.gave_up = True
+            if self._collection.store.advance([self.next_advance()]):
+                raise PreemptedError(f"task {self.key!r} lost its lease before giving up")
+            return
+        self._end()
+        if wait is None:
+            wait = self.backoff()
+        now = time.time() if now is None else now
+        if not self._collection.store.reschedule(self.key, self.fence, math.ceil(now + wait),
+                                                 count_attempt=True):
+            raise PreemptedError(f"task {self.key!r} lost its lease before retry")
+
+    def backoff(self) -> float:
+        config = self._collection.config
+        return self.policy.backoff(self.attempt, config.retry_wait, config.retry_wait_max)
+
+    def release(self, now: float | None = None) -> None:
+        """The application gives the occurrence back, to run again on any worker.
+
+        The first release of an occurrence (attempt 1) runs again at once, as in the
+        original; a repeated one counts as an attempt and waits like a retry, so an
+        application that always releases cannot spin (hundreds of runs a second).
+        """
+        self._end()
+        now = time.time() if now is None else now
+        wait = 0 if self.attempt <= 1 else self.policy.backoff(
+            self.attempt - 1, self._collection.config.retry_wait,
+            self._collection.config.retry_wait_max)
+        if not self._collection.store.reschedule(self.key, self.fence, math.ceil(now + wait),
+                                                 count_attempt=True):
+            raise PreemptedError(f"task {self.key!r} lost its lease before release")
+
+    def give_back(self, now: float | None = None, wait: float = 0) -> None:
+        """The daemon gives the occurrence back untried (it stops, or cannot run it): it
+        runs again after `wait` seconds, on any worker, and this attempt does not count."""
+        self._end()
+        now = time.time() if now is None else now
+        run_at = math.ceil(now + wait) if wait else int(now)
+        if not self._collection.store.reschedule(self.key, self.fence, run_at,
+                                                 count_attempt=False):
+            raise PreemptedError(f"task {self.key!r} lost its lease before it was given back")
+
+    def heartbeat(self, now: float | None = None) -> None:
+        """Renew the lease for another alive_time seconds."""
+        if self.done:
+            raise AlreadyFinishedError(f"task {self.key!r} was already finished")
+        now = time.time() if now is None else now
+        lease = int(now) + self._collection.config.alive_time
+        if self._collection.store.heartbeat([(self.key, self.fence)], lease):
+            raise PreemptedError(f"task {self.key!r} lost its lease")
+
+
+# -- schedules ----------------------------------------------------------------------------
+
+class Schedule:
+    """A handle on one schedule by key; it reads the store on every call."""
+
+    def __init__(self, collection: ScheduleCollection, key: str) -> None:
+        self._collection = collection
+        self.key = key
+
+    def __repr__(self) -> str:
+        return f"Schedule({self.key!r})"
+
+    def exists(self) -> bool:
+        return self._collection.store.exists(self.key)
+
+    def info(self) -> ScheduleInfo:
+        row = self._collection.store.get(self.key)
+        if row is None:
+            raise NotFoundError(f"schedule {self.key!r} not found")
+        return ScheduleInfo.from_row(row)
+
+    def delete(self) -> int:
+        """Delete the schedule and its extra runs (a running one is stopped: its lease is
+        gone); returns how many extra runs went with it."""
+        deleted = self._collection.store.delete(self.key)
+        if not deleted:
+            raise NotFoundError(f"schedule {self.key!r} not found")
+        return deleted - 1
+
+    def modify(self, *, type: str = _UNSET, cron: str = _UNSET, delay: int = _UNSET,
+               timezone: str = _UNSET, data: Any = _UNSET, now: float | None = None,
+               file_entry: bool = False, **policies: Any) -> None:
+        """Change fields; new cron/timezone/delay/jitter recompute next_time and
+        next_run_time.  `policies`: policy options to change (None: back to the default).
+        `file_entry`: the schedules files' convergence writes its entry (check_type).
+
+        A task of this schedule running now loses its lease (PreemptedError on finish).
+        """
+        unknown = set(policies) - set(policy_mod.OPTIONS)
+        if unknown:
+            raise InvalidInputError(sorted(unknown)[0], "unknown option")
+        policy_changes = policy_mod.check(policies)
+        values: dict[str, Any] = {}
+        if type is not _UNSET:
+            values["type"] = check_type(type, exec_key=self.key if file_entry else None)
+        if cron is not _UNSET:
+            values["cron"] = check_cron(cron)
+        if delay is not _UNSET:
+            values["delay"] = check_int("delay", delay)
+        if timezone is not _UNSET:
+            values["timezone"] = check_timezone(timezone)
+        if data is not _UNSET:
+            values["data"] = check_data(data)
+        if not values and not policy_changes:
+            raise InvalidInputError("modify", "nothing to change")
+        current = self.info()
+        new_policy = current.policy.changed(policy_changes)
+        values["policy"] = new_policy.to_text()
+        new_cron = values.get("cron", current.cron)
+        new_tz = values.get("timezone", current.timezone)
+        new_delay = values.get("delay", current.delay)
+        next_time = current.next_time
+        if ("cron" in values or "timezone" in values) and new_cron is not None \
+                and not cron_mod.is_once(new_cron):
+            now_s = int(time.time() if now is None else now)
+            next_time = cron_first(new_cron, new_tz, now_s)
+        values.update(next_time=next_time,
+                      next_run_time=next_time + new_delay + new_policy.offset(self.key),
+                      attempt=0)
+        if not self._collection.store.update(self.key, values, take_lease=True):
+            raise NotFoundError(f"schedule {self.key!r} not found")
+
+    def pause(self) -> None:
+        if not self._collection.store.update(self.key, {"paused": 1, "paused_reason": None},
+                                             take_lease=False):
+            raise NotFoundError(f"schedule {self.key!r} not found")
+
+    def resume(self) -> None:
+        if not self._collection.store.update(self.key, {"paused": 0, "paused_reason": None},
+                                             take_lease=False):
+            raise NotFoundError(f"schedule {self.key!r} not found")
+
+    def run_now(self, now: float | None = None, *, creator: int | None = None) -> str:
+        """Run one extra occurrence now, without moving the schedule; returns its key.
+        `creator`: who asked (default: this process's uid)."""
+        info = self.info()
+        now_s = int(time.time() if now is None else now)
+        run_key = f"{self.key}{RUN_NOW_MARK}{now_s}-{os.urandom(3).hex()}"
+        if len(run_key) > KEY_MAX:
+            raise InvalidInputError("key", f"too long to add a run marker (max {KEY_MAX - 30})")
+        if not self._collection.store.mark_extra(self.key):
+            raise NotFoundError(f"schedule {self.key!r} not found")
+        self._collection.store.insert(Row(
+            key=run_key, type=info.type, cron=None, delay=0, timezone=info.timezone,
+            data=dumps_data(info.data), next_time=now_s, next_run_time=now_s, paused=False,
+            fence=0, attempt=0, owner=None, claimed_at=None,
+            creator=os.geteuid() if creator is None else creator))
+        return run_key
+
+
+def cron_first(expr: str, tz: str, start: int) -> int:
+    try:
+        return cron.first_at_or_after(expr, tz, start)
+    except OverflowError:
+        raise InvalidInputError("start", f"out of range: {start}") from None
+
+
+class ScheduleCollection:
+    """All schedules of one table.  Use one per process (create it after fork)."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.store = Store(config.url, config.table)
+        self.owner = f"{config.node}:{os.getpid()}"
+        self.store.ensure_initialized()
+
+    def __enter__(self) -> ScheduleCollection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.store.close()
+
+    def init(self) -> bool:
+        """Create the table if missing; True if this collection created it (opening one
+        already creates a missing table)."""
+        self.store.init()
+        return self.store.created_table
+
+    def __getitem__(self, key: str) -> Schedule:
+        return Schedule(self, lookup_key(key))
+
+    def build_row(self, key: str, type: str, cron: str | None = None, *, delay: int = 0,
+                  timezone: str | None = None, next_time: int | None = None,
+                  next_run_time: int | None = None, data: Any = None,
+                  now: float | None = None, start: int | None = None,
+                  at: int | None = None, source: str | None = None,
+                  creator: int | None = None, file_entry: bool = False,
+                  **policies: Any) -> Row:
+        """Validate an `add` request into a row (no I/O).  `policies`: the schedule
+        policy options (policy.OPTIONS); `creator`: the uid recorded as its maker
+        (default: this process's); `file_entry`: the schedules files' convergence adds its
+        entry (check_type)."""
+        unknown = set(policies) - set(policy_mod.OPTIONS)
+        if unknown:
+            raise InvalidInputError(sorted(unknown)[0], "unknown option")
+        chosen = policy_mod.DEFAULT.changed(policies)
+        check_key(key)
+        check_type(type, exec_key=key if file_entry else None)
+        tz = check_timezone(timezone if timezone is not None else self.config.timezone)
+        delay = check_int("delay", delay)
+        data_text = check_data(data)
+        start = start if start is not None else next_time
+        at = at if at is not None else next_run_time
+        now_s = int(time.time() if now is None else now)
+        start = check_int("start", start) if start is not None else now_s
+        if cron is None:
+            raise InvalidInputError("cron", "required")
+        expr = check_cron(cron)
+        at = check_int("at", at) if at is not None else None
+        if cron_mod.is_once(expr):  # one run, at --at (default: now)
+            first = at if at is not None else start
+        else:
+            first = cron_first(expr, tz, start)
+        run_at = at if at is not None else first + delay + chosen.offset(key)
+        return Row(key=key, type=type, cron=expr, delay=delay, timezone=tz, data=data_text,
+                   next_time=first, next_run_time=run_at, paused=False, fence=0, attempt=0,
+                   owner=None, claimed_at=None, policy=chosen.to_text(), source=source,
+                   creator=os.geteuid() if creator is None else creator)
+
+    def add(self, key: str, type: str, cron: str | None = None, **options: Any) -> Schedule:
+        """Register a schedule (SPEC `add`); AlreadyExistsError if the key is taken."""
+        row = self.build_row(key, type, cron, **options)
+        if not self.store.insert(row):
+            raise AlreadyExistsError(f"schedule {key!r} already exists")
+        return Schedule(self, key)
+
+    def add_many(self, requests: list[dict[str, Any]]) -> int:
+        """Register many schedules in one transaction; all or nothing."""
+        from sqlalchemy.exc import IntegrityError
+
+        rows = [self.build_row(**r) for r in requests]
+        if not rows:
+            return 0
+        keys = [r.key for r in rows]
+        if len(set(keys)) != len(keys):
+            raise InvalidInputError("key", "duplicate keys in one request")
+        try:
+            self.store.insert_many(rows)
+        except IntegrityError:
+            raise AlreadyExistsError("one of the keys already exists; nothing added") from None
+        return len(rows)
+
+    def list(self, *, prefix: str | None = None, limit: int | None = None,
+             after_key: str | None = None) -> list[ScheduleInfo]:
+        return [ScheduleInfo.from_row(r)
+                for r in self.store.rows(prefix=prefix, limit=limit, after_key=after_key)]
+
+    def poll(self, now: float | None = None) -> Task | None:
+        tasks = self.poll_many(1, now)
+        return tasks[0] if tasks else None
+
+    def poll_many(self, limit: int, now: float | None = None) -> list[Task]:
+        """Lease up to `limit` due occurrences (oldest first) to this process."""
+        now = time.time() if now is None else now
+        claimed = self.store.claim(now, self.config.alive_time, self.owner, limit)
+        return [Task(self, c, now) for c in claimed]
+
+    def finish_many(self, tasks: list[Task]) -> set[str]:
+        """Finish several tasks in one transaction; returns the keys that were preempted."""
+        for t in tasks:
+            t._end()
+        return self.store.advance([t.next_advance() for t in tasks])
+
+    def finish_and_poll(self, finished: list[Task], limit: int, now: float | None = None
+                        ) -> tuple[set[str], list[Task]]:
+        """Write finishes already ended with Task._end() and lease up to `limit` more
+        occurrences, in one transaction.  Returns (preempted keys, new tasks)."""
+        now = time.time() if now is None else now
+        lost, claimed = self.store.finish_and_claim(
+            [t.next_advance() for t in finished], now, self.config.alive_time, self.owner,
+            limit)
+        return lost, [Task(self, c, now) for c in claimed]
+
+    def heartbeat_many(self, tasks: list[Task], now: float | None = None) -> set[str]:
+        now = time.time() if now is None else now
+        lease = int(now) + self.config.alive_time
+        return self.store.heartbeat([(t.key, t.fence) for t in tasks if not t.done], lease)
+
+    def earliest_due(self) -> int | None:
+        return self.store.earliest_due()
+
+
+def open(config: Mapping[str, Any] | str | os.PathLike[str] | Config | None = None,
+         environment: str | None = None) -> ScheduleCollection:
+    """Open the schedules named by a config (dict, YAML path, or Config)."""
+    return ScheduleCollection(load(config, environment))

@@ -1,0 +1,261 @@
+"""Converge the database to schedules files: the daemon at start and on reload, and
+`perfectschedctl apply` on demand.
+
+Rules (SPEC "Declarative schedules and migration"):
+- An entry missing from the database is added; one that differs is changed (a new cron
+  or zone recomputes the next times, as `modify` does); an equal one is not written, so
+  its times and any running lease stay, and hosts with the same files write nothing.
+- A schedule is removed only when it came from a file of this host (source file:NAME)
+  and left it.  Schedules made with `add` are never touched, nor are keys that another
+  file holds.  `apply` by a caller other than root changes and removes only the
+  schedules that caller made (callers.Access.owns).
+- A daemon remembers what it applied.  After its first apply it writes only what
+  changed in its own files since: where the database holds something else for an entry
+  it did not change, another host (whose files differ) wrote it, and the daemon logs the
+  disagreement once instead of writing it back, so that hosts never flap.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from perfectschedd.config import Config
+from perfectschedd.control.auth import Access, made_by
+from perfectschedd.errors import AlreadyExistsError, InvalidInputError, NotFoundError
+from perfectschedd.schedules.collection import ScheduleCollection, ScheduleInfo
+from perfectschedd.schedules.fields import SOURCE_MAX
+from perfectschedd.schedules.files import (
+    SOURCE_API,
+    SOURCE_FILE,
+    Entry,
+    Loaded,
+    check_entry,
+    load,
+)
+
+log = logging.getLogger("perfectschedd")
+
+RETRY_AFTER = 30.0  # a convergence the database refused is tried again after this
+
+# What happened to one key.
+ADDED, CHANGED, REMOVED, UNCHANGED = "added", "changed", "removed", "unchanged"
+DIFFERS = "differs"    # the database holds another host's version; not written
+REFUSED = "refused"    # the key belongs to `add` or to another file
+
+
+@dataclass(frozen=True)
+class Change:
+    action: str
+    key: str
+    detail: str = ""
+
+    def line(self) -> str:
+        return f"{self.action} {self.key}" + (f" ({self.detail})" if self.detail else "")
+
+
+def _differences(info: ScheduleInfo, wanted: Mapping[str, Any]) -> dict[str, Any]:
+    current = info.as_dict()
+    return {name: value for name, value in wanted.items() if current.get(name) != value}
+
+
+def converge(sc: ScheduleCollection, entries: Mapping[str, Entry],
+             remove_from: Collection[str], *, previous: Mapping[str, Entry] | None = None,
+             dry_run: bool = False, now: float | None = None,
+             creators: Mapping[str, int] | None = None, creator: int | None = None,
+             access: Access | None = None) -> list[Change]:
+    """Make the database hold `entries`, and remove the schedules of sources
+    `remove_from` that they do not hold.  `previous`: what this caller applied last
+    time (None: nothing is known, everything that differs is written).  What it adds
+    records as creator the uid `creators` gives for its source, else `creator`, else
+    this process's.  `access`: the caller of `apply` (None: the daemon, for its own
+    files), who changes and removes only what it owns."""
+    creators = creators or {}
+    now = time.time() if now is None else now
+    tz = sc.config.timezone
+    rows = {r.key: r for r in sc.store.rows_of(keys=list(entries), sources=list(remove_from))}
+    changes: list[Change] = []
+    for key, entry in entries.items():
+        row = rows.get(key)
+        mine_unchanged = previous is not None and previous.get(key) == entry
+        if row is None:
+            if mine_unchanged:
+                changes.append(Change(DIFFERS, key, "removed from the database elsewhere; "
+                                      "not added again"))
+                continue
+            if not dry_run:
+                try:
+                    sc.add(key, now=now, source=entry.source, file_entry=True,
+                           creator=creators.get(entry.source, creator), **entry.stored(tz))
+                except AlreadyExistsError:  # another host added it just now
+                    changes.append(Change(UNCHANGED, key, "added by another host"))
+                    continue
+            changes.append(Change(ADDED, key))
+            continue
+        owner = row.source or SOURCE_API
+        if owner != entry.source:
+            changes.append(Change(REFUSED, key, f"the key belongs to {owner}"
+                                  + (" (made with add)" if owner == SOURCE_API else "")))
+            continue
+        if access is not None and not access.owns(row.creator):
+            changes.append(Change(REFUSED, key, f"the key belongs to {owner}, made by "
+                                  f"{made_by(row.creator)}"))
+            continue
+        diff = _differences(ScheduleInfo.from_row(row), entry.stored(tz))
+        if not diff:
+            changes.append(Change(UNCHANGED, key))
+        elif mine_unchanged:
+            changes.append(Change(DIFFERS, key, "the database has another " +
+                                  ", ".join(sorted(diff)) + "; not written"))
+        else:
+            if not dry_run:
+                try:
+                    sc[key].modify(now=now, file_entry=True, **diff)
+                except NotFoundError:  # deleted meanwhile: added again next time
+                    continue
+            changes.append(Change(CHANGED, key, ", ".join(sorted(diff))))
+    for key, row in rows.items():
+        if key in entries or row.source not in remove_from:
+            continue
+        if access is not None and not access.owns(row.creator):
+            continue  # another's: not this caller's to prune
+        if previous is not None and key not in previous:
+            # Never in this caller's files: a file of the same name elsewhere holds it.
+            changes.append(Change(DIFFERS, key, f"in {row.source} of another host only; "
+                                  "not removed"))
+            continue
+        if not dry_run:
+            try:
+                sc[key].delete()
+            except NotFoundError:
+                continue
+        changes.append(Change(REMOVED, key))
+    return changes
+
+
+@dataclass
+class FileSchedules:
+    """A daemon's schedules files: what it loaded, what it applied, what it reported."""
+
+    directory: str | None = None
+    loaded: Loaded = field(default_factory=Loaded)
+    applied: dict[str, Entry] | None = None
+    applied_sources: set[str] = field(default_factory=set)
+    due_at: float | None = None  # monotonic time of the next apply; None: none pending
+    reported: set[tuple[str, str, str]] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def load(self, config: Config) -> Config:
+        """Read config.schedules_dir; the configuration with the entries' routes first.
+        A file with an error keeps what it held before (logged, one line per problem)."""
+        directory = config.schedules_dir
+        if directory is None or not Path(directory).is_dir():
+            if directory is not None and directory != self.directory:
+                log.info("schedules_dir %s does not exist: no schedules files", directory)
+            loaded = Loaded()
+        else:
+            # As cron: the files, and the directory, are root's or the daemon's own.
+            loaded = load([directory], daemon_uid=os.geteuid())
+        for line in loaded.errors:
+            log.error("schedules file rejected, its schedules stay as they were: %s", line)
+        with self.lock:
+            if loaded.refused_dirs:
+                # Anyone may have removed a file from it: every file known stays as it was.
+                loaded.broken |= self.loaded.sources | self.loaded.broken | \
+                    self.applied_sources
+            for key, entry in self.loaded.entries.items():
+                if entry.source in loaded.broken and key not in loaded.entries:
+                    loaded.entries[key] = entry
+                    if entry.source in self.loaded.owners:
+                        loaded.owners[entry.source] = self.loaded.owners[entry.source]
+            self.directory = directory
+            self.loaded = loaded
+            self.due_at = time.monotonic()
+        return replace(config, routes=loaded.routes() + config.routes)
+
+    def take_pending(self) -> bool:
+        """Whether an apply is due now; if so it is no longer pending (apply() makes it
+        pending again if it fails)."""
+        with self.lock:
+            if self.due_at is None or time.monotonic() < self.due_at:
+                return False
+            self.due_at = None
+            return True
+
+    def apply(self, sc: ScheduleCollection) -> None:
+        """Converge (run by the master's database thread)."""
+        with self.lock:
+            loaded, previous = self.loaded, self.applied
+        remove_from = (loaded.sources | self.applied_sources) - loaded.broken
+        try:
+            changes = converge(sc, loaded.entries, remove_from, previous=previous,
+                               creators=loaded.owners)
+        except Exception:
+            with self.lock:
+                if self.due_at is None:
+                    self.due_at = time.monotonic() + RETRY_AFTER
+            raise
+        counts = {a: sum(c.action == a for c in changes) for a in (ADDED, CHANGED, REMOVED)}
+        for c in changes:
+            if c.action in (ADDED, CHANGED, REMOVED):
+                log.info("schedules files: %s", c.line())
+            elif c.action in (DIFFERS, REFUSED):
+                seen = (c.action, c.key, c.detail)
+                if seen not in self.reported:
+                    self.reported.add(seen)
+                    log.warning("schedules files: %s", c.line())
+        log.info("schedules files: applied %d entries from %d file(s): %d added, "
+                 "%d changed, %d removed", len(loaded.entries), len(loaded.sources),
+                 counts[ADDED], counts[CHANGED], counts[REMOVED])
+        with self.lock:
+            self.applied = dict(loaded.entries)
+            self.applied_sources = set(loaded.sources) | (
+                self.applied_sources & loaded.broken)
+
+
+def summary(changes: list[Change]) -> dict[str, Any]:
+    """An `apply` answer: the lines, and counts by action."""
+    counts: dict[str, int] = {}
+    for c in changes:
+        counts[c.action] = counts.get(c.action, 0) + 1
+    return {"changes": [c.line() for c in changes], "counts": counts}
+
+
+def to_wire(entries: Mapping[str, Entry]) -> list[dict[str, Any]]:
+    """Entries as `apply` sends them to the daemon: what is stored, never a command, an
+    environment or a user."""
+    out = []
+    for e in entries.values():
+        item: dict[str, Any] = {"key": e.key, "source": e.source, "type": e.type,
+                                "cron": e.cron, "delay": e.delay, "data": json.loads(e.data),
+                                **e.policy.to_fields_changed()}
+        if e.timezone is not None:
+            item["timezone"] = e.timezone
+        out.append(item)
+    return out
+
+
+def from_wire(items: Any) -> dict[str, Entry]:
+    """to_wire()'s list back, checked as a file's entries are."""
+    if not isinstance(items, list) or not all(isinstance(i, Mapping) for i in items):
+        raise InvalidInputError("entries", "must be a list of objects")
+    out: dict[str, Entry] = {}
+    for item in items:
+        source = item.get("source")
+        if not isinstance(source, str) or not source.startswith(SOURCE_FILE) or \
+                len(source) > SOURCE_MAX or len(source) == len(SOURCE_FILE):
+            raise InvalidInputError("source", f"must be {SOURCE_FILE}NAME (at most "
+                                    f"{SOURCE_MAX} characters)")
+        entry = check_entry({k: v for k, v in item.items() if k != "source"}, source,
+                            need_user_support=False, stored_only=True)
+        if entry.key in out:
+            raise InvalidInputError("key", f"{entry.key!r} appears twice")
+        out[entry.key] = entry
+    return out

@@ -1,0 +1,206 @@
+"""(cron, tz, after) -> next occurrence; the DST rules live here and nowhere else.
+
+croniter walks local wall-clock time (naive datetimes); this module maps each wall time
+to real instants in the schedule's zone:
+- a wall time that does not exist (spring forward gap) is skipped;
+- a wall time that happens twice (fall back) yields two occurrences, one per offset.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from datetime import UTC, datetime, timedelta
+from functools import lru_cache
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from croniter import CroniterBadDateError, croniter
+
+from perfectschedd.errors import InvalidInputError
+
+ALIASES = {
+    "@yearly": "0 0 1 1 *",
+    "@annually": "0 0 1 1 *",
+    "@monthly": "0 0 1 * *",
+    "@weekly": "0 0 * * 0",
+    "@daily": "0 0 * * *",
+    "@midnight": "0 0 * * *",
+    "@hourly": "0 * * * *",
+}
+# The calendar ends here: datetime (and so croniter) knows no year 10000.
+LAST_INSTANT = int(datetime(9999, 12, 31, 23, 59, 59, tzinfo=UTC).timestamp())
+# croniter's non-standard random (R) and hashed (H) fields: each process would pick its
+# own value, so hosts would disagree on when a schedule is due.
+_RANDOM_FIELD = re.compile(r"(?:^|[,/-])[RrHh](?:$|[,/(-])")
+# Longest wall-clock step back of any zone's DST change (Antarctica/Troll: 2 h), with margin.
+_MAX_SHIFT = timedelta(hours=3)
+
+
+@lru_cache(maxsize=1024)
+def zone(name: str) -> ZoneInfo:
+    try:
+        return ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError, TypeError, OSError):
+        # OSError: a name that is a directory of the zone database, or unreadable.
+        raise InvalidInputError("timezone", f"unknown time zone {name!r}") from None
+
+
+@lru_cache(maxsize=4096)
+def normalize(expr: str) -> str:
+    """Validate a cron expression (five fields or an @alias) and return its five fields."""
+    if not isinstance(expr, str) or not expr.strip():
+        raise InvalidInputError("cron", "empty cron expression")
+    text = " ".join(expr.split())
+    if text.lower() == ONCE:
+        return ONCE
+    if text.startswith("@"):
+        if text.lower() not in ALIASES:
+            raise InvalidInputError(
+                "cron", f"unknown alias {text!r} (known: {', '.join(sorted(ALIASES))}, @once)")
+        return ALIASES[text.lower()]
+    if len(text.split(" ")) != 5:
+        raise InvalidInputError("cron", f"{expr!r} must have five fields (min hour dom mon dow)")
+    if any(_RANDOM_FIELD.search(field) for field in text.split(" ")):
+        raise InvalidInputError("cron", f"{expr!r}: random (R) and hashed (H) fields are not "
+                                "supported (every host would pick its own time)")
+    try:
+        valid = croniter.is_valid(text)
+    except Exception:  # noqa: BLE001 - old croniter versions raise on some garbage
+        valid = False
+    if not valid:
+        raise InvalidInputError("cron", f"cannot parse {expr!r}")
+    return text
+
+
+def _instants(wall: datetime, tz: ZoneInfo) -> list[int]:
+    """Unix seconds at which wall-clock time `wall` happens in `tz` (0, 1 or 2 of them)."""
+    out: list[int] = []
+    for fold in (0, 1):
+        aware = wall.replace(tzinfo=tz, fold=fold)
+        utc = aware.astimezone(UTC)
+        if utc.astimezone(tz).replace(tzinfo=None) != wall:
+            continue  # in a gap: this wall time does not exist
+        ts = int(utc.timestamp())
+        if ts not in out:
+            out.append(ts)
+    return out
+
+
+_local = threading.local()
+
+
+def _iterator(fields: str, start: datetime) -> croniter:
+    """A croniter positioned at `start`; one per expression and thread, because building
+    one costs twice as much as stepping it."""
+    cache: dict[str, croniter] | None = getattr(_local, "iters", None)
+    if cache is None:
+        cache = _local.iters = {}
+    it = cache.get(fields)
+    if it is None:
+        if len(cache) > 256:
+            cache.clear()
+        it = cache[fields] = croniter(fields, start)
+    else:
+        it.set_current(start)
+    return it
+
+
+class NoNextOccurrence(InvalidInputError):
+    """The expression has no occurrence left before the calendar ends (year 9999)."""
+
+    def __init__(self, expr: str, after: int) -> None:
+        when = datetime.fromtimestamp(min(max(after, 0), LAST_INSTANT), UTC)
+        super().__init__("cron", f"{expr!r} has no occurrence after {when:%Y-%m-%d %H:%M} UTC "
+                         "(the calendar ends with year 9999)")
+
+
+# Pure function of its arguments; a burst of schedules sharing a cron line and an
+# occurrence computes the next one once.  (An exception is not cached: it is raised anew.)
+@lru_cache(maxsize=16384)
+def next_after(expr: str, tz_name: str, after: int) -> int:
+    """First occurrence strictly after Unix time `after`."""
+    fields = normalize(expr)
+    tz = zone(tz_name)
+    try:
+        return _next_after(expr, fields, tz, after)
+    except (OverflowError, ValueError, OSError) as exc:
+        if isinstance(exc, InvalidInputError):
+            raise
+        # Past year 9999 (datetime's end), or a time no platform call can hold.
+        raise NoNextOccurrence(expr, after) from None
+
+
+def _next_after(expr: str, fields: str, tz: ZoneInfo, after: int) -> int:
+    if after >= LAST_INSTANT:
+        raise NoNextOccurrence(expr, after)
+    t = datetime.fromtimestamp(after, UTC)
+    wall = t.astimezone(tz).replace(tzinfo=None)
+    # Wall times before `wall` can still lie ahead only when the clock steps back soon.
+    if (t + _MAX_SHIFT).astimezone(tz).utcoffset() != t.astimezone(tz).utcoffset():
+        wall = wall - _MAX_SHIFT
+    it = _iterator(fields, wall)
+    best: int | None = None
+    for _ in range(100_000):
+        try:
+            candidate = it.get_next(datetime)
+        except CroniterBadDateError:  # no such date within croniter's search, e.g. 30 Feb
+            break
+        instants = _instants(candidate, tz)
+        if best is not None and instants and instants[0] > best:
+            return best
+        for ts in instants:
+            if ts > after and (best is None or ts < best):
+                best = ts
+        if best is not None and instants and instants[0] >= best:
+            return best
+    raise InvalidInputError("cron", f"{expr!r} has no occurrence")  # e.g. 30 Feb
+
+
+def first_at_or_after(expr: str, tz_name: str, start: int) -> int:
+    if is_once(expr):
+        return start
+    return next_after(expr, tz_name, start - 1)
+
+
+ONCE = "@once"
+
+
+def is_once(expr: str | None) -> bool:
+    """`@once`: a one-shot schedule (runs at its --at, then is removed)."""
+    return expr is not None and expr.strip().lower() == ONCE
+
+
+def occurrences_back(expr: str, tz_name: str, before: int, since: int,
+                     limit: int) -> list[int]:
+    """Occurrences in [since, before), newest first, at most `limit` of them: without
+    iterating over everything between (a catch-up may span 100,000 occurrences)."""
+    fields = normalize(expr)
+    tz = zone(tz_name)
+    found: list[int] = []
+    try:
+        start = datetime.fromtimestamp(before, UTC).astimezone(tz).replace(tzinfo=None)
+        # Walking back in wall time: past a clock step back, instants may come out of
+        # order; a margin of the longest step keeps the newest ones.
+        it = croniter(fields, start + _MAX_SHIFT)
+        floor = since - int(_MAX_SHIFT.total_seconds())
+        for _ in range(limit * 3 + 200):
+            candidate = it.get_prev(datetime)
+            instants = [t for t in _instants(candidate, tz) if since <= t < before]
+            found.extend(t for t in instants if t not in found)
+            if len(found) >= limit + 8 or (not instants and
+                                           _wall_ts(candidate) < floor):
+                break
+    except (CroniterBadDateError, OverflowError, ValueError, OSError):
+        pass
+    found.sort(reverse=True)
+    return found[:limit]
+
+
+def latest_at_or_before(expr: str, tz_name: str, at: int) -> int | None:
+    """The newest occurrence at or before Unix time `at` (None if there is none)."""
+    newest = occurrences_back(expr, tz_name, at + 1, at - 400 * 86400 * 10, 1)
+    return newest[0] if newest else None
+
+
+def _wall_ts(wall: datetime) -> int:
+    return int(wall.replace(tzinfo=UTC).timestamp())

@@ -1,0 +1,323 @@
+"""Schedules as files (SPEC "Declarative schedules and migration"): reading and checking
+them.  Converging the database to them is converge.py's.
+
+A schedules file is a YAML list of entries.  Each file is checked whole: one bad entry
+rejects the file (its schedules keep their previous state), and every problem is
+reported, one line each, naming the file, the entry and the field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from perfectschedd.config import RouteConfig
+from perfectschedd.errors import InvalidInputError, describe
+from perfectschedd.executors import runas
+from perfectschedd.executors.systemd import props as unitprops
+from perfectschedd.schedules import cron as cron_mod
+from perfectschedd.schedules import filetrust
+from perfectschedd.schedules import policy as policy_mod
+from perfectschedd.schedules.collection import (
+    check_cron,
+    check_data,
+    check_int,
+    check_key,
+    check_timezone,
+    check_type,
+)
+from perfectschedd.schedules.fields import EXEC_TYPE, SOURCE_FILE, TYPE_MAX
+
+# The source of a schedule made with `add` (stored as NULL).
+SOURCE_API = "api"
+FILE_MAX = 4 << 20      # bytes of one schedules file
+ENTRIES_MAX = 20_000    # entries of one file
+SUFFIX = ".yml"
+ENTRY_KEYS = frozenset({"key", "cron", "type", "exec", "timezone", "delay", "data", "user",
+                        "env", "executor", "unit", *policy_mod.OPTIONS})
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One schedule of a file, checked.  What is stored (`stored()`) is all that leaves
+    this host: the command, its environment and its user stay in the host's files."""
+
+    key: str
+    source: str                          # file:NAME
+    cron: str
+    type: str                            # the entry's, or exec:KEY
+    timezone: str | None                 # None: the configuration's default
+    delay: int
+    data: str                            # canonical JSON text
+    policy: policy_mod.Policy
+    exec: tuple[str, ...] | None = None  # argv; a shell line is ("/bin/sh", "-c", LINE)
+    env: tuple[tuple[str, str], ...] = ()
+    user: str | None = None
+    executor: str = "exec"
+    unit: tuple[unitprops.Property, ...] = ()
+
+    def stored(self, default_timezone: str) -> dict[str, Any]:
+        """The fields the database holds, as `add` takes them."""
+        return {"type": self.type, "cron": self.cron,
+                "timezone": self.timezone or default_timezone, "delay": self.delay,
+                "data": json.loads(self.data), **self.policy.as_fields()}
+
+    def route(self) -> RouteConfig | None:
+        """The route of an exec entry: its own type, on this host only."""
+        if self.exec is None:
+            return None
+        return RouteConfig(pattern=self.type, exec=self.exec, timeout=self.policy.timeout,
+                           env=self.env, user=self.user, append_key=False,
+                           executor=self.executor, unit=self.unit)
+
+
+@dataclass
+class Loaded:
+    """What a set of files holds."""
+
+    entries: dict[str, Entry] = field(default_factory=dict)  # by key, in file order
+    sources: set[str] = field(default_factory=set)           # files read whole
+    broken: set[str] = field(default_factory=set)            # files rejected whole
+    refused_dirs: set[str] = field(default_factory=set)      # directories not read at all
+    owners: dict[str, int] = field(default_factory=dict)     # uid of each file read whole
+    errors: list[str] = field(default_factory=list)          # one line per problem
+
+    def routes(self) -> tuple[RouteConfig, ...]:
+        return tuple(r for e in self.entries.values() if (r := e.route()) is not None)
+
+
+def source_of(path: Path) -> str:
+    return f"{SOURCE_FILE}{path.name}"
+
+
+def load(paths: Iterable[str | os.PathLike[str]], *, need_user_support: bool = True,
+         daemon_uid: int | None = None) -> Loaded:
+    """Read and check files and directories.  `need_user_support`: refuse `user` unless
+    this process could run a job as another user (root), as the daemon must; `apply`
+    from a workstation only stores what is stored and does not ask.
+
+    `daemon_uid`: the daemon's own user.  Files and directories then follow cron's rule
+    (filetrust.py) with root and that user as owners, and a file that is not root's alone
+    (nor its symlink's, nor its directory's) may not name a `user` or an `executor`: only
+    root decides who a job runs as.  None (perfectschedctl apply): any file the caller can
+    read, since what apply sends of it is only what the database stores (to_wire), never
+    a command, an environment or a user."""
+    owners = None if daemon_uid is None else filetrust.owners_of(daemon_uid)
+    loaded = Loaded()
+    for path, dir_not_root in _files(paths, owners, loaded):
+        source = source_of(path)
+        entries, errors = _load_file(path, need_user_support, owners, dir_not_root)
+        taken = [e.key for e in entries if e.key in loaded.entries]
+        errors += [f"{path}: key {k!r} is also in "
+                   f"{loaded.entries[k].source[len(SOURCE_FILE):]}" for k in taken]
+        if source in loaded.sources or source in loaded.broken:
+            errors.append(f"{path}: another file named {path.name} was read already")
+        if errors:
+            loaded.errors.extend(errors)
+            loaded.broken.add(source)
+            continue
+        loaded.sources.add(source)
+        try:  # the creator of its schedules: who may change the file
+            loaded.owners[source] = path.stat().st_uid
+        except OSError:
+            loaded.owners[source] = 0
+        for e in entries:
+            loaded.entries[e.key] = e
+    return loaded
+
+
+def _files(paths: Iterable[str | os.PathLike[str]], owners: frozenset[int] | None,
+           loaded: Loaded) -> Iterator[tuple[Path, str | None]]:
+    """The files named, and the *.yml files of the directories named (sorted), each with
+    who other than root owns its directory (if anyone); a directory that breaks the rule
+    is one error in `loaded` and yields nothing."""
+    for p in map(Path, paths):
+        if not p.is_dir():
+            yield p, None
+            continue
+        try:
+            not_root = None if owners is None else filetrust.check_dir(p, owners)
+        except filetrust.NotTrusted as exc:
+            loaded.errors.append(str(exc))
+            loaded.refused_dirs.add(str(p))
+            continue
+        for f in sorted(p.iterdir()):
+            if f.name.endswith(SUFFIX) and not f.name.startswith(".") and f.is_file():
+                yield f, not_root
+
+
+def _read(path: Path, owners: frozenset[int] | None) -> filetrust.Trusted:
+    if owners is not None:
+        return filetrust.read(path, owners, FILE_MAX)
+    with path.open("rb") as f:
+        return filetrust.Trusted(f.read(FILE_MAX + 1))
+
+
+def _load_file(path: Path, need_user_support: bool, owners: frozenset[int] | None,
+               dir_not_root: str | None) -> tuple[list[Entry], list[str]]:
+    try:
+        read = _read(path, owners)
+    except filetrust.NotTrusted as exc:
+        return [], [str(exc)]
+    except OSError as exc:
+        return [], [f"{path}: cannot read: {exc.strerror}"]
+    raw, not_root = read.data, read.not_root or dir_not_root
+    if len(raw) > FILE_MAX:
+        return [], [f"{path}: larger than {FILE_MAX} bytes"]
+    try:
+        data = yaml.load(raw.decode("utf-8"), Loader=_NoAliasLoader)  # a SafeLoader
+    except UnicodeDecodeError:
+        return [], [f"{path}: not UTF-8 text"]
+    except _AliasRefused as exc:
+        return [], [f"{path}: YAML anchors and aliases are not allowed (line {exc.line})"]
+    except (yaml.YAMLError, ValueError) as exc:  # ValueError: a date or number YAML can't build
+        return [], [f"{path}: not valid YAML: {(str(exc).splitlines() or ['?'])[0][:200]}"]
+    except RecursionError:
+        return [], [f"{path}: nested too deeply"]
+    if data is None:
+        return [], []  # an empty file (or only comments): no schedules
+    if not isinstance(data, list):
+        return [], [f"{path}: must be a list of schedule entries"]
+    if len(data) > ENTRIES_MAX:
+        return [], [f"{path}: more than {ENTRIES_MAX} entries"]
+    if not_root is not None and (problem := _names_a_user(data)):
+        return [], [f"{path}: {problem}: only a file that root owns may name a user or an "
+                    f"executor, and {not_root}: rejected"]
+    source = source_of(path)
+    entries: list[Entry] = []
+    errors: list[str] = []
+    seen: set[str] = set()
+    for i, raw_entry in enumerate(data, 1):
+        where = f"{path}: entry {i}"
+        if isinstance(raw_entry, Mapping) and isinstance(raw_entry.get("key"), str):
+            where += f" ({raw_entry['key'][:80]})"
+        try:
+            entry = check_entry(raw_entry, source, need_user_support)
+        except InvalidInputError as exc:
+            errors.append(f"{where}: {exc}")
+            continue
+        except RecursionError:
+            errors.append(f"{where}: nested too deeply")
+            continue
+        if entry.key in seen:
+            errors.append(f"{where}: key {entry.key!r} appears twice in this file")
+            continue
+        seen.add(entry.key)
+        entries.append(entry)
+    return entries, errors
+
+
+class _AliasRefused(Exception):
+    def __init__(self, line: int) -> None:
+        super().__init__(f"line {line}")
+        self.line = line
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """SafeLoader that refuses the first anchor or alias it meets, before composing
+    anything from it: a file of a few hundred bytes of nested aliases composes to
+    billions of nodes for whatever walks them (the checks, json.dumps).  A schedules file
+    has no need of them; cron has nothing like them."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            raise _AliasRefused(event.start_mark.line + 1)
+        return super().compose_node(parent, index)
+
+
+def _names_a_user(data: list[Any]) -> str | None:
+    """The first entry that says who its job runs as (`user`, or `executor`, as systemd
+    runs a unit as the daemon's user or another), as "entry N (KEY): FIELD"."""
+    for i, raw in enumerate(data, 1):
+        if not isinstance(raw, Mapping):
+            continue
+        for name in ("user", "executor"):
+            if raw.get(name) is not None:
+                key = raw.get("key")
+                return f"entry {i}" + (f" ({key[:80]})" if isinstance(key, str) else "") + \
+                    f": {name}"
+    return None
+
+
+def check_entry(raw: Any, source: str, need_user_support: bool = True,
+                stored_only: bool = False) -> Entry:
+    """One entry, checked as `add` checks its arguments; InvalidInputError names the
+    field.  `stored_only`: an entry as `apply` sends it to the daemon, whose exec entries
+    come as their type (exec:KEY) without the command."""
+    if not isinstance(raw, Mapping):
+        raise InvalidInputError("entry", f"must be a mapping, got {describe(raw)}")
+    unknown = sorted(str(k) for k in raw if k not in ENTRY_KEYS)
+    if unknown:
+        raise InvalidInputError(unknown[0], "unknown field (known: "
+                                f"{', '.join(sorted(ENTRY_KEYS))})")
+    key = check_key(raw.get("key"))
+    if "cron" not in raw:
+        raise InvalidInputError("cron", "required")
+    expr = check_cron(raw["cron"])
+    if cron_mod.is_once(expr):
+        raise InvalidInputError("cron", "@once is not for schedules files (it would run "
+                                "again after every reload); use perfectschedctl add")
+    has_type, has_exec = raw.get("type") is not None, raw.get("exec") is not None
+    if has_type == has_exec:
+        raise InvalidInputError("type", "needs exactly one of type or exec")
+    argv: tuple[str, ...] | None = None
+    if has_exec:
+        argv = _check_exec(raw["exec"])
+        task_type = f"{EXEC_TYPE}{key}"
+        if len(task_type) > TYPE_MAX:
+            raise InvalidInputError("key", f"longer than {TYPE_MAX - len(EXEC_TYPE)} "
+                                    "characters (an exec entry's type is exec:KEY)")
+    else:
+        # An entry `apply` sends may name its own exec entry's type; a file's may not.
+        task_type = check_type(raw["type"], exec_key=key if stored_only else None)
+    tz = raw.get("timezone")
+    if tz is not None:
+        tz = check_timezone(tz)
+    delay = check_int("delay", raw.get("delay", 0))
+    data = check_data(raw.get("data"))
+    chosen = policy_mod.DEFAULT.changed({k: raw[k] for k in policy_mod.OPTIONS if k in raw})
+    env = runas.check_env(raw.get("env"))
+    if env and argv is None:
+        raise InvalidInputError("env", "only for exec entries (a type's route has its own)")
+    try:
+        executor = unitprops.check_executor(raw.get("executor"), runs_here=need_user_support)
+    except ValueError as exc:
+        raise InvalidInputError("executor", str(exc)) from None
+    if executor != "exec" and argv is None:
+        raise InvalidInputError("executor", "only for exec entries")
+    if raw.get("unit") is not None and executor != "systemd":
+        raise InvalidInputError("unit", "only with executor: systemd")
+    try:
+        unit = unitprops.convert(raw.get("unit"))
+    except unitprops.UnitPropertyError as exc:
+        raise InvalidInputError("unit", str(exc)) from None
+    user = raw.get("user")
+    if user is not None:
+        if argv is None:
+            raise InvalidInputError("user", "only for exec entries")
+        # systemd sets a unit's User=: the daemon need not be root for that.
+        user = runas.check_user(user, need_user_support, needs_root=executor == "exec")
+    return Entry(key=key, source=source, cron=expr, type=task_type, timezone=tz, delay=delay,
+                 data=data, policy=chosen, exec=argv, env=env, user=user, executor=executor,
+                 unit=unit)
+
+
+def _check_exec(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        if not value.strip():
+            raise InvalidInputError("exec", "must not be empty")
+        if "\0" in value:
+            raise InvalidInputError("exec", "contains a NUL character")
+        return ("/bin/sh", "-c", value)  # as cron runs a crontab line
+    if not isinstance(value, list) or not value or not all(isinstance(a, str) for a in value):
+        raise InvalidInputError("exec", "must be a shell line or a non-empty list of strings")
+    if any("\0" in a for a in value) or not value[0]:
+        raise InvalidInputError("exec", "an empty program or a NUL character")
+    return tuple(value)

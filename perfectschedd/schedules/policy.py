@@ -1,0 +1,155 @@
+"""Per-schedule policies (SPEC "Schedule policies"): what they may be, how they are
+stored, and their arithmetic.  The decisions themselves run in Python on the claiming
+worker, so every database backend gets them from this one module.
+
+Stored as one nullable column: the JSON of the options that differ from the defaults
+(NULL for a schedule that sets none, as every schedule made before policies existed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from functools import lru_cache
+from typing import Any
+
+from perfectschedd.errors import InvalidInputError, describe
+
+MISFIRES = ("all", "latest", "skip")
+# `misfire: skip` without a grace: an occurrence that has not started this long after its
+# due time is a missed one.  (A claim normally starts within poll_interval.)
+SKIP_GRACE = 10
+# Bounds, so that every value fits the database and the arithmetic.
+_SECONDS_MAX = 10 * 365 * 86400
+_ATTEMPTS_MAX = 1_000_000
+_JITTER_MAX = 7 * 86400
+
+
+@dataclass(frozen=True)
+class Policy:
+    misfire: str = "all"
+    grace: int | None = None          # seconds; None: no deadline
+    max_attempts: int = 0             # 0: unlimited
+    retry_wait: int | None = None     # seconds before the 2nd attempt; None: the config's
+    jitter: int = 0                   # seconds; each key gets a fixed offset in [0, jitter)
+    timeout: float | None = None      # seconds; None: the route's
+
+    # -- stored form ----------------------------------------------------------------------
+
+    def to_text(self) -> str | None:
+        changed = self.to_fields_changed()
+        return json.dumps(changed, separators=(",", ":"), sort_keys=True) if changed else None
+
+    def to_fields_changed(self) -> dict[str, Any]:
+        """The options that differ from the defaults."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if getattr(self, f.name) != f.default}
+
+    def as_fields(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def changed(self, options: Mapping[str, Any]) -> Policy:
+        """This policy with validated `options` (a `modify`); None resets one."""
+        return replace(self, **{k: (v if v is not None else _DEFAULTS[k])
+                                for k, v in check(options).items()})
+
+    # -- arithmetic -----------------------------------------------------------------------
+
+    def offset(self, key: str) -> int:
+        """The key's jitter: the same on every host, every occurrence, every restart."""
+        return jitter_offset(key, self.jitter)
+
+    def effective_grace(self) -> int | None:
+        if self.grace is not None:
+            return self.grace
+        return SKIP_GRACE if self.misfire == "skip" else None
+
+    def backoff(self, attempt: int, default_wait: float, cap: float) -> float:
+        """Wait after failed attempt `attempt`: the base (this policy's retry_wait, else
+        `default_wait`), doubled per attempt since the first, at most `cap` (or the base,
+        if that is larger)."""
+        base = float(self.retry_wait if self.retry_wait is not None else default_wait)
+        if base <= 0:
+            return 0.0
+        return min(max(cap, base), base * 2.0 ** min(max(0, attempt - 1), 62))
+
+    def gives_up(self, attempt: int) -> bool:
+        return self.max_attempts > 0 and attempt >= self.max_attempts
+
+
+DEFAULT = Policy()
+_DEFAULTS = {f.name: f.default for f in fields(Policy)}
+OPTIONS = tuple(_DEFAULTS)
+
+
+@lru_cache(maxsize=4096)
+def from_text(text: str | None) -> Policy:
+    """The stored form back; an unreadable one (hand-edited) counts as the defaults."""
+    if not text:
+        return DEFAULT
+    try:
+        raw = json.loads(text)
+        return DEFAULT.changed({k: v for k, v in raw.items() if k in _DEFAULTS})
+    except (ValueError, TypeError, AttributeError):
+        return DEFAULT
+
+
+def jitter_offset(key: str, jitter: int) -> int:
+    if jitter <= 1:
+        return 0
+    digest = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % jitter
+
+
+def check(options: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate policy options (any subset; None means "the default"), naming the bad
+    one; returns them normalised."""
+    out: dict[str, Any] = {}
+    for name, value in options.items():
+        if name not in _DEFAULTS:
+            raise InvalidInputError(name, "not a schedule policy option")
+        if value is None:
+            out[name] = None
+            continue
+        if name == "misfire":
+            if value not in MISFIRES:
+                raise InvalidInputError("misfire", f"must be one of {', '.join(MISFIRES)}, "
+                                        f"got {describe(value)}")
+            out[name] = value
+        elif name == "timeout":
+            out[name] = _number(name, value, minimum=0.001, maximum=_SECONDS_MAX,
+                                integer=False)
+        elif name == "max_attempts":
+            out[name] = _number(name, value, minimum=0, maximum=_ATTEMPTS_MAX)
+        elif name == "jitter":
+            out[name] = _number(name, value, minimum=0, maximum=_JITTER_MAX)
+        else:  # grace, retry_wait
+            out[name] = _number(name, value, minimum=0, maximum=_SECONDS_MAX)
+    return out
+
+
+def _number(name: str, value: Any, *, minimum: float, maximum: float,
+            integer: bool = True) -> Any:
+    if isinstance(value, str):  # from a command line or a schedules file
+        try:
+            value = float(value) if "." in value or "e" in value.lower() else int(value)
+        except ValueError:
+            unit = "a whole number" if name == "max_attempts" else "a number of seconds"
+            raise InvalidInputError(name, f"must be {unit}, got {describe(value)}") from None
+    if isinstance(value, bool) or not isinstance(value, int | float) or \
+            not math.isfinite(value):
+        raise InvalidInputError(name, f"must be a number, got {describe(value)}")
+    if integer and int(value) != value:
+        raise InvalidInputError(name, f"must be a whole number, got {describe(value)}")
+    if not minimum <= value <= maximum:
+        raise InvalidInputError(name, f"must be from {_plain(minimum)} to {_plain(maximum)}, "
+                                f"got {describe(value)}")
+    return int(value) if integer else float(value)
+
+
+def _plain(bound: float) -> str:
+    # "315360000", not the "3.1536e+08" of :g, in a message a person reads
+    return str(int(bound)) if float(bound).is_integer() else f"{bound:g}"

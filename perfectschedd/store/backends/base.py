@@ -1,0 +1,221 @@
+"""What a database backend does for the store: its engine, its tables, and the worker's
+hot path (finish a batch and claim the next, "when is the next one due", run history).
+
+Everything else the store does (adds, lists, leases' other writes, history reads) is
+portable SQLAlchemy Core and lives in store.py.  What differs between databases lives in
+one subclass each (sqlite.py, postgresql.py, mysql.py), so a rule of the claim or the
+finish is written once per backend and tested once per backend, never as a dialect
+branch inside shared code.
+"""
+
+from __future__ import annotations
+
+import operator
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, ClassVar
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine.url import URL
+from sqlalchemy.exc import DBAPIError
+
+from perfectschedd.store import schema
+from perfectschedd.store.schema import Advance, Claimed
+from perfectschedd.store.writelock import HostWriteLock
+
+
+class DriverStatement:
+    """A statement compiled once to the driver's own SQL, for executemany on the hot path.
+
+    SQLAlchemy processes every row's parameters on each execute; for the 64 finishes or
+    history rows of a batch that cost more than the database spent on them.  None of the
+    types these statements bind (text, integers, doubles, NULL) needs bind processing on
+    sqlite3, psycopg or PyMySQL, so the rows go to the driver as they are.
+    """
+
+    def __init__(self, stmt: Any, dialect: Any, column_keys: Sequence[str] | None = None
+                 ) -> None:
+        compiled = stmt.compile(dialect=dialect, column_keys=column_keys)
+        self.sql = compiled.string
+        # Values written into the statement itself (attempt=0, fence + 1, owner=NULL).
+        self.fixed = {name: b.value for b, name in compiled.bind_names.items()
+                      if not b.required}
+        names = list(compiled.positiontup or ()) if compiled.positional else []
+        # Positional drivers (sqlite3's "?"): the row's values in the statement's order.
+        self.positional: Callable[[dict[str, Any]], Any] | None = None
+        if len(names) > 1:
+            self.positional = operator.itemgetter(*names)
+        elif names:
+            self.positional = lambda row, name=names[0]: (row[name],)
+
+    def executemany(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> int:
+        fixed, get = self.fixed, self.positional
+        params: Any = ([{**fixed, **r} for r in rows] if get is None
+                       else [get({**fixed, **r}) for r in rows])
+        return int(conn.exec_driver_sql(self.sql, params).rowcount)
+
+
+def in_cron_order(rows: Iterable[Sequence[Any]]) -> list[Claimed]:
+    """Claimed rows in cron order (RETURNING gives no order)."""
+    return sorted((Claimed(*r) for r in rows), key=operator.attrgetter("next_time"))
+
+
+class Backend(ABC):
+    """One database: its engine, its two tables and the worker's hot path on them."""
+
+    name: ClassVar[str]
+    # Where the leased rows have an index of their own (None: no partial indexes).
+    partial_index_dialect: ClassVar[str | None] = None
+
+    def __init__(self, url: URL, table: str) -> None:
+        self.url = url
+        self.write_lock: HostWriteLock | None = None
+        self.engine = self.create_engine()
+        self.metadata = sa.MetaData()
+        self.t = schema.schedules_table(self.metadata, table, self.data_type(),
+                                        self.partial_index_dialect)
+        self.h = schema.history_table(self.metadata, table)
+        self.meta = schema.meta_table(self.metadata, table)
+        self.hosts = schema.hosts_table(self.metadata, table)
+        t = self.t
+        # Every holder-side write names the fence it was given: a row that moved on (lease
+        # lost, modified, deleted) matches nothing, and rowcount says so.
+        self.advance_stmt = t.update().where(
+            t.c.key == sa.bindparam("k"), t.c.fence == sa.bindparam("f")).values(
+            next_time=sa.bindparam("nt"), next_run_time=sa.bindparam("nrt"), attempt=0,
+            owner=None, claimed_at=None, fence=t.c.fence + 1)
+        self.delete_fenced_stmt = t.delete().where(
+            t.c.key == sa.bindparam("k"), t.c.fence == sa.bindparam("f"))
+        self.history_many = DriverStatement(self.h.insert().inline(), self.engine.dialect,
+                                            schema.HISTORY_COLUMNS)
+        self.restrict_types((), (), None)
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    @abstractmethod
+    def create_engine(self) -> Engine:
+        """The engine, with this database's connection options."""
+
+    def data_type(self) -> sa.types.TypeEngine[Any]:
+        """The column type of `data` (JSON text up to DATA_MAX bytes)."""
+        return sa.Text()
+
+    # -- transactions and errors ----------------------------------------------------------
+
+    @contextmanager
+    def transaction(self, readonly: bool = False, durable: bool = False
+                    ) -> Iterator[Connection]:
+        """One transaction on a pooled connection.  `durable`: its commit must be on
+        stable storage when this returns (a user was told it is done).  Database servers
+        at their defaults sync every commit (PostgreSQL's synchronous_commit=on,
+        InnoDB's innodb_flush_log_at_trx_commit=1), so here it changes nothing."""
+        with self.engine.connect() as conn, conn.begin():
+            yield conn
+
+    def sync(self) -> None:
+        """Put every commit so far on stable storage (after schema changes, which are
+        not made in `durable` transactions).  Servers sync each commit already."""
+        return
+
+    def should_try_again(self, exc: DBAPIError) -> bool:
+        """Whether the database asks for the operation to be run again (a lock it could
+        not take in time, a deadlock or serialization victim); never shown to users."""
+        return False
+
+    def keep_connection(self) -> None:
+        """The calling thread (a worker's claim loop) may keep a connection for the hot
+        path, where checking one out each time is a measurable share of the work.  By
+        default it does not: the pool's check-out is cheap next to a network round trip."""
+        return
+
+    def drop_connections(self) -> None:
+        """After a database error: connections a thread kept are replaced at next use
+        (by default none are kept)."""
+        return
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # -- the worker's hot path ------------------------------------------------------------
+
+    def routed_condition(self, exact: Sequence[str], patterns: Sequence[str],
+                         routed: Callable[[str], bool] | None) -> Any:
+        """The SQL condition "a type this process routes" (true: every type).  Patterns
+        are the database's own regular expressions (`~`, REGEXP), which agree with
+        Python's on everyday patterns: a type one matches that Python does not is given
+        back by the worker untried (see leases.py)."""
+        if routed is None:
+            return sa.true()
+        t = self.t
+        conds: list[Any] = []
+        if exact:
+            conds.append(t.c.type.in_(list(exact)))
+        conds.extend(t.c.type.regexp_match(p) for p in patterns)
+        return sa.or_(*conds) if conds else sa.false()
+
+    def restrict_types(self, exact: Sequence[str], patterns: Sequence[str],
+                       routed: Callable[[str], bool] | None) -> None:
+        """Claim, and look for, only rows of the types this process routes: `exact` names
+        or `patterns` (Python regular expressions searched in the type), `routed` being
+        the exact predicate (None: every type).  The statements are built here, once:
+        building them per claim cost more Python time than the database spent on them."""
+        cond = self.routed_condition(exact, patterns, routed)
+        t = self.t
+        self.earliest_stmt = (sa.select(t.c.next_run_time).where(t.c.paused == 0, cond)
+                              .order_by(t.c.next_run_time).limit(1))
+        self.build_claim(cond)
+
+    @abstractmethod
+    def build_claim(self, routed: Any) -> None:
+        """Build the claim statement(s) for rows matching the SQL condition `routed`."""
+
+    @abstractmethod
+    def finish_and_claim(self, finished: Sequence[Advance], now: float, lease_seconds: int,
+                         owner: str, limit: int) -> tuple[set[str], list[Claimed]]:
+        """In one transaction: write `finished` (move each to its next time, or delete a
+        one-off), fenced, and lease up to `limit` due rows (none when 0), oldest first,
+        one winner per row across all hosts.  Returns the keys of `finished` whose fence
+        no longer matched (nothing was written for them) and the leased rows in cron
+        order."""
+
+    def earliest_due(self) -> int | None:
+        """Smallest next_run_time of an unpaused routed row: one index probe."""
+        with self.transaction(readonly=True) as conn:
+            return conn.execute(self.earliest_stmt).scalar()
+
+    def warm_up(self) -> None:
+        """Run the hot path once on nothing, so it is compiled or prepared before the
+        first burst (a first claim cost ~3 ms of compilation)."""
+        self.finish_and_claim([], -1, 0, "", 1)
+
+    def record_runs(self, runs: list[dict[str, Any]]) -> None:
+        """Append run history rows (schema.HISTORY_COLUMNS), in one transaction."""
+        with self.transaction() as conn:
+            self.history_many.executemany(conn, runs)
+
+
+class ServerBackend(Backend):
+    """A database server (PostgreSQL, MySQL): the hot path is statements on a SQLAlchemy
+    connection, each backend writing its own finish and claim."""
+
+    def finish_and_claim(self, finished: Sequence[Advance], now: float, lease_seconds: int,
+                         owner: str, limit: int) -> tuple[set[str], list[Claimed]]:
+        with self.transaction() as conn:
+            lost = self.advance_in(conn, finished) if finished else set()
+            if limit <= 0:
+                return lost, []
+            ts = int(now)
+            return lost, self.claim_in(conn, {
+                "due_by": ts, "lease_until": ts + lease_seconds, "holder": owner,
+                "claim_ts": now, "batch": limit})
+
+    @abstractmethod
+    def advance_in(self, conn: Connection, items: Sequence[Advance]) -> set[str]:
+        """finish_and_claim's writes, in its transaction; the keys whose fence moved."""
+
+    @abstractmethod
+    def claim_in(self, conn: Connection, params: dict[str, Any]) -> list[Claimed]:
+        """finish_and_claim's claim (`due_by`, `lease_until`, `holder`, `claim_ts`,
+        `batch`), in its transaction."""

@@ -1,0 +1,190 @@
+"""The tables and the records that travel between the store and its backends.
+
+One row per schedule.  `next_run_time` is both "when it may run" and, while a worker
+holds the row, the lease expiry; `fence` grows on every claim and every write that takes
+the row away from its holder, and every holder-side write names the fence it was given,
+so a worker that lost its lease changes nothing (PreemptedError upstream).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import sqlalchemy as sa
+
+from perfectschedd.schedules.fields import (  # noqa: F401 - the store's names too
+    CRON_MAX,
+    DATA_MAX,
+    EXEC_TYPE,
+    KEY_MAX,
+    PAUSED_REASON_MAX,
+    POLICY_MAX,
+    RUN_NOW_MARK,
+    SOURCE_FILE,
+    SOURCE_MAX,
+    TYPE_MAX,
+    TZ_MAX,
+    UNIT_MAX,
+)
+
+# How long an operation is tried again while the database says "try again" (a SQLite
+# writer waiting for the lock: busy_timeout and our retries; a deadlock victim).
+TRY_AGAIN_FOR = 60.0
+
+
+@dataclass(frozen=True)
+class Row:
+    """One schedule as stored."""
+
+    key: str
+    type: str
+    cron: str | None
+    delay: int
+    timezone: str
+    data: str
+    next_time: int
+    next_run_time: int
+    paused: bool
+    fence: int
+    attempt: int
+    owner: str | None
+    claimed_at: float | None
+    paused_reason: str | None = None
+    policy: str | None = None  # policy.Policy.to_text(): NULL for the defaults
+    source: str | None = None  # file:NAME; None: made with `add`
+    creator: int | None = None  # the uid that made it; None: unknown (made before 0.2.0)
+
+
+class Claimed(NamedTuple):
+    """A row just leased to the caller, as it is after the claim.  (Named tuples, here
+    and in Advance: one is made per fire, and a frozen dataclass costs several times as
+    much to build.)"""
+
+    key: str
+    type: str
+    cron: str | None
+    delay: int
+    timezone: str
+    data: str
+    next_time: int
+    fence: int
+    attempt: int
+    due_time: int  # next_run_time before the claim: when it was due (lateness counts from it)
+    has_extra: int | None  # `run` made extra runs of it (KEY@run-...): they must not overlap
+    policy: str | None = None  # the schedule's policies (policy.from_text)
+
+
+class Advance(NamedTuple):
+    """A holder-side write: the new times of a schedule whose occurrence finished."""
+
+    key: str
+    fence: int
+    next_time: int | None  # None: a one-off row, delete it
+    next_run_time: int | None
+    # Set when the schedule has no next occurrence (its cron runs past year 9999): the
+    # row is paused with this reason instead of moved on.
+    pause_reason: str | None = None
+
+
+# Unix seconds with a fraction: double precision everywhere (MySQL's plain FLOAT is 4 bytes
+# and would round today's times to ~2 minutes).
+SECONDS = sa.Float(precision=53)
+
+
+def schedules_table(metadata: sa.MetaData, name: str, data_type: sa.types.TypeEngine[Any],
+                    partial_index_dialect: str | None) -> sa.Table:
+    """The schedules table.  `data_type` holds JSON text up to DATA_MAX bytes;
+    `partial_index_dialect` names the dialect whose partial index keeps the leased rows
+    apart (None: it has none)."""
+    t = sa.Table(
+        name, metadata,
+        sa.Column("key", sa.String(KEY_MAX), primary_key=True),
+        sa.Column("type", sa.String(TYPE_MAX), nullable=False),
+        sa.Column("cron", sa.String(CRON_MAX), nullable=True),  # NULL: a one-off run
+        sa.Column("delay", sa.Integer, nullable=False, default=0),
+        sa.Column("timezone", sa.String(TZ_MAX), nullable=False),
+        sa.Column("data", data_type, nullable=False),
+        sa.Column("next_time", sa.BigInteger, nullable=False),
+        sa.Column("next_run_time", sa.BigInteger, nullable=False),
+        sa.Column("paused", sa.SmallInteger, nullable=False, default=0),
+        sa.Column("fence", sa.BigInteger, nullable=False, default=0),
+        sa.Column("attempt", sa.Integer, nullable=False, default=0),
+        sa.Column("owner", sa.String(128), nullable=True),
+        sa.Column("claimed_at", SECONDS, nullable=True),
+        # next_run_time as it was when the current holder claimed the row.
+        sa.Column("due_time", sa.BigInteger, nullable=True),
+        # Set by `run KEY`: the schedule has had extra runs, which must not overlap it.
+        sa.Column("has_extra", sa.SmallInteger, nullable=True),
+        # Why the daemon paused the schedule (no next occurrence); NULL when a user did.
+        sa.Column("paused_reason", sa.String(PAUSED_REASON_MAX), nullable=True),
+        # Policies other than the defaults, as JSON (policy.py); NULL: all defaults.
+        sa.Column("policy", sa.String(POLICY_MAX), nullable=True),
+        # The member of this schedule's group (itself, or an extra run KEY@run-...) that
+        # runs now, or ran last: the others wait while it holds a live lease.
+        sa.Column("group_holder", sa.String(KEY_MAX), nullable=True),
+        # Where the schedule comes from: file:NAME (a schedules file); NULL: `add`.
+        sa.Column("source", sa.String(SOURCE_MAX), nullable=True),
+        # The uid that made the schedule (the caller of add, apply, import; a schedules
+        # file's owner).  NULL: unknown, made by a version that did not record it.
+        # (A uid takes 32 bits unsigned: BigInteger on every database.)
+        sa.Column("creator", sa.BigInteger, nullable=True),
+    )
+    # The claim reads "unpaused rows, smallest next_run_time first": O(log n) on this index.
+    sa.Index(f"{name}_due", t.c.paused, t.c.next_run_time)
+    if partial_index_dialect is not None:
+        # Leased rows only (status, release_owner): tiny, so claims and finishes barely
+        # pay for it.  Without partial indexes (MySQL) those reads scan the table.
+        # Only this dialect's keyword: naming another one makes SQLAlchemy import it.
+        sa.Index(f"{name}_held", t.c.owner,
+                 **{f"{partial_index_dialect}_where": t.c.owner.isnot(None)})
+    return t
+
+
+def history_table(metadata: sa.MetaData, name: str) -> sa.Table:
+    t = sa.Table(
+        f"{name}_history", metadata,
+        sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"),
+                  primary_key=True, autoincrement=True),
+        sa.Column("key", sa.String(KEY_MAX), nullable=False),
+        sa.Column("type", sa.String(TYPE_MAX), nullable=False),
+        sa.Column("scheduled_time", sa.BigInteger, nullable=False),
+        sa.Column("attempt", sa.Integer, nullable=False),
+        sa.Column("started_at", SECONDS, nullable=False),
+        sa.Column("finished_at", SECONDS, nullable=False),
+        sa.Column("outcome", sa.String(32), nullable=False),
+        sa.Column("worker", sa.String(128), nullable=False),
+        # executor systemd: the run's transient unit (journalctl -u UNIT); NULL otherwise.
+        # Nullable: init() adds it to a history table an older version made.
+        sa.Column("unit", sa.String(UNIT_MAX), nullable=True),
+    )
+    sa.Index(f"{name}_history_key", t.c.key, t.c.id)
+    return t
+
+
+def meta_table(metadata: sa.MetaData, name: str) -> sa.Table:
+    """Facts about the database itself, as name/value rows: its schema version
+    (schemaversion.py)."""
+    return sa.Table(
+        f"{name}_meta", metadata,
+        sa.Column("name", sa.String(64), primary_key=True),
+        sa.Column("value", sa.String(255), nullable=False),
+    )
+
+
+def hosts_table(metadata: sa.MetaData, name: str) -> sa.Table:
+    """One row per daemon host that uses the database: what it runs and when it was last
+    heard of (status lists them; a feature an older live host cannot honour asks here)."""
+    return sa.Table(
+        f"{name}_hosts", metadata,
+        sa.Column("name", sa.String(128), primary_key=True),
+        sa.Column("version", sa.String(32), nullable=False),
+        sa.Column("schema_version", sa.Integer, nullable=False),
+        sa.Column("pid", sa.Integer, nullable=True),
+        sa.Column("started_at", SECONDS, nullable=False),
+        sa.Column("last_seen", SECONDS, nullable=False),
+    )
+
+
+HISTORY_COLUMNS = ("key", "type", "scheduled_time", "attempt", "started_at", "finished_at",
+                   "outcome", "worker", "unit")

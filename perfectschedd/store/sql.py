@@ -1,0 +1,699 @@
+"""Schedules and run history in SQL, through SQLAlchemy Core: what every database does
+alike.  What differs (engine options, the worker's claim and finish, history appends,
+which errors mean "try again") is a backend's (backends/).
+
+The tables and their rules are in schema.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+from sqlalchemy.engine.url import URL, make_url
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+
+from perfectschedd.errors import ConfigError, SchemaError, first_line
+from perfectschedd.store import version as schemaversion
+from perfectschedd.store.backends import open_backend
+from perfectschedd.store.schema import (
+    CRON_MAX,
+    DATA_MAX,
+    KEY_MAX,
+    PAUSED_REASON_MAX,
+    POLICY_MAX,
+    RUN_NOW_MARK,
+    SOURCE_FILE,
+    TRY_AGAIN_FOR,
+    TYPE_MAX,
+    TZ_MAX,
+    Advance,
+    Claimed,
+    Row,
+)
+
+__all__ = ["CRON_MAX", "DATA_MAX", "KEY_MAX", "POLICY_MAX", "RUN_NOW_MARK", "TYPE_MAX",
+           "TZ_MAX", "Advance", "Claimed", "Row", "Store", "check_url", "dumps_data",
+           "engine_url"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+SA_MAJOR = int(sa.__version__.split(".")[0])
+
+
+def engine_url(url: str) -> URL:
+    """Map a user's URL to a SQLAlchemy URL with the driver this installation has."""
+    try:
+        u = make_url(url)
+    except Exception as exc:  # noqa: BLE001 - any parse failure is a bad url
+        # Not the URL itself: it may hold a password.
+        raise ConfigError(f"url: cannot parse it: {str(exc)[:200]}") from None
+    backend, _, driver = u.drivername.partition("+")
+    if backend == "postgres":
+        backend = "postgresql"
+    if backend == "postgresql" and not driver:
+        # SQLAlchemy 1.4 (Debian 12) has no psycopg 3 dialect; 2.x does.
+        driver = "psycopg" if SA_MAJOR >= 2 else "psycopg2"
+    if backend == "mysql" and not driver:
+        driver = "pymysql"
+    if backend not in ("sqlite", "postgresql", "mysql"):
+        raise ConfigError(f"url: unsupported database {backend!r}")
+    return u.set(drivername=f"{backend}+{driver}" if driver else backend)
+
+
+def check_url(url: str) -> None:
+    """Refuse, as ConfigError, a URL no Store could be made of: unparsable, an in-memory
+    SQLite database (each process would have its own), a driver that is not installed.
+    Connects to nothing."""
+    u = engine_url(url)
+    if u.get_backend_name() == "sqlite" and (u.database or "") in ("", ":memory:"):
+        raise ConfigError("url: the SQLite database must be a file (sqlite:///path)")
+    try:
+        dialect = u.get_dialect()
+        load_dbapi = getattr(dialect, "import_dbapi", None) or dialect.dbapi
+        load_dbapi()
+    except Exception as exc:  # noqa: BLE001 - NoSuchModuleError, ImportError: one line
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise ConfigError(f"url: no driver for {u.drivername}: {first}") from None
+
+
+def _retried(method: F) -> F:
+    """Re-run a whole store operation when the database says "try again" (the
+    backend's should_try_again: never shown to users), or a connection found dead (a server
+    restart: the pool was invalidated; one retry on a fresh connection)."""
+
+    @functools.wraps(method)
+    def wrapper(self: Store, *args: Any, **kwargs: Any) -> Any:
+        deadline = time.monotonic() + TRY_AGAIN_FOR
+        delay = 0.005
+        reconnected = False
+        while True:
+            try:
+                return method(self, *args, **kwargs)
+            except DBAPIError as exc:
+                if self.backend.should_try_again(exc) and time.monotonic() < deadline:
+                    time.sleep(delay)
+                    delay = min(delay * 2, 0.2)
+                    continue
+                if exc.connection_invalidated and not reconnected:
+                    reconnected = True
+                    continue
+                raise
+
+    return wrapper  # type: ignore[return-value]
+
+
+class Store:
+    """Schedules and run history in one database; safe for many threads of one process.
+
+    Create one per process, after fork (connections must not cross a fork).
+    """
+
+    def __init__(self, url: str, table: str = "perfectsched") -> None:
+        self.url = engine_url(url)
+        self.backend = open_backend(self.url, table)
+        self.dialect = self.backend.name
+        self.engine = self.backend.engine
+        self.write_lock = self.backend.write_lock
+        self.metadata = self.backend.metadata
+        self.t = self.backend.t
+        self.h = self.backend.h
+        self._initialized = False
+        self.created_table = False  # by this Store (opening one creates a missing table)
+
+    @contextmanager
+    def _tx(self, readonly: bool = False, durable: bool = False) -> Iterator[Connection]:
+        """One transaction.  `durable`: a user-side write, acknowledged to a user once it
+        returns, so its commit reaches stable storage first (Backend.transaction)."""
+        with self.backend.transaction(readonly, durable) as conn:
+            yield conn
+
+    def close(self) -> None:
+        self.backend.close()
+
+    def reset_connections(self) -> None:
+        """Drop pooled connections (after an error): later calls connect afresh.  Those
+        in use by other threads are closed when they are given back."""
+        self.backend.drop_connections()
+        self.engine.dispose()
+
+    def keep_connection(self) -> None:
+        """The calling thread keeps a connection for the hot path (where it pays)."""
+        self.backend.keep_connection()
+
+    # -- schema ---------------------------------------------------------------------------
+
+    def init(self) -> bool:
+        """Bring the database to this version's schema (schemaversion.py): create what is
+        missing, add the columns a newer version introduced to tables an older one made,
+        and record the version; idempotent and safe to race.  SchemaError, before
+        anything is written, when the database is newer than this version may use or not
+        one it can use.  True if this call created the schedules table."""
+        found = schemaversion.read(self.engine, self.backend.meta, self.t)
+        schemaversion.refuse_unusable(found)
+        self._refuse_missing_required()
+        self._create_missing_tables()
+        self._add_missing_columns()
+        schemaversion.record(self.engine, self.backend.meta, found)
+        if found.version < schemaversion.SCHEMA_VERSION:
+            self.backend.sync()
+        self._initialized = True
+        self.created_table = self.created_table or found.version == 0
+        return found.version == 0
+
+    def _create_missing_tables(self) -> None:
+        """Create each missing table on its own: hosts starting at once race between
+        the existence check and the CREATE, and on MySQL each of several tables can be
+        lost to a different process, so one retry of the whole set is not enough.  A
+        failed CREATE is fine when the table now exists; otherwise (this role may not
+        create tables) it is reported."""
+        for table in self.metadata.sorted_tables:
+            try:
+                table.create(self.engine, checkfirst=True)
+            except (IntegrityError, OperationalError, sa.exc.ProgrammingError) as exc:
+                if not sa.inspect(self.engine).has_table(table.name):
+                    raise SchemaError(f"cannot create the table {table.name}: "
+                                      f"{first_line(exc.orig or exc)}") from None
+
+    def _refuse_missing_required(self) -> None:
+        """A table of ours that lacks a NOT NULL column was not made by any version of
+        perfectsched: refuse it before anything is created beside it."""
+        inspector = sa.inspect(self.engine)
+        for table in self.metadata.sorted_tables:
+            if not inspector.has_table(table.name):
+                continue
+            have = {c["name"] for c in inspector.get_columns(table.name)}
+            missing = [c.name for c in table.columns if not c.nullable and c.name not in have]
+            if missing:
+                raise SchemaError(
+                    f"table {table.name}: column {missing[0]} is missing; the table was not"
+                    " made by perfectsched (or by an incompatible version); nothing was "
+                    "changed")
+
+    def _add_missing_columns(self) -> None:
+        for table in self.metadata.sorted_tables:
+            self._add_missing_columns_of(table)
+
+    def _add_missing_columns_of(self, table: sa.Table) -> None:
+        have = {c["name"] for c in sa.inspect(self.engine).get_columns(table.name)}
+        for column in table.columns:
+            if column.name in have:
+                continue
+            ddl = (f"ALTER TABLE {self.engine.dialect.identifier_preparer.format_table(table)}"
+                   f" ADD COLUMN {self.engine.dialect.identifier_preparer.quote(column.name)}"
+                   f" {column.type.compile(dialect=self.engine.dialect)}")
+            try:
+                with self.engine.begin() as conn:
+                    conn.exec_driver_sql(ddl)
+            except (OperationalError, sa.exc.ProgrammingError):
+                # Another process added it at the same time.
+                have = {c["name"] for c in sa.inspect(self.engine).get_columns(table.name)}
+                if column.name not in have:
+                    raise
+
+    def ensure_initialized(self) -> None:
+        if not self._initialized:
+            self.init()
+
+    # -- user-side writes -----------------------------------------------------------------
+
+    @_retried
+    def insert(self, row: Row) -> bool:
+        """Insert a schedule; False if the key exists."""
+        values = {
+            "key": row.key, "type": row.type, "cron": row.cron, "delay": row.delay,
+            "timezone": row.timezone, "data": row.data, "next_time": row.next_time,
+            "next_run_time": row.next_run_time, "paused": int(row.paused),
+            "fence": 0, "attempt": 0, "owner": None, "claimed_at": None,
+            "policy": row.policy, "source": row.source, "creator": row.creator,
+        }
+        try:
+            with self._tx(durable=True) as conn:
+                conn.execute(self.t.insert().values(**values))
+        except IntegrityError:
+            return False
+        return True
+
+    @_retried
+    def insert_many(self, rows: Sequence[Row]) -> None:
+        """Bulk insert; raises IntegrityError (nothing stored) if any key exists."""
+        payload = [
+            {"key": r.key, "type": r.type, "cron": r.cron, "delay": r.delay,
+             "timezone": r.timezone, "data": r.data, "next_time": r.next_time,
+             "next_run_time": r.next_run_time, "paused": int(r.paused), "fence": 0,
+             "attempt": 0, "owner": None, "claimed_at": None, "policy": r.policy,
+             "source": r.source, "creator": r.creator}
+            for r in rows
+        ]
+        with self._tx(durable=True) as conn:
+            conn.execute(self.t.insert(), payload)
+
+    @_retried
+    def delete(self, key: str) -> int:
+        """Delete a schedule and its extra runs (`run`: KEY@run-..., queued or running:
+        a running one loses its lease and is stopped); the rows deleted, 0 if none."""
+        t = self.t
+        with self._tx(durable=True) as conn:
+            row = conn.execute(sa.select(t.c.has_extra).where(t.c.key == key)).first()
+            if row is None:
+                return 0
+            keys = [key]
+            if row.has_extra:
+                prefix = f"{key}{RUN_NOW_MARK}"
+                # LIKE ignores case on SQLite and MySQL: the exact prefix is checked here.
+                keys += [k for (k,) in conn.execute(sa.select(t.c.key).where(
+                    t.c.key.startswith(prefix, autoescape=True))) if k.startswith(prefix)]
+            deleted = 0
+            for i in range(0, len(keys), 500):
+                deleted += conn.execute(t.delete().where(t.c.key.in_(keys[i:i + 500]))).rowcount
+            return deleted
+
+    @_retried
+    def update(self, key: str, values: dict[str, Any], *, take_lease: bool) -> bool:
+        """Change a schedule's fields; `take_lease` preempts a current holder."""
+        if take_lease:
+            values = {**values, "fence": self.t.c.fence + 1, "owner": None, "claimed_at": None}
+        with self._tx(durable=True) as conn:
+            res = conn.execute(self.t.update().where(self.t.c.key == key).values(**values))
+            return res.rowcount > 0
+
+    # -- reads ----------------------------------------------------------------------------
+
+    @_retried
+    def rows_of(self, keys: Sequence[str] = (), sources: Sequence[str] = ()) -> list[Row]:
+        """The rows with these keys or from these sources (schedules files), read in
+        slices of IN lists."""
+        t = self.t
+        found: dict[str, Row] = {}
+        with self._tx(readonly=True) as conn:
+            for column, values in ((t.c.key, list(keys)), (t.c.source, list(sources))):
+                for i in range(0, len(values), 500):
+                    q = sa.select(t).where(column.in_(values[i:i + 500]))
+                    for r in conn.execute(q):
+                        found.setdefault(r._mapping["key"], self._row(r))
+        return list(found.values())
+
+    @_retried
+    def file_sources(self) -> list[str]:
+        """The sources of schedules that came from schedules files (file:NAME)."""
+        t = self.t
+        q = sa.select(t.c.source).where(t.c.source.startswith(SOURCE_FILE)).distinct()
+        with self._tx(readonly=True) as conn:
+            return [r[0] for r in conn.execute(q)]
+
+    @_retried
+    def get(self, key: str) -> Row | None:
+        with self._tx(readonly=True) as conn:
+            r = conn.execute(sa.select(self.t).where(self.t.c.key == key)).first()
+        return self._row(r) if r is not None else None
+
+    @_retried
+    def exists(self, key: str) -> bool:
+        with self._tx(readonly=True) as conn:
+            return conn.execute(
+                sa.select(self.t.c.key).where(self.t.c.key == key)).first() is not None
+
+    @_retried
+    def rows(self, *, prefix: str | None = None, limit: int | None = None,
+             after_key: str | None = None) -> list[Row]:
+        q = sa.select(self.t).order_by(self.t.c.key)
+        if prefix:
+            q = q.where(self.t.c.key.startswith(prefix, autoescape=True))
+        if after_key is not None:
+            q = q.where(self.t.c.key > after_key)
+        if limit is not None:
+            q = q.limit(limit)
+        with self._tx(readonly=True) as conn:
+            return [self._row(r) for r in conn.execute(q)]
+
+    @_retried
+    def running(self) -> list[Row]:
+        with self._tx(readonly=True) as conn:
+            res = conn.execute(sa.select(self.t).where(self.t.c.owner.isnot(None))
+                               .order_by(self.t.c.claimed_at))
+            return [self._row(r) for r in res]
+
+    @_retried
+    def earliest_due(self) -> int | None:
+        """Smallest next_run_time of an unpaused routed row: one index probe."""
+        return self.backend.earliest_due()
+
+    @_retried
+    def counts(self, now: int) -> dict[str, int]:
+        """Totals for status and metrics; `overdue` counts through the due index only."""
+        t = self.t
+        with self._tx(readonly=True) as conn:
+            total = conn.execute(sa.select(sa.func.count()).select_from(t)).scalar() or 0
+            paused = conn.execute(sa.select(sa.func.count()).select_from(t)
+                                  .where(t.c.paused == 1)).scalar() or 0
+            due = conn.execute(sa.select(sa.func.count()).select_from(t).where(
+                t.c.paused == 0, t.c.next_run_time <= now, t.c.owner.is_(None))).scalar() or 0
+            running = conn.execute(sa.select(sa.func.count()).select_from(t).where(
+                t.c.owner.isnot(None), t.c.next_run_time > now)).scalar() or 0
+        return {"schedules": total, "paused": paused, "due": due, "running": running}
+
+    @_retried
+    def keys_matching(self, bad: Callable[[str], bool], limit: int = 100) -> list[str]:
+        """Up to `limit` schedule keys for which `bad(key)` is true, the table read in
+        key order in slices (never all of it in memory)."""
+        t = self.t
+        found: list[str] = []
+        after = ""
+        while len(found) < limit:
+            q = sa.select(t.c.key).where(t.c.key > after).order_by(t.c.key).limit(10_000)
+            with self._tx(readonly=True) as conn:
+                keys = [r[0] for r in conn.execute(q)]
+            if not keys:
+                break
+            found.extend(k for k in keys if bad(k))
+            after = keys[-1]
+        return found[:limit]
+
+    @_retried
+    def unclaimed(self, due_before: int, limit: int = 100) -> dict[str, int]:
+        """Occurrences due before `due_before` that nobody holds, by type (the `limit`
+        types with most of them): work no live worker takes."""
+        t = self.t
+        n = sa.func.count().label("n")
+        q = (sa.select(t.c.type, n).where(t.c.paused == 0, t.c.next_run_time < due_before,
+                                          t.c.owner.is_(None))
+             .group_by(t.c.type).order_by(n.desc()).limit(limit))
+        with self._tx(readonly=True) as conn:
+            return {r[0]: int(r[1]) for r in conn.execute(q)}
+
+    def _row(self, r: Any) -> Row:
+        m = r._mapping
+        return Row(
+            key=m["key"], type=m["type"], cron=m["cron"], delay=int(m["delay"]),
+            timezone=m["timezone"], data=m["data"], next_time=int(m["next_time"]),
+            next_run_time=int(m["next_run_time"]), paused=bool(m["paused"]),
+            fence=int(m["fence"]), attempt=int(m["attempt"]), owner=m["owner"],
+            claimed_at=m["claimed_at"], paused_reason=m.get("paused_reason"),
+            policy=m.get("policy"), source=m.get("source"),
+            creator=int(m["creator"]) if m.get("creator") is not None else None,
+        )
+
+    # -- holder-side: claim, heartbeat, finish, retry, release ----------------------------
+
+    @_retried
+    def claim(self, now: float, lease_seconds: int, owner: str, limit: int = 1) -> list[Claimed]:
+        """Lease up to `limit` due rows, oldest first; one winner per row across all hosts."""
+        return self.backend.finish_and_claim([], now, lease_seconds, owner, limit)[1]
+
+    @_retried
+    def finish_and_claim(self, finished: Sequence[Advance], now: float, lease_seconds: int,
+                         owner: str, limit: int) -> tuple[set[str], list[Claimed]]:
+        """advance() and claim() in one transaction: the worker's hot path.
+
+        Returns the preempted keys of `finished` and the newly claimed rows.
+        """
+        finished, pauses = _split_pauses(finished)
+        paused_lost = self.pause_exhausted(pauses) if pauses else set()
+        lost, claimed = self.backend.finish_and_claim(finished, now, lease_seconds, owner,
+                                                      limit)
+        return lost | paused_lost, claimed
+
+    def restrict_types(self, exact: Sequence[str], patterns: Sequence[str],
+                       routed: Callable[[str], bool]) -> None:
+        """Claim, and look for, only occurrences of types this process routes: `exact`
+        names or `patterns` (Python regular expressions searched in the type, as routes'
+        /re/ are), `routed` being the exact predicate.  Set once, by a worker, before its
+        first claim (see Backend.restrict_types)."""
+        self.backend.restrict_types(exact, patterns, routed)
+
+    @_retried
+    def warm_up(self) -> None:
+        """Run the hot path once on nothing, so it is ready before the first burst."""
+        self.backend.warm_up()
+
+    @_retried
+    def heartbeat(self, held: Sequence[tuple[str, int]], lease_until: int) -> set[str]:
+        """Extend leases; returns the keys whose lease was lost."""
+        if not held:
+            return set()
+        t = self.t
+        lost: set[str] = set()
+        with self._tx() as conn:
+            for key, fence in sorted(held):  # one lock order with the finishes (by key)
+                res = conn.execute(t.update().where(t.c.key == key, t.c.fence == fence)
+                                   .values(next_run_time=lease_until))
+                if res.rowcount == 0:
+                    lost.add(key)
+        return lost
+
+    @_retried
+    def advance(self, items: Sequence[Advance]) -> set[str]:
+        """Finish occurrences (move to the next time, or delete one-offs).
+
+        Returns the keys that were preempted (nothing written for them).
+        """
+        if not items:
+            return set()
+        items, pauses = _split_pauses(items)
+        lost = self.pause_exhausted(pauses) if pauses else set()
+        if not items:
+            return lost
+        return lost | self.backend.finish_and_claim(items, 0, 0, "", 0)[0]
+
+    @_retried
+    def retarget(self, key: str, fence: int, next_time: int) -> bool:
+        """The lease holder runs a later occurrence than it claimed (misfire `latest`):
+        the row says which, so a worker that dies running it leaves that one to redo.
+        Fenced; the lease is kept.  False when the lease was lost."""
+        t = self.t
+        with self._tx() as conn:
+            return conn.execute(t.update().where(t.c.key == key, t.c.fence == fence)
+                                .values(next_time=next_time)).rowcount == 1
+
+    @_retried
+    def pause_exhausted(self, items: Sequence[Advance]) -> set[str]:
+        """Pause schedules that have no next occurrence, with the reason, ending their
+        leases (fenced like any holder-side write); returns the keys that were preempted."""
+        t = self.t
+        lost: set[str] = set()
+        with self._tx() as conn:
+            for a in items:
+                done = conn.execute(
+                    t.update().where(t.c.key == a.key, t.c.fence == a.fence)
+                    .values(paused=1, paused_reason=(a.pause_reason or "")[:PAUSED_REASON_MAX],
+                            owner=None, claimed_at=None, attempt=0, fence=t.c.fence + 1))
+                if done.rowcount != 1:
+                    lost.add(a.key)
+        return lost
+
+    @_retried
+    def mark_extra(self, key: str) -> bool:
+        """`run KEY` is about to add an extra run: from now on, claims of KEY check that
+        none of its extra runs is running (and the extra runs check KEY).  No fence
+        change: a running occurrence keeps its lease."""
+        t = self.t
+        with self._tx(durable=True) as conn:
+            return conn.execute(t.update().where(t.c.key == key)
+                                .values(has_extra=1)).rowcount > 0
+
+    @_retried
+    def extra_runs(self, key: str) -> list[Row]:
+        """The extra runs (`run KEY`) of `key` that have not ended."""
+        t = self.t
+        q = sa.select(t).where(t.c.key.startswith(f"{key}{RUN_NOW_MARK}", autoescape=True))
+        with self._tx(readonly=True) as conn:
+            return [self._row(r) for r in conn.execute(q.order_by(t.c.next_run_time))]
+
+    @_retried
+    def group_busy(self, key: str, base: str, now: int) -> bool:
+        """Whether another member of `base`'s group (the schedule and its extra runs
+        `base@run-...`) than `key` holds a live lease.  Read after the caller's own claim
+        was committed, so of two members claimed at the same time at least one sees the
+        other (and gives its occurrence back)."""
+        t = self.t
+        members = sa.or_(t.c.key == base,
+                         t.c.key.startswith(f"{base}{RUN_NOW_MARK}", autoescape=True))
+        q = (sa.select(t.c.key).where(members, t.c.key != key, t.c.owner.isnot(None),
+                                      t.c.next_run_time > now).limit(1))
+        with self._tx(readonly=True) as conn:
+            return conn.execute(q).first() is not None
+
+    @_retried
+    def group_acquire(self, key: str, base: str, now: int) -> bool:
+        """Whether `key`, a member of `base`'s group (the schedule and its extra runs
+        `base@run-...`), may start now; if so it becomes the group's holder.  Decided under
+        the base row's lock (one transaction), so of members claimed at the same time
+        exactly one starts and the others wait: no overlap and no livelock, as there would
+        be if each gave way to every other's lease.  A running base claimed before `run`
+        marked it (so it did not ask) blocks the extra runs through its own lease."""
+        t = self.t
+        with self._tx() as conn:
+            row = conn.execute(
+                sa.select(t.c.group_holder, t.c.owner, t.c.next_run_time)
+                .where(t.c.key == base).with_for_update()).first()
+            if row is None:
+                return True  # the schedule is gone (delete took its extra runs with it)
+            holder, base_owner, base_lease = row
+            if key != base and base_owner is not None and base_lease > now:
+                return False
+            if holder is not None and holder != key:
+                live = conn.execute(sa.select(t.c.key).where(
+                    t.c.key == holder, t.c.owner.isnot(None),
+                    t.c.next_run_time > now)).first()
+                if live is not None:
+                    return False
+            if holder != key:
+                conn.execute(t.update().where(t.c.key == base).values(group_holder=key))
+            return True
+
+    @_retried
+    def reschedule(self, key: str, fence: int, run_at: int, *, count_attempt: bool) -> bool:
+        """Give the occurrence back to run again at `run_at` (retry, release, SCHED_LATER)."""
+        t = self.t
+        values: dict[str, Any] = {"next_run_time": run_at, "owner": None, "claimed_at": None,
+                                  "fence": t.c.fence + 1}
+        if not count_attempt:
+            values["attempt"] = t.c.attempt - 1
+        with self._tx() as conn:
+            res = conn.execute(t.update().where(t.c.key == key, t.c.fence == fence)
+                               .values(**values))
+        return res.rowcount > 0
+
+    @_retried
+    def release_owner(self, owner: str, now: int) -> int:
+        """Hand back every lease of a dead/stopping process at once."""
+        t = self.t
+        with self._tx() as conn:
+            return conn.execute(t.update().where(t.c.owner == owner).values(
+                next_run_time=now, owner=None, claimed_at=None, fence=t.c.fence + 1,
+                attempt=t.c.attempt - 1)).rowcount
+
+    @_retried
+    def reclaim_owner(self, owner: str, now: float) -> int:
+        """A worker died and its runs were killed: record each attempt it held as `lost`
+        and give the occurrences back to run now; the attempt counts.  One transaction."""
+        t = self.t
+        with self._tx() as conn:
+            held = conn.execute(sa.select(t.c.key, t.c.type, t.c.next_time, t.c.attempt,
+                                          t.c.claimed_at, t.c.fence)
+                                .where(t.c.owner == owner)).all()
+            if not held:
+                return 0
+            conn.execute(self.h.insert(), [
+                {"key": r.key, "type": r.type, "scheduled_time": r.next_time,
+                 "attempt": r.attempt, "started_at": r.claimed_at or now,
+                 "finished_at": now, "outcome": "lost", "worker": owner, "unit": None}
+                for r in held])
+            stmt = t.update().where(t.c.key == sa.bindparam("k"),
+                                    t.c.fence == sa.bindparam("f")).values(
+                next_run_time=int(now), owner=None, claimed_at=None, fence=t.c.fence + 1)
+            conn.execute(stmt, [{"k": r.key, "f": r.fence} for r in held])
+        return len(held)
+
+    # -- hosts ----------------------------------------------------------------------------
+
+    @_retried
+    def record_host(self, name: str, version: str, pid: int, started_at: float,
+                    now: float) -> None:
+        """This host uses the database now, running `version` (insert or update)."""
+        hs = self.backend.hosts
+        values = {"version": version, "schema_version": schemaversion.SCHEMA_VERSION,
+                  "pid": pid, "started_at": started_at, "last_seen": now}
+        with self._tx() as conn:
+            if conn.execute(hs.update().where(hs.c.name == name).values(**values)).rowcount:
+                return
+        try:
+            with self._tx() as conn:
+                conn.execute(hs.insert().values(name=name, **values))
+        except IntegrityError:  # a twin (same node_name) inserted it meanwhile
+            with self._tx() as conn:
+                conn.execute(hs.update().where(hs.c.name == name).values(**values))
+
+    @_retried
+    def forget_host(self, name: str, pid: int) -> None:
+        """A clean stop: the host's row goes, unless another daemon of that name took it."""
+        hs = self.backend.hosts
+        with self._tx() as conn:
+            conn.execute(hs.delete().where(hs.c.name == name, hs.c.pid == pid))
+
+    @_retried
+    def hosts(self, forget_before: float | None = None) -> list[dict[str, Any]]:
+        """Every host recorded, by name; rows last seen before `forget_before` are
+        deleted first (hosts gone for good)."""
+        hs = self.backend.hosts
+        if forget_before is not None:
+            with self._tx() as conn:
+                conn.execute(hs.delete().where(hs.c.last_seen < forget_before))
+        with self._tx(readonly=True) as conn:
+            return [dict(r._mapping) for r in conn.execute(sa.select(hs).order_by(hs.c.name))]
+
+    @_retried
+    def nodes_at_work(self, since: float, recent_runs: int = 2000) -> set[str]:
+        """Names of the nodes that hold a lease now or recorded a run since `since` (among
+        the newest `recent_runs`): hosts of every version, those that record themselves
+        in the hosts table and those too old to (0.1.0)."""
+        t, h = self.t, self.h
+        with self._tx(readonly=True) as conn:
+            owners = [r[0] for r in conn.execute(
+                sa.select(t.c.owner).where(t.c.owner.isnot(None)).distinct())]
+            recent = (sa.select(h.c.worker, h.c.finished_at).order_by(h.c.id.desc())
+                      .limit(recent_runs).subquery())
+            workers = [r[0] for r in conn.execute(
+                sa.select(recent.c.worker).where(recent.c.finished_at >= since).distinct())]
+        return {w.rsplit(":", 1)[0] for w in (*owners, *workers) if w}
+
+    # -- run history ----------------------------------------------------------------------
+
+    @_retried
+    def record_runs(self, runs: Iterable[dict[str, Any]]) -> None:
+        # Runs recorded without a unit (most: exec, python) have none.
+        payload = [r if "unit" in r else {**r, "unit": None} for r in runs]
+        if not payload:
+            return
+        self.backend.record_runs(payload)
+
+    @_retried
+    def history(self, key: str, limit: int) -> list[dict[str, Any]]:
+        """Newest runs of `key`, including its extra runs (`run`: keys KEY@run-...)."""
+        h = self.h
+        q = (sa.select(h).where(sa.or_(h.c.key == key,
+                                       h.c.key.startswith(f"{key}{RUN_NOW_MARK}",
+                                                          autoescape=True)))
+             .order_by(h.c.id.desc()).limit(limit))
+        with self._tx(readonly=True) as conn:
+            return [dict(r._mapping) for r in conn.execute(q)]
+
+    @_retried
+    def prune_history(self, keep_per_key: int) -> int:
+        """Keep only the newest `keep_per_key` runs of each key (bounded history)."""
+        h = self.h
+        removed = 0
+        over = (sa.select(h.c.key).group_by(h.c.key)
+                .having(sa.func.count() > keep_per_key))
+        with self._tx(readonly=True) as conn:
+            keys = [r[0] for r in conn.execute(over)]
+        for key in keys:
+            with self._tx() as conn:
+                oldest_kept = conn.execute(
+                    sa.select(h.c.id).where(h.c.key == key).order_by(h.c.id.desc())
+                    .limit(1).offset(max(keep_per_key - 1, 0))).scalar()
+                if oldest_kept is None:
+                    continue
+                if keep_per_key == 0:
+                    oldest_kept += 1
+                removed += conn.execute(
+                    h.delete().where(h.c.key == key, h.c.id < oldest_kept)).rowcount
+        return removed
+
+
+def _split_pauses(items: Sequence[Advance]) -> tuple[Sequence[Advance], list[Advance]]:
+    """(advances, pauses): the rare exhausted schedules apart from the hot path."""
+    pauses = [a for a in items if a.pause_reason is not None]
+    if not pauses:
+        return items, pauses
+    return [a for a in items if a.pause_reason is None], pauses
+
+
+def dumps_data(data: Any) -> str:
+    # allow_nan=False: NaN/Infinity are not JSON; other clients could not read them.
+    return json.dumps(data, separators=(",", ":"), sort_keys=True, allow_nan=False)

@@ -1,0 +1,507 @@
+"""A worker's lease pipeline: claim -> run -> finish batch, and the heartbeat that keeps
+each run bound to its lease.  No process plumbing here (worker.py is the shell around
+it), so it is tested with a real SQLite file and no processes (tests/worker/test_leases.py).
+
+Invariants:
+- Every claimed occurrence gets a RunControl before it is submitted: a heartbeat that
+  finds its lease lost stops the run (PREEMPTED), and a run whose lease could not be
+  renewed stops itself `fence_lead` seconds before the lease expires (FENCED).
+- Finishes are queued by the runs and written with the next claim, in one transaction;
+  a finish that cannot be written stays queued (its lease still protects it).
+- Run events ("s", "g", "e" lines, see workertable.WorkerProc.report) reach the master
+  through `report` before a run's first process exists and after its last one is gone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import math
+import os
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+
+from perfectschedd.config import Config
+from perfectschedd.errors import InvalidInputError, PreemptedError
+from perfectschedd.executors import handlers
+from perfectschedd.executors.handlers import RunControl, StopReason
+from perfectschedd.executors.systemd import props as unitprops
+from perfectschedd.metrics import counters as metrics
+from perfectschedd.schedules import catchup
+from perfectschedd.schedules.collection import ScheduleCollection, Task
+
+log = logging.getLogger("perfectschedd.worker")
+
+# Most occurrences one claim takes at once: big enough for bursts, small enough that one
+# worker does not hoard a backlog another worker could start.
+CLAIM_BATCH = 64
+# A worker leases, beside the `concurrency` occurrences it runs, a queue of about
+# QUEUE_SECONDS of work per thread (by the average task duration; at most PREFETCH times
+# `concurrency`): the threads never wait for the database between short tasks, and slow
+# tasks never queue behind each other (another worker or host can take them).
+QUEUE_SECONDS = 0.25
+FAST_TASK = 0.05  # the average the estimate starts from is twice this
+PREFETCH = 8
+# While every thread has a queued task, finishes are written (and the queue refilled)
+# at most this long after the first of them ended: one transaction for several
+# finishes, instead of one per task.  Their leases still hold them meanwhile.
+FINISH_DEFER = 0.05
+HISTORY_FLUSH = 0.5
+DB_BACKOFF_MAX = 2.0  # a cron must resume soon after its database does
+# An occurrence whose schedule runs another one looks again after this (plus up to 1 s,
+# so that two that gave way to each other do not meet again).
+GROUP_WAIT = 1.0
+
+
+class BatchedTask:
+    """The task as a handler sees it: `finish()` is queued and written with the other
+    finishes of this worker in one transaction (the daemon's hot path).  A lease lost
+    meanwhile is logged and counted when the batch is written, not raised in the handler.
+    """
+
+    __slots__ = ("_task", "_queue", "_pipeline")
+
+    def __init__(self, task: Task, pipeline: LeasePipeline) -> None:
+        self._task = task
+        self._queue = pipeline.finished
+        self._pipeline = pipeline
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._task, name)
+
+    def finish(self) -> None:
+        self._task._end()
+        self._task.next_advance()  # now, so that a schedule with no next time is seen here
+        if not self._queue:
+            self._pipeline.first_finish = time.monotonic()
+        self._queue.append(self._task)  # list.append is atomic under the GIL
+
+    def retry(self, wait: float | None = None, *, later: bool = False) -> None:
+        self._task.retry(wait, later=later)
+
+    def release(self) -> None:
+        self._task.release()
+
+    def heartbeat(self) -> None:
+        self._task.heartbeat()
+
+    def give_back(self) -> None:
+        self._task.give_back()
+
+
+class LeasePipeline:
+    def __init__(self, config: Config, *, report: Callable[[str], None] = lambda line: None,
+                 nudge: Callable[[], None] = lambda: None,
+                 while_waiting: Callable[[], None] | None = None) -> None:
+        self.config = config
+        self.report = report        # a run event for the master
+        self.nudge = nudge          # a run ended: the claim loop should look again
+        self.while_waiting = while_waiting  # called while waiting for SQLite's writer lock
+        self.kill_event = threading.Event()  # the heartbeat thread ends
+        self.sc: ScheduleCollection | None = None
+        self.router = handlers.Router(config.routes, log=log)
+        self.unit_tag = unitprops.daemon_tag(config.control_socket)  # units' Description
+        self.running: dict[str, Task] = {}
+        # Per running key: what stops its run (shutdown, lease lost, self-fencing).
+        self.controls: dict[str, RunControl] = {}
+        # Self-fencing: a run stops this long before its lease expires unless a heartbeat
+        # renewed it; alive_time/10 is the clock skew tolerated between hosts, kill_grace
+        # the time TERM gets before KILL.  Never more than a quarter of alive_time, so
+        # that a short lease is not fenced before its first heartbeat (alive_time/3).
+        alive = config.alive_time
+        self.fence_lead = min(alive / 10 + config.kill_grace, alive / 4)
+        self.fence_grace = max(0.1, self.fence_lead - alive / 10)
+        # Task threads take ids at once: a generator raises "already executing" when two
+        # threads resume it together; itertools.count's next() is one C call (atomic).
+        self.run_id_prefix = f"{os.getpid()}.{time.time_ns() // 1_000_000 % 10**9}."
+        self.run_numbers = itertools.count(1)
+        self.lock = threading.Lock()
+        self.history: list[dict[str, Any]] = []
+        self.finished: list[Task] = []  # finished by handlers, not yet written
+        # Seconds, a moving average quick to follow: it starts just "slow", so a few
+        # short tasks turn prefetch on and one long task turns it off again.
+        self.avg_duration = 2 * FAST_TASK
+        self.active = 0  # tasks a thread runs now (the rest of `running` is queued)
+        self.first_finish = 0.0  # when the oldest unwritten finish ended
+        self.no_route_logged: set[str] = set()
+        self.db_ok = True
+        self.db_backoff = 0.5
+        self.last_flush = time.monotonic()
+
+    def running_count(self) -> int:
+        with self.lock:
+            return len(self.running)
+
+    def _set_db(self, ok: bool, exc: BaseException | None = None) -> None:
+        if ok and not self.db_ok:
+            log.info("database reachable again")
+            self.db_backoff = 0.5
+        elif not ok:
+            if self.sc is not None:
+                # Pooled connections may be what is broken: SQLite opens a file it may not
+                # write read-only, and such a connection stays read-only after the
+                # permissions come back.  The next try opens fresh ones.
+                self.sc.store.reset_connections()
+            if self.db_ok:
+                log.error("database unreachable: %s; retrying with back-off",
+                          str(exc).splitlines()[0] if exc else "?")
+            metrics.db_error()
+        if ok != self.db_ok:
+            metrics.set_db_up(ok)
+        self.db_ok = ok
+
+    def new_run_id(self) -> str:
+        """An exec run's id (PERFECTSCHED_RUN_ID), unique on this host; any thread."""
+        return f"{self.run_id_prefix}{next(self.run_numbers)}"
+
+    def step(self, submit: Callable[[Task], None]) -> float:
+        """Write finished runs, claim and submit what is due; return how long to sleep."""
+        self.flush_history()
+        if self.sc is None:
+            try:
+                self.sc = ScheduleCollection(self.config)
+                exact, patterns = self.router.claimable()
+                self.sc.store.restrict_types(
+                    exact, patterns, lambda t: self.router.match(t) is not None)
+                if self.sc.store.write_lock is not None:
+                    self.sc.store.write_lock.while_waiting = self.while_waiting
+                self.sc.store.keep_connection()  # step() runs on the worker's main loop
+                self.sc.store.warm_up()
+                self._set_db(True)
+            except (SQLAlchemyError, OSError) as exc:
+                self._set_db(False, exc)
+                return self._backoff()
+        sc = self.sc
+        threads = self.config.concurrency
+        queue_depth = min(PREFETCH, int(QUEUE_SECONDS / max(self.avg_duration, 1e-3)))
+        capacity = threads * (1 + queue_depth)
+        with self.lock:
+            free = capacity - len(self.running)
+            queued = len(self.running) - self.active
+        if self.finished and queued >= threads:
+            # Every thread has work waiting: let finishes gather (not long).
+            age = time.monotonic() - self.first_finish
+            if age < FINISH_DEFER:
+                return FINISH_DEFER - age
+        claimed: list[Task] = []
+        want = max(0, min(free, CLAIM_BATCH))
+        batch = self._take_finished()
+        earliest: int | None = None
+        try:
+            if not batch and want > 0:
+                # Nothing to write: look (a read, no lock) before taking the write lock,
+                # which on SQLite every other worker would wait for.
+                earliest = sc.earliest_due()
+                if earliest is None or earliest > time.time():
+                    want = 0
+            if batch or want > 0:
+                claimed = self._finish_and_claim(batch, want)
+                claimed = [t for t in claimed if self._catch_up(t)]
+                for task in claimed:
+                    # The claim wrote the lease as int(claimed_at) + alive_time.
+                    control = RunControl(int(task.claimed_at) + self.config.alive_time
+                                         - self.fence_lead, self.fence_grace)
+                    with self.lock:
+                        self.running[task.key] = task
+                        self.controls[task.key] = control
+                    submit(task)
+                if want > 0 and len(claimed) == want:
+                    self._set_db(True)
+                    return 0.0  # there may be more due right now
+                if free > 0:
+                    earliest = sc.earliest_due()
+            self._set_db(True)
+        except DBAPIError as exc:
+            self._set_db(False, exc)
+            return self._backoff()
+        if free <= 0 or earliest is None:
+            return self.config.poll_interval
+        wait = earliest - time.time()
+        if wait <= 0 and not claimed:
+            wait = 0.005  # due rows held by another claimer this instant
+        return max(0.0, min(wait, self.config.poll_interval))
+
+    def _catch_up(self, task: Task) -> bool:
+        """Apply the schedule's misfire and grace policy to an occurrence just claimed;
+        False when nothing is to run now (the schedule moved on, its lease ended)."""
+        now = time.time()
+        try:
+            plan = catchup.plan(task, now)
+        except InvalidInputError as exc:  # no occurrence left: the finish will say so
+            log.warning("key=%s: misfire policy not applied: %s", task.key, exc)
+            return True
+        if plan is None:
+            return True
+        assert self.sc is not None
+        if plan.skipped:
+            metrics.occurrences_skipped(task.type, len(plan.skipped))
+            more = "+" if len(plan.skipped) >= catchup.COUNT_CAP else ""
+            log.warning("key=%s: skipped %d%s missed occurrence(s) (misfire %s%s), %s",
+                        task.key, len(plan.skipped), more, task.policy.misfire,
+                        f", grace {task.policy.grace}s" if task.policy.grace is not None
+                        else "", f"running the one of {plan.run}" if plan.run is not None
+                        else f"next at {plan.next_time}")
+            keep = self.config.history_limit
+            with self.lock:
+                self.history.extend(
+                    {"key": task.key, "type": task.type, "scheduled_time": t,
+                     "attempt": 0, "started_at": now, "finished_at": now,
+                     "outcome": "skipped", "worker": self.sc.owner, "unit": None}
+                    for t in reversed(plan.skipped[:keep]))
+        if plan.run is None:
+            task._end()
+            assert plan.next_time is not None
+            if self.sc.store.advance([task.advance_to(plan.next_time)]):
+                log.warning("key=%s: lease lost while skipping missed occurrences", task.key)
+            return False
+        if plan.run != task.scheduled_time:
+            if not self.sc.store.retarget(task.key, task.fence, plan.run):
+                return False  # the lease is gone: nothing of it is ours to run
+            task.scheduled_time = plan.run
+        return True
+
+    def _backoff(self) -> float:
+        wait = self.db_backoff
+        self.db_backoff = min(self.db_backoff * 2, DB_BACKOFF_MAX)
+        return wait
+
+    def run_one(self, task: Task) -> None:
+        with self.lock:
+            self.active += 1
+        try:
+            self._run_one(task)
+        finally:
+            with self.lock:
+                self.active -= 1
+
+    def _run_one(self, task: Task) -> None:
+        started = time.time()
+        # Due at the later of the occurrence (+delay) and this claim's due time: a retry or
+        # a later --at is due after the occurrence; an --at before it runs early, never late.
+        due = max(task.due_time, task.scheduled_time + task.delay)
+        outcome = "failed"
+        duration = 0.0
+        unit: str | None = None
+        try:
+            handler = self.router.match(task.type)
+            if handler is None:
+                # Claims ask for routed types only; this one slipped through (a database
+                # regular expression that Python reads differently, a route that broke):
+                # it goes back untried for a host that runs it.
+                if task.type not in self.no_route_logged:
+                    self.no_route_logged.add(task.type)
+                    log.error("no route for type %r (key %s) although the claim matched it;"
+                              " giving it back for %ds", task.type, task.key,
+                              self.config.retry_wait)
+                task.give_back(wait=self.config.retry_wait)
+                outcome = "no_route"
+                return
+            group = task.group
+            if group is not None and self.sc is not None and \
+                    not self.sc.store.group_acquire(task.key, group, int(time.time())):
+                # One schedule never runs two occurrences at once (`run KEY` while KEY
+                # runs): this one waits for the other to end.
+                log.info("key=%s: waiting for the running occurrence of %s to end",
+                         task.key, group)
+                task.give_back(wait=GROUP_WAIT + random.random())
+                outcome = "waiting"
+                return
+            metrics.task_started(task.type, max(0.0, started - due))
+            log.info("start key=%s type=%s scheduled=%d attempt=%d late=%.3fs",
+                     task.key, task.type, task.scheduled_time, task.attempt, started - due)
+            with self.lock:
+                control = self.controls.get(task.key) or RunControl()
+            run_id: str | None = None
+            if isinstance(handler, handlers.ExecHandler):
+                # Reported before the spawn: the master must know the run before any
+                # process of it can become the master's orphan.
+                run_id = self.new_run_id()
+                self.report(f"s {run_id}")
+            if task.policy.timeout is not None:  # the schedule's, over the route's
+                handler = dataclasses.replace(handler, timeout=task.policy.timeout)
+            try:
+                result = handlers.run_task(
+                    BatchedTask(task, self), handler, log=log, stop_event=control,
+                    kill_grace=self.config.kill_grace, run_id=run_id,
+                    on_spawn=None if run_id is None else
+                    (lambda pgid, r=run_id: self.report(f"g {r} {pgid}")),
+                    on_unit=None if run_id is None else
+                    (lambda name, r=run_id: self.report(f"u {r} {name}")),
+                    node=self.config.node,
+                    tag=self.unit_tag)
+            finally:
+                if run_id is not None:
+                    self.report(f"e {run_id}")
+            outcome, duration, unit = str(result.outcome), result.duration, result.unit
+            if task.exhausted:
+                outcome = "failed"
+                log.error("key=%s: %s", task.key, task.exhausted)
+            if task.gave_up:
+                metrics.occurrence_given_up(task.type)
+                log.error("key=%s: gave up the occurrence of %d after %d failed attempt(s) "
+                          "(max_attempts); the schedule moves on", task.key,
+                          task.scheduled_time, task.attempt)
+            self.avg_duration = 0.8 * self.avg_duration + 0.2 * duration
+            log.info("end key=%s scheduled=%d attempt=%d duration=%.3fs outcome=%s%s",
+                     task.key, task.scheduled_time, task.attempt, duration, outcome,
+                     f" exit={result.exit_code}" if result.exit_code is not None else "")
+            if outcome == "preempted":
+                metrics.lease_lost(task.type)
+        except PreemptedError:
+            outcome = "preempted"
+            metrics.lease_lost(task.type)
+        except DBAPIError as exc:
+            outcome = "db_error"
+            self._set_db(False, exc)
+            log.error("key=%s: could not record the result (database error); the "
+                      "occurrence runs again when its lease expires", task.key)
+        except Exception:  # noqa: BLE001 - a worker never dies of one task
+            log.exception("key=%s: internal error while running the task", task.key)
+        finally:
+            ran = outcome != "waiting"  # gave way untried: not a run
+            if ran:
+                metrics.task_finished(task.type, outcome, duration)
+            with self.lock:
+                self.running.pop(task.key, None)
+                self.controls.pop(task.key, None)
+            if ran:
+                self._record(task, started, duration, outcome, unit)
+            self.nudge()
+
+    def _record(self, task: Task, started: float, duration: float, outcome: str,
+                unit: str | None = None) -> None:
+        with self.lock:
+            self.history.append({
+                "key": task.key, "type": task.type, "scheduled_time": task.scheduled_time,
+                "attempt": task.attempt, "started_at": started,
+                "finished_at": started + duration if duration else time.time(),
+                "outcome": outcome, "worker": self.sc.owner if self.sc else "?",
+                "unit": unit,
+            })
+
+    def _take_finished(self) -> list[Task]:
+        batch = self.finished[:]
+        del self.finished[:len(batch)]
+        return batch
+
+    def _finish_and_claim(self, batch: list[Task], want: int) -> list[Task]:
+        """Write finished tasks and lease up to `want` more, in one transaction."""
+        assert self.sc is not None
+        try:
+            lost, claimed = self.sc.finish_and_poll(batch, want)
+        except DBAPIError:
+            self.finished[:0] = batch  # the leases still protect them; try again
+            raise
+        self._report_lost(batch, lost)
+        return claimed
+
+    def _report_lost(self, batch: list[Task], lost: set[str]) -> None:
+        for task in batch:
+            if task.key in lost:
+                log.warning("key=%s: lease lost before its finish was written; the "
+                            "occurrence may run again elsewhere", task.key)
+                metrics.lease_lost(task.type)
+
+    def flush_history(self, force: bool = False) -> None:
+        if self.sc is None or self.config.history_limit == 0:
+            return
+        now = time.monotonic()
+        if not force and now - self.last_flush < HISTORY_FLUSH:
+            return
+        self.last_flush = now
+        with self.lock:
+            batch, self.history = self.history, []
+        if not batch:
+            return
+        try:
+            self.sc.store.record_runs(batch)
+        except DBAPIError:
+            with self.lock:  # keep them for the next flush, bounded
+                self.history[:0] = batch[-10_000:]
+
+    # -- heartbeat --------------------------------------------------------------------------
+
+    def heartbeat_loop(self) -> None:
+        interval = max(0.2, self.config.alive_time / 3)
+        while not self.kill_event.wait(interval):
+            with self.lock:
+                # Finished tasks whose result is not written yet keep their lease too.  A
+                # key held twice (finished, then claimed again) keeps its newest fence: the
+                # claim shows the older finish was written.
+                newest: dict[str, int] = {}
+                for t in (*self.finished, *self.running.values()):
+                    newest[t.key] = max(t.fence, newest.get(t.key, t.fence))
+                held = list(newest.items())
+            if not held or self.sc is None:
+                continue
+            self.renew(held)
+
+    def renew(self, held: list[tuple[str, int]], now: float | None = None) -> None:
+        """One heartbeat of the leases `held` ((key, fence) pairs)."""
+        assert self.sc is not None
+        try:
+            lease = math.ceil(time.time() if now is None else now) + self.config.alive_time
+            lost = self.sc.store.heartbeat(held, lease)
+        except SQLAlchemyError as exc:  # not only DBAPIError: this thread must not die
+            # No renewal: the runs' fence_at stays, and they stop themselves in time.
+            self._set_db(False, exc)
+            return
+        self._renewed(held, lost, lease)
+
+    def _renewed(self, held: list[tuple[str, int]], lost: set[str], lease: int) -> None:
+        """After a heartbeat: renewed runs move their fence; lost ones are stopped.  Only
+        the run that holds the fence renewed is touched: a key may have been finished and
+        claimed again meanwhile (a newer run with a newer fence)."""
+        with self.lock:
+            runs = {k: (t.fence, self.controls.get(k)) for k, t in self.running.items()}
+            pending = {(t.key, t.fence) for t in self.finished}
+        for key, fence in held:
+            fence_now, control = runs.get(key, (None, None))
+            if control is None or fence_now != fence:
+                if key in lost and (key, fence) in pending:
+                    log.warning("key=%s: lease lost before its finish was written", key)
+                continue
+            if key not in lost:
+                control.fence_at = lease - self.fence_lead
+            elif control.reason is None:
+                log.warning("key=%s: lease lost (deleted, modified or taken over); "
+                            "stopping its run", key)
+                control.stop(StopReason.PREEMPTED)
+
+    # -- stop -------------------------------------------------------------------------------
+
+    def stop_runs(self, reason: StopReason) -> None:
+        with self.lock:
+            controls = list(self.controls.values())
+        for control in controls:
+            control.stop(reason)
+
+    def give_back_leftovers(self) -> None:
+        """Runs that did not end (python handlers stuck in C code): their occurrences go
+        back to run again elsewhere."""
+        with self.lock:
+            leftover = list(self.running.values())
+        for task in leftover:
+            try:
+                task.give_back()
+            except Exception:  # noqa: BLE001 - best effort at exit; the lease expires anyway
+                pass
+
+    def close(self) -> None:
+        """Write what finished, record the history, close the store."""
+        self.kill_event.set()
+        try:
+            if self.sc is not None and self.finished:
+                self._finish_and_claim(self._take_finished(), 0)
+        except DBAPIError:
+            log.error("could not write %d finished task(s); they run again when their "
+                      "leases expire", len(self.finished))
+        self.flush_history(force=True)
+        if self.sc is not None:
+            self.sc.close()

@@ -1,0 +1,260 @@
+"""One forked worker: the process shell around its lease pipeline (leases.py).
+
+The worker talks to its master through two pipes: it reads `wake` (a byte means "look
+for due work now"; EOF means the master died) and writes `alive`: a pinger thread's line
+every PING_INTERVAL (running count, database state, how long ago the main loop last
+turned and whether it is inside a database call: so a worker waiting on a slow database
+is not mistaken for a wedged one), and for each exec run its id and process group, so
+that the master can kill what is left of it if this worker dies.
+It sleeps until the earliest `next_run_time` in the table, bounded by `poll_interval`,
+so a due occurrence starts within milliseconds.
+
+A run lives only as long as its lease: a heartbeat that finds the lease lost stops the
+run (TERM, then KILL after kill_grace) and writes nothing; a run whose lease could not
+be renewed stops itself before the lease can expire for the others (self-fencing, see
+`fence_lead`); when the master dies, runs stop at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import select
+import selectors
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from perfectschedd import logsetup
+from perfectschedd.config import Config
+from perfectschedd.executors import handlers
+from perfectschedd.executors import reaper as jobreaper
+from perfectschedd.executors.handlers import StopReason
+from perfectschedd.schedules.collection import Task
+from perfectschedd.worker.leases import LeasePipeline
+
+log = logging.getLogger("perfectschedd.worker")
+
+PING_INTERVAL = 1.0
+# How long a run event may wait for room in the alive pipe (the master reads it at once
+# unless it is gone or stuck).
+REPORT_WAIT = 2.0
+
+
+class TaskThreads:
+    """`size` threads running tasks from a queue.
+
+    Not concurrent.futures: a Future and a work item per task, and the executor's
+    bookkeeping, cost more than a trivial task itself; nothing here needs a result.
+    """
+
+    def __init__(self, size: int, run: Callable[[Task], None]) -> None:
+        self._queue: queue.SimpleQueue[Task | None] = queue.SimpleQueue()
+        self._run = run
+        self._stopped = False
+        self._size = size
+        for i in range(size):
+            threading.Thread(target=self._loop, name=f"task-{i}", daemon=True).start()
+
+    def submit(self, task: Task) -> None:
+        self._queue.put(task)
+
+    def _loop(self) -> None:
+        while True:
+            task = self._queue.get()
+            if task is None or self._stopped:
+                return
+            self._run(task)
+
+    def shutdown(self) -> None:
+        """Threads finish the task they run and start no other."""
+        self._stopped = True
+        while True:  # drop what waits, then wake every thread with a sentinel
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        for _ in range(self._size):
+            self._queue.put(None)
+
+
+class Worker:
+    def __init__(self, config: Config, index: int, wake_fd: int, alive_fd: int,
+                 master_pid: int) -> None:
+        self.config = config
+        self.index = index
+        self.wake_fd = wake_fd
+        self.alive_fd = alive_fd
+        self.master_pid = master_pid
+        self.stopping = threading.Event()  # no new claims
+        self.pipeline = LeasePipeline(config, report=self._report, nudge=self._nudge,
+                                      while_waiting=self._ping)
+        self.master_gone = False
+        self.report_dropped = False
+        self.last_ping = 0.0
+        self.loop_at = time.monotonic()  # the main loop's last turn
+        self.in_db = False  # the main loop is inside a database call
+        self.selfpipe_r, self.selfpipe_w = os.pipe()
+        os.set_blocking(self.selfpipe_w, False)
+        self.nudged = False
+        os.set_blocking(alive_fd, False)
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def _nudge(self, force: bool = False) -> None:
+        # One wake-up byte until the loop has read it: a burst of finishing tasks must not
+        # cost a system call (and a GIL hand-over) each.
+        if self.nudged and not force:
+            return
+        self.nudged = True
+        try:
+            os.write(self.selfpipe_w, b"x")
+        except OSError:
+            pass  # pipe full: the loop is awake anyway
+
+    def _on_term(self, signum: int, frame: Any) -> None:
+        self.stopping.set()
+        self._nudge(force=True)
+
+    def _on_usr2(self, signum: int, frame: Any) -> None:
+        logsetup.reopen()
+
+    def _pinger(self) -> None:
+        """Liveness from a thread of its own: it keeps going while the main loop waits on
+        the database, and stops when the whole process is frozen or holds the GIL."""
+        while True:  # until the process exits (a daemon thread)
+            time.sleep(PING_INTERVAL)
+            self._ping(force=True)
+
+    def _ping(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self.last_ping < PING_INTERVAL:
+            return
+        self.last_ping = now
+        n = self.pipeline.running_count()
+        line = (f"{n} {int(self.pipeline.db_ok)} {now - self.loop_at:.1f} "
+                f"{int(self.in_db)}\n")
+        try:
+            os.write(self.alive_fd, line.encode())
+        except BlockingIOError:
+            pass
+        except OSError:
+            self.stopping.set()  # master gone
+
+    def _report(self, line: str) -> None:
+        """A run event for the master; unlike pings, it waits for room in the pipe."""
+        data = f"{line}\n".encode()
+        deadline = time.monotonic() + REPORT_WAIT
+        while True:
+            try:
+                os.write(self.alive_fd, data)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    if not self.report_dropped:
+                        self.report_dropped = True
+                        log.warning("master not reading; run events dropped (its "
+                                    "processes are still found by their run id)")
+                    return
+                select.select([], [self.alive_fd], [], 0.05)
+            except OSError:
+                self.stopping.set()  # master gone
+                return
+
+    # -- main loop ------------------------------------------------------------------------
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_term)
+        signal.signal(signal.SIGQUIT, self._on_term)
+        # Ctrl-C and reload signals are the master's.  A no-op handler, not SIG_IGN: an
+        # ignored signal would stay ignored in every command the worker execs.
+        for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
+            signal.signal(sig, _ignore)
+        signal.signal(signal.SIGUSR2, self._on_usr2)
+        for problem in self.pipeline.router.preload():
+            log.error("%s; its tasks are retried until a reload fixes it", problem)
+        log.info("worker %d started", self.index)
+        sel = selectors.DefaultSelector()
+        sel.register(self.wake_fd, selectors.EVENT_READ)
+        sel.register(self.selfpipe_r, selectors.EVENT_READ)
+        pool = TaskThreads(self.config.concurrency, self.pipeline.run_one)
+        beat = threading.Thread(target=self.pipeline.heartbeat_loop, name="heartbeat",
+                                daemon=True)
+        beat.start()
+        threading.Thread(target=self._pinger, name="pinger", daemon=True).start()
+        try:
+            while not self.stopping.is_set():
+                self.loop_at = time.monotonic()
+                self._ping()
+                self.in_db = True
+                try:
+                    wait = self.pipeline.step(pool.submit)
+                finally:
+                    self.in_db = False
+                deadline = time.monotonic() + wait
+                while not self._sleep(sel, deadline):
+                    self.loop_at = time.monotonic()
+                    self._ping()
+        finally:
+            self._shutdown(pool)
+        return 0
+
+    def _sleep(self, sel: selectors.BaseSelector, deadline: float) -> bool:
+        """Wait at most PING_INTERVAL for a wake-up; True when it is time to poll again."""
+        events = sel.select(max(0.0, min(deadline - time.monotonic(), PING_INTERVAL)))
+        self.nudged = False  # before _step runs: later finishes will wake us again
+        for key, _ in events:
+            data = os.read(key.fd, 4096)
+            if key.fd == self.wake_fd and not data:
+                self._master_gone()
+        if os.getppid() != self.master_pid:
+            self._master_gone()
+        return bool(events) or self.stopping.is_set() or time.monotonic() >= deadline
+
+    def _master_gone(self) -> None:
+        if not self.master_gone:
+            log.warning("master process gone; worker stops its runs and exits")
+        self.master_gone = True
+        self.stopping.set()
+
+    # -- stop -----------------------------------------------------------------------------
+
+    def _shutdown(self, pool: TaskThreads) -> None:
+        # Without a master nobody would kill what a run leaves behind if this worker
+        # died next: runs stop now rather than at the end of a graceful wait.
+        grace = 0.0 if self.master_gone else self.config.shutdown_timeout
+        deadline = time.monotonic() + grace
+        n = self.pipeline.running_count()
+        if n and grace:
+            log.info("stopping: waiting up to %.0fs for %d running task(s)", grace, n)
+        while time.monotonic() < deadline and self.pipeline.running_count():
+            self.loop_at = time.monotonic()  # waiting for runs is not being wedged
+            self._ping(force=True)
+            time.sleep(0.05)
+        # Exec groups get TERM/KILL, tasks are given back.
+        self.pipeline.stop_runs(StopReason.SHUTDOWN)
+        pool.shutdown()  # queued tasks are not started; they are given back below
+        end = time.monotonic() + self.config.kill_grace + 2
+        while time.monotonic() < end and self.pipeline.running_count():
+            self.loop_at = time.monotonic()
+            time.sleep(0.05)
+        handlers.kill_all_groups()
+        if self.master_gone:
+            # Their orphans went to init, not to a master that would kill them.
+            me = os.getpid()
+            jobreaper.kill_marked(lambda r: jobreaper.worker_of(r) == me, me=me)
+        self.pipeline.give_back_leftovers()
+        self.pipeline.close()
+        log.info("worker %d stopped", self.index)
+
+
+def _ignore(signum: int, frame: Any) -> None:
+    pass
+
+
+def run(config: Config, index: int, wake_fd: int, alive_fd: int, master_pid: int) -> int:
+    logsetup.set_process_name(f"worker-{index}")
+    return Worker(config, index, wake_fd, alive_fd, master_pid).run()

@@ -1,0 +1,87 @@
+"""The command registry (perfectschedd/registry.py) is the one list of commands: the CLI's
+parser, the daemon's dispatch, direct mode, D-Bus and the protocol document all follow
+it, so a command added there is everywhere, and nowhere else can one be added."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from perfectschedctl import cli
+from perfectschedd.control import commands, protocol, registry
+from perfectschedd.control import dbus_server as dbus_service
+from perfectschedd.errors import InvalidInputError
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+
+def subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def test_the_cli_is_the_registry() -> None:
+    parsers = subcommands()
+    assert list(parsers) == [c.name for c in registry.COMMANDS.values() if c.in_cli]
+    for name, sp in parsers.items():
+        dests = {a.dest for a in sp._actions} - {"help", "json"}
+        assert dests == {a.dest for a in registry.COMMANDS[name].cli}, name
+
+
+def test_every_database_command_has_a_handler_and_no_other_does() -> None:
+    runs_on_database = {c.name for c in registry.COMMANDS.values()
+                        if c.where & {registry.DAEMON, registry.DIRECT}
+                        and c.name not in ("status", "reload")}
+    assert set(commands.HANDLERS) == runs_on_database
+    for name in ("status", "reload"):  # the daemon's own answers
+        assert registry.COMMANDS[name].where == {registry.DAEMON}
+
+
+@pytest.mark.parametrize("name,where,message", [
+    ("init", registry.DAEMON, "init opens the database directly: give -c CONFIG"),
+    ("status", registry.DIRECT, "status needs the daemon: use --socket, not -c"),
+    ("import-crontab", registry.DAEMON, "import-crontab runs in perfectschedctl only"),
+    ("import-legacy", registry.DIRECT, "import-legacy runs in perfectschedctl only"),
+    ("frobnicate", registry.DAEMON, "unknown command 'frobnicate'"),
+    (None, registry.DAEMON, "unknown command None"),
+])
+def test_where_a_command_may_run(name: Any, where: str, message: str) -> None:
+    with pytest.raises(InvalidInputError, match=re.escape(f"command: {message}")):
+        registry.command(name, where)
+
+
+def test_arguments_are_the_registry_s() -> None:
+    add = registry.COMMANDS["add"]
+    with pytest.raises(InvalidInputError, match="unknown argument.*: colour"):
+        registry.check_args(add, {"key": "k", "type": "t", "cron": "@daily", "colour": 1})
+    with pytest.raises(InvalidInputError, match="^cron: required"):
+        registry.check_args(add, {"key": "k", "type": "t"})
+    # D-Bus takes add's and modify's options from the same place.
+    src = inspect.getsource(dbus_service.Manager)
+    assert "_ADD.args" in src and "_MODIFY.args" in src
+    assert dbus_service._ADD is add
+
+
+def test_the_protocol_document_lists_every_daemon_command_and_refusal() -> None:
+    text = (DOCS / "protocol.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    for c in registry.COMMANDS.values():
+        if registry.DAEMON in c.where:
+            assert any(line.split("|")[1].count(f"`{c.name}`") for line in rows), c.name
+    for name in protocol.REFUSALS:
+        assert f"`{name}`" in text, name
+
+
+def test_refusals_map_to_exit_statuses_and_dbus_names() -> None:
+    for name, r in protocol.REFUSALS.items():
+        assert r.exit_status == 1 and r.dbus_name == f"org.perfectsched1.Error.{name}"
+    assert protocol.refusal("NoSuchThing") == protocol.REFUSALS["InternalError"]
+    err = dbus_service._error("NotFoundError", "schedule 'x' not found\nsecond line")
+    assert (err.type, err.text) == ("org.perfectsched1.Error.NotFoundError",
+                                    "schedule 'x' not found")

@@ -1,0 +1,269 @@
+"""Upgrading a database from release 0.1.0 (SPEC "Upgrades"), on every backend.
+
+Release 0.1.0 (tests/old_release.py: taken from git history) makes the database itself:
+`init`, schedules of every kind through its own perfectschedctl, a schedules file, and
+history written by its own daemon.  What its CLI shows is recorded; then this tree's
+daemon starts on the same database, without `init`, and must keep every field of every
+schedule and every history row, carry on exactly where 0.1.0 stopped, and leave a
+database that 0.1.0's CLI still reads the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+import yaml
+from daemon_harness import Daemon, sh, wait_until
+from dbservers import driver_url
+from old_release import OldRelease
+
+from perfectschedctl import cli
+from perfectschedd.control import commands
+from perfectschedd.schedules import collection as schedules
+from perfectschedd.schedules import cron
+
+TABLE = "perfectsched"
+HISTORY_ALL = "1000"  # protocol.HISTORY_MAX: every row the database keeps
+
+JOBS = '''\
+import time
+
+from perfectschedd import Application
+
+
+class Work(Application):
+    """Takes data["sleep"] seconds, then finishes."""
+
+    def run(self):
+        time.sleep(float(self.task.data.get("sleep", 0)))
+'''
+
+FILE_ENTRIES = [
+    {"key": "file-report", "cron": "15 4 * * *", "type": "t", "timezone": "Europe/Paris",
+     "delay": 30, "data": {"format": "pdf"}, "misfire": "latest", "grace": 900,
+     "max_attempts": 2, "retry_wait": 60, "jitter": 10, "timeout": 120},
+    {"key": "file-exec", "cron": "@hourly", "exec": "true"},
+]
+
+# Fields of a schedule that no run changes (a run moves its times, attempt and lease).
+STATIC = ("key", "type", "cron", "delay", "timezone", "data", "misfire", "grace",
+          "max_attempts", "retry_wait", "jitter", "timeout", "source", "paused",
+          "paused_reason")
+
+Snapshot = dict[str, Any]  # {"list": [...], "show": {key: ...}, "history": {key: [...]}}
+
+
+def snapshot(ctl_json: Any, threads: int = 4, histories_of: set[str] | None = None
+             ) -> Snapshot:
+    """Everything a CLI shows: `list`, and `show` and `history` of each key listed (or
+    of `histories_of` only)."""
+    listed = ctl_json("list")
+    keys = [s["key"] for s in listed]
+    hkeys = [k for k in keys if histories_of is None or k in histories_of]
+    # A direct-mode perfectschedctl takes 0.3-0.5 s of CPU (imports, a scram login).
+    with ThreadPoolExecutor(threads) as pool:
+        shows = list(pool.map(lambda k: ctl_json("show", k), keys))
+        histories = list(pool.map(lambda k: ctl_json("history", k, "-n", HISTORY_ALL), hkeys))
+    return {"list": listed, "show": dict(zip(keys, shows, strict=True)),
+            "history": dict(zip(hkeys, histories, strict=True))}
+
+
+@contextmanager
+def direct_ctl(config: Path) -> Iterator[Any]:
+    """This tree's `perfectschedctl --json -c CONFIG ...` without a process per call: its
+    parser, its request and the commands it runs on the database, printed as JSON."""
+    with schedules.open(str(config)) as sc:
+        def call(*args: str) -> Any:
+            cmd, req = cli.request_of(cli.build_parser().parse_args(["-c", str(config),
+                                                                     *args]))
+            return json.loads(json.dumps(commands.execute(sc, cmd, req)))
+        yield call
+
+
+def projected(new: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:
+    """`new` cut to the fields `old` has (fields a newer version adds may be extra);
+    a field `old` has and `new` lacks shows as missing."""
+    return {k: new.get(k, "<missing>") for k in old}
+
+
+def meta(url: str) -> dict[str, str] | None:
+    """The rows of <table>_meta, or None when the table does not exist (schema 1)."""
+    engine = sa.create_engine(driver_url(url))
+    try:
+        if not sa.inspect(engine).has_table(f"{TABLE}_meta"):
+            return None
+        with engine.connect() as conn:
+            rows = conn.execute(sa.text(f"SELECT name, value FROM {TABLE}_meta")).all()
+        return {str(name): str(value) for name, value in rows}
+    finally:
+        engine.dispose()
+
+
+def test_new_daemon_keeps_and_runs_a_database_of_0_1_0(
+        db_url: str, old_release: OldRelease, daemon_factory: Any, tmp_path: Path) -> None:
+    old = old_release
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "upgradejobs.py").write_text(JOBS)
+    sdir = tmp_path / "schedules.d"
+    sdir.mkdir()
+    (sdir / "jobs.yml").write_text(yaml.safe_dump(FILE_ENTRIES, sort_keys=False))
+    py = {"type": "py", "python": "upgradejobs:Work"}
+    fail = sh("fail", "echo planned failure; exit 3")
+    # 0.1.0 routes py and fail; type t (most schedules) has no route there.
+    d_old: Daemon = daemon_factory(
+        {"node_name": "old-host", "schedules_dir": str(sdir), "routes": [py, fail]},
+        url=db_url, extra_args=["-I", str(mods)],
+        command=old.daemon_command, ctl_command=old.ctl_command)
+    conf_old = str(d_old.config_path)
+
+    # -- 0.1.0 makes the database and its schedules ------------------------------------
+    assert "created table perfectsched" in old.ctl("-c", conf_old, "init").stdout
+    now = int(time.time())
+    direct: list[list[str]] = [
+        ["add", "plain", "t", "*/5 * * * *"],
+        ["add", "zoned", "t", "30 6 * * 1-5", "-t", "Asia/Tokyo", "-d", "45"],
+        ["add", "policies", "t", "0 */2 * * *", "--misfire", "latest", "--grace", "600",
+         "--max-attempts", "3", "--retry-wait", "30", "--jitter", "20", "--timeout", "90"],
+        ["add", "paused", "t", "@daily", "-t", "America/New_York"],
+    ]
+    for args in direct:  # perfectschedctl -c: on the database, no daemon
+        old.ctl("-c", conf_old, *args)
+    d_old.start()
+    start = now - 2700
+    via_socket: list[list[str]] = [
+        ["pause", "paused"],
+        ["add", "once", "t", "@once", '{"why": "later"}', "--at", str(now + 86400)],
+        ["add", "data", "t", "@weekly",
+         '{"s": "caf\\u00e9 \\u2713", "n": [1, 2.5, null, true, false],'
+         ' "o": {"deep": {"er": [{}, []]}}, "empty": ""}'],
+        # 45 missed minutes (misfire all), 0.15 s each: still catching up at the upgrade.
+        ["add", "ticking", "py", "* * * * *", '{"sleep": 0.15}', "-s", str(start)],
+        # misfire latest: the missed ones are recorded skipped, the latest runs.
+        ["add", "latest", "py", "* * * * *", "-s", str(now - 600), "--misfire", "latest"],
+        # fails each time; after 1 attempt each occurrence is recorded failed.
+        ["add", "failing", "fail", "* * * * *", "-s", str(now - 180), "--max-attempts", "1"],
+        # an extra run that no 0.1.0 host routes: it waits for a host that does.
+        ["run", "plain"],
+    ]
+    for args in via_socket:
+        d_old.ctl(*args)
+
+    def hist(key: str) -> list[dict[str, Any]]:
+        return list(d_old.ctl_json("history", key, "-n", HISTORY_ALL))
+    wait_until(lambda: len(hist("ticking")) >= 3 and
+               any(r["outcome"] == "success" for r in hist("latest")) and
+               len(hist("failing")) >= 2 and
+               {"file-report", "file-exec"} <= {s["key"] for s in d_old.ctl_json("list")},
+               timeout=30, interval=0.2, what="0.1.0's first runs and its schedules file")
+    assert d_old.stop() == 0, d_old.log()[-3000:]
+    assert "Traceback" not in d_old.log(), d_old.log()[-3000:]
+
+    # -- what 0.1.0 sees ------------------------------------------------------------------
+    before = snapshot(lambda *a: old.ctl_json("-c", conf_old, *a))
+    shown, runs = before["show"], before["history"]
+    extra_runs = [k for k in shown if k.startswith("plain@run-")]
+    assert set(shown) - set(extra_runs) == {
+        "plain", "zoned", "policies", "paused", "once", "data", "ticking", "latest", "failing",
+        "file-report", "file-exec"} and len(extra_runs) == 1, set(shown)
+    # (It really is 0.1.0's database with all of that in it.)
+    assert meta(db_url) is None, "0.1.0 made a meta table: not a schema-1 database"
+    assert shown["paused"]["paused"] is True
+    assert shown["policies"]["misfire"] == "latest" and shown["policies"]["jitter"] == 20
+    assert shown["zoned"]["timezone"] == "Asia/Tokyo" and shown["zoned"]["delay"] == 45
+    assert shown["once"]["next_run_time"] == now + 86400
+    assert shown["data"]["data"]["o"] == {"deep": {"er": [{}, []]}}
+    assert shown["file-report"]["source"] == "file:jobs.yml"
+    assert shown["file-exec"]["type"] == "exec:file-exec"
+    run_key = extra_runs[0]  # a row of its own, listed, until it has run
+    assert [r["run_key"] for r in shown["plain"]["extra_runs"]] == [run_key]
+    assert shown[run_key]["type"] == "t" and shown[run_key]["cron"] is None
+    kept = set(shown) - {run_key}  # the extra run goes once it has run
+    assert {r["outcome"] for r in runs["ticking"]} == {"success"}
+    assert {"skipped", "success"} <= {r["outcome"] for r in runs["latest"]}
+    assert {r["outcome"] for r in runs["failing"]} == {"failed"}
+    backlog = shown["ticking"]["next_time"]
+    assert backlog < time.time() - 60, "ticking caught up under 0.1.0: nothing in flight"
+
+    # -- the new daemon on it, without init -----------------------------------------------
+    t_upgrade = time.time()
+    d_new: Daemon = daemon_factory(
+        {"node_name": "new-host", "schedules_dir": str(sdir),
+         "routes": [py, fail, sh("t", "true")]},
+        url=db_url, extra_args=["-I", str(mods)]).start()
+
+    def caught_up() -> bool:
+        s = d_new.ctl_json("show", "ticking")
+        return s["next_time"] > time.time() - 60 and s["owner"] is None and \
+            any(r["key"] == run_key for r in d_new.ctl_json("history", "plain"))
+    wait_until(caught_up, timeout=40, interval=0.5,
+               what="the backlog of ticking and the extra run of plain, on the new daemon")
+    # 0.1.0's CLI reads the database while the new daemon works on it.
+    assert {s["key"] for s in old.ctl_json("-c", conf_old, "list")} == kept
+    after = snapshot(d_new.ctl_json)
+
+    # Every schedule is kept, every field of it (extra fields may be new).
+    assert set(after["show"]) == kept, set(after["show"]) ^ kept
+    listed_after = {s["key"]: s for s in after["list"]}
+    for key in sorted(kept):
+        was = shown[key]
+        now_runs = after["history"][key]
+        assert len(now_runs) >= len(runs[key]), (key, now_runs, runs[key])
+        new_runs = now_runs[:len(now_runs) - len(runs[key])]
+        # History: 0.1.0's rows, unchanged and in order, after (below) the new ones.
+        assert [projected(r, o) for r, o in zip(now_runs[len(new_runs):], runs[key],
+                                                strict=True)] == runs[key], key
+        assert all(r["worker"].startswith("new-host:") and r["started_at"] >= t_upgrade - 1
+                   for r in new_runs), (key, new_runs)
+        is_ = after["show"][key]
+        if new_runs or is_["owner"] is not None:  # it ran since: its times moved on
+            assert {f: is_[f] for f in STATIC} == {f: was[f] for f in STATIC}, key
+            assert is_["next_time"] >= was["next_time"], key
+        else:
+            was = {**was, "extra_runs": is_["extra_runs"]} if key == "plain" else was
+            assert projected(is_, was) == was, key
+        listed = next(s for s in before["list"] if s["key"] == key)
+        if not new_runs and is_["owner"] is None:
+            assert projected(listed_after[key], listed) == listed, key
+
+    # The next occurrences ran: the extra run 0.1.0 queued, and ticking's backlog, from
+    # exactly where 0.1.0 stopped (no gap, no second run of an occurrence).
+    extra = [r for r in after["history"]["plain"] if r["key"] == run_key]
+    assert [r["outcome"] for r in extra] == ["success"], extra
+    assert after["show"]["plain"]["extra_runs"] == []
+    ticks = sorted(r["scheduled_time"] for r in after["history"]["ticking"])
+    first = cron.first_at_or_after("* * * * *", "UTC", start)
+    assert ticks == list(range(first, ticks[-1] + 1, 60)), ticks
+    assert ticks[-1] >= int(time.time()) - 120 and backlog in ticks
+    assert {r["outcome"] for r in after["history"]["ticking"]} == {"success"}
+    tick_new = [r for r in after["history"]["ticking"] if r["worker"].startswith("new-host:")]
+    assert min(r["scheduled_time"] for r in tick_new) == backlog
+    assert "Traceback" not in d_new.log(), d_new.log()[-3000:]
+    assert d_new.stop() == 0, d_new.log()[-3000:]
+
+    # -- expand-only: 0.1.0's CLI reads all of it as the new one does --------------------
+    with direct_ctl(d_new.config_path) as new_ctl_json:
+        new_view = snapshot(new_ctl_json, threads=1)
+    old_view = snapshot(lambda *a: old.ctl_json("-c", conf_old, *a), histories_of={
+        k for k, runs in new_view["history"].items() if runs})
+    assert {s["key"] for s in old_view["list"]} == set(new_view["show"]) >= kept
+    new_listed = {s["key"]: s for s in new_view["list"]}
+    for was in old_view["list"]:
+        assert projected(new_listed[was["key"]], was) == was, was["key"]
+    for key, was in old_view["show"].items():
+        assert projected(new_view["show"][key], was) == was, key
+    assert set(old_view["history"]) >= {"ticking", "latest", "failing", "plain"}
+    for key, was_runs in old_view["history"].items():
+        assert [projected(n, o) for n, o in zip(new_view["history"][key], was_runs,
+                                                strict=True)] == was_runs, key
+
+    # The new daemon recorded the schema it brought the database to (versioned schema).
+    rows = meta(db_url)
+    assert rows is not None and rows.get("schema_version") == "2", rows

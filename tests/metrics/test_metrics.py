@@ -1,0 +1,458 @@
+"""metrics.py: Prometheus metrics summed over forked workers, /healthz, shipped rules."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from daemon_harness import Daemon, foreign_python, wait_until
+from prometheus_client.parser import text_string_to_metric_families
+from scrape import Samples, get, scrape, value
+
+from perfectschedd.control import protocol
+from perfectschedd.metrics import counters as metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+RULES = ROOT / "etc" / "prometheus" / "perfectsched.rules.yml"
+RULES_TEST = ROOT / "etc" / "prometheus" / "perfectsched.rules.test.yml"
+DASHBOARD = ROOT / "etc" / "grafana" / "perfectsched.json"
+PROMTOOL = "/usr/bin/promtool"
+ONCE = "0 0 1 1 *"  # with at=0: runs now, then not again for months
+
+JOB = """
+import os, time
+import perfectschedd
+
+class Job(perfectschedd.Application):
+    def run(self):
+        with open(os.environ["METRICS_TEST_PIDS"], "a") as f:
+            f.write(f"{os.getpid()}\\n")
+        time.sleep(0.3)
+        self.task.finish()
+
+class Fail(perfectschedd.Application):
+    def run(self):
+        raise RuntimeError("this job fails")
+"""
+
+def add_many(d: Daemon, schedules: list[dict[str, Any]]) -> None:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(10)
+        s.connect(d.socket_path)
+        s.sendall(protocol.request("add_many", {"schedules": schedules}))
+        buf = b""
+        while not buf.endswith(b"\n"):
+            chunk = s.recv(65536)
+            assert chunk, "control socket closed"
+            buf += chunk
+    assert protocol.parse_response(buf) == {"added": len(schedules)}
+
+
+def promtool(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    if not os.access(PROMTOOL, os.X_OK):
+        pytest.fail("promtool missing: run tests/install-test-deps.sh (package prometheus)")
+    return subprocess.run([PROMTOOL, *args], input=stdin, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_metrics_summed_over_workers_and_kept_across_worker_replacement(
+        daemon_factory: Callable[..., Daemon], tmp_path: Path) -> None:
+    (tmp_path / "metricsjob.py").write_text(JOB)
+    pids_file, env_file = tmp_path / "pids.txt", tmp_path / "env.txt"
+    runtime = tmp_path / "runtime"
+    multiproc = runtime / "metrics"
+    multiproc.mkdir(parents=True)
+    (multiproc / "counter_1.db").write_bytes(b"stale garbage of a previous run")
+    d = daemon_factory({
+        "workers": 2, "concurrency": 2, "retry_wait": 3600,
+        "routes": [{"type": "job", "python": "metricsjob:Job"},
+                   {"type": "fail", "python": "metricsjob:Fail"},
+                   {"type": "envdump", "exec": ["/bin/sh", "-c", 'env > "$0"', str(env_file)]}],
+    }, extra_args=["-I", str(tmp_path)],
+        env={"METRICS_TEST_PIDS": str(pids_file), "RUNTIME_DIRECTORY": str(runtime)})
+    t0 = time.time()
+    d.start()
+    assert not (multiproc / "counter_1.db").exists(), "the directory is cleared at start"
+    workers = set(d.children())
+    assert len(workers) == 2
+
+    n = 10
+    add_many(d, [{"key": f"job-{i}", "type": "job", "cron": ONCE, "at": 0} for i in range(n)]
+             + [{"key": f"fail-{i}", "type": "fail", "cron": ONCE, "at": 0} for i in range(2)]
+             + [{"key": "env", "type": "envdump", "cron": ONCE, "at": 0},
+                {"key": "lost", "type": "unrouted", "cron": ONCE, "at": 0}])
+
+    def settled() -> Samples | None:
+        _, s = scrape(d.metrics_port)
+        done = value(s, "perfectsched_tasks_finished_total")
+        return s if done == n + 3 else None
+    wait_until(settled, timeout=20, what="all tasks finished in /metrics")
+    d.ctl("status")  # refreshes the cached schedule counts now instead of within 15 s
+    text, s = scrape(d.metrics_port)
+
+    ran_in = [int(p) for p in pids_file.read_text().split()]
+    assert len(ran_in) == n
+    assert set(ran_in) == workers, "both workers ran jobs: the totals are sums"
+    started = "perfectsched_tasks_started_total"
+    finished = "perfectsched_tasks_finished_total"
+    assert value(s, started, type="job") == n
+    assert value(s, started, type="fail") == 2
+    assert value(s, started, type="envdump") == 1
+    assert value(s, started, type="unrouted") is None  # never started
+    assert value(s, finished, type="job", outcome="success") == n
+    assert value(s, finished, type="fail", outcome="failed") == 2
+    assert value(s, finished, type="envdump", outcome="success") == 1
+    # No worker routes it, so none claims it: it waits, and the master shows it.
+    assert value(s, finished, type="unrouted", outcome="no_route") is None
+    assert value(s, "perfectsched_occurrences_unclaimed", type="unrouted") == 1
+    for hist in ("perfectsched_task_duration_seconds", "perfectsched_task_lateness_seconds"):
+        assert value(s, f"{hist}_count", type="job") == n
+        assert value(s, f"{hist}_bucket", type="job", le="+Inf") == n
+        assert value(s, f"{hist}_bucket", type="job", le="0.001") is not None
+        assert value(s, f"{hist}_bucket", type="job", le="86400.0") == n
+    assert value(s, "perfectsched_task_duration_seconds_sum", type="job") >= 0.3 * n
+    assert value(s, "perfectsched_task_duration_seconds_bucket", type="job", le="0.1") == 0
+    assert value(s, "perfectsched_task_duration_seconds_count", type="unrouted") is None
+    last = value(s, "perfectsched_last_success_timestamp_seconds", type="job")
+    assert last is not None and t0 <= last <= time.time()
+    assert value(s, "perfectsched_last_success_timestamp_seconds", type="fail") in (None, 0)
+    assert value(s, "perfectsched_leases_lost_total") in (None, 0)
+    assert value(s, "perfectsched_database_errors_total") == 0
+    assert value(s, "perfectsched_database_up") == 1
+    assert value(s, "perfectsched_workers_configured") == 2
+    assert value(s, "perfectsched_workers_alive") == 2
+    assert value(s, "perfectsched_worker_restarts_total") == 0
+    assert value(s, "perfectsched_schedules_registered") == n + 4
+    assert value(s, "perfectsched_schedules_paused") == 0
+    assert value(s, "perfectsched_schedules_overdue") == 1  # the unrouted one waits
+    assert value(s, "perfectsched_schedule_counts_timestamp_seconds") >= t0
+    assert value(s, "perfectsched_build_info", version=metrics.__version__) == 1
+
+    # Exec jobs must not write prometheus_client files into the daemon's directory.
+    assert "PROMETHEUS_MULTIPROC_DIR" not in env_file.read_text()
+
+    # promtool lints a real scrape; the rules and the dashboard use only real metric names.
+    res = promtool("check", "metrics", stdin=text)
+    assert (res.returncode, res.stdout + res.stderr) == (0, "")
+    exported = {name for name, _ in s} | {f.name for f in text_string_to_metric_families(text)}
+    exported.add("perfectsched_leases_lost_total")  # by type: appears with the first loss
+    used = set(re.findall(r"perfectsched_[a-z_]+", RULES.read_text() + DASHBOARD.read_text()))
+    assert used and used <= exported, f"not exported: {sorted(used - exported)}"
+
+    code, _, body = get(d.metrics_port, "/healthz")
+    assert (code, body) == (200, "ok\n")
+
+    # SIGKILL a worker that counted tasks: replaced, restart counted, its counts kept.
+    victim = ran_in[0]
+    os.kill(victim, signal.SIGKILL)
+    wait_until(lambda: len(set(d.children()) - {victim}) == 2 and victim not in d.children(),
+               timeout=15, what="the killed worker replaced")
+
+    def replaced() -> Samples | None:
+        _, s = scrape(d.metrics_port)
+        ok = value(s, "perfectsched_worker_restarts_total") == 1 and \
+            value(s, "perfectsched_workers_alive") == 2
+        return s if ok else None
+    s = wait_until(replaced, timeout=15, what="restart counted, 2 workers alive")
+    assert value(s, started, type="job") == n
+    assert value(s, finished, type="job", outcome="success") == n
+    assert value(s, "perfectsched_task_duration_seconds_count", type="job") == n
+    assert value(s, "perfectsched_database_up") == 1
+    assert not (multiproc / f"gauge_livemin_{victim}.db").exists(), "mark_process_dead"
+    # Its counters were folded into the archive: the totals above still include them.
+    assert not (multiproc / f"counter_{victim}.db").exists()
+    assert (multiproc / "counter_archive.db").exists()
+    assert d.stop() == 0
+
+
+def test_metrics_listen_off_serves_nothing(daemon_factory: Callable[..., Daemon]) -> None:
+    d = daemon_factory({"metrics_listen": "off"}).start()
+    with pytest.raises(ConnectionRefusedError), socket.create_connection(
+            ("127.0.0.1", d.metrics_port), timeout=5):
+        pass
+    assert _listening_tcp(d.pid) == set()
+    assert "metrics on" not in d.log()
+    assert d.stop() == 0
+
+
+def _listening_tcp(pid: int) -> set[int]:
+    """Inodes of the TCP sockets in LISTEN state that `pid` holds."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[8:-1]))
+    listening = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A":
+                listening.add(int(fields[9]))
+    return inodes & listening
+
+
+def test_healthz_follows_the_health_callable_and_stop_frees_the_port() -> None:
+    state = {"healthy": True}
+
+    def healthy() -> bool:
+        if state["healthy"] is None:
+            raise RuntimeError("dictionary changed size during iteration")
+        return bool(state["healthy"])
+
+    server = metrics.serve(("127.0.0.1", 0), healthy)
+    try:
+        port = server.port
+        assert get(port, "/healthz")[::2] == (200, "ok\n")
+        state["healthy"] = False
+        assert get(port, "/healthz")[::2] == (503, "unhealthy\n")
+        state["healthy"] = None  # keeps failing: not healthy, not a server error
+        assert get(port, "/healthz")[0] == 503
+        assert get(port, "/nope")[0] == 404
+        # Listener, wake-up pipe and open connections (a forked worker closes them all).
+        own = server.fds()[:3]
+        assert own[0] == server.httpd.fileno()
+        wait_until(lambda: not server.httpd.conns, timeout=5, what="the connection closed")
+        reserve = server.httpd.guard.reserve  # kept for running out of descriptors
+        assert server.fds() == [*own, *([reserve] if reserve is not None else [])]
+    finally:
+        server.stop()
+    with pytest.raises(ConnectionRefusedError), socket.create_connection(
+            ("127.0.0.1", port), timeout=5):
+        pass
+
+
+def thread_wakeups(thread: threading.Thread) -> int:
+    status = Path(f"/proc/self/task/{thread.native_id}/status").read_text()
+    return int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+
+
+def test_an_idle_metrics_server_sleeps_until_a_client_comes() -> None:
+    """No polling: an idle daemon's threads must not wake up on their own."""
+    server = metrics.serve(("127.0.0.1", 0), lambda: True)
+    try:
+        assert get(server.port, "/healthz")[0] == 200
+        time.sleep(0.2)
+        before = thread_wakeups(server.thread)
+        time.sleep(1.5)
+        assert thread_wakeups(server.thread) - before <= 1
+        assert get(server.port, "/healthz")[0] == 200  # and still serves
+        started = time.monotonic()
+    finally:
+        server.stop()
+    assert time.monotonic() - started < 1 and not server.thread.is_alive()
+
+
+def test_calls_before_setup_are_cheap_no_ops() -> None:
+    code = ("import sys; from perfectschedd.metrics import counters as m\n"
+            "m.task_started('t', 1.0); m.task_finished('t', 'success', 2.0)\n"
+            "m.lease_lost('t'); m.db_error(); m.set_db_up(False); m.after_fork_in_worker()\n"
+            "m.worker_exited(1); m.worker_restarted(); m.set_workers(2, 1)\n"
+            "m.set_schedule_counts({'schedules': 1})\n"
+            "assert 'prometheus_client' not in sys.modules, 'imported before setup'\n"
+            "assert 'PROMETHEUS_MULTIPROC_DIR' not in __import__('os').environ\n")
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=30)
+    assert res.returncode == 0, res.stderr
+
+
+def test_shipped_alert_rules_pass_promtool() -> None:
+    res = promtool("check", "rules", str(RULES))
+    assert res.returncode == 0, res.stdout + res.stderr
+    alerts = {r["alert"] for g in yaml.safe_load(RULES.read_text())["groups"]
+              for r in g["rules"] if "alert" in r}
+    assert {"PerfectSchedScheduleOverdue", "PerfectSchedTaskFailureRate",
+            "PerfectSchedNoWorkerAlive", "PerfectSchedDatabaseErrors"} <= alerts
+    # Unit tests of the alerts: each fires on the series meant to trigger it, only then.
+    res = promtool("test", "rules", str(RULES_TEST))
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_grafana_dashboard_is_importable_json() -> None:
+    dash = json.loads(DASHBOARD.read_text())
+    assert dash["title"] and dash["uid"]
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    assert exprs and all("perfectsched_" in e for e in exprs)
+
+
+def test_scrape_while_a_worker_creates_its_files(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # A starting worker's file exists, still empty, for an instant: no failed scrape.
+    (tmp_path / "counter_4242.db").write_bytes(b"")
+    monkeypatch.setattr(metrics, "_dir", str(tmp_path))
+    assert metrics.render() == b""
+
+
+ATTACK = """
+import socket, sys, time
+port, seconds = int(sys.argv[1]), float(sys.argv[2])
+held = []
+connects = 0
+end = time.monotonic() + seconds
+while time.monotonic() < end:
+    try:
+        s = socket.create_connection(("127.0.0.1", port), timeout=1)
+        s.send(b"G")
+        held.append(s)
+        connects += 1
+    except OSError:
+        time.sleep(0.01)
+    if len(held) >= 900:  # our own descriptors: drop those the server closed
+        for s in held[:450]:
+            s.close()
+        del held[:450]
+    if connects % 50 == 0:
+        for s in held:  # trickle: one byte now and then, never a whole request
+            try:
+                s.send(b"E")
+            except OSError:
+                pass
+print(connects)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv")
+                    or not shutil.which("prlimit"), reason="needs root, setpriv, prlimit")
+def test_a_local_user_cannot_exhaust_the_masters_descriptors(
+        daemon_factory: Callable[..., Daemon]) -> None:
+    d = daemon_factory().start()
+    subprocess.run(["prlimit", f"--pid={d.pid}", "--nofile=1024:1024"], check=True)
+    workers = sorted(d.children())
+    attacker = subprocess.Popen(
+        ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+         *foreign_python(), "-c", ATTACK, str(d.metrics_port), "15"],
+        stdout=subprocess.PIPE, text=True, cwd="/")
+    try:
+        peak = 0
+        end = time.monotonic() + 14
+        while time.monotonic() < end:
+            t0 = time.monotonic()
+            assert d.status()["state"] == "running"  # the control socket still answers
+            assert time.monotonic() - t0 < 3
+            peak = max(peak, len(os.listdir(f"/proc/{d.pid}/fd")))
+            time.sleep(0.5)
+        opened = int(attacker.communicate(timeout=30)[0].strip() or 0)
+    finally:
+        attacker.kill()
+    # The attack got far more connections through than the cap (each one, uncapped, a
+    # thread and a descriptor of the master's for good); the master stayed small.
+    assert opened > 4 * metrics.HTTP_MAX_CONNECTIONS, opened
+    assert peak < 2 * metrics.HTTP_MAX_CONNECTIONS + 60, peak
+    assert get(d.metrics_port, "/metrics")[0] == 200
+    assert sorted(d.children()) == workers and d.alive()
+    assert d.stop() == 0
+
+
+def test_metrics_connections_are_capped_and_cut_off_at_their_deadline(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(metrics, "HTTP_DEADLINE", 3.0)
+    server = metrics.serve(("127.0.0.1", 0), lambda: True)
+    held: list[socket.socket] = []
+    try:
+        for _ in range(metrics.HTTP_MAX_CONNECTIONS):
+            s = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            s.send(b"GE")  # a request begun, never finished
+            held.append(s)
+        wait_until(lambda: len(server.httpd.conns) == metrics.HTTP_MAX_CONNECTIONS,
+                   what="every slot taken")
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as extra:
+            try:
+                extra.send(b"GET /healthz HTTP/1.0\r\n\r\n")
+                answer = extra.recv(100)
+            except ConnectionResetError:
+                answer = b""
+            assert answer == b""  # closed unserved: the slots are full
+        t0 = time.monotonic()
+        for s in held:  # trickling does not help: the whole request has a deadline
+            s.send(b"T")
+        wait_until(lambda: not server.httpd.conns, timeout=5, what="late connections cut")
+        assert time.monotonic() - t0 < 4.5
+        assert get(server.port, "/healthz")[0] == 200  # and the server serves again
+    finally:
+        for s in held:
+            s.close()
+        server.stop()
+
+
+def test_dead_workers_files_are_folded_and_totals_never_go_down(
+        daemon_factory: Callable[..., Daemon], tmp_path: Path) -> None:
+    """200 worker exits (reloads, and a kill -9), each generation after running a task:
+    the metrics directory stays at one file per live worker and kind plus the archives,
+    and the task counters only ever grow, to the number of tasks run."""
+    runtime = tmp_path / "runtime"
+    d = daemon_factory({"workers": 2, "poll_interval": 0.2,
+                        "routes": [{"type": "t", "exec": ["/bin/true"]}]},
+                       env={"RUNTIME_DIRECTORY": str(runtime)}).start()
+    multiproc = runtime / "metrics"
+    d.ctl("add", "k", "t", "0 0 1 1 *")
+    finished = "perfectsched_tasks_finished_total"
+    last = 0.0
+    exits = 0
+    runs = 0
+    while exits < 200:
+        d.ctl("run", "k")
+        runs += 1
+        wait_until(lambda r=runs: (value(scrape(d.metrics_port)[1], finished, type="t",
+                                  outcome="success") or 0) >= r, timeout=20,
+                   what=f"run {runs} counted")
+        if runs == 50:  # one death among the retirements
+            victim = d.children()[0]
+            os.kill(victim, signal.SIGKILL)
+            wait_until(lambda v=victim: v not in d.children() and len(d.children()) == 2,
+                       timeout=30, what="a replacement")
+            exits += 1
+        before = d.log().count("]: reloaded")
+        d.send_signal(signal.SIGHUP)
+        wait_until(lambda b=before: d.log().count("]: reloaded") > b, timeout=30,
+                   what="reload")
+        exits += 2
+        now = value(scrape(d.metrics_port)[1], finished, type="t", outcome="success") or 0
+        assert now >= last, (now, last)  # never down
+        last = now
+    # The last reload's old generation may still be exiting: wait for it, then its folds.
+    wait_until(lambda: len(d.children()) == 2, what="the old generation to exit")
+    wait_until(lambda: not any(f.name.startswith(("counter_", "histogram_"))
+                               and not f.name.endswith("_archive.db")
+                               and int(f.name.split("_")[1].split(".")[0]) not in d.children()
+                               for f in multiproc.glob("*.db")), what="the last folds")
+    files = sorted(f.name for f in multiproc.glob("*.db"))
+    for kind in ("counter", "histogram", "gauge_max"):
+        mine = [f for f in files if f.startswith(f"{kind}_")]
+        assert len(mine) <= 2 + 1, files  # the live workers' files and the archive
+    _, s = scrape(d.metrics_port)
+    assert value(s, finished, type="t", outcome="success") == runs
+    assert value(s, "perfectsched_task_duration_seconds_count", type="t") == runs
+    assert (value(s, "perfectsched_last_success_timestamp_seconds", type="t") or 0) > 0
+    assert d.stop() == 0
+
+
+def test_a_worker_that_died_before_writing_a_value_is_folded_quietly(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A worker stopped as it started leaves an empty metric file: it holds nothing to
+    fold, and must not be reported as an error (a failed start's one line is the
+    database's, tests/store/test_schema_version.py)."""
+    from perfectschedd.metrics import archive as metrics_archive
+
+    (tmp_path / "counter_4242.db").write_bytes(b"")
+    (tmp_path / "histogram_4242.db").write_bytes(b"\0\0")
+    with caplog.at_level("ERROR", logger="perfectschedd"):
+        metrics_archive.fold_dead(str(tmp_path), 4242)
+    assert caplog.records == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["counter_archive.db",
+                                                         "histogram_archive.db"]

@@ -1,0 +1,543 @@
+"""Store + schedules API lifecycle on every backend (SQLite file, PostgreSQL, MariaDB).
+
+Times are passed in (`now=`); nothing sleeps.  T0 is a round hour, so "0 * * * *" is due
+at T0, T0+3600, ...
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+import perfectschedd
+from perfectschedd import (
+    AlreadyExistsError,
+    AlreadyFinishedError,
+    NotFoundError,
+    PreemptedError,
+    ScheduleCollection,
+)
+from perfectschedd.store.sql import Store
+
+T0 = 1_700_002_800  # 2023-11-14 23:00:00 UTC, a round hour
+H = 3600
+ALIVE = 300
+RETRY = 120
+
+
+def utc(text: str) -> int:
+    return int(datetime.fromisoformat(text).replace(tzinfo=UTC).timestamp())
+
+
+def open_sc(url: str, **extra: Any) -> ScheduleCollection:
+    return perfectschedd.open({"type": "rdb_compat", "url": url, "alive_time": ALIVE,
+                               "retry_wait": RETRY, **extra})
+
+
+@pytest.fixture
+def sc(db_url: str) -> Iterator[ScheduleCollection]:
+    with open_sc(db_url) as c:
+        yield c
+
+
+def row(sc: ScheduleCollection, key: str) -> dict[str, Any]:
+    return sc[key].info().as_dict()
+
+
+def test_add_list_exists_delete(sc: ScheduleCollection) -> None:
+    sc.add("b-job", "type1", cron="0 * * * *", delay=30, timezone="Asia/Tokyo",
+           next_time=T0 - 10, data={"k": "v", "n": [1, 2], "ü": "☃"}, now=T0)
+    sc.add("a-job", "type2", cron="@daily", now=T0)
+    assert sc["b-job"].exists() and not sc["nope"].exists()
+    listed = sc.list()
+    assert [s.key for s in listed] == ["a-job", "b-job"]
+    b = listed[1]
+    assert (b.type, b.cron, b.delay, b.timezone) == ("type1", "0 * * * *", 30, "Asia/Tokyo")
+    assert b.next_time == T0 and b.next_run_time == T0 + 30  # first cron time >= start
+    assert b.data == {"k": "v", "n": [1, 2], "ü": "☃"}
+    a = listed[0]
+    assert a.timezone == "UTC" and a.data == {}
+    assert a.next_time == T0 + H and a.next_run_time == T0 + H  # next midnight UTC
+    assert [s.key for s in sc.list(prefix="a-")] == ["a-job"]
+    with pytest.raises(AlreadyExistsError):
+        sc.add("a-job", "other", cron="* * * * *", now=T0)
+    assert row(sc, "a-job")["type"] == "type2"  # the refused add changed nothing
+    sc["a-job"].delete()
+    assert not sc["a-job"].exists()
+    with pytest.raises(NotFoundError):
+        sc["a-job"].delete()
+    with pytest.raises(NotFoundError):
+        sc["a-job"].info()
+    assert [s.key for s in sc.list()] == ["b-job"]
+
+
+def test_at_option_sets_next_run_time(sc: ScheduleCollection) -> None:
+    sc.add("k", "t", cron="0 * * * *", next_time=T0, at=T0 + 5000, now=T0)
+    info = row(sc, "k")
+    assert (info["next_time"], info["next_run_time"]) == (T0, T0 + 5000)
+    assert sc.poll(now=T0 + 4999) is None
+    task = sc.poll(now=T0 + 5000)
+    assert task is not None and task.scheduled_time == T0
+
+
+def test_poll_finish_advances_from_the_occurrence_not_the_clock(sc: ScheduleCollection) -> None:
+    sc.add("k", "t", cron="0 * * * *", delay=60, next_time=T0, data={"x": 1}, now=T0)
+    assert sc.poll(now=T0 + 59) is None  # delay: not before next_time + 60
+    task = sc.poll(now=T0 + 60)
+    assert task is not None
+    assert (task.key, task.type, task.scheduled_time, task.attempt) == ("k", "t", T0, 1)
+    assert task.data == {"x": 1}
+    held = row(sc, "k")
+    assert held["owner"] == sc.owner and held["next_run_time"] == T0 + 60 + ALIVE
+    assert sc.poll(now=T0 + 60) is None  # leased: nobody else gets it
+    # Finished much later (10 h): the next occurrence is still T0+1h, not "now + 1h".
+    task.finish()
+    info = row(sc, "k")
+    assert (info["next_time"], info["next_run_time"]) == (T0 + H, T0 + H + 60)
+    assert info["owner"] is None and info["attempt"] == 0
+    with pytest.raises(AlreadyFinishedError):
+        task.finish()
+    with pytest.raises(AlreadyFinishedError):
+        task.retry(now=T0)
+
+
+def test_catch_up_runs_every_missed_occurrence_oldest_first(sc: ScheduleCollection) -> None:
+    sc.add("hourly", "t", cron="0 * * * *", next_time=T0, now=T0)
+    sc.add("half", "t", cron="30 * * * *", next_time=T0, now=T0)
+    now = T0 + 3 * H + 1  # down for three hours
+    seen = []
+    while (task := sc.poll(now=now)) is not None:
+        seen.append((task.scheduled_time, task.key))
+        task.finish()
+    assert seen == sorted(seen)  # globally oldest first
+    assert seen == [(T0, "hourly"), (T0 + 1800, "half"), (T0 + H, "hourly"),
+                    (T0 + H + 1800, "half"), (T0 + 2 * H, "hourly"),
+                    (T0 + 2 * H + 1800, "half"), (T0 + 3 * H, "hourly")]
+    assert row(sc, "hourly")["next_time"] == T0 + 4 * H
+    assert row(sc, "half")["next_time"] == T0 + 3 * H + 1800
+
+
+def test_poll_many_and_finish_many(sc: ScheduleCollection) -> None:
+    for i in range(10):
+        sc.add(f"k{i}", "t", cron="0 * * * *", next_time=T0, at=T0 + i, now=T0)
+    tasks = sc.poll_many(4, now=T0 + 100)
+    assert sorted(t.key for t in tasks) == ["k0", "k1", "k2", "k3"]  # earliest run times
+    more = sc.poll_many(100, now=T0 + 100)
+    assert sorted(t.key for t in more) == [f"k{i}" for i in range(4, 10)]
+    assert sc.poll_many(10, now=T0 + 100) == []
+    sc["k5"].delete()  # preempts one of them
+    lost = sc.finish_many(tasks + more)
+    assert lost == {"k5"}
+    infos = sc.list()
+    assert len(infos) == 9
+    assert all(i.next_time == T0 + H and i.owner is None for i in infos)
+
+
+def test_finish_many_writes_only_rows_still_held(sc: ScheduleCollection) -> None:
+    """A batch finish with cron and one-off rows, where some leases were lost by a delete
+    or a modify (the row is still there with a newer fence): exactly the held rows move."""
+    for key in ("a", "b", "c"):
+        sc.add(key, "t", cron="0 * * * *", next_time=T0, now=T0)
+    once1 = sc["a"].run_now(now=T0 - 5)  # one-off rows (perfectschedctl run)
+    once2 = sc["c"].run_now(now=T0 - 5)
+    tasks = sc.poll_many(10, now=T0)
+    assert len(tasks) == 5
+    sc["b"].modify(data={"x": 1}, now=T0 + 1)  # fence moves on, the row stays
+    sc[once2].delete()
+    lost = sc.finish_many(tasks)
+    assert lost == {"b", once2}
+    assert row(sc, "a")["next_time"] == T0 + H and row(sc, "c")["next_time"] == T0 + H
+    b = row(sc, "b")
+    assert b["next_time"] == T0 and b["owner"] is None and b["data"] == {"x": 1}
+    assert not sc[once1].exists()  # a one-off is deleted when it finishes
+
+
+def test_retry_timing_and_attempts(sc: ScheduleCollection) -> None:
+    sc.add("k", "t", cron="0 * * * *", next_time=T0, now=T0)
+    task = sc.poll(now=T0 + 5)
+    assert task is not None
+    task.retry(now=T0 + 5)  # default wait: retry_wait
+    info = row(sc, "k")
+    assert info["next_run_time"] == T0 + 5 + RETRY and info["next_time"] == T0
+    assert info["owner"] is None
+    assert sc.poll(now=T0 + 5 + RETRY - 1) is None
+    again = sc.poll(now=T0 + 5 + RETRY)
+    assert again is not None and again.scheduled_time == T0 and again.attempt == 2
+    again.retry(wait=7.5, now=T0 + 200)  # fractional wait rounds up, never early
+    assert row(sc, "k")["next_run_time"] == T0 + 208
+    assert sc.poll(now=T0 + 207) is None
+    third = sc.poll(now=T0 + 208)
+    assert third is not None and third.attempt == 3
+    third.finish()
+    assert row(sc, "k")["attempt"] == 0 and row(sc, "k")["next_time"] == T0 + H
+
+
+def test_give_back_returns_the_occurrence_untried(sc: ScheduleCollection) -> None:
+    """The daemon's own release (it stops): runs again now, the attempt does not count."""
+    sc.add("k", "t", cron="0 * * * *", next_time=T0, now=T0)
+    task = sc.poll(now=T0 + 5)
+    assert task is not None and task.attempt == 1
+    task.give_back(now=T0 + 6)
+    info = row(sc, "k")
+    assert info["next_run_time"] == T0 + 6 and info["owner"] is None and info["attempt"] == 0
+    again = sc.poll(now=T0 + 6)
+    assert again is not None and again.scheduled_time == T0 and again.attempt == 1
+    with pytest.raises(AlreadyFinishedError):
+        task.give_back(now=T0 + 7)
+
+
+def test_release_first_at_once_then_backs_off_like_a_retry(sc: ScheduleCollection) -> None:
+    sc.add("k", "t", cron="0 * * * *", next_time=T0, now=T0)
+    task = sc.poll(now=T0 + 5)
+    assert task is not None and task.attempt == 1
+    task.release(now=T0 + 6)
+    info = row(sc, "k")
+    assert info["next_run_time"] == T0 + 6 and info["owner"] is None and info["attempt"] == 1
+    again = sc.poll(now=T0 + 6)
+    assert again is not None and again.scheduled_time == T0 and again.attempt == 2
+    again.release(now=T0 + 7)
+    assert row(sc, "k")["next_run_time"] == T0 + 7 + sc.config.retry_wait
+    assert sc.poll(now=T0 + 8) is None
+    with pytest.raises(AlreadyFinishedError):
+        task.release(now=T0 + 7)
+
+
+def test_expired_lease_is_taken_over_and_the_old_holder_changes_nothing(db_url: str) -> None:
+    with open_sc(db_url) as a, open_sc(db_url) as b:
+        a.owner, b.owner = "host-a:1", "host-b:2"
+        a.add("k", "t", cron="0 * * * *", next_time=T0, now=T0)
+        old = a.poll(now=T0)
+        assert old is not None
+        old.heartbeat(now=T0 + 200)  # renewed: the lease now ends at T0+200+ALIVE
+        assert b.poll(now=T0 + ALIVE + 1) is None
+        new = b.poll(now=T0 + 200 + ALIVE)
+        assert new is not None and new.scheduled_time == T0 and new.attempt == 2
+        taken = row(b, "k")
+        assert taken["owner"] == "host-b:2"
+        for end in (old.finish, lambda: old.retry(now=T0), lambda: old.release(now=T0)):
+            with pytest.raises(PreemptedError):
+                end()
+            old.done = False  # try every holder-side write with the stale fence
+        with pytest.raises(PreemptedError):
+            old.heartbeat(now=T0 + 600)
+        assert row(b, "k") == taken  # the new holder's state is intact
+        new.finish()
+        assert row(a, "k")["next_time"] == T0 + H
+
+
+@pytest.mark.parametrize("action", ["delete", "modify"])
+def test_delete_or_modify_preempts_the_holder(sc: ScheduleCollection, action: str) -> None:
+    sc.add("k", "t", cron="0 * * * *", next_time=T0, now=T0)
+    task = sc.poll(now=T0)
+    assert task is not None
+    if action == "delete":
+        sc["k"].delete()
+    else:
+        sc["k"].modify(cron="30 * * * *", now=T0 + 10)
+    with pytest.raises(PreemptedError):
+        task.finish()
+    if action == "delete":
+        assert not sc["k"].exists()
+    else:
+        info = row(sc, "k")
+        assert info["cron"] == "30 * * * *" and info["next_time"] == T0 + 1800
+        assert info["owner"] is None
+
+
+def test_modify_recomputes_times(sc: ScheduleCollection) -> None:
+    sc.add("k", "t", cron="0 * * * *", next_time=T0, data={"a": 1}, now=T0)
+    sc["k"].modify(delay=90, data={"b": 2}, type="t2")
+    info = row(sc, "k")
+    assert (info["type"], info["delay"], info["data"]) == ("t2", 90, {"b": 2})
+    assert (info["next_time"], info["next_run_time"]) == (T0, T0 + 90)
+    sc["k"].modify(timezone="Asia/Kolkata", cron="0 9 * * *", now=T0)
+    # 09:00 IST = 03:30 UTC; T0 is 23:00 UTC, so the next is 04:30 hours later.
+    assert row(sc, "k")["next_time"] == T0 + 4 * H + 1800
+    with pytest.raises(NotFoundError):
+        sc["missing"].modify(delay=1)
+
+
+def test_pause_and_resume(sc: ScheduleCollection) -> None:
+    sc.add("k", "t", cron="0 * * * *", next_time=T0, now=T0)
+    sc["k"].pause()
+    assert row(sc, "k")["paused"] is True
+    assert sc.poll(now=T0 + 10 * H) is None
+    sc["k"].resume()
+    task = sc.poll(now=T0 + 10 * H)
+    assert task is not None and task.scheduled_time == T0  # missed ones still run
+
+
+def test_run_now_is_a_one_off_that_leaves_the_schedule_alone(sc: ScheduleCollection) -> None:
+    sc.add("k", "t", cron="0 * * * *", next_time=T0 + H, data={"d": 1}, now=T0)
+    run_key = sc["k"].run_now(now=T0 + 10)
+    task = sc.poll(now=T0 + 10)
+    assert task is not None and task.key == run_key and task.type == "t"
+    assert task.data == {"d": 1} and task.scheduled_time == T0 + 10
+    task.finish()
+    assert not sc[run_key].exists()
+    assert row(sc, "k")["next_time"] == T0 + H
+
+
+def test_group_members_take_turns(sc: ScheduleCollection) -> None:
+    """A schedule and its extra runs (`run KEY`): of members claimed at the same time
+    exactly one may start; the others may once it no longer holds a live lease."""
+    sc.add("k", "t", cron="* * * * *", next_time=T0 + 60, now=T0)
+    extra = [sc["k"].run_now(now=T0) for _ in range(8)]
+    claimed = sc.poll_many(limit=20, now=T0)
+    assert sorted(t.key for t in claimed) == sorted(extra)
+    store = sc.store
+    results: dict[str, bool] = {}
+
+    def acquire(key: str) -> None:
+        with open_sc(sc.config.url) as other:
+            results[key] = other.store.group_acquire(key, "k", T0)
+
+    threads = [threading.Thread(target=acquire, args=(k,)) for k in extra]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    winners = [k for k, ok in results.items() if ok]
+    assert len(winners) == 1, results
+    assert store.group_acquire(winners[0], "k", T0)  # the holder may ask again
+    for task in claimed:
+        if task.key != winners[0]:
+            task.give_back(now=T0)
+    # The schedule's own occurrence waits for the running extra run, then takes its turn.
+    base = next(t for t in sc.poll_many(limit=20, now=T0 + 60) if t.key == "k")
+    assert not store.group_acquire("k", "k", T0 + 60)
+    next(t for t in claimed if t.key == winners[0]).finish()
+    assert store.group_acquire("k", "k", T0 + 60)
+    # ... and an extra run waits for the schedule's running occurrence.
+    waiting = next(k for k in extra if k != winners[0])
+    assert not store.group_acquire(waiting, "k", T0 + 60)
+    base.finish()
+    assert store.group_acquire(waiting, "k", T0 + 61)
+
+
+def test_add_many_is_all_or_nothing(sc: ScheduleCollection) -> None:
+    sc.add("taken", "t", cron="* * * * *", now=T0)
+    reqs = [{"key": f"m{i}", "type": "t", "cron": "0 * * * *", "now": T0} for i in range(50)]
+    with pytest.raises(AlreadyExistsError):
+        sc.add_many(reqs + [{"key": "taken", "type": "t", "cron": "0 * * * *"}])
+    assert [s.key for s in sc.list()] == ["taken"]
+    assert sc.add_many(reqs) == 50
+    assert len(sc.list()) == 51
+
+
+def test_dst_schedule_runs_through_the_store(sc: ScheduleCollection) -> None:
+    """Los Angeles, 2015-11-01: the 01:30 job runs twice; 2015-03-08: 02:30 is skipped."""
+    la = "America/Los_Angeles"
+    fall = utc("2015-11-01T08:30")  # 01:30 PDT
+    sc.add("fall", "t", cron="30 1 * * *", timezone=la, next_time=fall - 60, now=fall - 60)
+    runs = []
+    now = fall + 2 * H  # 2015-11-01 ~02:30 PST: both 01:30s are due
+    while (task := sc.poll(now=now)) is not None:
+        runs.append(task.scheduled_time)
+        task.finish()
+    assert runs == [fall, fall + H]
+    assert row(sc, "fall")["next_time"] == fall + 24 * H + H  # 11-02 01:30 PST
+    spring = utc("2015-03-07T10:00")  # 02:00 PST
+    sc.add("spring", "t", cron="30 2 * * *", timezone=la, next_time=spring, now=spring)
+    assert row(sc, "spring")["next_time"] == spring + 1800  # 03-07 02:30 PST
+    task = sc.poll(now=spring + 3 * 24 * H)
+    assert task is not None and task.scheduled_time == spring + 1800
+    task.finish()
+    # 03-08 02:30 does not exist: next is 03-09 02:30 PDT (09:30 UTC), 47 real hours later.
+    assert row(sc, "spring")["next_time"] == spring + 1800 + 47 * H
+
+
+def test_table_name_and_two_tables_are_independent(db_url: str) -> None:
+    with open_sc(db_url, table="jobs_a") as a, open_sc(db_url, table="jobs_b") as b:
+        a.add("k", "t", cron="* * * * *", now=T0)
+        assert a["k"].exists() and not b["k"].exists()
+        assert b.poll(now=T0 + H) is None
+
+
+def test_init_is_idempotent_and_data_survives_reopen(db_url: str) -> None:
+    with open_sc(db_url) as sc:
+        sc.add("k", "t", cron="0 * * * *", now=T0, data={"x": "y" * 1000})
+        sc.init()
+    with open_sc(db_url) as sc:
+        sc.init()
+        assert row(sc, "k")["data"] == {"x": "y" * 1000}
+
+
+def test_times_keep_sub_second_precision(sc: ScheduleCollection) -> None:
+    now = T0 + 0.25
+    sc.add("k", "t", cron="0 * * * *", next_time=T0, now=T0)
+    task = sc.poll(now=now)
+    assert task is not None
+    assert row(sc, "k")["claimed_at"] == pytest.approx(now, abs=0.001)
+    running = sc.store.running()
+    assert [r.key for r in running] == ["k"]
+    sc.store.record_runs([{"key": "k", "type": "t", "scheduled_time": T0, "attempt": 1,
+                           "started_at": now, "finished_at": now + 1.5, "outcome": "ok",
+                           "worker": "w"}])
+    (run,) = sc.store.history("k", 10)
+    assert run["finished_at"] - run["started_at"] == pytest.approx(1.5, abs=0.001)
+
+
+def test_store_release_owner_hands_back_every_lease(sc: ScheduleCollection) -> None:
+    for i in range(3):
+        sc.add(f"k{i}", "t", cron="0 * * * *", next_time=T0, now=T0)
+    tasks = sc.poll_many(3, now=T0)
+    assert len(tasks) == 3
+    assert sc.store.release_owner(sc.owner, T0 + 1) == 3
+    for t in tasks:
+        with pytest.raises(PreemptedError):
+            t.finish()
+    again = sc.poll_many(3, now=T0 + 1)
+    assert sorted(t.key for t in again) == ["k0", "k1", "k2"]
+    assert all(t.attempt == 1 for t in again)
+
+
+def test_counts_and_earliest_due(sc: ScheduleCollection) -> None:
+    assert sc.earliest_due() is None
+    sc.add("a", "t", cron="0 * * * *", next_time=T0, now=T0)
+    sc.add("b", "t", cron="0 * * * *", next_time=T0 + H, now=T0)
+    sc.add("c", "t", cron="0 * * * *", next_time=T0, now=T0)
+    sc["c"].pause()
+    assert sc.earliest_due() == T0
+    task = sc.poll(now=T0)
+    assert task is not None
+    assert sc.store.counts(T0) == {"schedules": 3, "paused": 1, "due": 0, "running": 1}
+    assert sc.earliest_due() == min(T0 + H, T0 + ALIVE)
+
+
+def test_url_forms(tmp_path: Any) -> None:
+    store = Store(f"sqlite:///{tmp_path}/x.db")
+    assert store.dialect == "sqlite"
+    store.close()
+    with pytest.raises(perfectschedd.ConfigError, match="^url: "):
+        Store("sqlite://")
+    with pytest.raises(perfectschedd.ConfigError, match="^url: "):
+        Store("mssql://u:p@h/db")
+
+
+def test_task_knows_when_it_was_due(sc: ScheduleCollection) -> None:
+    """Lateness counts from the due time of this claim: --at, delay, or a retry's time."""
+    sc.add("late", "t", cron="0 * * * *", start=T0, at=T0 + 500, now=T0)
+    sc.add("delayed", "t", cron="0 * * * *", start=T0, delay=30, now=T0)
+    tasks = {t.key: t for t in sc.poll_many(10, now=T0 + 600)}
+    assert tasks["late"].due_time == T0 + 500
+    assert tasks["delayed"].due_time == T0 + 30
+    assert tasks["late"].scheduled_time == tasks["delayed"].scheduled_time == T0
+    tasks["late"].retry(now=T0 + 700)
+    again = sc.poll(now=T0 + 700 + RETRY + 5)
+    assert again is not None and again.key == "late"
+    assert again.due_time == T0 + 700 + RETRY
+
+
+def test_init_adds_columns_a_newer_version_introduced(db_url: str) -> None:
+    with open_sc(db_url) as old:
+        old.add("k", "t", cron="0 * * * *", start=T0, now=T0)
+        with old.store.engine.begin() as conn:  # a table made before due_time existed
+            conn.exec_driver_sql("ALTER TABLE perfectsched DROP COLUMN due_time")
+    with open_sc(db_url) as sc:
+        task = sc.poll(now=T0 + 5)
+        assert task is not None and task.due_time == T0
+        task.finish()
+        assert row(sc, "k")["next_time"] == T0 + H
+
+
+def test_init_adds_the_unit_column_to_an_older_history_table(db_url: str) -> None:
+    """A history table made before runs could be systemd units gets `unit`; its rows stay
+    and read as runs without a unit."""
+    past = {"key": "k", "type": "t", "scheduled_time": T0, "attempt": 1,
+            "started_at": T0 + 1.0, "finished_at": T0 + 2.0, "outcome": "success",
+            "worker": "host:1"}
+    with open_sc(db_url) as old:
+        old.add("k", "t", cron="0 * * * *", start=T0, now=T0)
+        old.store.record_runs([past])
+        with old.store.engine.begin() as conn:
+            conn.exec_driver_sql("ALTER TABLE perfectsched_history DROP COLUMN unit")
+    with open_sc(db_url) as sc:
+        unit = "perfectsched-k-1357003600.service"
+        sc.store.record_runs([{**past, "scheduled_time": T0 + H, "unit": unit}])
+        assert [r["unit"] for r in sc.store.history("k", 10)] == [unit, None]
+
+
+def test_a_sqlite_store_loads_no_other_dialect(tmp_path: Path) -> None:
+    """Each dialect module costs every process about a megabyte of RSS."""
+    code = ("import sys, perfectschedd\n"
+            f"sc = perfectschedd.open({{'type': 'rdb_compat', 'url': 'sqlite:///{tmp_path}/x.db'}})\n"
+            "sc.init(); sc.add('k', 't', cron='@daily'); sc.list(); sc.close()\n"
+            "print(sorted(m for m in sys.modules if m.startswith(\n"
+            "    ('sqlalchemy.dialects.', 'perfectschedd.store.backends.'))))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert "sqlalchemy.dialects.sqlite" in out and "perfectschedd.store.backends.sqlite" in out
+    assert "postgresql" not in out and "mysql" not in out
+
+
+def test_each_database_has_its_own_backend(sc: ScheduleCollection) -> None:
+    """One class per database: its hot path, its "try again" errors, its engine."""
+    backend = sc.store.backend
+    assert backend.name == sc.store.url.get_backend_name()
+    assert type(backend).__module__ == f"perfectschedd.store.backends.{backend.name}"
+    assert (backend.write_lock is not None) == (backend.name == "sqlite")
+
+
+def test_run_history_is_recorded_in_batches_newest_first(sc: ScheduleCollection) -> None:
+    def run(key: str, n: int) -> dict[str, Any]:
+        return {"key": key, "type": "t", "scheduled_time": T0 + n, "attempt": 1,
+                "started_at": T0 + n + 0.25, "finished_at": T0 + n + 1.5,
+                "outcome": "success" if n % 2 else "failed", "worker": "host:1:w0"}
+
+    sc.store.record_runs([run("k", i) for i in range(3)] + [run("other", 9)])
+    unit = "perfectsched-k-1357000004.service"  # a run of executor systemd names its unit
+    sc.store.record_runs([run("k", 3), {**run("k@run-1-ab", 4), "unit": unit}])
+    got = sc.store.history("k", 10)
+    assert [r["scheduled_time"] - T0 for r in got] == [4, 3, 2, 1, 0]
+    assert {k: v for k, v in got[1].items() if k != "id"} == {**run("k", 3), "unit": None}
+    assert got[0]["unit"] == unit
+    assert [r["scheduled_time"] - T0 for r in sc.store.history("k", 2)] == [4, 3]
+    sc.store.record_runs([])
+    assert len(sc.store.history("other", 10)) == 1
+
+
+def test_warm_up_claims_and_changes_nothing(sc: ScheduleCollection) -> None:
+    sc.add("due", "t", cron="0 * * * *", next_time=T0, now=T0)
+    before = row(sc, "due")
+    sc.store.warm_up()
+    assert row(sc, "due") == before  # still due, unleased, same fence
+    (task,) = sc.poll_many(10, now=T0)
+    assert task.key == "due" and task.attempt == 1
+
+
+@pytest.mark.postgresql
+def test_a_deadlock_is_run_again_not_reported(pg_url: str) -> None:
+    """A heartbeat caught in a real deadlock (PostgreSQL picks it as the victim) is run
+    again by the store instead of surfacing as a database error."""
+    with open_sc(pg_url) as c:
+        c.init()
+        for key in ("k1", "k2"):
+            c.add(key, "t", cron="0 * * * *", next_time=T0, now=T0)
+        held = [(t.key, t.fence) for t in c.poll_many(2, now=T0)]
+        other = sa.create_engine(c.store.url)
+        result: list[Any] = []
+        with other.connect() as conn:
+            tx = conn.begin()
+            conn.exec_driver_sql("UPDATE perfectsched SET delay = 1 WHERE key = 'k2'")
+            beat = threading.Thread(
+                target=lambda: result.append(c.store.heartbeat(held, T0 + 999)))
+            beat.start()
+            # The heartbeat holds k1 and waits for k2; it waits longer than we will, so
+            # PostgreSQL's deadlock check (after deadlock_timeout, 1 s) aborts it.
+            time.sleep(0.5)
+            conn.exec_driver_sql("UPDATE perfectsched SET delay = 1 WHERE key = 'k1'")
+            tx.commit()
+            beat.join(30)
+        other.dispose()
+        assert result == [set()]  # both renewed, after PostgreSQL broke the deadlock
+        assert row(c, "k1")["next_run_time"] == T0 + 999
