@@ -21,7 +21,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
 from perfectschedd.errors import ConfigError, SchemaError, first_line
 from perfectschedd.store import version as schemaversion
-from perfectschedd.store.backends import open_backend
+from perfectschedd.store.backends.choice import open_backend
 from perfectschedd.store.schema import (
     CRON_MAX,
     DATA_MAX,
