@@ -1,10 +1,16 @@
-# PerfectSched developer entry points.  `make run` and `make test` work from a fresh clone.
+# PerfectSched developer entry points.  `make run` and `make test` work from a fresh clone;
+# `make check` runs everything CI runs (.ci/run).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 DEVCFG := etc/dev.yml
+# pytest-xdist processes: the tests mostly wait on daemons' timers and database servers,
+# so twice the cores keeps a 2-core machine busy without starving those timers.
+TEST_WORKERS ?= $(shell echo $$(( $$(nproc) * 2 )))
+# Print the slowest tests of each run (the 20 s rule: README "Tests").
+DURATIONS := --durations=15 --durations-min=1
 
-.PHONY: run test test-deps test-newest test-debian test-system lint bench deb clean
+.PHONY: run test check test-deps test-faults test-debian test-system lint bench deb clean
 
 $(BIN)/perfectschedd: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,20 +29,47 @@ run: $(BIN)/perfectschedd
 lint: $(BIN)/perfectschedd
 	$(BIN)/ruff check .
 
+# apt installs, timed apart from the tests (nothing to do once installed: well under 1 s).
 test-deps:
-	./tests/install-test-deps.sh
+	@start=$$(date +%s); ./tests/install-test-deps.sh; \
+	echo "test-deps: $$(( $$(date +%s) - start )) s (apt installs, not counted in the test time)"
 
-test-newest: $(BIN)/perfectschedd test-deps
-	$(BIN)/pytest -q -m "not system"
+# The whole suite once (SQLite, and the PostgreSQL and MariaDB servers it starts), newest
+# libraries, in parallel: what a change must pass.  The fault suite, Debian's libraries,
+# the package and the system tests are `make check`'s.
+test: $(BIN)/perfectschedd test-deps
+	@start=$$(date +%s); rc=0; \
+	$(BIN)/ruff check . && \
+	$(BIN)/pytest -q -n $(TEST_WORKERS) $(DURATIONS) -m "not system and not faults" || rc=1; \
+	echo "make test: $$(( $$(date +%s) - start )) s with $(TEST_WORKERS) test processes" \
+	  "(rc $$rc)"; exit $$rc
 
-test: test-deps lint test-newest test-debian test-system
+# Fault injection (SIGSTOP/kill -9 of database servers, clocks, full disks, clusters):
+# one test at a time, as each one disturbs shared servers on purpose.
+test-faults: $(BIN)/perfectschedd test-deps
+	$(BIN)/pytest -q $(DURATIONS) -m faults tests/faults
+
+# Everything: lint and the suite, the fault suite, Debian 12's libraries, the package
+# (its build runs its own tests, then lintian) and the system tests on Debian 12 and 13.
+# Each step's time is printed at the end; the first failure fails the whole.
+CHECK_STEPS := test test-faults test-debian test-system
+check:
+	@rm -f build/check.times; mkdir -p build; rc=0; \
+	for step in $(CHECK_STEPS); do \
+	  start=$$(date +%s); echo "=== make $$step"; \
+	  $(MAKE) --no-print-directory $$step || { rc=1; echo "=== make $$step FAILED"; }; \
+	  echo "$$step: $$(( $$(date +%s) - start )) s" >> build/check.times; \
+	  [ $$rc = 0 ] || break; \
+	done; \
+	echo "=== make check: $$([ $$rc = 0 ] && echo passed || echo FAILED)"; cat build/check.times; \
+	exit $$rc
 
 # Second run against Debian 12's own libraries (SQLAlchemy 1.4.46 + psycopg2, croniter
 # 1.3.5, PyYAML 6.0, ...): a venv of /usr/bin/python3 that sees the python3-* packages
 # installed by tests/install-test-deps.sh; nothing comes from PyPI.
 DEBVENV := .venv-debian
 DEBIAN_LIBS := SQLAlchemy croniter PyYAML prometheus_client sdnotify dbus_next \
-               psycopg2 PyMySQL pytest
+               psycopg2 PyMySQL pytest pytest-xdist
 test-debian: test-deps
 	test -x $(DEBVENV)/bin/python || /usr/bin/python3 -m venv --system-site-packages $(DEBVENV)
 	env -u PYTHONPATH $(DEBVENV)/bin/python -m pip install -q --no-deps --no-index \
@@ -47,7 +80,8 @@ test-debian: test-deps
 	  assert sqlalchemy.__file__.startswith("/usr/lib/python3/dist-packages/"), sqlalchemy.__file__' \
 	  $(DEBIAN_LIBS)
 	env -u PYTHONPATH PERFECTSCHED_TEST_BACKENDS=sqlite,postgresql \
-	  $(DEBVENV)/bin/python -m pytest -q -m "not system and not faults"
+	  $(DEBVENV)/bin/python -m pytest -q -n $(TEST_WORKERS) $(DURATIONS) \
+	  -m "not system and not faults"
 
 clean:
 	rm -rf $(VENV) .venv-debian var dist build *.egg-info
@@ -58,7 +92,7 @@ clean:
 DEB_BUILD := build/deb
 DEB_SRC   := $(DEB_BUILD)/perfectsched
 DEB_PATH  := /usr/sbin:/usr/bin:/sbin:/bin
-.PHONY: deb test-system
+.PHONY: deb
 deb:
 	rm -rf $(DEB_BUILD) && mkdir -p $(DEB_SRC) dist
 	{ git ls-files -z --cached --others --exclude-standard 2>/dev/null || \

@@ -22,7 +22,7 @@ PACKAGES=(
   # Debian's Python stack (make test-debian)
   python3-venv python3-wheel python3-sqlalchemy python3-croniter python3-yaml
   python3-prometheus-client python3-sdnotify python3-dbus-next python3-psycopg
-  python3-psycopg2 python3-pymysql python3-pytest
+  python3-psycopg2 python3-pymysql python3-pytest python3-pytest-xdist
   # packaging toolchain (make deb)
   build-essential fakeroot debhelper dh-python pybuild-plugin-pyproject python3-setuptools
   python3-all lintian devscripts
