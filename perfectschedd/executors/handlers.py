@@ -26,7 +26,6 @@ only the handler's own output and its failures, each prefixed by the task key.
 from __future__ import annotations
 
 import ctypes
-import enum
 import errno
 import heapq
 import importlib
@@ -45,10 +44,22 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from perfectschedd.config import RouteConfig
 from perfectschedd.errors import PreemptedError, ProcessStopError
+from perfectschedd.executors.base import (
+    REASON_TEXT,
+    Log,
+    Outcome,
+    RunControl,
+    RunResult,
+    Stop,
+    StopReason,
+    TaskLike,
+    stop_grace,
+    stop_reason,
+)
 
 __all__ = [
     "RUN_ID_ENV",
@@ -86,106 +97,6 @@ _SCHED_FAIL = "SCHED_FAIL"
 # In the environment of every process of an exec run: "<worker pid>.<run number>".
 RUN_ID_ENV = "PERFECTSCHED_RUN_ID"
 _ROUTE_CACHE_MAX = 4096
-
-
-class TaskLike(Protocol):
-    """What handlers need of a task (``schedules.Task`` in the daemon)."""
-
-    key: str
-    type: str
-    data: dict[str, Any]
-    scheduled_time: int
-    attempt: int
-
-    @property
-    def done(self) -> bool: ...
-
-    def finish(self) -> None: ...
-
-    def retry(self, wait: float | None = None, *, later: bool = False) -> None: ...
-
-    def release(self) -> None: ...
-
-    def give_back(self) -> None: ...
-
-
-Log = logging.Logger | logging.LoggerAdapter  # type: ignore[type-arg]
-
-
-class Outcome(enum.StrEnum):
-    """How a run ended; also the ``outcome`` label of the task counters."""
-
-    SUCCESS = "success"      # finished
-    FAILED = "failed"        # retried after retry_wait (non-zero exit, exception)
-    TIMEOUT = "timeout"      # killed or interrupted at the route's timeout, retried
-    LATER = "later"          # retried after an explicit wait (SCHED_LATER N, retry(wait=N))
-    PREEMPTED = "preempted"  # the lease was lost; nothing was written
-    RELEASED = "released"    # the application released the task
-    STOPPED = "stopped"      # ended because the daemon stops; task released
-
-
-@dataclass(frozen=True, slots=True)
-class RunResult:
-    outcome: Outcome
-    duration: float              # seconds, monotonic
-    exit_code: int | None = None  # exec only: the exit status, or -signal if killed
-    unit: str | None = None       # executor systemd: the run's unit
-
-
-class StopReason(enum.StrEnum):
-    """Why a run was told to end before its command or application did."""
-
-    SHUTDOWN = "stop"        # the daemon stops: the occurrence is given back untried
-    PREEMPTED = "preempted"  # the lease was lost (deleted, modified, taken over)
-    FENCED = "fenced"        # the lease could not be renewed and is about to expire
-
-
-class RunControl:
-    """Tells one run when to stop, and why.
-
-    The worker sets it (shutdown, lease lost); time sets it too: past ``fence_at``
-    (Unix seconds) the worker could not renew the lease for so long that others may
-    claim the occurrence soon, so the run must be gone before then (self-fencing).
-    Handlers poll ``is_set()`` (a ``threading.Event`` works in its place).
-    """
-
-    # A plain flag, not a threading.Event: nobody waits on it (handlers poll), and one
-    # is made per claimed occurrence.
-    __slots__ = ("_stopped", "reason", "fence_at", "fence_grace")
-
-    def __init__(self, fence_at: float | None = None, fence_grace: float | None = None
-                 ) -> None:
-        self._stopped = False
-        self.reason: StopReason | None = None
-        self.fence_at = fence_at
-        # TERM-to-KILL time when fencing, if shorter than kill_grace: the run must be
-        # gone before the lease can expire.
-        self.fence_grace = fence_grace
-
-    def stop(self, reason: StopReason) -> None:
-        if self.reason is None:  # the first reason wins: it decides the outcome
-            self.reason = reason
-        self._stopped = True
-
-    def is_set(self) -> bool:
-        if self._stopped:
-            return True
-        if self.fence_at is not None and time.time() >= self.fence_at:
-            self.stop(StopReason.FENCED)
-            return True
-        return False
-
-
-def stop_reason(stop_event: RunControl | threading.Event | None) -> StopReason:
-    reason = getattr(stop_event, "reason", None)
-    return reason if isinstance(reason, StopReason) else StopReason.SHUTDOWN
-
-
-def stop_grace(stop_event: RunControl | threading.Event | None, kill_grace: float) -> float:
-    if isinstance(stop_event, RunControl) and stop_event.reason is StopReason.FENCED \
-            and stop_event.fence_grace is not None:
-        return min(kill_grace, stop_event.fence_grace)
-    return kill_grace
 
 
 class HandlerTimeout(BaseException):  # noqa: N818 - named like the builtin TimeoutError
@@ -352,9 +263,6 @@ class Router:
 # --------------------------------------------------------------------------- run_task
 
 
-Stop = RunControl | threading.Event
-
-
 def run_task(task: TaskLike, handler: Handler, *, log: Log = logger,
              stop_event: Stop | None = None, kill_grace: float = 5.0,
              run_id: str | None = None,
@@ -410,13 +318,6 @@ def _stopped_before_start(task: TaskLike, stop: Stop, log: Log) -> Outcome:
         return Outcome.STOPPED
     log.warning("%s: not started: %s", task.key, REASON_TEXT[reason])
     return Outcome.PREEMPTED
-
-
-REASON_TEXT = {
-    StopReason.SHUTDOWN: "daemon stopping",
-    StopReason.PREEMPTED: "lease lost (schedule deleted, modified or taken over)",
-    StopReason.FENCED: "lease could not be renewed in time (database unreachable)",
-}
 
 
 # --------------------------------------------------------------------------- exec
