@@ -30,6 +30,7 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from perfectschedd.config import Config
 from perfectschedd.errors import InvalidInputError, PreemptedError
 from perfectschedd.executors import handlers
+from perfectschedd.executors.command import ExecHandler
 from perfectschedd.executors.handlers import RunControl, StopReason
 from perfectschedd.executors.systemd import props as unitprops
 from perfectschedd.metrics import counters as metrics
@@ -318,7 +319,7 @@ class LeasePipeline:
             with self.lock:
                 control = self.controls.get(task.key) or RunControl()
             run_id: str | None = None
-            if isinstance(handler, handlers.ExecHandler):
+            if isinstance(handler, ExecHandler):
                 # Reported before the spawn: the master must know the run before any
                 # process of it can become the master's orphan.
                 run_id = self.new_run_id()

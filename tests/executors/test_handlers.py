@@ -14,10 +14,10 @@ import pytest
 
 from perfectschedd.config import RouteConfig
 from perfectschedd.errors import PreemptedError
-from perfectschedd.executors import handlers
+from perfectschedd.executors import command, handlers
+from perfectschedd.executors.command import ExecHandler
 from perfectschedd.executors.handlers import (
     Application,
-    ExecHandler,
     HandlerTimeout,
     Outcome,
     PythonHandler,
@@ -111,7 +111,7 @@ def test_exec_exit_0_finishes() -> None:
     assert result.exit_code == 0
     assert result.duration >= 0
     assert task.calls == [("finish",)]
-    assert handlers.running_groups() == {}
+    assert command.running_groups() == {}
 
 
 def test_exec_nonzero_retries_without_wait() -> None:
@@ -192,7 +192,7 @@ def test_exec_missing_or_not_executable_retries(tmp_path: Path,
     run(task, ExecHandler(RouteConfig(pattern="t", exec=(str(plain),)), (str(plain),), None))
     assert task.calls == [("retry", (), {})]
     assert f"k-noexec: cannot run {plain}: Permission denied" in caplog.text
-    assert handlers.running_groups() == {}
+    assert command.running_groups() == {}
 
 
 def test_exec_timeout_kills_whole_group(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -208,7 +208,7 @@ def test_exec_timeout_kills_whole_group(tmp_path: Path, caplog: pytest.LogCaptur
     grandchild, child = pids(pidfile)
     assert gone(child) and gone(grandchild)
     assert "slow: timed out after 0.3s" in caplog.text
-    assert handlers.running_groups() == {}
+    assert command.running_groups() == {}
 
 
 def test_exec_sigterm_ignored_gets_sigkill(tmp_path: Path,
@@ -276,7 +276,7 @@ def test_exec_huge_line_is_bounded(caplog: pytest.LogCaptureFixture) -> None:
     run(FakeTask(key="wide"), sh("head -c 300000 /dev/zero | tr '\\0' x"))
     lengths = [len(r.getMessage()) for r in caplog.records if r.name == LOGGER]
     assert sum(lengths) == 300000 + len("wide: ") * len(lengths)
-    assert max(lengths) <= handlers._MAX_LINE + len("wide: ")
+    assert max(lengths) <= command._MAX_LINE + len("wide: ")
 
 
 def test_exec_stop_terminates_and_releases(tmp_path: Path) -> None:
@@ -310,8 +310,8 @@ def test_kill_all_groups(tmp_path: Path) -> None:
     end = time.monotonic() + 5
     while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() < end:
         time.sleep(0.01)
-    assert list(handlers.running_groups().values()) == ["victim"]
-    assert handlers.kill_all_groups() == 1
+    assert list(command.running_groups().values()) == ["victim"]
+    assert command.kill_all_groups() == 1
     t.join(5)
     assert results[0].outcome == Outcome.FAILED
     assert results[0].exit_code == -9

@@ -27,17 +27,17 @@ from typing import Any
 
 from dbus_next import Variant
 
-from perfectschedd.executors.handlers import (
+from perfectschedd.executors.base import (
     REASON_TEXT,
     Log,
     Outcome,
     StopReason,
     TaskLike,
-    UnitHandler,
-    exec_verdict,
     stop_grace,
     stop_reason,
 )
+from perfectschedd.executors.command import exec_verdict
+from perfectschedd.executors.handlers import UnitHandler
 from perfectschedd.executors.systemd import props as unitprops
 from perfectschedd.executors.systemd.bus import Systemd, SystemdError, Watch
 
