@@ -15,12 +15,10 @@ import pytest
 from perfectschedd.config import RouteConfig
 from perfectschedd.errors import PreemptedError
 from perfectschedd.executors import command, handlers
+from perfectschedd.executors.application import Application, HandlerTimeout, PythonHandler
 from perfectschedd.executors.command import ExecHandler
 from perfectschedd.executors.handlers import (
-    Application,
-    HandlerTimeout,
     Outcome,
-    PythonHandler,
     Router,
     run_task,
 )
@@ -503,7 +501,7 @@ def test_router_exact_regexp_first_wins() -> None:
 def test_router_imports_python_lazily_once(tmp_path: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "handlers_lazy_jobs.py").write_text(
-        "import perfectschedd.executors.handlers as h\n"
+        "import perfectschedd.executors.application as h\n"
         "IMPORTS = globals().get('IMPORTS', 0) + 1\n"
         "class Report(h.Application):\n"
         "    def run(self):\n"
