@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import heapq
+import importlib
 import itertools
 import logging
 import os
@@ -26,6 +27,7 @@ from perfectschedd.executors.base import (
     REASON_TEXT,
     Log,
     Outcome,
+    RunOptions,
     Stop,
     StopReason,
     TaskLike,
@@ -78,6 +80,24 @@ class PythonHandler:
 
     def __str__(self) -> str:
         return f"python {self.route.python}"
+
+    @classmethod
+    def from_route(cls, route: RouteConfig) -> PythonHandler | str:
+        """Imports the route's class (the router does so once per route)."""
+        assert route.python is not None
+        module_name, _, attr = route.python.partition(":")
+        try:
+            obj: Any = importlib.import_module(module_name)
+            for part in attr.split("."):
+                obj = getattr(obj, part)
+        except Exception as exc:  # SyntaxError, ImportError, errors raised by the module
+            return f"cannot import {route.python}: {type(exc).__name__}: {exc}"
+        if not isinstance(obj, type) or not callable(getattr(obj, "run", None)):
+            return f"{route.python} is not a class with a run() method (subclass Application)"
+        return cls(route, obj, route.timeout)
+
+    def run(self, task: TaskLike, options: RunOptions) -> tuple[Outcome, None, None]:
+        return _run_python(task, self, options.log, options.stop_event), None, None
 
 
 def _raise_in_thread(thread_id: int, exc: type[BaseException] | None) -> None:

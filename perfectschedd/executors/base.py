@@ -1,7 +1,13 @@
 """The run contract between the worker and the executors: what a task offers them
 (:class:`TaskLike`), how the worker tells a run to stop (:class:`RunControl`) and why
-(:class:`StopReason`), and how a run ended (:class:`Outcome`, :class:`RunResult`).
-Nothing here imports an executor.
+(:class:`StopReason`), how a run ended (:class:`Outcome`, :class:`RunResult`), and what
+every executor's handler is (:class:`Handler`).
+
+The executors are command.py (exec: a command in its own process group),
+systemd/unit.py (exec routes with ``executor: systemd``: a transient unit) and
+application.py (python: an :class:`~perfectschedd.executors.application.Application` in
+the calling thread); router.py maps task types to their handlers and runs them
+(``run_task``).  Nothing here imports an executor.
 """
 
 from __future__ import annotations
@@ -10,14 +16,19 @@ import enum
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from perfectschedd.config import RouteConfig
+
 __all__ = [
     "REASON_TEXT",
+    "Handler",
     "Log",
     "Outcome",
     "RunControl",
+    "RunOptions",
     "RunResult",
     "Stop",
     "StopReason",
@@ -135,3 +146,42 @@ REASON_TEXT = {
     StopReason.PREEMPTED: "lease lost (schedule deleted, modified or taken over)",
     StopReason.FENCED: "lease could not be renewed in time (database unreachable)",
 }
+
+
+@dataclass(frozen=True, slots=True)
+class RunOptions:
+    """How to run, besides the task and its handler (``run_task``'s keywords)."""
+
+    log: Log
+    stop_event: Stop | None = None
+    kill_grace: float = 5.0
+    run_id: str | None = None                       # exec: RUN_ID_ENV
+    on_spawn: Callable[[int], None] | None = None   # exec: the process group exists
+    on_unit: Callable[[str], None] | None = None    # systemd: before the unit can exist
+    node: str = ""                                  # systemd: the unit's owner
+    tag: str = ""                                   # systemd: this daemon instance
+
+
+class Handler(Protocol):
+    """An executor's handler of one route: made by the router (``from_route``), run by
+    ``run_task`` (``run``).  A frozen dataclass: the worker replaces its ``timeout``.
+
+    ``run`` performs the task, ends it (``finish``, ``retry`` or ``release``; on a stop,
+    ``give_back`` or nothing) and returns (outcome, exit status, unit name).  It may
+    raise ``PreemptedError`` (the lease was lost) and the store's errors; the handler's
+    own failures are outcomes.
+    """
+
+    @property
+    def route(self) -> RouteConfig: ...
+
+    @property
+    def timeout(self) -> float | None: ...
+
+    @classmethod
+    def from_route(cls, route: RouteConfig) -> Handler | str:
+        """The handler of `route`, or why it cannot run here."""
+        ...
+
+    def run(self, task: TaskLike, options: RunOptions
+            ) -> tuple[Outcome, int | None, str | None]: ...

@@ -34,6 +34,7 @@ from perfectschedd.executors.base import (
     REASON_TEXT,
     Log,
     Outcome,
+    RunOptions,
     Stop,
     StopReason,
     TaskLike,
@@ -67,6 +68,16 @@ class ExecHandler:
 
     def __str__(self) -> str:
         return f"exec {' '.join(self.argv)}"
+
+    @classmethod
+    def from_route(cls, route: RouteConfig) -> ExecHandler:
+        assert route.exec is not None
+        return cls(route, tuple(route.exec), route.timeout)
+
+    def run(self, task: TaskLike, options: RunOptions) -> tuple[Outcome, int | None, None]:
+        outcome, code = _run_exec(task, self, options.log, options.stop_event,
+                                  options.kill_grace, options.run_id, options.on_spawn)
+        return outcome, code, None
 
 
 # pgid -> task key of every exec group alive in this process. An entry is

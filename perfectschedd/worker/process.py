@@ -32,7 +32,7 @@ from perfectschedd import logsetup
 from perfectschedd.config import Config
 from perfectschedd.executors import command
 from perfectschedd.executors import reaper as jobreaper
-from perfectschedd.executors.handlers import StopReason
+from perfectschedd.executors.base import StopReason
 from perfectschedd.schedules.collection import Task
 from perfectschedd.worker.leases import LeasePipeline
 

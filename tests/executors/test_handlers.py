@@ -1,4 +1,5 @@
-"""handlers.py: routing, exec and python handlers, timeouts, kills, stop."""
+"""The executors (router.py, command.py, application.py): routing, exec and python handlers,
+timeouts, kills, stop."""
 
 from __future__ import annotations
 
@@ -14,14 +15,11 @@ import pytest
 
 from perfectschedd.config import RouteConfig
 from perfectschedd.errors import PreemptedError
-from perfectschedd.executors import command, handlers
+from perfectschedd.executors import base, command
 from perfectschedd.executors.application import Application, HandlerTimeout, PythonHandler
+from perfectschedd.executors.base import Outcome
 from perfectschedd.executors.command import ExecHandler
-from perfectschedd.executors.handlers import (
-    Outcome,
-    Router,
-    run_task,
-)
+from perfectschedd.executors.router import Router, run_task
 
 LOGGER = "test.handlers"
 
@@ -74,7 +72,7 @@ def py(cls: type, timeout: float | None = None) -> PythonHandler:
     return PythonHandler(route, cls, timeout)
 
 
-def run(task: FakeTask, handler: handlers.Handler, **kw: Any) -> handlers.RunResult:
+def run(task: FakeTask, handler: base.Handler, **kw: Any) -> base.RunResult:
     kw.setdefault("log", logging.getLogger(LOGGER))
     kw.setdefault("kill_grace", 1.0)
     return run_task(task, handler, **kw)
@@ -302,7 +300,7 @@ def test_kill_all_groups(tmp_path: Path) -> None:
     pidfile = tmp_path / "pids"
     script = f"sleep 1000 & echo $! > {pidfile}; wait"
     task = FakeTask(key="victim")
-    results: list[handlers.RunResult] = []
+    results: list[base.RunResult] = []
     t = threading.Thread(target=lambda: results.append(run(task, sh(script))))
     t.start()
     end = time.monotonic() + 5
@@ -548,11 +546,11 @@ def test_exec_last_line_outranks_exit_status(script: str, outcome: Outcome,
     assert task.calls == calls
 
 
-@pytest.mark.parametrize("reason", [handlers.StopReason.PREEMPTED, handlers.StopReason.FENCED])
+@pytest.mark.parametrize("reason", [base.StopReason.PREEMPTED, base.StopReason.FENCED])
 def test_exec_lease_lost_stops_group_and_writes_nothing(tmp_path: Path,
-                                                        reason: handlers.StopReason) -> None:
+                                                        reason: base.StopReason) -> None:
     out = tmp_path / "pids"
-    control = handlers.RunControl()
+    control = base.RunControl()
     threading.Timer(0.3, control.stop, args=(reason,)).start()
     task = FakeTask()
     result = run(task, sh(f"sleep 60 & echo $! >> {out}; wait"), stop_event=control)
@@ -562,13 +560,13 @@ def test_exec_lease_lost_stops_group_and_writes_nothing(tmp_path: Path,
 
 
 def test_exec_fences_itself_at_fence_at(tmp_path: Path) -> None:
-    control = handlers.RunControl(fence_at=time.time() + 0.3, fence_grace=0.2)
+    control = base.RunControl(fence_at=time.time() + 0.3, fence_grace=0.2)
     task = FakeTask()
     # TERM is ignored: KILL comes after fence_grace, not after kill_grace (5 s here).
     result = run(task, sh("trap '' TERM; sleep 60 & wait; sleep 60"), stop_event=control,
                  kill_grace=5.0)
     assert result.outcome == Outcome.PREEMPTED
-    assert control.reason is handlers.StopReason.FENCED
+    assert control.reason is base.StopReason.FENCED
     assert result.duration < 2.0
 
 
@@ -596,11 +594,11 @@ class KillRecorder(Application):
 @pytest.mark.parametrize("how", ["timeout", "stop", "preempted"])
 def test_python_kill_is_called_when_the_run_is_stopped(how: str) -> None:
     KillRecorder.killed = []
-    control = handlers.RunControl()
+    control = base.RunControl()
     if how == "stop":
-        threading.Timer(0.2, control.stop, args=(handlers.StopReason.SHUTDOWN,)).start()
+        threading.Timer(0.2, control.stop, args=(base.StopReason.SHUTDOWN,)).start()
     elif how == "preempted":
-        threading.Timer(0.2, control.stop, args=(handlers.StopReason.PREEMPTED,)).start()
+        threading.Timer(0.2, control.stop, args=(base.StopReason.PREEMPTED,)).start()
     task = FakeTask(key=f"k-{how}")
     result = run(task, py(KillRecorder, timeout=0.2 if how == "timeout" else None),
                  stop_event=control)

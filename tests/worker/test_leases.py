@@ -12,7 +12,7 @@ import pytest
 
 from perfectschedd import config as config_mod
 from perfectschedd.executors.application import Application
-from perfectschedd.executors.handlers import StopReason
+from perfectschedd.executors.base import StopReason
 from perfectschedd.schedules.collection import ScheduleCollection, Task
 from perfectschedd.worker.leases import LeasePipeline
 

@@ -23,6 +23,7 @@ import select
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from dbus_next import Variant
@@ -31,13 +32,13 @@ from perfectschedd.executors.base import (
     REASON_TEXT,
     Log,
     Outcome,
+    RunOptions,
     StopReason,
     TaskLike,
     stop_grace,
     stop_reason,
 )
-from perfectschedd.executors.command import exec_verdict
-from perfectschedd.executors.handlers import UnitHandler
+from perfectschedd.executors.command import ExecHandler, exec_verdict
 from perfectschedd.executors.systemd import props as unitprops
 from perfectschedd.executors.systemd.bus import Systemd, SystemdError, Watch
 
@@ -79,6 +80,19 @@ def own_unit() -> str | None:
 
 _client = Systemd()
 os.register_at_fork(after_in_child=_client.reset_after_fork)
+
+
+@dataclass(frozen=True, slots=True)
+class UnitHandler(ExecHandler):
+    """An exec route with `executor: systemd`: each run is a transient unit.  An
+    ExecHandler to whatever reads routes (the worker reports its runs alike)."""
+
+    def __str__(self) -> str:
+        return f"systemd unit {' '.join(self.argv)}"
+
+    def run(self, task: TaskLike, options: RunOptions) -> tuple[Outcome, int | None, str]:
+        return run(task, self, options.log, options.stop_event, options.kill_grace,
+                   options.node, options.on_unit, options.tag)
 
 
 # -- one run -------------------------------------------------------------------------------
@@ -144,7 +158,7 @@ def properties(task: TaskLike, handler: UnitHandler, name: str, *, node: str, ki
 def run(task: TaskLike, handler: UnitHandler, log: Log, stop: Any, kill_grace: float,
         node: str, on_unit: Callable[[str], None] | None, tag: str = ""
         ) -> tuple[Outcome, int | None, str]:
-    """Run one task as a unit and end it (as handlers.run_task's exec branch does)."""
+    """Run one task as a unit and end it (as command.py's exec runs do)."""
     key = task.key
     name = unitprops.unit_name(key, task.scheduled_time, task.attempt)
     verdict_r, verdict_w = os.pipe()

@@ -1,85 +1,72 @@
-"""Route a task type to an exec or python handler; run it, time it out, kill it.
+"""Route a task type to its executor's handler, and run it.
 
 The worker asks a :class:`Router` for the handler of a task's type and calls
-:func:`run_task`, which performs the task and ends it itself (``finish``,
-``retry`` or ``release``) and returns a :class:`RunResult`.
+:func:`run_task`, which performs the task and ends it itself (``finish``, ``retry`` or
+``release``) and returns a :class:`~perfectschedd.executors.base.RunResult`.
 
-* exec routes run a command per task in its own session (process group). On
-  timeout, or when the caller's :class:`RunControl` says stop (daemon stopping,
-  lease lost, lease not renewable in time), the whole group gets SIGTERM, then
-  SIGKILL after ``kill_grace``. Each live group is recorded in a module registry
-  so that :func:`kill_all_groups` can leave no orphans behind when the worker
-  exits. Every process of a run carries ``PERFECTSCHED_RUN_ID`` in its
-  environment, so that descendants that left the group can still be found
-  (jobreaper.py) once the run, or its worker, is gone.
-* exec routes with ``executor: systemd`` run each task as a transient systemd unit
-  instead (:class:`UnitHandler`, unitjobs.py): systemd holds the processes (a cgroup),
-  and the same stop reasons stop the unit.
-* python routes run an :class:`Application` in the calling thread: no thread
-  and no process per task. A timeout (or a stop) is delivered by one shared
-  watchdog thread as an asynchronous exception (see :class:`_Watchdog`).
+A route's executor is found by name in :data:`HANDLER_CLASSES`: ``exec`` (command.py: a
+command in its own process group), ``systemd`` (systemd/unit.py: a transient unit, for
+exec routes with ``executor: systemd``) and ``python`` (application.py: an Application
+in the calling thread).
 
-Starting and ending lines of a task are logged by the worker; this module logs
-only the handler's own output and its failures, each prefixed by the task key.
+Starting and ending lines of a task are logged by the worker; the executors log only
+the handler's own output and its failures, each prefixed by the task key.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 from perfectschedd.config import RouteConfig
 from perfectschedd.errors import PreemptedError
-from perfectschedd.executors.application import PythonHandler, _run_python
+from perfectschedd.executors.application import PythonHandler
 from perfectschedd.executors.base import (
     REASON_TEXT,
+    Handler,
     Log,
     Outcome,
-    RunControl,
+    RunOptions,
     RunResult,
     Stop,
     StopReason,
     TaskLike,
     stop_reason,
 )
-from perfectschedd.executors.command import ExecHandler, _run_exec
+from perfectschedd.executors.command import ExecHandler
 
-__all__ = [
-    "ExecHandler",
-    "Handler",
-    "Outcome",
-    "Router",
-    "RunControl",
-    "RunResult",
-    "StopReason",
-    "TaskLike",
-    "UnitHandler",
-    "run_task",
-]
+__all__ = ["HANDLER_CLASSES", "Router", "handler_class", "run_task"]
 
 logger = logging.getLogger(__name__)
 
 _ROUTE_CACHE_MAX = 4096
 
 
-# --------------------------------------------------------------------------- handlers
+def _unit_handler() -> type[Handler]:
+    """The systemd executor's handler class, imported on first use: D-Bus (dbus-next)
+    loads only where a route runs units."""
+    from perfectschedd.executors.systemd.unit import UnitHandler
+
+    return UnitHandler
 
 
-@dataclass(frozen=True, slots=True)
-class UnitHandler(ExecHandler):
-    """An exec route with `executor: systemd`: each run is a transient unit (unitjobs.py).
-    An ExecHandler to whatever reads routes; runs check for it first."""
+# Executor name -> its handler class (as gunicorn's SUPPORTED_WORKERS): a route's
+# `executor:` ("python" for python routes) picks the class by name.  An entry is a
+# function returning the class, so that a heavy executor is imported by the first route
+# that uses it.
+HANDLER_CLASSES: dict[str, Callable[[], type[Handler]]] = {
+    "exec": lambda: ExecHandler,
+    "systemd": _unit_handler,
+    "python": lambda: PythonHandler,
+}
 
-    def __str__(self) -> str:
-        return f"systemd unit {' '.join(self.argv)}"
 
-
-Handler = ExecHandler | UnitHandler | PythonHandler
+def handler_class(route: RouteConfig) -> type[Handler] | None:
+    """The handler class of `route`'s executor; None for an executor unknown here."""
+    load = HANDLER_CLASSES.get(route.executor if route.exec is not None else "python")
+    return None if load is None else load()
 
 
 class Router:
@@ -161,24 +148,10 @@ class Router:
     def _resolve(route: RouteConfig) -> Handler | str:
         if route.refused is not None:
             return route.refused
-        if route.exec is not None and route.executor == "systemd":
-            return UnitHandler(route, tuple(route.exec), route.timeout)
-        if route.exec is not None:
-            return ExecHandler(route, tuple(route.exec), route.timeout)
-        assert route.python is not None
-        module_name, _, attr = route.python.partition(":")
-        try:
-            obj: Any = importlib.import_module(module_name)
-            for part in attr.split("."):
-                obj = getattr(obj, part)
-        except Exception as exc:  # SyntaxError, ImportError, errors raised by the module
-            return f"cannot import {route.python}: {type(exc).__name__}: {exc}"
-        if not isinstance(obj, type) or not callable(getattr(obj, "run", None)):
-            return f"{route.python} is not a class with a run() method (subclass Application)"
-        return PythonHandler(route, obj, route.timeout)
-
-
-# --------------------------------------------------------------------------- run_task
+        cls = handler_class(route)
+        if cls is None:
+            return f"unknown executor {route.executor!r}"
+        return cls.from_route(route)
 
 
 def run_task(task: TaskLike, handler: Handler, *, log: Log = logger,
@@ -207,25 +180,17 @@ def run_task(task: TaskLike, handler: Handler, *, log: Log = logger,
     """
     start = time.monotonic()
     unit: str | None = None
+    code: int | None = None
     try:
         if stop_event is not None and stop_event.is_set():
             return RunResult(_stopped_before_start(task, stop_event, log),
                              time.monotonic() - start)
-        if isinstance(handler, UnitHandler):
-            from perfectschedd.executors.systemd import (
-                unit as unitjobs,  # D-Bus: only where a route runs units
-            )
-
-            outcome, code, unit = unitjobs.run(task, handler, log, stop_event, kill_grace,
-                                               node, on_unit, tag)
-        elif isinstance(handler, ExecHandler):
-            outcome, code = _run_exec(task, handler, log, stop_event, kill_grace, run_id,
-                                      on_spawn)
-        else:
-            outcome, code = _run_python(task, handler, log, stop_event), None
+        options = RunOptions(log, stop_event, kill_grace, run_id, on_spawn, on_unit, node,
+                             tag)
+        outcome, code, unit = handler.run(task, options)
     except PreemptedError:
         log.warning("%s: lease lost while running; the result was discarded", task.key)
-        outcome, code = Outcome.PREEMPTED, None
+        outcome = Outcome.PREEMPTED
     return RunResult(outcome, time.monotonic() - start, code, unit)
 
 
@@ -236,3 +201,4 @@ def _stopped_before_start(task: TaskLike, stop: Stop, log: Log) -> Outcome:
         return Outcome.STOPPED
     log.warning("%s: not started: %s", task.key, REASON_TEXT[reason])
     return Outcome.PREEMPTED
+
