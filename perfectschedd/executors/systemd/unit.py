@@ -1,14 +1,14 @@
 """Jobs as systemd transient units (routes and entries with `executor: systemd`): the
 unit a run asks for, the run itself, and how the unit's end ends the task.
 
-The invariant is the exec handler's: a unit runs only while its worker holds the
+The invariant is the exec executor's (command.py): a unit runs only while its worker holds the
 occurrence's lease.  The worker starts the unit (StartTransientUnit, with AddRef so that
 systemd keeps the finished unit until its result is read), waits for its end (signals:
-systemdbus.py), stops it (StopUnit, then KillUnit SIGKILL after the grace) on timeout,
+bus.py), stops it (StopUnit, then KillUnit SIGKILL after the grace) on timeout,
 stop or a lost lease, and says which unit it runs to the master before the unit can
 exist.  The master stops a dead worker's units before the occurrence can run again, and
 at start the units a previous instance of the daemon on this host left behind
-(systemdbus.stop_units).  Every unit's Description names its worker ("worker NODE:PID"),
+(bus.stop_units).  Every unit's Description names its worker ("worker NODE:PID"),
 so units are found by their owner even when a report was lost.
 """
 
@@ -259,7 +259,7 @@ def _wait(watch: Watch, name: str, key: str, timeout: float | None, log: Log, st
 
 
 def _read_verdict(fd: int) -> str:
-    """The last stdout line unitwrap wrote to the pipe ("" if none came)."""
+    """The last stdout line wrap.py wrote to the pipe ("" if none came)."""
     os.set_blocking(fd, False)
     data = b""
     end = time.monotonic() + _VERDICT_WAIT
