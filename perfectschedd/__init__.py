@@ -31,7 +31,7 @@ __all__ = [
 # protocol, and importing SQLAlchemy would double its start time.
 _LAZY = {"Schedule": "schedules.collection", "ScheduleCollection": "schedules.collection",
          "ScheduleInfo": "schedules.collection", "Task": "schedules.collection",
-         "open": "schedules.collection", "Application": "executors.handlers"}
+         "open": "schedules.collection", "Application": "executors.application"}
 
 
 def __getattr__(name: str) -> Any:

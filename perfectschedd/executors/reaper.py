@@ -22,7 +22,7 @@ import signal
 import time
 from collections.abc import Callable, Iterable
 
-from perfectschedd.executors.handlers import RUN_ID_ENV
+from perfectschedd.executors.command import RUN_ID_ENV
 
 _MARK = f"{RUN_ID_ENV}=".encode()
 # A dead worker's runs are killed in rounds: each round's victims re-parent their

@@ -29,8 +29,9 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from perfectschedd.config import Config
 from perfectschedd.errors import InvalidInputError, PreemptedError
-from perfectschedd.executors import handlers
-from perfectschedd.executors.handlers import RunControl, StopReason
+from perfectschedd.executors.base import RunControl, StopReason
+from perfectschedd.executors.command import ExecHandler
+from perfectschedd.executors.router import Router, run_task
 from perfectschedd.executors.systemd import props as unitprops
 from perfectschedd.metrics import counters as metrics
 from perfectschedd.schedules import catchup
@@ -105,7 +106,7 @@ class LeasePipeline:
         self.while_waiting = while_waiting  # called while waiting for SQLite's writer lock
         self.kill_event = threading.Event()  # the heartbeat thread ends
         self.sc: ScheduleCollection | None = None
-        self.router = handlers.Router(config.routes, log=log)
+        self.router = Router(config.routes, log=log)
         self.unit_tag = unitprops.daemon_tag(config.control_socket)  # units' Description
         self.running: dict[str, Task] = {}
         # Per running key: what stops its run (shutdown, lease lost, self-fencing).
@@ -318,7 +319,7 @@ class LeasePipeline:
             with self.lock:
                 control = self.controls.get(task.key) or RunControl()
             run_id: str | None = None
-            if isinstance(handler, handlers.ExecHandler):
+            if isinstance(handler, ExecHandler):
                 # Reported before the spawn: the master must know the run before any
                 # process of it can become the master's orphan.
                 run_id = self.new_run_id()
@@ -326,7 +327,7 @@ class LeasePipeline:
             if task.policy.timeout is not None:  # the schedule's, over the route's
                 handler = dataclasses.replace(handler, timeout=task.policy.timeout)
             try:
-                result = handlers.run_task(
+                result = run_task(
                     BatchedTask(task, self), handler, log=log, stop_event=control,
                     kill_grace=self.config.kill_grace, run_id=run_id,
                     on_spawn=None if run_id is None else

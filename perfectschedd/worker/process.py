@@ -30,9 +30,9 @@ from typing import Any
 
 from perfectschedd import logsetup
 from perfectschedd.config import Config
-from perfectschedd.executors import handlers
+from perfectschedd.executors import command
 from perfectschedd.executors import reaper as jobreaper
-from perfectschedd.executors.handlers import StopReason
+from perfectschedd.executors.base import StopReason
 from perfectschedd.schedules.collection import Task
 from perfectschedd.worker.leases import LeasePipeline
 
@@ -241,7 +241,7 @@ class Worker:
         while time.monotonic() < end and self.pipeline.running_count():
             self.loop_at = time.monotonic()
             time.sleep(0.05)
-        handlers.kill_all_groups()
+        command.kill_all_groups()
         if self.master_gone:
             # Their orphans went to init, not to a master that would kill them.
             me = os.getpid()

@@ -1,4 +1,5 @@
-"""handlers.py: routing, exec and python handlers, timeouts, kills, stop."""
+"""The executors (router.py, command.py, application.py): routing, exec and python handlers,
+timeouts, kills, stop."""
 
 from __future__ import annotations
 
@@ -14,16 +15,11 @@ import pytest
 
 from perfectschedd.config import RouteConfig
 from perfectschedd.errors import PreemptedError
-from perfectschedd.executors import handlers
-from perfectschedd.executors.handlers import (
-    Application,
-    ExecHandler,
-    HandlerTimeout,
-    Outcome,
-    PythonHandler,
-    Router,
-    run_task,
-)
+from perfectschedd.executors import base, command
+from perfectschedd.executors.application import Application, HandlerTimeout, PythonHandler
+from perfectschedd.executors.base import Outcome
+from perfectschedd.executors.command import ExecHandler
+from perfectschedd.executors.router import Router, run_task
 
 LOGGER = "test.handlers"
 
@@ -76,7 +72,7 @@ def py(cls: type, timeout: float | None = None) -> PythonHandler:
     return PythonHandler(route, cls, timeout)
 
 
-def run(task: FakeTask, handler: handlers.Handler, **kw: Any) -> handlers.RunResult:
+def run(task: FakeTask, handler: base.Handler, **kw: Any) -> base.RunResult:
     kw.setdefault("log", logging.getLogger(LOGGER))
     kw.setdefault("kill_grace", 1.0)
     return run_task(task, handler, **kw)
@@ -111,7 +107,7 @@ def test_exec_exit_0_finishes() -> None:
     assert result.exit_code == 0
     assert result.duration >= 0
     assert task.calls == [("finish",)]
-    assert handlers.running_groups() == {}
+    assert command.running_groups() == {}
 
 
 def test_exec_nonzero_retries_without_wait() -> None:
@@ -192,7 +188,7 @@ def test_exec_missing_or_not_executable_retries(tmp_path: Path,
     run(task, ExecHandler(RouteConfig(pattern="t", exec=(str(plain),)), (str(plain),), None))
     assert task.calls == [("retry", (), {})]
     assert f"k-noexec: cannot run {plain}: Permission denied" in caplog.text
-    assert handlers.running_groups() == {}
+    assert command.running_groups() == {}
 
 
 def test_exec_timeout_kills_whole_group(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -208,7 +204,7 @@ def test_exec_timeout_kills_whole_group(tmp_path: Path, caplog: pytest.LogCaptur
     grandchild, child = pids(pidfile)
     assert gone(child) and gone(grandchild)
     assert "slow: timed out after 0.3s" in caplog.text
-    assert handlers.running_groups() == {}
+    assert command.running_groups() == {}
 
 
 def test_exec_sigterm_ignored_gets_sigkill(tmp_path: Path,
@@ -276,7 +272,7 @@ def test_exec_huge_line_is_bounded(caplog: pytest.LogCaptureFixture) -> None:
     run(FakeTask(key="wide"), sh("head -c 300000 /dev/zero | tr '\\0' x"))
     lengths = [len(r.getMessage()) for r in caplog.records if r.name == LOGGER]
     assert sum(lengths) == 300000 + len("wide: ") * len(lengths)
-    assert max(lengths) <= handlers._MAX_LINE + len("wide: ")
+    assert max(lengths) <= command._MAX_LINE + len("wide: ")
 
 
 def test_exec_stop_terminates_and_releases(tmp_path: Path) -> None:
@@ -304,14 +300,14 @@ def test_kill_all_groups(tmp_path: Path) -> None:
     pidfile = tmp_path / "pids"
     script = f"sleep 1000 & echo $! > {pidfile}; wait"
     task = FakeTask(key="victim")
-    results: list[handlers.RunResult] = []
+    results: list[base.RunResult] = []
     t = threading.Thread(target=lambda: results.append(run(task, sh(script))))
     t.start()
     end = time.monotonic() + 5
     while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() < end:
         time.sleep(0.01)
-    assert list(handlers.running_groups().values()) == ["victim"]
-    assert handlers.kill_all_groups() == 1
+    assert list(command.running_groups().values()) == ["victim"]
+    assert command.kill_all_groups() == 1
     t.join(5)
     assert results[0].outcome == Outcome.FAILED
     assert results[0].exit_code == -9
@@ -503,7 +499,7 @@ def test_router_exact_regexp_first_wins() -> None:
 def test_router_imports_python_lazily_once(tmp_path: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "handlers_lazy_jobs.py").write_text(
-        "import perfectschedd.executors.handlers as h\n"
+        "import perfectschedd.executors.application as h\n"
         "IMPORTS = globals().get('IMPORTS', 0) + 1\n"
         "class Report(h.Application):\n"
         "    def run(self):\n"
@@ -550,11 +546,11 @@ def test_exec_last_line_outranks_exit_status(script: str, outcome: Outcome,
     assert task.calls == calls
 
 
-@pytest.mark.parametrize("reason", [handlers.StopReason.PREEMPTED, handlers.StopReason.FENCED])
+@pytest.mark.parametrize("reason", [base.StopReason.PREEMPTED, base.StopReason.FENCED])
 def test_exec_lease_lost_stops_group_and_writes_nothing(tmp_path: Path,
-                                                        reason: handlers.StopReason) -> None:
+                                                        reason: base.StopReason) -> None:
     out = tmp_path / "pids"
-    control = handlers.RunControl()
+    control = base.RunControl()
     threading.Timer(0.3, control.stop, args=(reason,)).start()
     task = FakeTask()
     result = run(task, sh(f"sleep 60 & echo $! >> {out}; wait"), stop_event=control)
@@ -564,13 +560,13 @@ def test_exec_lease_lost_stops_group_and_writes_nothing(tmp_path: Path,
 
 
 def test_exec_fences_itself_at_fence_at(tmp_path: Path) -> None:
-    control = handlers.RunControl(fence_at=time.time() + 0.3, fence_grace=0.2)
+    control = base.RunControl(fence_at=time.time() + 0.3, fence_grace=0.2)
     task = FakeTask()
     # TERM is ignored: KILL comes after fence_grace, not after kill_grace (5 s here).
     result = run(task, sh("trap '' TERM; sleep 60 & wait; sleep 60"), stop_event=control,
                  kill_grace=5.0)
     assert result.outcome == Outcome.PREEMPTED
-    assert control.reason is handlers.StopReason.FENCED
+    assert control.reason is base.StopReason.FENCED
     assert result.duration < 2.0
 
 
@@ -598,11 +594,11 @@ class KillRecorder(Application):
 @pytest.mark.parametrize("how", ["timeout", "stop", "preempted"])
 def test_python_kill_is_called_when_the_run_is_stopped(how: str) -> None:
     KillRecorder.killed = []
-    control = handlers.RunControl()
+    control = base.RunControl()
     if how == "stop":
-        threading.Timer(0.2, control.stop, args=(handlers.StopReason.SHUTDOWN,)).start()
+        threading.Timer(0.2, control.stop, args=(base.StopReason.SHUTDOWN,)).start()
     elif how == "preempted":
-        threading.Timer(0.2, control.stop, args=(handlers.StopReason.PREEMPTED,)).start()
+        threading.Timer(0.2, control.stop, args=(base.StopReason.PREEMPTED,)).start()
     task = FakeTask(key=f"k-{how}")
     result = run(task, py(KillRecorder, timeout=0.2 if how == "timeout" else None),
                  stop_event=control)

@@ -17,9 +17,10 @@ import pytest
 from test_handlers import FakeTask
 
 from perfectschedd.config import RouteConfig
-from perfectschedd.executors.handlers import Outcome, RunControl, StopReason, UnitHandler
+from perfectschedd.executors.base import Outcome, RunControl, StopReason
 from perfectschedd.executors.systemd import props as unitprops
 from perfectschedd.executors.systemd import unit as unitjobs
+from perfectschedd.executors.systemd.unit import UnitHandler
 
 LOG = logging.getLogger("test.unitjobs")
 NAME = "perfectsched-k-1357000000.service"

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from perfectschedd import config as config_mod
-from perfectschedd.executors.handlers import Application, StopReason
+from perfectschedd.executors.application import Application
+from perfectschedd.executors.base import StopReason
 from perfectschedd.schedules.collection import ScheduleCollection, Task
 from perfectschedd.worker.leases import LeasePipeline
 

@@ -1,14 +1,14 @@
 """Jobs as systemd transient units (routes and entries with `executor: systemd`): the
 unit a run asks for, the run itself, and how the unit's end ends the task.
 
-The invariant is the exec handler's: a unit runs only while its worker holds the
+The invariant is the exec executor's (command.py): a unit runs only while its worker holds the
 occurrence's lease.  The worker starts the unit (StartTransientUnit, with AddRef so that
 systemd keeps the finished unit until its result is read), waits for its end (signals:
-systemdbus.py), stops it (StopUnit, then KillUnit SIGKILL after the grace) on timeout,
+bus.py), stops it (StopUnit, then KillUnit SIGKILL after the grace) on timeout,
 stop or a lost lease, and says which unit it runs to the master before the unit can
 exist.  The master stops a dead worker's units before the occurrence can run again, and
 at start the units a previous instance of the daemon on this host left behind
-(systemdbus.stop_units).  Every unit's Description names its worker ("worker NODE:PID"),
+(bus.stop_units).  Every unit's Description names its worker ("worker NODE:PID"),
 so units are found by their owner even when a report was lost.
 """
 
@@ -23,21 +23,22 @@ import select
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from dbus_next import Variant
 
-from perfectschedd.executors.handlers import (
+from perfectschedd.executors.base import (
     REASON_TEXT,
     Log,
     Outcome,
+    RunOptions,
     StopReason,
     TaskLike,
-    UnitHandler,
-    exec_verdict,
     stop_grace,
     stop_reason,
 )
+from perfectschedd.executors.command import ExecHandler, exec_verdict
 from perfectschedd.executors.systemd import props as unitprops
 from perfectschedd.executors.systemd.bus import Systemd, SystemdError, Watch
 
@@ -79,6 +80,19 @@ def own_unit() -> str | None:
 
 _client = Systemd()
 os.register_at_fork(after_in_child=_client.reset_after_fork)
+
+
+@dataclass(frozen=True, slots=True)
+class UnitHandler(ExecHandler):
+    """An exec route with `executor: systemd`: each run is a transient unit.  An
+    ExecHandler to whatever reads routes (the worker reports its runs alike)."""
+
+    def __str__(self) -> str:
+        return f"systemd unit {' '.join(self.argv)}"
+
+    def run(self, task: TaskLike, options: RunOptions) -> tuple[Outcome, int | None, str]:
+        return run(task, self, options.log, options.stop_event, options.kill_grace,
+                   options.node, options.on_unit, options.tag)
 
 
 # -- one run -------------------------------------------------------------------------------
@@ -144,7 +158,7 @@ def properties(task: TaskLike, handler: UnitHandler, name: str, *, node: str, ki
 def run(task: TaskLike, handler: UnitHandler, log: Log, stop: Any, kill_grace: float,
         node: str, on_unit: Callable[[str], None] | None, tag: str = ""
         ) -> tuple[Outcome, int | None, str]:
-    """Run one task as a unit and end it (as handlers.run_task's exec branch does)."""
+    """Run one task as a unit and end it (as command.py's exec runs do)."""
     key = task.key
     name = unitprops.unit_name(key, task.scheduled_time, task.attempt)
     verdict_r, verdict_w = os.pipe()
@@ -245,7 +259,7 @@ def _wait(watch: Watch, name: str, key: str, timeout: float | None, log: Log, st
 
 
 def _read_verdict(fd: int) -> str:
-    """The last stdout line unitwrap wrote to the pipe ("" if none came)."""
+    """The last stdout line wrap.py wrote to the pipe ("" if none came)."""
     os.set_blocking(fd, False)
     data = b""
     end = time.monotonic() + _VERDICT_WAIT

@@ -1,0 +1,367 @@
+"""The python executor: python routes (``python: "module:Class"``) run an
+:class:`Application` in the calling thread, with no thread and no process per task.
+
+A timeout (or a stop: daemon stopping, lease lost) is delivered by one shared watchdog
+thread as an asynchronous exception (see :class:`_Watchdog`), after the application's
+``kill()`` was called; the application's calls to the store are never interrupted.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import heapq
+import importlib
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from perfectschedd.config import RouteConfig
+from perfectschedd.errors import PreemptedError, ProcessStopError
+from perfectschedd.executors.base import (
+    REASON_TEXT,
+    Log,
+    Outcome,
+    RunOptions,
+    Stop,
+    StopReason,
+    TaskLike,
+    stop_reason,
+)
+
+__all__ = ["Application", "HandlerTimeout", "PythonHandler"]
+
+logger = logging.getLogger(__name__)
+
+# How often the watchdog looks at the stop_events of the runs it watches.
+_STOP_POLL = 0.1
+
+
+class HandlerTimeout(BaseException):  # noqa: N818 - named like the builtin TimeoutError
+    """Raised inside a python handler when its route's timeout has passed.
+
+    A BaseException (like KeyboardInterrupt) so that an application's
+    ``except Exception:`` does not swallow it.
+    """
+
+
+class Application:
+    """Base class of python handlers (``python: "module:Class"`` routes).
+
+    ``run()`` does the work and ends the task with ``self.task.finish()``,
+    ``self.task.retry(wait=None)`` or ``self.task.release()``. Returning
+    without any of them finishes the task; an exception retries it.
+
+    ``kill()`` is called from another thread when the run must stop (timeout,
+    daemon stopping, lease lost), just before ``run()`` is interrupted: override
+    it to stop what ``run()`` waits on (a subprocess, a socket).
+    """
+
+    def __init__(self, task: TaskLike) -> None:
+        self.task = task
+
+    def run(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__}.run() is not implemented")
+
+    def kill(self) -> None:
+        """Stop the work of ``run()``; the default does nothing."""
+
+
+@dataclass(frozen=True, slots=True)
+class PythonHandler:
+    route: RouteConfig
+    app_class: type[Any]
+    timeout: float | None
+
+    def __str__(self) -> str:
+        return f"python {self.route.python}"
+
+    @classmethod
+    def from_route(cls, route: RouteConfig) -> PythonHandler | str:
+        """Imports the route's class (the router does so once per route)."""
+        assert route.python is not None
+        module_name, _, attr = route.python.partition(":")
+        try:
+            obj: Any = importlib.import_module(module_name)
+            for part in attr.split("."):
+                obj = getattr(obj, part)
+        except Exception as exc:  # SyntaxError, ImportError, errors raised by the module
+            return f"cannot import {route.python}: {type(exc).__name__}: {exc}"
+        if not isinstance(obj, type) or not callable(getattr(obj, "run", None)):
+            return f"{route.python} is not a class with a run() method (subclass Application)"
+        return cls(route, obj, route.timeout)
+
+    def run(self, task: TaskLike, options: RunOptions) -> tuple[Outcome, None, None]:
+        return _run_python(task, self, options.log, options.stop_event), None, None
+
+
+def _raise_in_thread(thread_id: int, exc: type[BaseException] | None) -> None:
+    """Make ``thread_id`` raise ``exc`` at its next bytecode; None clears a pending one."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(thread_id), None if exc is None else ctypes.py_object(exc))
+
+
+class _Watch:
+    """One armed python run: its thread, deadline, stop event and kill() callback."""
+
+    __slots__ = ("thread_id", "deadline", "stop_event", "fired", "suspended", "done", "on_kill")
+
+    def __init__(self, thread_id: int, deadline: float | None, stop_event: Stop | None) -> None:
+        self.thread_id = thread_id
+        self.deadline = deadline
+        self.stop_event = stop_event
+        self.on_kill: Callable[[], None] | None = None
+        self.fired: type[BaseException] | None = None
+        self.suspended = False
+        self.done = False
+
+
+class _Watchdog:
+    """One thread per process interrupting python runs past their deadline.
+
+    A thread cannot be killed. PyThreadState_SetAsyncExc makes the target
+    thread raise an exception the next time it executes Python bytecode: a
+    handler stuck in a blocking C call (a socket read without timeout, a
+    long C computation, time.sleep) is only interrupted once that call
+    returns. Handlers should use timeouts on their own I/O.
+
+    The exception is never raised while the run talks to the store (see
+    ``_ObservedTask``), so a finish() is not cut in half. Each watch fires at
+    most once.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._heap: list[tuple[float, int, _Watch]] = []
+        self._stoppable: set[_Watch] = set()
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._wake_at: float | None = None  # None: sleeping without a timeout
+        self._stale = 0  # heap entries of watches already disarmed
+
+    def arm(self, deadline: float | None, stop_event: Stop | None) -> _Watch:
+        watch = _Watch(threading.get_ident(), deadline, stop_event)
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="perfectsched-watchdog",
+                                                daemon=True)
+                self._thread.start()
+            notify = False
+            if deadline is not None:
+                heapq.heappush(self._heap, (deadline, next(self._seq), watch))
+                notify = self._wake_at is None or deadline < self._wake_at
+            if stop_event is not None:
+                self._stoppable.add(watch)
+                notify = notify or self._wake_at is None or (
+                    self._wake_at > time.monotonic() + _STOP_POLL)
+            if notify:
+                self._cond.notify()
+        return watch
+
+    def disarm(self, watch: _Watch) -> None:
+        """Called by the watched thread; clears an exception not yet raised."""
+        with self._cond:
+            watch.done = True
+            self._stoppable.discard(watch)
+            if watch.fired is not None:
+                _raise_in_thread(watch.thread_id, None)
+            elif watch.deadline is not None:
+                # Long timeouts and many short runs: drop dead entries now and then.
+                self._stale += 1
+                if self._stale > 1024 and self._stale * 2 > len(self._heap):
+                    self._heap = [e for e in self._heap if not e[2].done and e[2].fired is None]
+                    heapq.heapify(self._heap)
+                    self._stale = 0
+
+    @contextmanager
+    def suspended(self, watch: _Watch) -> Iterator[None]:
+        """No exception is raised in the watched thread inside this block."""
+        with self._cond:
+            watch.suspended = True
+            if watch.fired is not None:  # fired but maybe not raised yet: let the call run
+                _raise_in_thread(watch.thread_id, None)
+        try:
+            yield
+        finally:
+            # No notify: a watch that came due while suspended keeps the loop polling
+            # every 10 ms (retry_soon), and a wake-up per finish() cost every task a
+            # turn of the watchdog thread.
+            with self._cond:
+                watch.suspended = False
+
+    def _fire(self, watch: _Watch, exc: type[BaseException]) -> None:
+        watch.fired = exc
+        self._stoppable.discard(watch)
+        if watch.on_kill is not None:
+            # Its own thread: an application's kill() must not hold up this loop (and
+            # the other runs' deadlines) while it waits for whatever it stops.
+            threading.Thread(target=_call_kill, args=(watch.on_kill,),
+                             name="perfectsched-kill", daemon=True).start()
+        _raise_in_thread(watch.thread_id, exc)
+
+    def _loop(self) -> None:
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                retry_soon = False
+                while self._heap and self._heap[0][0] <= now:
+                    watch = self._heap[0][2]
+                    if watch.done or watch.fired is not None:
+                        heapq.heappop(self._heap)
+                        self._stale = max(0, self._stale - 1)
+                    elif watch.suspended:
+                        retry_soon = True
+                        break
+                    else:
+                        heapq.heappop(self._heap)
+                        self._fire(watch, HandlerTimeout)
+                for watch in list(self._stoppable):
+                    if watch.stop_event is not None and watch.stop_event.is_set():
+                        if watch.suspended:
+                            retry_soon = True
+                        else:
+                            self._fire(watch, ProcessStopError)
+                wake: float | None = None
+                if self._heap:
+                    wake = self._heap[0][0]
+                if retry_soon:
+                    wake = now + 0.01
+                elif self._stoppable:
+                    wake = min(wake, now + _STOP_POLL) if wake is not None else now + _STOP_POLL
+                self._wake_at = wake
+                self._cond.wait(None if wake is None else max(0.0, wake - now))
+
+
+def _call_kill(kill: Callable[[], None]) -> None:
+    try:
+        kill()
+    except Exception:  # noqa: BLE001 - an application's kill() must not end the watchdog
+        logger.exception("kill() of a python handler raised")
+
+
+_watchdog = _Watchdog()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (a worker) has no watchdog thread: it makes its own on first use."""
+    global _watchdog
+    _watchdog = _Watchdog()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class _ObservedTask:
+    """The task as an Application sees it: records how the run ended it.
+
+    Attribute reads go to the real task. Store calls run with the watchdog
+    suspended, so a timeout never interrupts a half-done finish().
+    """
+
+    __slots__ = ("_task", "_watch", "action", "wait")
+
+    def __init__(self, task: TaskLike, watch: _Watch | None) -> None:
+        self._task = task
+        self._watch = watch
+        self.action: str | None = None
+        self.wait: float | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._task, name)
+
+    def __repr__(self) -> str:
+        return f"<task {self._task.key!r} via {type(self).__name__}>"
+
+    @contextmanager
+    def _store_call(self) -> Iterator[None]:
+        if self._watch is None:
+            yield
+        else:
+            with _watchdog.suspended(self._watch):
+                yield
+
+    def finish(self) -> None:
+        with self._store_call():
+            self._task.finish()
+            self.action = "finish"
+
+    def retry(self, wait: float | None = None) -> None:
+        with self._store_call():
+            if wait is None:
+                self._task.retry()
+            else:
+                self._task.retry(wait=wait)
+            self.action, self.wait = "retry", wait
+
+    def release(self) -> None:
+        with self._store_call():
+            self._task.release()
+            self.action = "release"
+
+
+_ACTION_OUTCOME = {"finish": Outcome.SUCCESS, "release": Outcome.RELEASED}
+
+
+def _run_python(task: TaskLike, handler: PythonHandler, log: Log,
+                stop_event: Stop | None) -> Outcome:
+    timeout = handler.timeout
+    watch = None
+    if timeout is not None or stop_event is not None:
+        deadline = time.monotonic() + timeout if timeout is not None else None
+        watch = _watchdog.arm(deadline, stop_event)
+    observed = _ObservedTask(task, watch)
+    error: BaseException | None = None
+    try:
+        try:
+            app = handler.app_class(observed)
+            kill = getattr(app, "kill", None)
+            if watch is not None and callable(kill) and \
+                    getattr(kill, "__func__", None) is not Application.kill:
+                watch.on_kill = kill
+            app.run()
+        except BaseException as exc:  # includes HandlerTimeout
+            error = exc
+        finally:
+            if watch is not None:
+                _watchdog.disarm(watch)
+    except (HandlerTimeout, ProcessStopError) as late:  # fired just as run() returned
+        error = error or late
+    fired = watch.fired if watch is not None else None
+
+    if observed.action is not None:
+        if error is not None and not isinstance(error, HandlerTimeout | ProcessStopError):
+            log.error("%s: %s raised after ending the task", task.key, handler.route.python,
+                      exc_info=error)
+        if observed.action == "retry":
+            return Outcome.LATER if observed.wait is not None else Outcome.FAILED
+        return _ACTION_OUTCOME[observed.action]
+    if isinstance(error, PreemptedError):
+        raise error
+    if isinstance(error, ProcessStopError) or fired is ProcessStopError:
+        reason = stop_reason(stop_event)
+        log.warning("%s: %s; %s interrupted", task.key, REASON_TEXT[reason],
+                    handler.route.python)
+        if reason is not StopReason.SHUTDOWN:
+            return Outcome.PREEMPTED  # the lease is not ours to write
+        task.give_back()
+        return Outcome.STOPPED
+    if isinstance(error, HandlerTimeout) or fired is HandlerTimeout:
+        log.warning("%s: %s timed out after %gs; interrupted", task.key, handler.route.python,
+                    timeout)
+        task.retry()
+        return Outcome.TIMEOUT
+    if isinstance(error, KeyboardInterrupt):
+        task.give_back()
+        raise error
+    if error is not None:
+        log.error("%s: %s failed", task.key, handler.route.python, exc_info=error)
+        task.retry()
+        return Outcome.FAILED
+    if not task.done:  # a run that ended the task behind our back keeps its word
+        task.finish()
+    return Outcome.SUCCESS

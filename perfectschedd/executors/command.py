@@ -1,0 +1,400 @@
+"""The exec executor: a command per run, in its own session (process group).
+
+The task's data goes to the command's standard input as JSON; its output is logged line
+by line, each prefixed by the task key, and its last stdout line or else its exit status
+ends the task (:func:`exec_verdict`: ``SCHED_LATER N``, ``SCHED_DONE``, ``SCHED_FAIL``).
+On timeout, or when the caller's ``RunControl`` says stop (daemon stopping, lease lost,
+lease not renewable in time), the whole group gets SIGTERM, then SIGKILL after
+``kill_grace``.  Each live group is recorded in a module registry so that
+:func:`kill_all_groups` can leave no orphans behind when the worker exits.  Every
+process of a run carries ``PERFECTSCHED_RUN_ID`` (:data:`RUN_ID_ENV`) in its
+environment, so that descendants that left the group can still be found (reaper.py)
+once the run, or its worker, is gone.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import pwd
+import re
+import select
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from perfectschedd.config import RouteConfig
+from perfectschedd.executors.base import (
+    REASON_TEXT,
+    Log,
+    Outcome,
+    RunOptions,
+    Stop,
+    StopReason,
+    TaskLike,
+    stop_grace,
+    stop_reason,
+)
+
+__all__ = ["RUN_ID_ENV", "ExecHandler", "exec_verdict", "kill_all_groups", "running_groups"]
+
+# A read chunk, and the longest line kept before it is logged in pieces.
+_CHUNK = 65536
+_MAX_LINE = 65536
+# How often a waiting exec run looks at a stop_event.
+_STOP_POLL = 0.1
+# After the command exited and its group was killed, how long to keep reading
+# pipes that a process outside the group (one that called setsid) still holds.
+_DRAIN_AFTER_KILL = 1.0
+_SCHED_LATER = re.compile(r"SCHED_LATER\s+(\d+(?:\.\d*)?|\.\d+)")
+# The exec protocol's other last lines (Periodic's): they outrank the exit status.
+_SCHED_DONE = "SCHED_DONE"
+_SCHED_FAIL = "SCHED_FAIL"
+# In the environment of every process of an exec run: "<worker pid>.<run number>".
+RUN_ID_ENV = "PERFECTSCHED_RUN_ID"
+
+
+@dataclass(frozen=True, slots=True)
+class ExecHandler:
+    route: RouteConfig
+    argv: tuple[str, ...]
+    timeout: float | None
+
+    def __str__(self) -> str:
+        return f"exec {' '.join(self.argv)}"
+
+    @classmethod
+    def from_route(cls, route: RouteConfig) -> ExecHandler:
+        assert route.exec is not None
+        return cls(route, tuple(route.exec), route.timeout)
+
+    def run(self, task: TaskLike, options: RunOptions) -> tuple[Outcome, int | None, None]:
+        outcome, code = _run_exec(task, self, options.log, options.stop_event,
+                                  options.kill_grace, options.run_id, options.on_spawn)
+        return outcome, code, None
+
+
+# pgid -> task key of every exec group alive in this process. An entry is
+# removed before its leader is reaped, so a pgid here can never be reused.
+_groups: dict[int, str] = {}
+_groups_lock = threading.Lock()
+
+
+def running_groups() -> dict[int, str]:
+    """Process groups of running exec handlers: ``{pgid: task key}``."""
+    with _groups_lock:
+        return dict(_groups)
+
+
+def kill_all_groups(sig: int = signal.SIGKILL) -> int:
+    """Send ``sig`` to every running exec group; returns how many were signalled.
+
+    For the worker's last moments (exit path, atexit): the runs themselves
+    notice their command died and end their tasks as usual if they still can.
+    """
+    count = 0
+    with _groups_lock:
+        for pgid in _groups:
+            try:
+                os.killpg(pgid, sig)
+                count += 1
+            except ProcessLookupError:
+                pass
+    return count
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+class _Lines:
+    """Splits a pipe's bytes into lines and logs them; keeps only the last one."""
+
+    __slots__ = ("emit", "key", "buf", "last")
+
+    def __init__(self, emit: Any, key: str) -> None:
+        self.emit = emit
+        self.key = key
+        self.buf = b""
+        self.last = ""  # last non-empty line (stdout: SCHED_LATER)
+
+    def feed(self, chunk: bytes) -> None:
+        data = self.buf + chunk if self.buf else chunk
+        *lines, self.buf = data.split(b"\n")
+        for line in lines:
+            self._line(line)
+        while len(self.buf) > _MAX_LINE:  # a very long line is logged in pieces
+            self._line(self.buf[:_MAX_LINE])
+            self.buf = self.buf[_MAX_LINE:]
+
+    def close(self) -> None:
+        if self.buf:
+            self._line(self.buf)
+            self.buf = b""
+
+    def _line(self, raw: bytes) -> None:
+        text = raw.decode("utf-8", "replace").rstrip("\r")
+        if text.strip():
+            self.last = text
+        self.emit("%s: %s", self.key, text)
+
+
+_NOT_INHERITED = (b"PROMETHEUS_MULTIPROC_DIR", RUN_ID_ENV.encode())
+
+
+def _exec_env(task: TaskLike, run_id: str | None) -> dict[bytes, bytes]:
+    # os.environ's own bytes-to-bytes dict, copied in C: dict(os.environ) decodes every
+    # variable and Popen encodes it again, a tenth of an exec run's CPU in the worker.
+    env: dict[bytes, bytes] = os.environ._data.copy()  # type: ignore[attr-defined]
+    # The daemon's own metric files (metrics.py): a job using prometheus_client must not
+    # write into them; and a job run by a job is not that job's run.
+    for name in _NOT_INHERITED:
+        env.pop(name, None)
+    env[b"PERFECTSCHED_KEY"] = os.fsencode(task.key)
+    env[b"PERFECTSCHED_TYPE"] = os.fsencode(task.type)
+    env[b"PERFECTSCHED_SCHEDULED_TIME"] = b"%d" % int(task.scheduled_time)
+    env[b"PERFECTSCHED_ATTEMPT"] = b"%d" % int(task.attempt)
+    if run_id is not None:
+        env[RUN_ID_ENV.encode()] = run_id.encode()
+    return env
+
+
+def _as_user(name: str, env: dict[bytes, bytes]) -> dict[str, Any]:
+    """Popen's arguments to run a job as user `name` (a schedules file's `user:`), as
+    cron does: its uid, primary and supplementary groups, HOME/USER/LOGNAME, and its home
+    as working directory.  Nothing when the daemon already runs as that user."""
+    try:
+        pw = pwd.getpwnam(name)
+    except KeyError:  # removed since the file was read: this run fails, logged
+        raise OSError(errno.ESRCH, f"no such user {name!r}") from None
+    if pw.pw_uid == os.geteuid():
+        return {}
+    env[b"HOME"] = os.fsencode(pw.pw_dir)
+    env[b"USER"] = env[b"LOGNAME"] = os.fsencode(pw.pw_name)
+    return {"user": pw.pw_uid, "group": pw.pw_gid,
+            "extra_groups": os.getgrouplist(pw.pw_name, pw.pw_gid),
+            "cwd": pw.pw_dir if os.path.isdir(pw.pw_dir) else "/"}
+
+
+def _later(line: str) -> float | None:
+    m = _SCHED_LATER.fullmatch(line.strip())
+    if m is None:
+        return None
+    text = m.group(1)
+    return int(text) if text.isdigit() else float(text)
+
+
+def _run_exec(task: TaskLike, handler: ExecHandler, log: Log, stop_event: Stop | None,
+              kill_grace: float, run_id: str | None,
+              on_spawn: Callable[[int], None] | None) -> tuple[Outcome, int | None]:
+    key = task.key
+    route = handler.route
+    argv = [*handler.argv, key] if route.append_key else list(handler.argv)
+    try:
+        payload = json.dumps(task.data).encode()
+        env = _exec_env(task, run_id)
+        for name, value in route.env:
+            env[os.fsencode(name)] = os.fsencode(value)
+        as_user = _as_user(route.user, env) if route.user is not None else {}
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env=env, start_new_session=True, close_fds=True, **as_user,
+        )
+    except OSError as exc:
+        log.error("%s: cannot run %s: %s", key, argv[0], exc.strerror or exc)
+        task.retry()
+        return Outcome.FAILED, None
+    pgid = proc.pid  # a session leader leads its own process group
+    with _groups_lock:
+        _groups[pgid] = key
+    completed = False
+    try:
+        if on_spawn is not None:
+            on_spawn(pgid)
+        why, last_line = _supervise(proc, key, payload, handler.timeout, log, stop_event,
+                                    kill_grace)
+        completed = True
+    finally:
+        if not completed:  # an error of our own: no orphan, no wait on a live command
+            _signal_group(pgid, signal.SIGKILL)
+        with _groups_lock:
+            _groups.pop(pgid, None)
+        code = proc.wait()  # the leader is a zombie by now (or dies of SIGKILL at once)
+    if why == "stop":
+        reason = stop_reason(stop_event)
+        if reason is StopReason.SHUTDOWN:
+            task.give_back()
+            return Outcome.STOPPED, code
+        return Outcome.PREEMPTED, code  # nothing to write: the lease is not ours
+    if why == "timeout":
+        task.retry()
+        return Outcome.TIMEOUT, code
+    return exec_verdict(task, last_line.strip(), code, log), code
+
+
+def exec_verdict(task: TaskLike, last: str, code: int, log: Log) -> Outcome:
+    """End the task by the command's last stdout line, else by its exit status.
+
+    An explicit line outranks the exit status: a command that says "again in N
+    seconds" (or DONE, or FAIL) and then exits otherwise, as ``set -e`` scripts
+    may, gets what it asked for.
+    """
+    if last == _SCHED_DONE:
+        task.finish()
+        return Outcome.SUCCESS
+    if last == _SCHED_FAIL:
+        task.retry()
+        return Outcome.FAILED
+    wait = _later(last) if last else None
+    if wait is not None:
+        task.retry(wait=wait, later=True)  # asked for, not a failure: max_attempts aside
+        return Outcome.LATER
+    if last.startswith("SCHED_LATER"):
+        log.warning("%s: ignoring malformed %r (expected SCHED_LATER <seconds>)", task.key, last)
+    if code == 0:
+        task.finish()
+        return Outcome.SUCCESS
+    task.retry()
+    return Outcome.FAILED
+
+
+def _supervise(proc: subprocess.Popen[bytes], key: str, payload: bytes, timeout: float | None,
+               log: Log, stop_event: Stop | None,
+               kill_grace: float) -> tuple[str | None, str]:
+    """Feed stdin, log output, enforce timeout/stop; return (reason, last stdout line).
+
+    Returns once the leader has exited (not reaped: its zombie keeps the pgid
+    reserved, so signalling the group stays safe) and the pipes are drained.
+    """
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    pgid = proc.pid
+    start = time.monotonic()
+    deadline = start + timeout if timeout is not None else None
+    out = _Lines(log.info, key)
+    err = _Lines(log.warning, key)
+    # poll(2) itself, not a selectors object: a few wake-ups per run, and the wrapper's
+    # per-call bookkeeping showed in a burst of short runs.
+    poller = select.poll()
+    readers: dict[int, _Lines] = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
+    for fd in readers:
+        os.set_blocking(fd, False)
+        poller.register(fd, select.POLLIN)
+    in_fd = proc.stdin.fileno()
+    os.set_blocking(in_fd, False)
+    poller.register(in_fd, select.POLLOUT)
+    pending = memoryview(payload)
+    try:
+        pidfd: int | None = os.pidfd_open(proc.pid)
+        poller.register(pidfd, select.POLLIN)
+    except (AttributeError, OSError):  # no pidfd (old kernel): poll with waitid
+        pidfd = None
+
+    reason: str | None = None
+    exited = False
+    term_sent = False
+    kill_at: float | None = None   # when SIGKILL is due after SIGTERM
+    killed = False
+    give_up: float | None = None   # stop reading pipes held outside the group
+
+    def terminate(now: float, grace: float = kill_grace) -> None:
+        nonlocal term_sent, kill_at
+        _signal_group(pgid, signal.SIGTERM)
+        term_sent = True
+        kill_at = now + grace
+
+    try:
+        while readers or not exited:
+            now = time.monotonic()
+            if reason is None and not exited:
+                if deadline is not None and now >= deadline:
+                    reason = "timeout"
+                    log.warning("%s: timed out after %gs; sending SIGTERM to process group %d",
+                                key, timeout, pgid)
+                    terminate(now)
+                elif stop_event is not None and stop_event.is_set():
+                    reason = "stop"
+                    log.warning("%s: %s; sending SIGTERM to process group %d", key,
+                                REASON_TEXT[stop_reason(stop_event)], pgid)
+                    terminate(now, stop_grace(stop_event, kill_grace))
+            if kill_at is not None and not killed and now >= kill_at:
+                log.warning("%s: process group %d still running %gs after SIGTERM; "
+                            "sending SIGKILL", key, pgid, kill_grace)
+                _signal_group(pgid, signal.SIGKILL)
+                killed = True
+                give_up = now + _DRAIN_AFTER_KILL
+            if exited and give_up is not None and now >= give_up:
+                break
+            waits = []
+            if reason is None and not exited:
+                if deadline is not None:
+                    waits.append(deadline - now)
+                if stop_event is not None:
+                    waits.append(_STOP_POLL)
+            if kill_at is not None and not killed:
+                waits.append(kill_at - now)
+            if give_up is not None:
+                waits.append(give_up - now)
+            if pidfd is None and not exited:
+                waits.append(0.02)
+            wait = math.ceil(max(0.0, min(waits)) * 1000) if waits else None
+            for fd, _ in poller.poll(wait):
+                if fd == pidfd:
+                    poller.unregister(fd)
+                    exited = True
+                elif fd == in_fd:
+                    try:
+                        pending = pending[os.write(fd, pending):]
+                    except BlockingIOError:
+                        continue
+                    except OSError:  # EPIPE: the command does not read its input
+                        pending = pending[:0]
+                    if not pending:
+                        poller.unregister(fd)
+                        proc.stdin.close()
+                else:
+                    try:
+                        chunk = os.read(fd, _CHUNK)
+                    except BlockingIOError:
+                        continue
+                    if chunk:
+                        readers[fd].feed(chunk)
+                    else:
+                        poller.unregister(fd)
+                        readers.pop(fd).close()
+            if pidfd is None and not exited:
+                exited = os.waitid(os.P_PID, proc.pid,
+                                   os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+            if exited and not term_sent:
+                # The command is done; what it left running in its group goes too.
+                # Leftovers holding our pipes get SIGKILL after kill_grace.
+                terminate(time.monotonic())
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+        for f in (proc.stdin, proc.stdout, proc.stderr):
+            try:
+                f.close()
+            except OSError:
+                pass
+        for lines in readers.values():
+            lines.close()
+    return reason, out.last
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (a worker) runs none of its parent's groups."""
+    global _groups_lock
+    _groups.clear()
+    _groups_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
