@@ -40,7 +40,9 @@ test-deps:
 test: $(BIN)/perfectschedd test-deps
 	@start=$$(date +%s); rc=0; \
 	$(BIN)/ruff check . && \
-	$(BIN)/pytest -q -n $(TEST_WORKERS) $(DURATIONS) -m "not system and not faults" || rc=1; \
+	$(BIN)/pytest -q -n $(TEST_WORKERS) $(DURATIONS) -m "not system and not faults and not serial" \
+	  || rc=1; \
+	$(BIN)/pytest -q $(DURATIONS) -m "serial and not system and not faults" || rc=1; \
 	echo "make test: $$(( $$(date +%s) - start )) s with $(TEST_WORKERS) test processes" \
 	  "(rc $$rc)"; exit $$rc
 
@@ -81,7 +83,9 @@ test-debian: test-deps
 	  $(DEBIAN_LIBS)
 	env -u PYTHONPATH PERFECTSCHED_TEST_BACKENDS=sqlite,postgresql \
 	  $(DEBVENV)/bin/python -m pytest -q -n $(TEST_WORKERS) $(DURATIONS) \
-	  -m "not system and not faults"
+	  -m "not system and not faults and not serial"
+	env -u PYTHONPATH PERFECTSCHED_TEST_BACKENDS=sqlite,postgresql \
+	  $(DEBVENV)/bin/python -m pytest -q $(DURATIONS) -m "serial and not system and not faults"
 
 clean:
 	rm -rf $(VENV) .venv-debian var dist build *.egg-info

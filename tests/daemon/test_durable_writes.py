@@ -21,8 +21,10 @@ from pathlib import Path
 import pytest
 from daemon_harness import Daemon, wait_until
 
-pytestmark = pytest.mark.skipif(shutil.which("strace") is None,
-                                reason="strace is not installed (tests/install-test-deps.sh)")
+# strace slows what it follows: measured alone, not beside the parallel tests.
+pytestmark = [pytest.mark.serial,
+              pytest.mark.skipif(shutil.which("strace") is None,
+                                 reason="strace is not installed (tests/install-test-deps.sh)")]
 
 # strace -f -tt -yy: "PID HH:MM:SS.ffffff syscall(fd<path>, ...) = ret".
 LINE = re.compile(r"^(\d+)\s+\S+\s+(\w+)\((\d+)<(.*?)>(?:, |\))(.*)$")

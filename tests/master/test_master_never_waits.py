@@ -19,6 +19,9 @@ from dbservers import PostgresServer
 
 from perfectschedd.control import protocol
 
+# Latency and syscall timing: measured alone, not beside the parallel tests.
+pytestmark = pytest.mark.serial
+
 WATCHDOG_USEC = 2_000_000
 
 

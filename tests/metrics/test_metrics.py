@@ -392,7 +392,7 @@ def test_metrics_connections_are_capped_and_cut_off_at_their_deadline(
 
 def test_dead_workers_files_are_folded_and_totals_never_go_down(
         daemon_factory: Callable[..., Daemon], tmp_path: Path) -> None:
-    """200 worker exits (reloads, and a kill -9), each generation after running a task:
+    """60 worker exits (reloads, and a kill -9), each generation after running a task:
     the metrics directory stays at one file per live worker and kind plus the archives,
     and the task counters only ever grow, to the number of tasks run."""
     runtime = tmp_path / "runtime"
@@ -405,13 +405,13 @@ def test_dead_workers_files_are_folded_and_totals_never_go_down(
     last = 0.0
     exits = 0
     runs = 0
-    while exits < 200:
+    while exits < 60:
         d.ctl("run", "k")
         runs += 1
         wait_until(lambda r=runs: (value(scrape(d.metrics_port)[1], finished, type="t",
                                   outcome="success") or 0) >= r, timeout=20,
                    what=f"run {runs} counted")
-        if runs == 50:  # one death among the retirements
+        if runs == 15:  # one death among the retirements
             victim = d.children()[0]
             os.kill(victim, signal.SIGKILL)
             wait_until(lambda v=victim: v not in d.children() and len(d.children()) == 2,
