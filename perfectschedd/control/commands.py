@@ -17,14 +17,9 @@ from perfectschedd.control import registry
 from perfectschedd.control.auth import Access, Caller, check_force, known_user_name
 from perfectschedd.control.protocol import HISTORY_MAX
 from perfectschedd.errors import InvalidInputError
-from perfectschedd.schedules.collection import (
-    ScheduleCollection,
-    ScheduleInfo,
-    check_key,
-    check_type,
-    lookup_key,
-)
+from perfectschedd.schedules.collection import ScheduleCollection, ScheduleInfo
 from perfectschedd.schedules.policy import OPTIONS as POLICY_OPTIONS
+from perfectschedd.schedules.validate import check_key, check_type, lookup_key
 
 Args = Mapping[str, Any]
 

@@ -8,7 +8,6 @@ The tables and their rules are in schema.py.
 from __future__ import annotations
 
 import functools
-import json
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -20,6 +19,7 @@ from sqlalchemy.engine.url import URL, make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
 from perfectschedd.errors import ConfigError, SchemaError, first_line
+from perfectschedd.schedules.fields import dumps_data
 from perfectschedd.store import version as schemaversion
 from perfectschedd.store.backends.choice import open_backend
 from perfectschedd.store.schema import (
@@ -692,8 +692,3 @@ def _split_pauses(items: Sequence[Advance]) -> tuple[Sequence[Advance], list[Adv
     if not pauses:
         return items, pauses
     return [a for a in items if a.pause_reason is None], pauses
-
-
-def dumps_data(data: Any) -> str:
-    # allow_nan=False: NaN/Infinity are not JSON; other clients could not read them.
-    return json.dumps(data, separators=(",", ":"), sort_keys=True, allow_nan=False)
