@@ -6,12 +6,12 @@ request never changes what is stored.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
 from typing import Any
 
 from perfectschedd.config import Config, load
@@ -25,7 +25,14 @@ from perfectschedd.errors import (
 from perfectschedd.schedules import cron
 from perfectschedd.schedules import cron as cron_mod
 from perfectschedd.schedules import policy as policy_mod
-from perfectschedd.schedules.fields import KEY_MAX, RUN_NOW_MARK, dumps_data
+from perfectschedd.schedules.fields import (
+    INFO_FIELDS,
+    KEY_MAX,
+    RUN_NOW_MARK,
+    SCHEDULE_FIELDS,
+    SOURCE_API,
+    dumps_data,
+)
 from perfectschedd.schedules.validate import (
     MAX_DEPTH,
     check_cron,
@@ -41,29 +48,10 @@ from perfectschedd.store.sql import Advance, Claimed, Row, Store
 _UNSET: Any = object()
 
 
-@dataclass(frozen=True)
-class ScheduleInfo:
-    key: str
-    type: str
-    cron: str | None
-    delay: int
-    timezone: str
-    next_time: int
-    next_run_time: int
-    data: dict[str, Any]
-    paused: bool = False
-    attempt: int = 0
-    owner: str | None = None
-    claimed_at: float | None = None
-    paused_reason: str | None = None
-    misfire: str = "all"
-    grace: int | None = None
-    max_attempts: int = 0
-    retry_wait: int | None = None
-    jitter: int = 0
-    timeout: float | None = None
-    source: str = "api"  # file:NAME for a schedule from a schedules file
-    creator: int | None = None  # the uid that made it; None: unknown (before 0.2.0)
+class _ScheduleView:
+    """What ScheduleInfo does (its fields: fields.INFO_FIELDS, made below)."""
+
+    __slots__ = ()
 
     @property
     def running(self) -> bool:
@@ -72,22 +60,46 @@ class ScheduleInfo:
     def as_dict(self) -> dict[str, Any]:
         # Shallow: asdict() deep-copies `data` recursively, and a row stored by an older
         # version may hold data nested deeper than the recursion limit.
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     @classmethod
-    def from_row(cls, row: Row) -> ScheduleInfo:
-        return cls(
-            key=row.key, type=row.type, cron=row.cron, delay=row.delay, timezone=row.timezone,
-            next_time=row.next_time, next_run_time=row.next_run_time,
-            data=_stored_data(row.data), paused=row.paused, attempt=row.attempt,
-            owner=row.owner, claimed_at=row.claimed_at, paused_reason=row.paused_reason,
-            source=row.source or "api", creator=row.creator,
-            **policy_mod.from_text(row.policy).as_fields(),
-        )
+    def from_row(cls, row: Row) -> Any:
+        shown = {n: getattr(row, n) for n in INFO_FIELDS if n not in _SHOWN_OTHERWISE}
+        return cls(**shown, data=_stored_data(row.data), source=row.source or SOURCE_API,
+                   **policy_mod.from_text(row.policy).as_fields())
 
     @property
     def policy(self) -> policy_mod.Policy:
         return policy_mod.Policy(**{k: getattr(self, k) for k in policy_mod.OPTIONS})
+
+
+# The fields shown otherwise than stored: data decoded, source named, policy as options.
+_SHOWN_OTHERWISE = {"data": dict[str, Any], "source": str, "policy": None}
+# The fields after `data` may be left out; their defaults when not None.
+_SHOWN_DEFAULTS = {"paused": False, "attempt": 0, "source": SOURCE_API}
+
+
+def _shown_fields() -> list[tuple[Any, ...]]:
+    out: list[tuple[Any, ...]] = []
+    optional = False
+    for name in INFO_FIELDS:
+        if name == "policy":
+            out += [(f.name, f.type, dataclasses.field(default=f.default))
+                    for f in dataclasses.fields(policy_mod.Policy)]
+            continue
+        kind = _SHOWN_OTHERWISE.get(name) or SCHEDULE_FIELDS[name]
+        out.append((name, kind, dataclasses.field(default=_SHOWN_DEFAULTS.get(name)))
+                   if optional else (name, kind))
+        optional = optional or name == "data"
+    return out
+
+
+# One schedule as users see it (list, show, the library): fields.INFO_FIELDS, made from
+# the one list of a schedule's fields.
+ScheduleInfo = dataclasses.make_dataclass(
+    "ScheduleInfo", _shown_fields(), bases=(_ScheduleView,), frozen=True,
+    namespace={"__doc__": "One schedule as users see it (list, show, the library)."})
+ScheduleInfo.__module__ = __name__
 
 
 def _stored_data(text: str) -> dict[str, Any]:

@@ -30,9 +30,8 @@ from typing import Any
 from perfectschedd.config import Config
 from perfectschedd.errors import AlreadyExistsError, InvalidInputError, NotFoundError
 from perfectschedd.schedules.collection import ScheduleCollection, ScheduleInfo
-from perfectschedd.schedules.fields import SOURCE_MAX
+from perfectschedd.schedules.fields import SOURCE_API, SOURCE_MAX
 from perfectschedd.schedules.files import (
-    SOURCE_API,
     SOURCE_FILE,
     Entry,
     Loaded,

@@ -34,8 +34,6 @@ from perfectschedd.schedules.validate import (
     check_type,
 )
 
-# The source of a schedule made with `add` (stored as NULL).
-SOURCE_API = "api"
 FILE_MAX = 4 << 20      # bytes of one schedules file
 ENTRIES_MAX = 20_000    # entries of one file
 SUFFIX = ".yml"
