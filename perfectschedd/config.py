@@ -44,7 +44,7 @@ class RouteConfig:
     # Run the job as this user: the daemon is root, or systemd sets it (executor systemd).
     user: str | None = None
     # Who besides root may schedule this route's types when it has a `user` (user names,
-    # @group names; callers.Access.check_route).  A route without `user` is the group's.
+    # @group names; auth.Access.check_route).  A route without `user` is the group's.
     allow: tuple[str, ...] = ()
     append_key: bool = True  # the key as last argument (a schedules file's entry: never)
     # "systemd": each run is a transient unit (unitjobs.py) with these properties

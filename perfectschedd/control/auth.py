@@ -16,7 +16,8 @@ The rules (docs/security.md):
     users and groups its `allow:` names; other routes are the group's (the `exec:`
     prefix of types is schedules.check_type's, refused to every caller);
   - a schedules file's schedule (source file:NAME) changes through its file, or by root
-    with force; `apply` by anyone but root changes or prunes only what they made.
+    with force; `apply` by anyone but root changes or prunes only what they made
+    (schedules.ownership.owns, which the convergence of files applies).
 """
 
 from __future__ import annotations
@@ -30,26 +31,9 @@ from typing import Any
 
 from perfectschedd.config import RouteConfig
 from perfectschedd.errors import InvalidInputError, PermissionDeniedError
+from perfectschedd.schedules import ownership
 from perfectschedd.schedules.fields import EXEC_TYPE, SOURCE_FILE
-
-
-def known_user_name(uid: int | None) -> str | None:
-    """The name of user `uid` on this host, or None (no such user, or no uid)."""
-    if uid is None:
-        return None
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except (KeyError, OverflowError):
-        return None
-
-
-def user_name(uid: int) -> str:
-    return known_user_name(uid) or f"uid {uid}"
-
-
-def made_by(creator: int | None) -> str:
-    """Who made a schedule, for messages."""
-    return "an unknown user" if creator is None else user_name(creator)
+from perfectschedd.schedules.ownership import user_name
 
 
 def group_name(gid: int) -> str:
@@ -169,6 +153,5 @@ class Access:
 
     def owns(self, creator: int | None) -> bool:
         """Whether this caller's `apply` may change or prune a schedules file's schedule
-        made by `creator` (None: unknown, made before creators were recorded): root's may
-        (root writes the files), anyone else's only their own."""
-        return self.caller.root or creator == self.caller.uid
+        made by `creator` (the rule is schedules.ownership's: converge obeys it)."""
+        return ownership.owns(self.caller.uid, creator)

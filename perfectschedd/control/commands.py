@@ -14,17 +14,13 @@ from typing import Any
 
 from perfectschedd.config import RouteConfig
 from perfectschedd.control import registry
-from perfectschedd.control.auth import Access, Caller, check_force, known_user_name
+from perfectschedd.control.auth import Access, Caller, check_force
 from perfectschedd.control.protocol import HISTORY_MAX
 from perfectschedd.errors import InvalidInputError
-from perfectschedd.schedules.collection import (
-    ScheduleCollection,
-    ScheduleInfo,
-    check_key,
-    check_type,
-    lookup_key,
-)
+from perfectschedd.schedules.collection import ScheduleCollection, ScheduleInfo
+from perfectschedd.schedules.ownership import known_user_name
 from perfectschedd.schedules.policy import OPTIONS as POLICY_OPTIONS
+from perfectschedd.schedules.validate import check_key, check_type, lookup_key
 
 Args = Mapping[str, Any]
 
@@ -151,7 +147,7 @@ def _resume(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict
 def _run(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
     # `run` of a schedules file's schedule needs no force: an extra occurrence is no change
     # of the file (the schedule does not move; the run has the file's type and data), and
-    # the route's own rule says who may make its type run (callers.Access.check_route).
+    # the route's own rule says who may make its type run (auth.Access.check_route).
     schedule = sc[_arg(a, "key")]
     info = schedule.info()
     access.check_route(info.key, info.type)
@@ -193,10 +189,10 @@ def _apply(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[
     if not isinstance(prune, bool) or not isinstance(dry_run, bool):
         raise InvalidInputError("prune", "prune and dry_run must be true or false")
     # --prune: every schedule that came from a file and is not in these files goes (those
-    # the caller may change: callers.Access.owns).
+    # the caller may change: Access.owns).
     remove_from = sc.store.file_sources() if prune else []
     changes = converge.converge(sc, entries, remove_from, dry_run=dry_run, now=now,
-                                creator=access.creator, access=access)
+                                creator=access.creator, applier=access.caller.uid)
     return converge.summary(changes)
 
 

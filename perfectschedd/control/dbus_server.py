@@ -7,7 +7,7 @@ org.perfectsched1.Error.<Type> (NotFoundError, InvalidInputError, ...) with the 
 message.  The signal ScheduleChanged(s key, s change) follows every change of a schedule.
 
 Who may call: the bus policy (etc/dbus-1/org.perfectsched1.conf) on the system bus, and,
-in any case, the socket's rule (callers.admission): root, the daemon's user, or members of
+in any case, the socket's rule (auth.admission): root, the daemon's user, or members of
 its group (checked with the bus's GetConnectionCredentials, once per caller).
 
 dbus-next runs an asyncio loop; it gets its own thread, so the master's select loop and

@@ -20,6 +20,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from perfectschedd.schedules.validate import MAX_DEPTH, json_depth
+
 # Most runs one `history` request returns.
 HISTORY_MAX = 1000
 # Most schedules one `list` answer holds on the socket and D-Bus, and the most bytes it
@@ -30,8 +32,6 @@ LIST_PAGE = 1000
 LIST_PAGE_BYTES = 512 * 1024
 
 MAX_FRAME = 1 << 20
-# Nesting deeper than this in a request is refused (no JSON document we accept needs it).
-MAX_DEPTH = 64
 
 @dataclass(frozen=True)
 class Refusal:
@@ -151,21 +151,6 @@ def versions_note(client: str | None, daemon: str | None) -> str:
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
-
-
-def json_depth(obj: Any, limit: int = MAX_DEPTH) -> int:
-    """Nesting depth of a decoded JSON value, iteratively (no recursion to exhaust);
-    stops counting once past `limit`."""
-    deepest, todo = 0, [(obj, 1)]
-    while todo:
-        value, level = todo.pop()
-        if isinstance(value, dict | list):
-            deepest = max(deepest, level)
-            if deepest > limit:
-                return deepest
-            items = value.values() if isinstance(value, dict) else value
-            todo.extend((v, level + 1) for v in items)
-    return deepest
 
 
 def loads_bounded(text: bytes | str, what: str = "request") -> Any:

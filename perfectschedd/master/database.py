@@ -31,7 +31,8 @@ from perfectschedd import __version__
 from perfectschedd.config import Config
 from perfectschedd.errors import DatabaseUnavailableError, SchemaError, first_line
 from perfectschedd.metrics import counters as metrics
-from perfectschedd.schedules.collection import ScheduleCollection, key_problem
+from perfectschedd.schedules.collection import ScheduleCollection
+from perfectschedd.schedules.validate import key_problem
 from perfectschedd.store.sql import RUN_NOW_MARK
 
 log = logging.getLogger("perfectschedd")

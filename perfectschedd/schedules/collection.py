@@ -6,68 +6,52 @@ request never changes what is stored.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import time
-import unicodedata
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
 from typing import Any
 
 from perfectschedd.config import Config, load
-from perfectschedd.control.protocol import MAX_DEPTH, json_depth
 from perfectschedd.errors import (
     AlreadyExistsError,
     AlreadyFinishedError,
     InvalidInputError,
     NotFoundError,
     PreemptedError,
-    describe,
 )
 from perfectschedd.schedules import cron
 from perfectschedd.schedules import cron as cron_mod
 from perfectschedd.schedules import policy as policy_mod
-from perfectschedd.schedules.fields import EXEC_TYPE
-from perfectschedd.store.sql import (
-    CRON_MAX,
-    DATA_MAX,
+from perfectschedd.schedules.fields import (
+    INFO_FIELDS,
     KEY_MAX,
     RUN_NOW_MARK,
-    TYPE_MAX,
-    Advance,
-    Claimed,
-    Row,
-    Store,
+    SCHEDULE_FIELDS,
+    SOURCE_API,
     dumps_data,
 )
+from perfectschedd.schedules.validate import (
+    MAX_DEPTH,
+    check_cron,
+    check_data,
+    check_int,
+    check_key,
+    check_timezone,
+    check_type,
+    lookup_key,
+)
+from perfectschedd.store.sql import Advance, Claimed, Row, Store
 
 _UNSET: Any = object()
 
 
-@dataclass(frozen=True)
-class ScheduleInfo:
-    key: str
-    type: str
-    cron: str | None
-    delay: int
-    timezone: str
-    next_time: int
-    next_run_time: int
-    data: dict[str, Any]
-    paused: bool = False
-    attempt: int = 0
-    owner: str | None = None
-    claimed_at: float | None = None
-    paused_reason: str | None = None
-    misfire: str = "all"
-    grace: int | None = None
-    max_attempts: int = 0
-    retry_wait: int | None = None
-    jitter: int = 0
-    timeout: float | None = None
-    source: str = "api"  # file:NAME for a schedule from a schedules file
-    creator: int | None = None  # the uid that made it; None: unknown (before 0.2.0)
+class _ScheduleView:
+    """What ScheduleInfo does (its fields: fields.INFO_FIELDS, made below)."""
+
+    __slots__ = ()
 
     @property
     def running(self) -> bool:
@@ -76,22 +60,46 @@ class ScheduleInfo:
     def as_dict(self) -> dict[str, Any]:
         # Shallow: asdict() deep-copies `data` recursively, and a row stored by an older
         # version may hold data nested deeper than the recursion limit.
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     @classmethod
-    def from_row(cls, row: Row) -> ScheduleInfo:
-        return cls(
-            key=row.key, type=row.type, cron=row.cron, delay=row.delay, timezone=row.timezone,
-            next_time=row.next_time, next_run_time=row.next_run_time,
-            data=_stored_data(row.data), paused=row.paused, attempt=row.attempt,
-            owner=row.owner, claimed_at=row.claimed_at, paused_reason=row.paused_reason,
-            source=row.source or "api", creator=row.creator,
-            **policy_mod.from_text(row.policy).as_fields(),
-        )
+    def from_row(cls, row: Row) -> Any:
+        shown = {n: getattr(row, n) for n in INFO_FIELDS if n not in _SHOWN_OTHERWISE}
+        return cls(**shown, data=_stored_data(row.data), source=row.source or SOURCE_API,
+                   **policy_mod.from_text(row.policy).as_fields())
 
     @property
     def policy(self) -> policy_mod.Policy:
         return policy_mod.Policy(**{k: getattr(self, k) for k in policy_mod.OPTIONS})
+
+
+# The fields shown otherwise than stored: data decoded, source named, policy as options.
+_SHOWN_OTHERWISE = {"data": dict[str, Any], "source": str, "policy": None}
+# The fields after `data` may be left out; their defaults when not None.
+_SHOWN_DEFAULTS = {"paused": False, "attempt": 0, "source": SOURCE_API}
+
+
+def _shown_fields() -> list[tuple[Any, ...]]:
+    out: list[tuple[Any, ...]] = []
+    optional = False
+    for name in INFO_FIELDS:
+        if name == "policy":
+            out += [(f.name, f.type, dataclasses.field(default=f.default))
+                    for f in dataclasses.fields(policy_mod.Policy)]
+            continue
+        kind = _SHOWN_OTHERWISE.get(name) or SCHEDULE_FIELDS[name]
+        out.append((name, kind, dataclasses.field(default=_SHOWN_DEFAULTS.get(name)))
+                   if optional else (name, kind))
+        optional = optional or name == "data"
+    return out
+
+
+# One schedule as users see it (list, show, the library): fields.INFO_FIELDS, made from
+# the one list of a schedule's fields.
+ScheduleInfo = dataclasses.make_dataclass(
+    "ScheduleInfo", _shown_fields(), bases=(_ScheduleView,), frozen=True,
+    namespace={"__doc__": "One schedule as users see it (list, show, the library)."})
+ScheduleInfo.__module__ = __name__
 
 
 def _stored_data(text: str) -> dict[str, Any]:
@@ -100,144 +108,6 @@ def _stored_data(text: str) -> dict[str, Any]:
     except RecursionError:  # stored before depth limits existed: shown, not fatal
         return {"unreadable": f"data nested deeper than {MAX_DEPTH} levels; modify or "
                               "delete this schedule"}
-
-
-# -- validation of user input -------------------------------------------------------------
-
-def check_text(field: str, value: Any, limit: int) -> str:
-    if not isinstance(value, str) or not value:
-        raise InvalidInputError(field, "must be a non-empty string")
-    if len(value) > limit:
-        raise InvalidInputError(field, f"longer than {limit} characters")
-    if any(ord(c) < 32 for c in value):
-        raise InvalidInputError(field, "contains control characters")
-    if not value.isascii() and any(0xD800 <= ord(c) <= 0xDFFF for c in value):
-        raise InvalidInputError(field, "contains lone surrogates (not valid Unicode text)")
-    return value
-
-
-# Characters a key never holds: controls (C0, DEL, C1), format characters (bidi
-# overrides), line and paragraph separators (they split a journald or log line),
-# surrogates.
-_KEY_FORBIDDEN = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs"})
-
-
-def check_key(key: Any) -> str:
-    """A key for a new schedule: the one place that says what a key may be (socket,
-    D-Bus, CLI and library all add through here).  A key reaches exec jobs as their last
-    argument, so it never starts with `-` (GNU tools read options after operands), and it
-    is written to logs, so it holds no control or separator character; `@run-` is kept
-    for the keys of extra runs."""
-    check_text("key", key, KEY_MAX)
-    if key.startswith("-"):
-        raise InvalidInputError("key", "must not start with '-' (it reaches jobs as an "
-                                "argument)")
-    if any(unicodedata.category(c) in _KEY_FORBIDDEN for c in key):
-        raise InvalidInputError("key", "contains control, format or line-separator "
-                                "characters")
-    if RUN_NOW_MARK in key:
-        raise InvalidInputError("key", f"must not contain {RUN_NOW_MARK!r} (the mark of "
-                                "extra runs)")
-    return key
-
-
-def check_type(task_type: Any, *, exec_key: str | None = None) -> str:
-    """A task type to store: the one place that says what a type may be (add, modify,
-    add_many and so import-legacy, apply, schedules files; socket, D-Bus, direct mode and
-    the library all store through here).  `exec:` starts only the type of a schedules
-    file's exec entry, exec:KEY, which the hosts whose files hold that entry route to its
-    command, as its user: a type chosen by anyone else would feed their data to that
-    command.  `exec_key`: the key of the exec entry being stored by the files'
-    convergence (converge.py), whose own exec:KEY alone it may store."""
-    check_text("type", task_type, TYPE_MAX)
-    if task_type.startswith(EXEC_TYPE) and (exec_key is None
-                                            or task_type != f"{EXEC_TYPE}{exec_key}"):
-        raise InvalidInputError("type", f"{EXEC_TYPE!r} is kept for the exec entries of "
-                                "schedules files (exec:KEY runs the command their file "
-                                "holds)")
-    return task_type
-
-
-def lookup_key(key: Any, field: str = "key") -> str:
-    """A key to look up (or a prefix, or a paging cursor): text of a key's length, but not
-    held to check_key's rules, so keys stored before those rules keep working."""
-    return check_text(field, key, KEY_MAX)
-
-
-def key_problem(key: str) -> str | None:
-    """Why a stored key would be refused today (it still works), or None."""
-    try:
-        check_key(key)
-    except InvalidInputError as exc:
-        return str(exc)
-    return None
-
-
-def _no_json_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def check_data(data: Any) -> str:
-    if data is None:
-        data = {}
-    if isinstance(data, str):
-        if len(data) > DATA_MAX:
-            raise InvalidInputError("data", f"larger than {DATA_MAX} bytes")
-        try:
-            data = json.loads(data, parse_constant=_no_json_constant)
-        except json.JSONDecodeError as exc:
-            raise InvalidInputError("data", f"not valid JSON: {exc.msg}") from None
-        except ValueError as exc:  # NaN, Infinity
-            raise InvalidInputError("data", f"not valid JSON: {exc}") from None
-        except RecursionError:
-            raise InvalidInputError("data", f"nested deeper than {MAX_DEPTH} levels") from None
-    if not isinstance(data, Mapping):
-        raise InvalidInputError("data", "must be a JSON object")
-    # Before anything walks it recursively (json.dumps, the answer's asdict()).
-    if json_depth(data) > MAX_DEPTH:
-        raise InvalidInputError("data", f"nested deeper than {MAX_DEPTH} levels")
-    try:
-        text = dumps_data(dict(data))
-    except (TypeError, ValueError) as exc:
-        raise InvalidInputError("data", f"not serialisable as JSON: {str(exc)[:200]}") from None
-    if "\\ud" in text:  # an escaped surrogate: fine in pairs, refused alone (PostgreSQL does)
-        try:
-            json.dumps(data, ensure_ascii=False).encode()
-        except UnicodeEncodeError:
-            raise InvalidInputError("data", "contains lone surrogates (not valid Unicode "
-                                    "text)") from None
-    if len(text.encode()) > DATA_MAX:
-        raise InvalidInputError("data", f"larger than {DATA_MAX} bytes")
-    return text
-
-
-def check_int(field: str, value: Any, *, minimum: int = 0,
-              maximum: int = cron.LAST_INSTANT) -> int:
-    """A whole number in [minimum, maximum]; the default maximum, the last second of year
-    9999, bounds every time and duration we store (and keeps them inside 64 bits)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise InvalidInputError(field, f"must be a whole number, got {describe(value)}")
-    if int(value) != value or not minimum <= value <= maximum:
-        raise InvalidInputError(field, f"must be a whole number from {minimum} to {maximum}, "
-                                f"got {describe(value)}")
-    return int(value)
-
-
-
-def check_timezone(name: Any) -> str:
-    if not isinstance(name, str) or not name:
-        raise InvalidInputError("timezone", "must be a time zone name such as Asia/Tokyo")
-    cron.zone(name)
-    return name
-
-
-def check_cron(expr: Any) -> str:
-    if not isinstance(expr, str):
-        raise InvalidInputError("cron", "must be a string")
-    if len(expr) > CRON_MAX:
-        raise InvalidInputError("cron", f"longer than {CRON_MAX} characters")
-    cron.normalize(expr)
-    return cron.ONCE if cron.is_once(expr) else expr.strip()
 
 
 # -- tasks --------------------------------------------------------------------------------

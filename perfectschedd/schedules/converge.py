@@ -8,7 +8,7 @@ Rules (SPEC "Declarative schedules and migration"):
 - A schedule is removed only when it came from a file of this host (source file:NAME)
   and left it.  Schedules made with `add` are never touched, nor are keys that another
   file holds.  `apply` by a caller other than root changes and removes only the
-  schedules that caller made (callers.Access.owns).
+  schedules that caller made (ownership.owns).
 - A daemon remembers what it applied.  After its first apply it writes only what
   changed in its own files since: where the database holds something else for an entry
   it did not change, another host (whose files differ) wrote it, and the daemon logs the
@@ -28,18 +28,17 @@ from pathlib import Path
 from typing import Any
 
 from perfectschedd.config import Config
-from perfectschedd.control.auth import Access, made_by
 from perfectschedd.errors import AlreadyExistsError, InvalidInputError, NotFoundError
 from perfectschedd.schedules.collection import ScheduleCollection, ScheduleInfo
-from perfectschedd.schedules.fields import SOURCE_MAX
+from perfectschedd.schedules.fields import SOURCE_API, SOURCE_MAX
 from perfectschedd.schedules.files import (
-    SOURCE_API,
     SOURCE_FILE,
     Entry,
     Loaded,
     check_entry,
     load,
 )
+from perfectschedd.schedules.ownership import made_by, owns
 
 log = logging.getLogger("perfectschedd")
 
@@ -70,13 +69,13 @@ def converge(sc: ScheduleCollection, entries: Mapping[str, Entry],
              remove_from: Collection[str], *, previous: Mapping[str, Entry] | None = None,
              dry_run: bool = False, now: float | None = None,
              creators: Mapping[str, int] | None = None, creator: int | None = None,
-             access: Access | None = None) -> list[Change]:
+             applier: int | None = None) -> list[Change]:
     """Make the database hold `entries`, and remove the schedules of sources
     `remove_from` that they do not hold.  `previous`: what this caller applied last
     time (None: nothing is known, everything that differs is written).  What it adds
     records as creator the uid `creators` gives for its source, else `creator`, else
-    this process's.  `access`: the caller of `apply` (None: the daemon, for its own
-    files), who changes and removes only what it owns."""
+    this process's.  `applier`: the uid of the caller of `apply` (None: the daemon, for
+    its own files), who changes and removes only what it owns (ownership.owns)."""
     creators = creators or {}
     now = time.time() if now is None else now
     tz = sc.config.timezone
@@ -104,7 +103,7 @@ def converge(sc: ScheduleCollection, entries: Mapping[str, Entry],
             changes.append(Change(REFUSED, key, f"the key belongs to {owner}"
                                   + (" (made with add)" if owner == SOURCE_API else "")))
             continue
-        if access is not None and not access.owns(row.creator):
+        if applier is not None and not owns(applier, row.creator):
             changes.append(Change(REFUSED, key, f"the key belongs to {owner}, made by "
                                   f"{made_by(row.creator)}"))
             continue
@@ -124,7 +123,7 @@ def converge(sc: ScheduleCollection, entries: Mapping[str, Entry],
     for key, row in rows.items():
         if key in entries or row.source not in remove_from:
             continue
-        if access is not None and not access.owns(row.creator):
+        if applier is not None and not owns(applier, row.creator):
             continue  # another's: not this caller's to prune
         if previous is not None and key not in previous:
             # Never in this caller's files: a file of the same name elsewhere holds it.

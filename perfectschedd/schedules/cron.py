@@ -17,6 +17,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from croniter import CroniterBadDateError, croniter
 
 from perfectschedd.errors import InvalidInputError
+from perfectschedd.schedules.fields import LAST_INSTANT
 
 ALIASES = {
     "@yearly": "0 0 1 1 *",
@@ -27,8 +28,6 @@ ALIASES = {
     "@midnight": "0 0 * * *",
     "@hourly": "0 * * * *",
 }
-# The calendar ends here: datetime (and so croniter) knows no year 10000.
-LAST_INSTANT = int(datetime(9999, 12, 31, 23, 59, 59, tzinfo=UTC).timestamp())
 # croniter's non-standard random (R) and hashed (H) fields: each process would pick its
 # own value, so hosts would disagree on when a schedule is due.
 _RANDOM_FIELD = re.compile(r"(?:^|[,/-])[RrHh](?:$|[,/(-])")

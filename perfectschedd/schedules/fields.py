@@ -2,10 +2,17 @@
 the config and the store.  Kept apart from the table definitions (store/schema.py) so
 that what only checks input never loads SQLAlchemy."""
 
+from __future__ import annotations
+
+import json
+from typing import Any
+
 # Extra runs of a schedule (perfectschedctl run) are one-off rows keyed KEY@run-....
 RUN_NOW_MARK = "@run-"
 # The source of a schedule from a schedules file: file:NAME (NULL: made with `add`).
 SOURCE_FILE = "file:"
+# The source shown for a schedule made with `add` (stored as NULL).
+SOURCE_API = "api"
 # The type of a schedules file's exec entry: exec:KEY (schedules.check_type keeps it for
 # them), routed to the command of that entry on the hosts whose files hold it.
 EXEC_TYPE = "exec:"
@@ -18,3 +25,57 @@ PAUSED_REASON_MAX = 400
 POLICY_MAX = 400
 SOURCE_MAX = 300
 UNIT_MAX = 255  # systemd's longest unit name
+# The last second of year 9999: the calendar ends here (datetime, and so croniter, knows
+# no year 10000); it bounds every time and duration we store (and keeps them in 64 bits).
+LAST_INSTANT = 253402300799
+
+
+def dumps_data(data: Any) -> str:
+    """A schedule's data as stored: compact JSON with sorted keys."""
+    # allow_nan=False: NaN/Infinity are not JSON; other clients could not read them.
+    return json.dumps(data, separators=(",", ":"), sort_keys=True, allow_nan=False)
+
+
+# A schedule's fields, each once: its name, the Python type of its value as stored, and
+# what it holds.  In the schedules table's column order (store/schema.py makes the
+# columns; tests/store/test_fields.py holds them to this list).  Row and Claimed
+# (store/schema.py) and ScheduleInfo (schedules/collection.py) are made from it.
+SCHEDULE_FIELDS: dict[str, Any] = {
+    "key": str,
+    "type": str,
+    "cron": str | None,           # None: a one-off run (an extra run, KEY@run-...)
+    "delay": int,
+    "timezone": str,
+    "data": str,                  # JSON text (dumps_data)
+    "next_time": int,             # the occurrence, as cron says
+    "next_run_time": int,         # when it may run; while a worker holds it, the lease's end
+    "paused": bool,
+    "fence": int,                 # grows on every claim and every write that takes the row
+                                  # from its holder: a holder's write names the one it got
+    "attempt": int,
+    "owner": str | None,          # the holder (node:pid), None when nobody holds it
+    "claimed_at": float | None,
+    "due_time": int | None,       # next_run_time when the holder claimed it (lateness)
+    "has_extra": int | None,      # `run` made extra runs of it: they must not overlap it
+    "paused_reason": str | None,  # why the daemon paused it; None when a user did
+    "policy": str | None,         # policy.Policy.to_text(): None for the defaults
+    "group_holder": str | None,   # the member of its group that runs now, or ran last
+    "source": str | None,         # file:NAME (a schedules file); None: made with `add`
+    "creator": int | None,        # the uid that made it; None: unknown (before 0.2.0)
+}
+# Row: a schedule as read and written whole.  The last ones, from paused_reason on, may
+# be left out when one is made (None).
+ROW_FIELDS = ("key", "type", "cron", "delay", "timezone", "data", "next_time",
+              "next_run_time", "paused", "fence", "attempt", "owner", "claimed_at",
+              "paused_reason", "policy", "source", "creator")
+ROW_OPTIONAL = ROW_FIELDS[ROW_FIELDS.index("paused_reason"):]
+# Claimed: a row just leased to a worker, as it is after the claim, in the order the
+# backends' claims return its columns.
+CLAIMED_FIELDS = ("key", "type", "cron", "delay", "timezone", "data", "next_time", "fence",
+                  "attempt", "due_time", "has_extra", "policy")
+CLAIMED_OPTIONAL = ("policy",)
+# ScheduleInfo: a schedule as users see it, in the order `list --json` shows it: `data`
+# decoded, `policy` as its options (policy.OPTIONS), `source` "api" for `add`'s.
+INFO_FIELDS = ("key", "type", "cron", "delay", "timezone", "next_time", "next_run_time",
+               "data", "paused", "attempt", "owner", "claimed_at", "paused_reason",
+               "policy", "source", "creator")

@@ -24,7 +24,8 @@ from perfectschedd.executors.systemd import props as unitprops
 from perfectschedd.schedules import cron as cron_mod
 from perfectschedd.schedules import filetrust
 from perfectschedd.schedules import policy as policy_mod
-from perfectschedd.schedules.collection import (
+from perfectschedd.schedules.fields import EXEC_TYPE, SOURCE_FILE, TYPE_MAX
+from perfectschedd.schedules.validate import (
     check_cron,
     check_data,
     check_int,
@@ -32,10 +33,7 @@ from perfectschedd.schedules.collection import (
     check_timezone,
     check_type,
 )
-from perfectschedd.schedules.fields import EXEC_TYPE, SOURCE_FILE, TYPE_MAX
 
-# The source of a schedule made with `add` (stored as NULL).
-SOURCE_API = "api"
 FILE_MAX = 4 << 20      # bytes of one schedules file
 ENTRIES_MAX = 20_000    # entries of one file
 SUFFIX = ".yml"

@@ -39,7 +39,7 @@ import yaml
 from perfectschedd.errors import InvalidInputError
 from perfectschedd.schedules import cron as cron_mod
 from perfectschedd.schedules import filetrust
-from perfectschedd.schedules.collection import check_timezone
+from perfectschedd.schedules.validate import check_timezone
 
 _ENV_LINE = re.compile(r"""^\s*(?P<q>["']?)(?P<name>[^=\s"']+)(?P=q)\s*=\s*(?P<value>.*)$""")
 _TIME_ALIASES = frozenset(cron_mod.ALIASES)

@@ -17,7 +17,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from perfectschedd.errors import ConfigError, InvalidInputError
-from perfectschedd.schedules.collection import (
+from perfectschedd.schedules.validate import (
     check_cron,
     check_data,
     check_int,

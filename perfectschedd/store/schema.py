@@ -8,19 +8,25 @@ so a worker that lost its lease changes nothing (PreemptedError upstream).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import collections
+import dataclasses
 from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 
 from perfectschedd.schedules.fields import (  # noqa: F401 - the store's names too
+    CLAIMED_FIELDS,
+    CLAIMED_OPTIONAL,
     CRON_MAX,
     DATA_MAX,
     EXEC_TYPE,
     KEY_MAX,
     PAUSED_REASON_MAX,
     POLICY_MAX,
+    ROW_FIELDS,
+    ROW_OPTIONAL,
     RUN_NOW_MARK,
+    SCHEDULE_FIELDS,
     SOURCE_FILE,
     SOURCE_MAX,
     TYPE_MAX,
@@ -33,46 +39,22 @@ from perfectschedd.schedules.fields import (  # noqa: F401 - the store's names t
 TRY_AGAIN_FOR = 60.0
 
 
-@dataclass(frozen=True)
-class Row:
-    """One schedule as stored."""
+# Row and Claimed are made from the one list of a schedule's fields (fields.py), which
+# says what each holds.
 
-    key: str
-    type: str
-    cron: str | None
-    delay: int
-    timezone: str
-    data: str
-    next_time: int
-    next_run_time: int
-    paused: bool
-    fence: int
-    attempt: int
-    owner: str | None
-    claimed_at: float | None
-    paused_reason: str | None = None
-    policy: str | None = None  # policy.Policy.to_text(): NULL for the defaults
-    source: str | None = None  # file:NAME; None: made with `add`
-    creator: int | None = None  # the uid that made it; None: unknown (made before 0.2.0)
+Row = dataclasses.make_dataclass(
+    "Row", [(n, SCHEDULE_FIELDS[n]) if n not in ROW_OPTIONAL
+            else (n, SCHEDULE_FIELDS[n], dataclasses.field(default=None)) for n in ROW_FIELDS],
+    frozen=True, namespace={"__doc__": "One schedule as stored (fields.ROW_FIELDS)."})
+Row.__module__ = __name__
 
-
-class Claimed(NamedTuple):
-    """A row just leased to the caller, as it is after the claim.  (Named tuples, here
-    and in Advance: one is made per fire, and a frozen dataclass costs several times as
-    much to build.)"""
-
-    key: str
-    type: str
-    cron: str | None
-    delay: int
-    timezone: str
-    data: str
-    next_time: int
-    fence: int
-    attempt: int
-    due_time: int  # next_run_time before the claim: when it was due (lateness counts from it)
-    has_extra: int | None  # `run` made extra runs of it (KEY@run-...): they must not overlap
-    policy: str | None = None  # the schedule's policies (policy.from_text)
+# A named tuple, as Advance: one is made per fire, and a frozen dataclass costs several
+# times as much to build.
+Claimed = collections.namedtuple(
+    "Claimed", CLAIMED_FIELDS, defaults=(None,) * len(CLAIMED_OPTIONAL), module=__name__)
+Claimed.__doc__ = ("A row just leased to the caller, as it is after the claim "
+                   "(fields.CLAIMED_FIELDS).")
+Claimed.__annotations__ = {n: SCHEDULE_FIELDS[n] for n in CLAIMED_FIELDS}
 
 
 class Advance(NamedTuple):

@@ -8,7 +8,6 @@ The tables and their rules are in schema.py.
 from __future__ import annotations
 
 import functools
-import json
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -20,6 +19,7 @@ from sqlalchemy.engine.url import URL, make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
 from perfectschedd.errors import ConfigError, SchemaError, first_line
+from perfectschedd.schedules.fields import ROW_FIELDS, SCHEDULE_FIELDS, dumps_data
 from perfectschedd.store import version as schemaversion
 from perfectschedd.store.backends.choice import open_backend
 from perfectschedd.store.schema import (
@@ -225,13 +225,7 @@ class Store:
     @_retried
     def insert(self, row: Row) -> bool:
         """Insert a schedule; False if the key exists."""
-        values = {
-            "key": row.key, "type": row.type, "cron": row.cron, "delay": row.delay,
-            "timezone": row.timezone, "data": row.data, "next_time": row.next_time,
-            "next_run_time": row.next_run_time, "paused": int(row.paused),
-            "fence": 0, "attempt": 0, "owner": None, "claimed_at": None,
-            "policy": row.policy, "source": row.source, "creator": row.creator,
-        }
+        values = _new_row(row)
         try:
             with self._tx(durable=True) as conn:
                 conn.execute(self.t.insert().values(**values))
@@ -242,14 +236,7 @@ class Store:
     @_retried
     def insert_many(self, rows: Sequence[Row]) -> None:
         """Bulk insert; raises IntegrityError (nothing stored) if any key exists."""
-        payload = [
-            {"key": r.key, "type": r.type, "cron": r.cron, "delay": r.delay,
-             "timezone": r.timezone, "data": r.data, "next_time": r.next_time,
-             "next_run_time": r.next_run_time, "paused": int(r.paused), "fence": 0,
-             "attempt": 0, "owner": None, "claimed_at": None, "policy": r.policy,
-             "source": r.source, "creator": r.creator}
-            for r in rows
-        ]
+        payload = [_new_row(r) for r in rows]
         with self._tx(durable=True) as conn:
             conn.execute(self.t.insert(), payload)
 
@@ -388,15 +375,11 @@ class Store:
 
     def _row(self, r: Any) -> Row:
         m = r._mapping
-        return Row(
-            key=m["key"], type=m["type"], cron=m["cron"], delay=int(m["delay"]),
-            timezone=m["timezone"], data=m["data"], next_time=int(m["next_time"]),
-            next_run_time=int(m["next_run_time"]), paused=bool(m["paused"]),
-            fence=int(m["fence"]), attempt=int(m["attempt"]), owner=m["owner"],
-            claimed_at=m["claimed_at"], paused_reason=m.get("paused_reason"),
-            policy=m.get("policy"), source=m.get("source"),
-            creator=int(m["creator"]) if m.get("creator") is not None else None,
-        )
+        values = {n: m.get(n) for n in ROW_FIELDS}
+        for name, convert in _READ_AS.items():
+            if values[name] is not None:
+                values[name] = convert(values[name])
+        return Row(**values)
 
     # -- holder-side: claim, heartbeat, finish, retry, release ----------------------------
 
@@ -694,6 +677,18 @@ def _split_pauses(items: Sequence[Advance]) -> tuple[Sequence[Advance], list[Adv
     return [a for a in items if a.pause_reason is None], pauses
 
 
-def dumps_data(data: Any) -> str:
-    # allow_nan=False: NaN/Infinity are not JSON; other clients could not read them.
-    return json.dumps(data, separators=(",", ":"), sort_keys=True, allow_nan=False)
+def _read_as(field: str) -> Callable[[Any], Any] | None:
+    """How a value of Row's `field` read from the database becomes the field's type (a
+    driver may give 0/1 for a SMALLINT, a Decimal for a BIGINT); None: as it comes."""
+    kind = SCHEDULE_FIELDS[field]
+    return next((c for c in (bool, int) if kind in (c, c | None)), None)
+
+
+_READ_AS = {n: c for n in ROW_FIELDS if (c := _read_as(n)) is not None}
+
+
+def _new_row(row: Row) -> dict[str, Any]:
+    """The values that insert a new schedule: the row's, not held by anyone."""
+    values = {n: getattr(row, n) for n in ROW_FIELDS}
+    values.update(paused=int(row.paused), fence=0, attempt=0, owner=None, claimed_at=None)
+    return values

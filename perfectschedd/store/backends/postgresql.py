@@ -17,6 +17,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
+from perfectschedd.schedules.fields import CLAIMED_FIELDS
 from perfectschedd.store.backends.base import ServerBackend, in_cron_order
 from perfectschedd.store.schema import HISTORY_COLUMNS, Advance, Claimed
 
@@ -80,9 +81,7 @@ class PostgreSQLBackend(ServerBackend):
             .values(next_run_time=sa.bindparam("lease_until"), fence=t.c.fence + 1,
                     attempt=t.c.attempt + 1, owner=sa.bindparam("holder"),
                     claimed_at=sa.bindparam("claim_ts"), due_time=t.c.next_run_time)
-            .returning(t.c.key, t.c.type, t.c.cron, t.c.delay, t.c.timezone, t.c.data,
-                       t.c.next_time, t.c.fence, t.c.attempt, t.c.due_time, t.c.has_extra,
-                       t.c.policy))
+            .returning(*(t.c[n] for n in CLAIMED_FIELDS)))
 
     def claim_in(self, conn: Connection, params: dict[str, Any]) -> list[Claimed]:
         return in_cron_order(conn.execute(self._claim_stmt, params))

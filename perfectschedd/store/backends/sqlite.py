@@ -26,6 +26,7 @@ from sqlalchemy.engine.url import URL
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from perfectschedd.errors import ConfigError
+from perfectschedd.schedules.fields import CLAIMED_FIELDS
 from perfectschedd.store.backends.base import Backend, in_cron_order
 from perfectschedd.store.schema import TRY_AGAIN_FOR, Advance, Claimed
 from perfectschedd.store.writelock import HostWriteLock
@@ -34,8 +35,7 @@ from perfectschedd.store.writelock import HostWriteLock
 MIN_SQLITE = (3, 35, 0)
 
 # The order of Claimed's fields.
-CLAIMED_COLUMNS = ("key", "type", "cron", "delay", "timezone", "data", "next_time", "fence",
-                   "attempt", "due_time", "has_extra", "policy")
+CLAIMED_COLUMNS = CLAIMED_FIELDS
 
 
 class SQLiteBackend(Backend):
