@@ -53,6 +53,7 @@ from perfectschedd.master.workertable import WorkerProc, WorkerTable
 from perfectschedd.metrics import counters as metrics
 from perfectschedd.schedules.converge import FileSchedules
 from perfectschedd.store.sql import check_url, engine_url
+from perfectschedd.worker import pipe
 
 log = logging.getLogger("perfectschedd")
 
@@ -433,8 +434,7 @@ class Supervisor:
         if not data:
             return
         proc.buf += data
-        *lines, rest = proc.buf.split(b"\n")
-        proc.buf = bytearray(rest)
+        lines, proc.buf = pipe.split_lines(proc.buf)
         now = time.monotonic()
         for line in lines:
             proc.report(line, now)

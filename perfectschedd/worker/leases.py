@@ -8,7 +8,7 @@ Invariants:
   renewed stops itself `fence_lead` seconds before the lease expires (FENCED).
 - Finishes are queued by the runs and written with the next claim, in one transaction;
   a finish that cannot be written stays queued (its lease still protects it).
-- Run events ("s", "g", "e" lines, see workertable.WorkerProc.report) reach the master
+- Run events (pipe.py's Spawning, Spawned, UnitStarting and Ended lines) reach the master
   through `report` before a run's first process exists and after its last one is gone.
 """
 
@@ -35,6 +35,7 @@ from perfectschedd.executors.systemd import props as unitprops
 from perfectschedd.metrics import counters as metrics
 from perfectschedd.schedules import catchup
 from perfectschedd.schedules.collection import ScheduleCollection, Task
+from perfectschedd.worker import pipe
 
 log = logging.getLogger("perfectschedd.worker")
 
@@ -322,7 +323,7 @@ class LeasePipeline:
                 # Reported before the spawn: the master must know the run before any
                 # process of it can become the master's orphan.
                 run_id = self.new_run_id()
-                self.report(f"s {run_id}")
+                self.report(pipe.Spawning(run_id).line())
             if task.policy.timeout is not None:  # the schedule's, over the route's
                 handler = dataclasses.replace(handler, timeout=task.policy.timeout)
             try:
@@ -330,14 +331,14 @@ class LeasePipeline:
                     BatchedTask(task, self), handler, log=log, stop_event=control,
                     kill_grace=self.config.kill_grace, run_id=run_id,
                     on_spawn=None if run_id is None else
-                    (lambda pgid, r=run_id: self.report(f"g {r} {pgid}")),
+                    (lambda pgid, r=run_id: self.report(pipe.Spawned(r, pgid).line())),
                     on_unit=None if run_id is None else
-                    (lambda name, r=run_id: self.report(f"u {r} {name}")),
+                    (lambda name, r=run_id: self.report(pipe.UnitStarting(r, name).line())),
                     node=self.config.node,
                     tag=self.unit_tag)
             finally:
                 if run_id is not None:
-                    self.report(f"e {run_id}")
+                    self.report(pipe.Ended(run_id).line())
             outcome, duration, unit = str(result.outcome), result.duration, result.unit
             if task.exhausted:
                 outcome = "failed"
