@@ -276,9 +276,7 @@ class Supervisor:
                 pass
         for w in self.table:
             self.procs.close(w.wake_w, w.alive_r)
-        if self.db.sc is not None:
-            # The master's pooled connections must not be used or closed by the child.
-            self.db.sc.store.engine.dispose(close=False)
+        self.db.after_fork()
         metrics.after_fork_in_worker()
 
     def _forget(self, proc: WorkerProc) -> None:
@@ -299,7 +297,7 @@ class Supervisor:
             self._forget(proc)
             metrics.worker_exited(pid)
             # Before anything else starts: nothing of its runs may outlive it.
-            give_back = (functools.partial(self._reclaim, f"{self.config.node}:{pid}")
+            give_back = (functools.partial(self._give_back, f"{self.config.node}:{pid}")
                          if code != 0 else None)
             # With units, the give-back waits until they have stopped (UnitCleanups).
             units_stopping = bool(code != 0 or proc.runs or proc.units) and \
@@ -381,16 +379,10 @@ class Supervisor:
     def _runs_units(self) -> bool:
         return any(r.executor == "systemd" and r.refused is None for r in self.config.routes)
 
-    def _reclaim(self, owner: str) -> None:
-        """Give a dead worker's leases back now (its runs were killed), off the loop: the
-        database may be slow, and the occurrences need not wait for alive_time."""
-        def work(sc: Any) -> None:
-            n = sc.store.reclaim_owner(owner, time.time())
-            if n:
-                log.info("gave back %d lease(s) of %s; recorded as lost", n, owner)
-
-        # If the database does not answer, the leases expire by themselves.
-        self.db.in_background(f"giving back the leases of {owner}", work)
+    def _give_back(self, owner: str) -> None:
+        """A dead worker's leases back now (its runs were killed): the database of the
+        configuration running when its units have stopped."""
+        self.db.give_back_leases(owner)
 
     def sweep_orphans(self) -> None:
         """Kill the master's children that are not workers and whose run has ended.
