@@ -11,12 +11,14 @@ leases back (recording those attempts as `lost`), so the occurrences run again a
 and never beside a leftover copy.  Stopping units waits on D-Bus and systemd, so it runs
 on a thread of its own: the loop goes on, and the worker's replacement and the give-back
 wait for it (UnitCleanups).
+
+The control socket, metrics HTTP and D-Bus are listeners.py's; the command line is
+main.py's.
 """
 
 from __future__ import annotations
 
 import ctypes
-import errno
 import functools
 import gc
 import logging
@@ -45,6 +47,7 @@ from perfectschedd.errors import (
 from perfectschedd.executors import reaper as jobreaper
 from perfectschedd.executors.systemd import props as unitprops
 from perfectschedd.master.database import HOST_EVERY, MasterDatabase
+from perfectschedd.master.listeners import Listeners
 from perfectschedd.master.processes import Processes
 from perfectschedd.master.workertable import WorkerProc, WorkerTable
 from perfectschedd.metrics import counters as metrics
@@ -60,7 +63,6 @@ STATUS_EVERY = 2.0
 # last ones it has (and their age): it answers within a second whatever the database does.
 STATUS_FRESH_WAIT = 0.5
 RELOAD_ANSWER_WAIT = 10.0
-DBUS_RETRY_MAX = 30.0
 SPAWN_RETRY = 2.0  # after a fork or pipe failed
 SWEEP_EVERY = 1.0  # looking for what ended runs left behind
 TURN_MIN = 0.05  # the loop's duties at most this often when only run reports arrive
@@ -167,7 +169,6 @@ class Supervisor:
         self.config = self.host_config(config)
         self.spawn_postponed = False
         self.gc_frozen = False
-        self.dbus_attempt = 0  # a retry thread gives up when this moves on
         self.last_spawn_error = -SPAWN_RETRY
         self.next_sweep = 0.0
         self.last_turn = 0.0
@@ -176,9 +177,8 @@ class Supervisor:
         self.last_status = 0.0
         self.status_line = ""
         self.last_error: str | None = None
-        self.control: Any = None
-        self.dbus: Any = None
-        self.metrics_server: Any = None
+        self.listeners = Listeners(self.dispatch, self._healthy,
+                                   lambda: self.state == "stopping", self._listener_error)
         # For child processes: fds of the master that a worker must close after fork.
         self.listener_fds: Callable[[], list[int]] = lambda: []
 
@@ -467,9 +467,10 @@ class Supervisor:
             sc, cmd, args, where=registry.DAEMON, caller=caller, routes=routes))
         if command.wakes:
             self.wake_workers()
-        if self.dbus is not None:
+        dbus = self.listeners.dbus
+        if dbus is not None:
             for key, change in command.changes(args, result):
-                self.dbus.schedule_changed(key, change)
+                dbus.schedule_changed(key, change)
         return result
 
     def _request_reload(self) -> dict[str, Any]:
@@ -602,7 +603,7 @@ class Supervisor:
             new = config_mod.load(self.config_source, self.environment)
             if (new.url, new.table) != (old.url, old.table):
                 check_url(new.url)  # the old store stays unless the new one can be made
-            self._swap_listeners(old, new)
+            self.listeners.swap(old, new)
         except Exception as exc:  # noqa: BLE001 - whatever the new file does, the old one runs
             # One bounded line, never a repr() of what the file holds.
             why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:500]
@@ -620,55 +621,11 @@ class Supervisor:
             self.db.stop_in_background()
             self.db = MasterDatabase(new)
             self.db.start()
-        if (new.dbus, new.dbus_address) != (old.dbus, old.dbus_address):
-            self.dbus_attempt += 1  # stops a retry of the old address
-            if self.dbus is not None:
-                self.dbus.stop()
-                self.dbus = None
-            self._start_dbus()  # optional: a failure is logged and the daemon runs on
+        self.listeners.swap_dbus(old, new)
         # The old generation retires once the new one is up.
         self.table.begin_reload(new.workers, new.worker_timeout, time.monotonic())
         log.info("reloading: starting %d new worker(s)", new.workers)
         return None
-
-    def _swap_listeners(self, old: Config, new: Config) -> None:
-        """Open what the new configuration needs before closing what the old one had, so
-        a new port in use or an unwritable log path leaves everything as it was."""
-        from perfectschedd.control import server as control
-
-        new_control = new_metrics = None
-        try:
-            # A socket file someone deleted (tmpfiles cleaning, a careless rm) comes back
-            # with a reload, as with a restart.
-            if new.control_socket != old.control_socket or \
-                    new.control_group != old.control_group or \
-                    (self.control is not None and not self.control.file_intact()):
-                new_control = control.ControlServer(new, self.dispatch, log=log)
-                if new.control_socket == old.control_socket and self.control is not None:
-                    self.control.stop()  # same path: it must be free to bind again
-                new_control.start()
-            if new.metrics_listen != old.metrics_listen and new.metrics_listen is not None:
-                new_metrics = self._serve_metrics(new.metrics_listen)
-            logsetup.setup(new.log)
-        except BaseException:
-            if new_control is not None:
-                new_control.stop()
-                if new.control_socket == old.control_socket:
-                    self._start_control()
-            if new_metrics is not None:
-                new_metrics.stop()
-            logsetup.setup(old.log)
-            raise
-        if new_control is not None:
-            if self.control is not None and new.control_socket != old.control_socket:
-                self.control.stop()
-            self.control = new_control
-        if new.metrics_listen != old.metrics_listen:
-            if self.metrics_server is not None:
-                self.metrics_server.stop()
-            self.metrics_server = new_metrics
-            if new.metrics_listen is not None:
-                log.info("metrics on http://%s:%d/metrics", *new.metrics_listen)
 
     def _finish_reload(self) -> None:
         old = self.table.finish_reload(time.monotonic())
@@ -684,7 +641,7 @@ class Supervisor:
         self.state = "stopping"
         log.info("stopping")
         self.notify("STOPPING=1", "STATUS=stopping")
-        self._stop_listeners()
+        self.listeners.stop()
         for p in self.table:
             self.procs.kill(p.pid, signal.SIGTERM)
         deadline = time.monotonic() + self.config.shutdown_timeout + self.config.kill_grace + 5
@@ -729,80 +686,8 @@ class Supervisor:
 
     # -- listeners ------------------------------------------------------------------------
 
-    def _start_control(self) -> None:
-        from perfectschedd.control import server as control
-
-        previous = self.control  # set (and stopped) when a reload moved the socket
-        server = control.ControlServer(self.config, self.dispatch, log=log)
-        try:
-            server.start()
-        except ConfigError as exc:
-            if previous is None:  # at start: the daemon cannot be controlled, so it stops
-                log.error("%s", exc)
-                raise SystemExit(1) from None
-            log.error("%s; keeping the control socket at %s", exc, previous.path)
-            self.last_error = str(exc)
-            server = control.ControlServer(self.config, self.dispatch, log=log,
-                                           path=previous.path)
-            server.start()
-        self.control = server
-
-    def _start_metrics_server(self) -> None:
-        if self.metrics_server is not None:
-            self.metrics_server.stop()
-            self.metrics_server = None
-        if self.config.metrics_listen is not None:
-            self.metrics_server = self._serve_metrics(self.config.metrics_listen)
-            log.info("metrics on http://%s:%d/metrics", *self.config.metrics_listen)
-
-    def _serve_metrics(self, listen: tuple[str, int]) -> Any:
-        try:
-            return metrics.serve(listen, self._healthy)
-        except OSError as exc:
-            hint = " (another perfectschedd?  Set metrics_listen to a free port, or off)" \
-                if exc.errno == errno.EADDRINUSE else ""
-            raise ConfigError(f"metrics_listen: cannot listen on {listen[0]}:{listen[1]}: "
-                              f"{exc.strerror or exc}{hint}") from None
-
-    def _start_dbus(self) -> None:
-        if not self.config.dbus:
-            return
-        self.dbus_attempt += 1
-        try:
-            self.dbus = self._dbus_service()
-        except Exception as exc:  # noqa: BLE001 - D-Bus is optional; the daemon runs on
-            log.error("D-Bus interface not available: %s; trying again with back-off", exc)
-            self.dbus = None
-            # The bus may not have read our policy yet (right after the package was
-            # installed) or may not run yet: keep trying, off the loop.
-            threading.Thread(target=self._retry_dbus, args=(self.dbus_attempt,),
-                             name="dbus-retry", daemon=True).start()
-
-    def _dbus_service(self) -> Any:
-        from perfectschedd.control import dbus_server as dbus_service
-
-        group = self.control.group_gid if self.control is not None else None
-        service = dbus_service.DBusService(self.dispatch, log=log,
-                                           address=self.config.dbus_address, group_gid=group)
-        service.start()
-        return service
-
-    def _retry_dbus(self, attempt: int) -> None:
-        wait = 1.0
-        while True:
-            time.sleep(wait)
-            wait = min(wait * 2, DBUS_RETRY_MAX)
-            if attempt != self.dbus_attempt or self.state == "stopping":
-                return  # a reload or a stop took over
-            try:
-                service = self._dbus_service()
-            except Exception:  # noqa: BLE001 - said once; the daemon runs on without it
-                continue
-            if attempt != self.dbus_attempt or self.state == "stopping":
-                service.stop()
-                return
-            self.dbus = service
-            return
+    def _listener_error(self, why: str) -> None:
+        self.last_error = why
 
     def _healthy(self) -> bool:
         """Running, a worker alive, and the database reachable from the master and from
@@ -812,22 +697,6 @@ class Supervisor:
         return self.state in ("running", "reloading") and any(
             now - p.last_seen < self.config.worker_timeout for p in procs) \
             and self.db.health()[0] is not False and all(p.db_ok for p in procs)
-
-    def _listener_fds(self) -> list[int]:
-        fds: list[int] = []
-        for obj in (self.control, self.metrics_server, self.dbus):
-            if obj is not None and hasattr(obj, "fds"):
-                fds.extend(obj.fds())
-        fds.extend(metrics.master_fds())
-        return fds
-
-    def _stop_listeners(self) -> None:
-        for obj in (self.control, self.dbus, self.metrics_server):
-            if obj is not None:
-                try:
-                    obj.stop()
-                except Exception:  # noqa: BLE001 - stopping must go on
-                    log.exception("error while stopping a listener")
 
     # -- main loop ------------------------------------------------------------------------
 
@@ -840,19 +709,19 @@ class Supervisor:
         except OSError:
             pass
         self._install_signals()
-        self.listener_fds = self._listener_fds
+        self.listener_fds = self.listeners.fds
         # The control socket first: its lock refuses a second daemon before anything of the
         # running one (its metric files, its port) is touched.
-        self._start_control()
+        self.listeners.start_control(self.config)
         try:
             metrics.setup_master(self.config)
-            self._start_metrics_server()
+            self.listeners.start_metrics(self.config)
         except ConfigError as exc:
             log.error("%s", exc)
-            self._stop_listeners()  # no control socket file left behind
+            self.listeners.stop()  # no control socket file left behind
             return 1
         self.db.start()
-        self._start_dbus()
+        self.listeners.start_dbus(self.config)
         if self._runs_units():
             from perfectschedd.executors.systemd import unit as unitjobs
 
