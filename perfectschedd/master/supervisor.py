@@ -4,22 +4,14 @@ One class owns the worker table.  Signal handlers only queue the signal and writ
 self-pipe; the main loop acts.  Workers prove liveness by writing to a pipe; a silent
 one is killed and replaced, and a worker that keeps dying is replaced with a back-off.
 
-Nothing of a dead worker's runs survives it: before a replacement is forked, the master
-kills the process groups the worker reported and every process marked with one of its
-run ids (jobreaper.py) and stops its systemd units (systemdbus.py), then gives the worker's
-leases back (recording those attempts as `lost`), so the occurrences run again at once
-and never beside a leftover copy.  Stopping units waits on D-Bus and systemd, so it runs
-on a thread of its own: the loop goes on, and the worker's replacement and the give-back
-wait for it (UnitCleanups).
-
-The control socket, metrics HTTP and D-Bus are listeners.py's; the command line is
-main.py's.
+Nothing of a dead worker's runs survives it: before a replacement is forked, what its
+runs left is cleaned up (cleanup.py).  The control socket, metrics HTTP and D-Bus are
+listeners.py's; the command line is main.py's.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
 import gc
 import logging
 import os
@@ -44,8 +36,8 @@ from perfectschedd.errors import (
     SchemaError,
     first_line,
 )
-from perfectschedd.executors import reaper as jobreaper
 from perfectschedd.executors.systemd import props as unitprops
+from perfectschedd.master.cleanup import RunCleanup, UnitStopper, stop_units_over_dbus
 from perfectschedd.master.database import HOST_EVERY, MasterDatabase
 from perfectschedd.master.listeners import Listeners
 from perfectschedd.master.processes import Processes
@@ -64,80 +56,14 @@ STATUS_EVERY = 2.0
 STATUS_FRESH_WAIT = 0.5
 RELOAD_ANSWER_WAIT = 10.0
 SPAWN_RETRY = 2.0  # after a fork or pipe failed
-SWEEP_EVERY = 1.0  # looking for what ended runs left behind
 TURN_MIN = 0.05  # the loop's duties at most this often when only run reports arrive
 REPORT_GATHER = 0.01  # after a turn woken only by run reports, the next one waits this
-
-
-UnitStopper = Callable[[Callable[[str, str], bool], list[str]], list[str]]
-
-
-def _stop_units_over_dbus(belongs: Callable[[str, str], bool], names: list[str]) -> list[str]:
-    from perfectschedd.executors.systemd import bus as systemdbus
-
-    return systemdbus.stop_units(belongs, names)
-
-
-class UnitCleanups:
-    """Dead workers' systemd units being stopped, each on a thread of its own (a hung bus
-    or systemd must not stop the master's loop, its watchdog or `status`).  While a
-    worker's units stop, its index gets no replacement and its leases are not given back:
-    the occurrence must not run again beside them.  Bounded: systemdbus.stop_units gives
-    up after 20 s, and then the leases expire as any lease does."""
-
-    def __init__(self, stopper: UnitStopper, wake: Callable[[], None]) -> None:
-        self.stopper = stopper
-        self.wake = wake
-        self.threads: list[tuple[int, threading.Thread]] = []  # (worker index, its clean-up)
-
-    def start(self, index: int, whose: str, belongs: Callable[[str, str], bool],
-              names: list[str], then: Callable[[], None] | None) -> None:
-        def work() -> None:
-            # Units that could not be stopped may still run: their leases are not given
-            # back, they expire after alive_time (RuntimeMaxSec bounds the units).
-            if stop_units(self.stopper, whose, belongs, names) and then is not None:
-                then()
-            self.wake()  # the loop frees the index now, not at its next timeout
-
-        thread = threading.Thread(target=work, name=f"units-of-worker-{index}", daemon=True)
-        try:
-            thread.start()
-        except RuntimeError:  # no thread to be had (out of memory or tasks): wait here
-            work()
-            return
-        self.threads.append((index, thread))
-
-    def busy(self) -> set[int]:
-        """Indexes whose clean-up still runs (forgetting those that ended)."""
-        self.threads = [(i, t) for i, t in self.threads if t.is_alive()]
-        return {i for i, _ in self.threads}
-
-    def join(self, timeout: float) -> None:
-        end = time.monotonic() + timeout
-        for _, thread in list(self.threads):
-            thread.join(max(0.0, end - time.monotonic()))
-
-
-def stop_units(stopper: UnitStopper, whose: str, belongs: Callable[[str, str], bool],
-               names: list[str] | None = None) -> bool:
-    """Stop (SIGKILL, then wait until inactive) the perfectsched-* units of `whose`; False
-    when systemd could not be asked or did not stop them in time."""
-    try:
-        stopped = stopper(belongs, names or [])
-    except Exception as exc:  # noqa: BLE001 - SystemdError, or no fd left to import or connect
-        log.error("cannot stop the systemd units of %s: %s; their leases expire after "
-                  "alive_time", whose, first_line(exc))
-        return False
-    if stopped:
-        log.warning("stopped %d systemd unit(s) of %s: %s", len(stopped), whose,
-                    ", ".join(stopped))
-    return True
 
 
 class Supervisor:
     def __init__(self, config: Config, config_source: str, environment: str | None,
                  processes: Processes | None = None,
-                 unit_stopper: UnitStopper = _stop_units_over_dbus) -> None:
+                 unit_stopper: UnitStopper = stop_units_over_dbus) -> None:
         self.config = config
         self.config_source = config_source
         self.environment = environment
@@ -149,7 +75,8 @@ class Supervisor:
         self.selfpipe_r, self.selfpipe_w = os.pipe()
         for fd in (self.selfpipe_r, self.selfpipe_w):
             os.set_blocking(fd, False)
-        self.unit_cleanups = UnitCleanups(unit_stopper, self._poke)
+        self.cleanup = RunCleanup(unit_stopper, self._poke, self.procs)
+        self.unit_cleanups = self.cleanup.units
         self.sel = selectors.DefaultSelector()
         self.notifier = sdnotify.SystemdNotifier()
         self.watchdog_interval = self._watchdog_interval()
@@ -170,7 +97,6 @@ class Supervisor:
         self.spawn_postponed = False
         self.gc_frozen = False
         self.last_spawn_error = -SPAWN_RETRY
-        self.next_sweep = 0.0
         self.last_turn = 0.0
         # Control threads waiting for the answer of a reload they asked for.
         self.reload_waiters: list[tuple[threading.Event, list[str | None]]] = []
@@ -294,13 +220,8 @@ class Supervisor:
             self._forget(proc)
             metrics.worker_exited(pid)
             # Before anything else starts: nothing of its runs may outlive it.
-            give_back = (functools.partial(self._give_back, f"{self.config.node}:{pid}")
-                         if code != 0 else None)
-            # With units, the give-back waits until they have stopped (UnitCleanups).
-            units_stopping = bool(code != 0 or proc.runs or proc.units) and \
-                self._kill_runs(proc, then=give_back)
-            if give_back is not None and not units_stopping:
-                give_back()
+            self.cleanup.after_death(proc, code, self.config, self.master_pid,
+                                     self._give_back)
             if not ended.unexpected:
                 log.info("worker %d (pid %d) exited", proc.index, pid)
                 continue
@@ -344,70 +265,14 @@ class Supervisor:
         for proc in self.table.surplus():  # a reload lowered `workers`
             self.procs.kill(proc.pid, signal.SIGTERM)
 
-    def _kill_runs(self, proc: WorkerProc, then: Callable[[], None] | None = None) -> bool:
-        """Kill every process of a dead worker's runs (before its replacement starts).
-        True when its units are being stopped: `then` runs once they have."""
-        units_stopping = False
-        if proc.units or self._runs_units():
-            from perfectschedd.executors.systemd import unit as unitjobs
-
-            # The units it reported, and any other that names it as its owner (a report
-            # lost with the worker): stopped before its leases are given back.
-            mark = unitjobs.owner_mark(self.config.node, proc.pid)
-            tag = unitprops.daemon_tag(self.config.control_socket)
-            self.unit_cleanups.start(
-                proc.index, f"worker {proc.index} (pid {proc.pid})",
-                lambda name, description: description.endswith(mark)
-                and unitprops.started_by(description, tag),
-                list(proc.units.values()), then)
-            proc.units.clear()
-            units_stopping = True
-        groups = [g for g in proc.runs.values() if g is not None]
-        killed = jobreaper.kill_groups(groups, self.master_pid)
-        dead = proc.pid
-        killed += jobreaper.kill_marked(lambda r: jobreaper.worker_of(r) == dead,
-                                        me=self.master_pid)
-        if killed:
-            log.warning("worker %d (pid %d) died with %d run(s); killed what was left of "
-                        "them", proc.index, dead, len(proc.runs) or killed)
-        proc.runs.clear()
-        return units_stopping
-
-    def _runs_units(self) -> bool:
-        return any(r.executor == "systemd" and r.refused is None for r in self.config.routes)
-
     def _give_back(self, owner: str) -> None:
         """A dead worker's leases back now (its runs were killed): the database of the
         configuration running when its units have stopped."""
         self.db.give_back_leases(owner)
 
     def sweep_orphans(self) -> None:
-        """Kill the master's children that are not workers and whose run has ended.
-
-        Workers are not subreapers: a process a run left behind (it left the group,
-        its parent died) lands here.  Reports are read first, so a run that just
-        started is known before its first orphan is judged.
-        """
-        now = time.monotonic()
-        if now < self.next_sweep:
-            return
-        # Once a second: the loop turns for every run event of every worker (thousands a
-        # second in a burst of exec jobs), and /proc reads on each turn showed.
-        self.next_sweep = now + SWEEP_EVERY
-        strays = [p for p in jobreaper.children(self.master_pid)
-                  if self.table.get(p) is None]
-        if not strays:
-            return
-        for proc in self.table:
-            self.read_alive(proc.pid)
-        active = {r for p in self.table for r in p.runs}
-        for pid in strays:
-            run = jobreaper.run_id(pid)
-            if run is not None and run in active:
-                continue
-            if run is not None:
-                log.warning("killing pid %d, left behind by run %s that has ended", pid, run)
-            jobreaper.kill(pid)
+        """Kill what ended runs left behind (cleanup.RunCleanup.sweep_orphans)."""
+        self.cleanup.sweep_orphans(self.table, self.master_pid, self.read_alive)
 
     def read_alive(self, pid: int) -> None:
         proc = self.table.get(pid)
@@ -655,34 +520,9 @@ class Supervisor:
             self.reap()
             time.sleep(0.02)
         self.unit_cleanups.join(25.0)  # their give-backs need the database, still open
-        self._kill_orphans()
+        self.cleanup.kill_orphans()
         self.db.stop(timeout=5.0)  # lets the killed workers' leases be given back
         log.info("stopped")
-
-    def _kill_orphans(self) -> None:
-        """Job processes re-parented to us (their worker died) must not outlive us."""
-        me = str(os.getpid())
-        pids = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            if stat.rsplit(")", 1)[1].split()[1] == me:
-                pids.append(int(entry))
-        for pid in pids:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except OSError:
-                self.procs.kill(pid, signal.SIGKILL)
-        for pid in pids:
-            try:
-                os.waitpid(pid, 0)
-            except ChildProcessError:
-                pass
 
     # -- listeners ------------------------------------------------------------------------
 
@@ -722,19 +562,9 @@ class Supervisor:
             return 1
         self.db.start()
         self.listeners.start_dbus(self.config)
-        if self._runs_units():
-            from perfectschedd.executors.systemd import unit as unitjobs
-
-            # A previous daemon of this host that died without stopping its jobs (killed,
-            # crashed): its units must not run beside the occurrences run again now.
-            mark = unitjobs.owner_mark(self.config.node, 0).rsplit(":", 1)[0] + ":"
-            # Only this instance's: another daemon of this host (another table, database
-            # or configuration, one socket each) keeps its units.
-            tag = unitprops.daemon_tag(self.config.control_socket)
-            # Before any worker exists: waiting here is what keeps them from running twice.
-            stop_units(self.unit_cleanups.stopper, "a previous daemon of this host",
-                       lambda name, description: mark in description
-                       and unitprops.started_by(description, tag))
+        # A previous daemon of this host that died without stopping its jobs: its units
+        # stop before any worker exists.
+        self.cleanup.stop_previous_units(self.config)
         log.info("perfectschedd %s starting: %d worker(s), database %s", __version__,
                  self.config.workers, engine_url(self.config.url).render_as_string(
                      hide_password=True))
