@@ -1,3 +1,3 @@
-from perfectschedd.master.supervisor import main
+from perfectschedd.master.main import main
 
 raise SystemExit(main())

@@ -33,7 +33,7 @@ from perfectschedd.errors import DatabaseUnavailableError, SchemaError, first_li
 from perfectschedd.metrics import counters as metrics
 from perfectschedd.schedules.collection import ScheduleCollection
 from perfectschedd.schedules.validate import key_problem
-from perfectschedd.store.sql import RUN_NOW_MARK
+from perfectschedd.store.sql import RUN_NOW_MARK, Store
 
 log = logging.getLogger("perfectschedd")
 
@@ -86,6 +86,9 @@ class MasterDatabase:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.sc: ScheduleCollection | None = None
+        # The collection's store (set and cleared with `sc`): the queries the collection
+        # does not offer (status figures, hosts, leases given back) go to it directly.
+        self.store: Store | None = None
         self.snapshot = Snapshot()
         self._pool = ThreadPoolExecutor(COMMAND_THREADS, thread_name_prefix="master-db")
         self._cond = threading.Condition()
@@ -123,20 +126,42 @@ class MasterDatabase:
         if self._thread.ident is not None:  # started
             self._thread.join(max(0.0, end - time.monotonic()))
         sc, self.sc = self.sc, None
+        store, self.store = self.store, None
         if sc is not None:
             # Say this host left, if the database answers in time: a stop never waits
             # on it longer (the row ages out otherwise).
-            leave = threading.Thread(target=self._forget_host, args=(sc,), daemon=True,
+            leave = threading.Thread(target=self._forget_host, args=(store,), daemon=True,
                                      name="leave")
             leave.start()
             leave.join(max(0.5, end - time.monotonic()))
             sc.close()
 
-    def _forget_host(self, sc: ScheduleCollection) -> None:
+    def _forget_host(self, store: Store) -> None:
         try:
-            sc.store.forget_host(self.config.node, os.getpid())
+            store.forget_host(self.config.node, os.getpid())
         except Exception as exc:  # noqa: BLE001 - stopping goes on
             log.info("could not remove this host from the hosts table: %s", first_line(exc))
+
+    def after_fork(self) -> None:
+        """In a worker just forked from the master: the master's pooled connections must
+        not be used or closed by the child."""
+        if self.store is not None:
+            self.store.after_fork()
+
+    def give_back_leases(self, owner: str) -> None:
+        """Give the leases of `owner` (a dead worker whose runs were killed) back now,
+        recording those attempts as `lost`, off the caller's thread: the database may be
+        slow, and the occurrences need not wait for alive_time.  If the database does not
+        answer, the leases expire by themselves."""
+        store = self.store
+
+        def work(sc: ScheduleCollection) -> None:
+            assert store is not None
+            n = store.reclaim_owner(owner, time.time())
+            if n:
+                log.info("gave back %d lease(s) of %s; recorded as lost", n, owner)
+
+        self.in_background(f"giving back the leases of {owner}", work)
 
     def stop_in_background(self) -> None:
         """For a reload that moved the database: the old one may be the one that hangs."""
@@ -314,8 +339,8 @@ class MasterDatabase:
                     next_probe = now + PROBE_EVERY
                 elif now >= next_probe:
                     with self._gate():
-                        assert self.sc is not None
-                        self.sc.store.earliest_due()
+                        assert self.store is not None
+                        self.store.earliest_due()
                     self._mark(True)
                     next_probe = now + PROBE_EVERY
                 if now >= next_rename_check:
@@ -324,8 +349,8 @@ class MasterDatabase:
                 if now >= next_prune:
                     next_prune = now + PRUNE_EVERY
                     with self._gate():
-                        assert self.sc is not None
-                        self.sc.store.prune_history(self.config.history_limit)
+                        assert self.store is not None
+                        self.store.prune_history(self.config.history_limit)
             except SchemaError as exc:
                 # Waiting will not fix it: the supervisor stops the daemon (and says why).
                 self.fatal = first_line(exc)
@@ -345,38 +370,39 @@ class MasterDatabase:
     def _open(self) -> None:
         with self._gate():
             sc = ScheduleCollection(self.config)
+        self.store = sc.store
         self.sc = sc
         log.info("database open")
 
     def _record_host(self) -> None:
         with self._gate():
-            assert self.sc is not None
-            self.sc.store.record_host(self.config.node, __version__, os.getpid(),
-                                      self.started_at, time.time())
+            assert self.store is not None
+            self.store.record_host(self.config.node, __version__, os.getpid(),
+                                   self.started_at, time.time())
 
     def _check_keys(self) -> None:
-        sc = self.sc
-        assert sc is not None
+        store = self.store
+        assert store is not None
 
         def bad(key: str) -> bool:
             # Extra runs (KEY@run-...) are named by the daemon; their base key is checked.
             return key_problem(key.split(RUN_NOW_MARK, 1)[0]) is not None
 
         with self._gate():
-            keys = sc.store.keys_matching(bad)
+            keys = store.keys_matching(bad)
         rename = {k: key_problem(k.split(RUN_NOW_MARK, 1)[0]) or "" for k in keys}
         self._publish(replace(self.snapshot, rename=rename))
 
     def _read_status(self) -> None:
-        sc = self.sc
-        assert sc is not None
+        store = self.store
+        assert store is not None
         now = time.time()
         with self._gate():
-            counts = sc.store.counts(int(now))
-            rows = sc.store.running()
-            unclaimed = sc.store.unclaimed(int(now) - UNCLAIMED_AFTER)
-            hosts = sc.store.hosts(forget_before=now - HOST_FORGET_AFTER)
-            at_work = sc.store.nodes_at_work(now - self.config.alive_time)
+            counts = store.counts(int(now))
+            rows = store.running()
+            unclaimed = store.unclaimed(int(now) - UNCLAIMED_AFTER)
+            hosts = store.hosts(forget_before=now - HOST_FORGET_AFTER)
+            at_work = store.nodes_at_work(now - self.config.alive_time)
         running = [{"key": r.key, "type": r.type, "scheduled_time": r.next_time,
                     "timezone": r.timezone, "owner": r.owner,
                     "age": round(now - r.claimed_at, 3) if r.claimed_at else None,

@@ -4,28 +4,19 @@ One class owns the worker table.  Signal handlers only queue the signal and writ
 self-pipe; the main loop acts.  Workers prove liveness by writing to a pipe; a silent
 one is killed and replaced, and a worker that keeps dying is replaced with a back-off.
 
-Nothing of a dead worker's runs survives it: before a replacement is forked, the master
-kills the process groups the worker reported and every process marked with one of its
-run ids (jobreaper.py) and stops its systemd units (systemdbus.py), then gives the worker's
-leases back (recording those attempts as `lost`), so the occurrences run again at once
-and never beside a leftover copy.  Stopping units waits on D-Bus and systemd, so it runs
-on a thread of its own: the loop goes on, and the worker's replacement and the give-back
-wait for it (UnitCleanups).
+Nothing of a dead worker's runs survives it: before a replacement is forked, what its
+runs left is cleaned up (cleanup.py).  The control socket, metrics HTTP and D-Bus are
+listeners.py's; the command line is main.py's.
 """
 
 from __future__ import annotations
 
-import argparse
 import ctypes
-import errno
-import functools
 import gc
-import importlib
 import logging
 import os
 import selectors
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -45,14 +36,16 @@ from perfectschedd.errors import (
     SchemaError,
     first_line,
 )
-from perfectschedd.executors import reaper as jobreaper
 from perfectschedd.executors.systemd import props as unitprops
+from perfectschedd.master.cleanup import RunCleanup, UnitStopper, stop_units_over_dbus
 from perfectschedd.master.database import HOST_EVERY, MasterDatabase
+from perfectschedd.master.listeners import Listeners
 from perfectschedd.master.processes import Processes
 from perfectschedd.master.workertable import WorkerProc, WorkerTable
 from perfectschedd.metrics import counters as metrics
 from perfectschedd.schedules.converge import FileSchedules
 from perfectschedd.store.sql import check_url, engine_url
+from perfectschedd.worker import pipe
 
 log = logging.getLogger("perfectschedd")
 
@@ -62,82 +55,15 @@ STATUS_EVERY = 2.0
 # last ones it has (and their age): it answers within a second whatever the database does.
 STATUS_FRESH_WAIT = 0.5
 RELOAD_ANSWER_WAIT = 10.0
-DBUS_RETRY_MAX = 30.0
 SPAWN_RETRY = 2.0  # after a fork or pipe failed
-SWEEP_EVERY = 1.0  # looking for what ended runs left behind
 TURN_MIN = 0.05  # the loop's duties at most this often when only run reports arrive
 REPORT_GATHER = 0.01  # after a turn woken only by run reports, the next one waits this
-
-
-UnitStopper = Callable[[Callable[[str, str], bool], list[str]], list[str]]
-
-
-def _stop_units_over_dbus(belongs: Callable[[str, str], bool], names: list[str]) -> list[str]:
-    from perfectschedd.executors.systemd import bus as systemdbus
-
-    return systemdbus.stop_units(belongs, names)
-
-
-class UnitCleanups:
-    """Dead workers' systemd units being stopped, each on a thread of its own (a hung bus
-    or systemd must not stop the master's loop, its watchdog or `status`).  While a
-    worker's units stop, its index gets no replacement and its leases are not given back:
-    the occurrence must not run again beside them.  Bounded: systemdbus.stop_units gives
-    up after 20 s, and then the leases expire as any lease does."""
-
-    def __init__(self, stopper: UnitStopper, wake: Callable[[], None]) -> None:
-        self.stopper = stopper
-        self.wake = wake
-        self.threads: list[tuple[int, threading.Thread]] = []  # (worker index, its clean-up)
-
-    def start(self, index: int, whose: str, belongs: Callable[[str, str], bool],
-              names: list[str], then: Callable[[], None] | None) -> None:
-        def work() -> None:
-            # Units that could not be stopped may still run: their leases are not given
-            # back, they expire after alive_time (RuntimeMaxSec bounds the units).
-            if stop_units(self.stopper, whose, belongs, names) and then is not None:
-                then()
-            self.wake()  # the loop frees the index now, not at its next timeout
-
-        thread = threading.Thread(target=work, name=f"units-of-worker-{index}", daemon=True)
-        try:
-            thread.start()
-        except RuntimeError:  # no thread to be had (out of memory or tasks): wait here
-            work()
-            return
-        self.threads.append((index, thread))
-
-    def busy(self) -> set[int]:
-        """Indexes whose clean-up still runs (forgetting those that ended)."""
-        self.threads = [(i, t) for i, t in self.threads if t.is_alive()]
-        return {i for i, _ in self.threads}
-
-    def join(self, timeout: float) -> None:
-        end = time.monotonic() + timeout
-        for _, thread in list(self.threads):
-            thread.join(max(0.0, end - time.monotonic()))
-
-
-def stop_units(stopper: UnitStopper, whose: str, belongs: Callable[[str, str], bool],
-               names: list[str] | None = None) -> bool:
-    """Stop (SIGKILL, then wait until inactive) the perfectsched-* units of `whose`; False
-    when systemd could not be asked or did not stop them in time."""
-    try:
-        stopped = stopper(belongs, names or [])
-    except Exception as exc:  # noqa: BLE001 - SystemdError, or no fd left to import or connect
-        log.error("cannot stop the systemd units of %s: %s; their leases expire after "
-                  "alive_time", whose, first_line(exc))
-        return False
-    if stopped:
-        log.warning("stopped %d systemd unit(s) of %s: %s", len(stopped), whose,
-                    ", ".join(stopped))
-    return True
 
 
 class Supervisor:
     def __init__(self, config: Config, config_source: str, environment: str | None,
                  processes: Processes | None = None,
-                 unit_stopper: UnitStopper = _stop_units_over_dbus) -> None:
+                 unit_stopper: UnitStopper = stop_units_over_dbus) -> None:
         self.config = config
         self.config_source = config_source
         self.environment = environment
@@ -149,7 +75,8 @@ class Supervisor:
         self.selfpipe_r, self.selfpipe_w = os.pipe()
         for fd in (self.selfpipe_r, self.selfpipe_w):
             os.set_blocking(fd, False)
-        self.unit_cleanups = UnitCleanups(unit_stopper, self._poke)
+        self.cleanup = RunCleanup(unit_stopper, self._poke, self.procs)
+        self.unit_cleanups = self.cleanup.units
         self.sel = selectors.DefaultSelector()
         self.notifier = sdnotify.SystemdNotifier()
         self.watchdog_interval = self._watchdog_interval()
@@ -169,18 +96,15 @@ class Supervisor:
         self.config = self.host_config(config)
         self.spawn_postponed = False
         self.gc_frozen = False
-        self.dbus_attempt = 0  # a retry thread gives up when this moves on
         self.last_spawn_error = -SPAWN_RETRY
-        self.next_sweep = 0.0
         self.last_turn = 0.0
         # Control threads waiting for the answer of a reload they asked for.
         self.reload_waiters: list[tuple[threading.Event, list[str | None]]] = []
         self.last_status = 0.0
         self.status_line = ""
         self.last_error: str | None = None
-        self.control: Any = None
-        self.dbus: Any = None
-        self.metrics_server: Any = None
+        self.listeners = Listeners(self.dispatch, self._healthy,
+                                   lambda: self.state == "stopping", self._listener_error)
         # For child processes: fds of the master that a worker must close after fork.
         self.listener_fds: Callable[[], list[int]] = lambda: []
 
@@ -275,9 +199,7 @@ class Supervisor:
                 pass
         for w in self.table:
             self.procs.close(w.wake_w, w.alive_r)
-        if self.db.sc is not None:
-            # The master's pooled connections must not be used or closed by the child.
-            self.db.sc.store.engine.dispose(close=False)
+        self.db.after_fork()
         metrics.after_fork_in_worker()
 
     def _forget(self, proc: WorkerProc) -> None:
@@ -298,13 +220,8 @@ class Supervisor:
             self._forget(proc)
             metrics.worker_exited(pid)
             # Before anything else starts: nothing of its runs may outlive it.
-            give_back = (functools.partial(self._reclaim, f"{self.config.node}:{pid}")
-                         if code != 0 else None)
-            # With units, the give-back waits until they have stopped (UnitCleanups).
-            units_stopping = bool(code != 0 or proc.runs or proc.units) and \
-                self._kill_runs(proc, then=give_back)
-            if give_back is not None and not units_stopping:
-                give_back()
+            self.cleanup.after_death(proc, code, self.config, self.master_pid,
+                                     self._give_back)
             if not ended.unexpected:
                 log.info("worker %d (pid %d) exited", proc.index, pid)
                 continue
@@ -348,76 +265,14 @@ class Supervisor:
         for proc in self.table.surplus():  # a reload lowered `workers`
             self.procs.kill(proc.pid, signal.SIGTERM)
 
-    def _kill_runs(self, proc: WorkerProc, then: Callable[[], None] | None = None) -> bool:
-        """Kill every process of a dead worker's runs (before its replacement starts).
-        True when its units are being stopped: `then` runs once they have."""
-        units_stopping = False
-        if proc.units or self._runs_units():
-            from perfectschedd.executors.systemd import unit as unitjobs
-
-            # The units it reported, and any other that names it as its owner (a report
-            # lost with the worker): stopped before its leases are given back.
-            mark = unitjobs.owner_mark(self.config.node, proc.pid)
-            tag = unitprops.daemon_tag(self.config.control_socket)
-            self.unit_cleanups.start(
-                proc.index, f"worker {proc.index} (pid {proc.pid})",
-                lambda name, description: description.endswith(mark)
-                and unitprops.started_by(description, tag),
-                list(proc.units.values()), then)
-            proc.units.clear()
-            units_stopping = True
-        groups = [g for g in proc.runs.values() if g is not None]
-        killed = jobreaper.kill_groups(groups, self.master_pid)
-        dead = proc.pid
-        killed += jobreaper.kill_marked(lambda r: jobreaper.worker_of(r) == dead,
-                                        me=self.master_pid)
-        if killed:
-            log.warning("worker %d (pid %d) died with %d run(s); killed what was left of "
-                        "them", proc.index, dead, len(proc.runs) or killed)
-        proc.runs.clear()
-        return units_stopping
-
-    def _runs_units(self) -> bool:
-        return any(r.executor == "systemd" and r.refused is None for r in self.config.routes)
-
-    def _reclaim(self, owner: str) -> None:
-        """Give a dead worker's leases back now (its runs were killed), off the loop: the
-        database may be slow, and the occurrences need not wait for alive_time."""
-        def work(sc: Any) -> None:
-            n = sc.store.reclaim_owner(owner, time.time())
-            if n:
-                log.info("gave back %d lease(s) of %s; recorded as lost", n, owner)
-
-        # If the database does not answer, the leases expire by themselves.
-        self.db.in_background(f"giving back the leases of {owner}", work)
+    def _give_back(self, owner: str) -> None:
+        """A dead worker's leases back now (its runs were killed): the database of the
+        configuration running when its units have stopped."""
+        self.db.give_back_leases(owner)
 
     def sweep_orphans(self) -> None:
-        """Kill the master's children that are not workers and whose run has ended.
-
-        Workers are not subreapers: a process a run left behind (it left the group,
-        its parent died) lands here.  Reports are read first, so a run that just
-        started is known before its first orphan is judged.
-        """
-        now = time.monotonic()
-        if now < self.next_sweep:
-            return
-        # Once a second: the loop turns for every run event of every worker (thousands a
-        # second in a burst of exec jobs), and /proc reads on each turn showed.
-        self.next_sweep = now + SWEEP_EVERY
-        strays = [p for p in jobreaper.children(self.master_pid)
-                  if self.table.get(p) is None]
-        if not strays:
-            return
-        for proc in self.table:
-            self.read_alive(proc.pid)
-        active = {r for p in self.table for r in p.runs}
-        for pid in strays:
-            run = jobreaper.run_id(pid)
-            if run is not None and run in active:
-                continue
-            if run is not None:
-                log.warning("killing pid %d, left behind by run %s that has ended", pid, run)
-            jobreaper.kill(pid)
+        """Kill what ended runs left behind (cleanup.RunCleanup.sweep_orphans)."""
+        self.cleanup.sweep_orphans(self.table, self.master_pid, self.read_alive)
 
     def read_alive(self, pid: int) -> None:
         proc = self.table.get(pid)
@@ -433,8 +288,7 @@ class Supervisor:
         if not data:
             return
         proc.buf += data
-        *lines, rest = proc.buf.split(b"\n")
-        proc.buf = bytearray(rest)
+        lines, proc.buf = pipe.split_lines(proc.buf)
         now = time.monotonic()
         for line in lines:
             proc.report(line, now)
@@ -478,9 +332,10 @@ class Supervisor:
             sc, cmd, args, where=registry.DAEMON, caller=caller, routes=routes))
         if command.wakes:
             self.wake_workers()
-        if self.dbus is not None:
+        dbus = self.listeners.dbus
+        if dbus is not None:
             for key, change in command.changes(args, result):
-                self.dbus.schedule_changed(key, change)
+                dbus.schedule_changed(key, change)
         return result
 
     def _request_reload(self) -> dict[str, Any]:
@@ -613,7 +468,7 @@ class Supervisor:
             new = config_mod.load(self.config_source, self.environment)
             if (new.url, new.table) != (old.url, old.table):
                 check_url(new.url)  # the old store stays unless the new one can be made
-            self._swap_listeners(old, new)
+            self.listeners.swap(old, new)
         except Exception as exc:  # noqa: BLE001 - whatever the new file does, the old one runs
             # One bounded line, never a repr() of what the file holds.
             why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:500]
@@ -631,55 +486,11 @@ class Supervisor:
             self.db.stop_in_background()
             self.db = MasterDatabase(new)
             self.db.start()
-        if (new.dbus, new.dbus_address) != (old.dbus, old.dbus_address):
-            self.dbus_attempt += 1  # stops a retry of the old address
-            if self.dbus is not None:
-                self.dbus.stop()
-                self.dbus = None
-            self._start_dbus()  # optional: a failure is logged and the daemon runs on
+        self.listeners.swap_dbus(old, new)
         # The old generation retires once the new one is up.
         self.table.begin_reload(new.workers, new.worker_timeout, time.monotonic())
         log.info("reloading: starting %d new worker(s)", new.workers)
         return None
-
-    def _swap_listeners(self, old: Config, new: Config) -> None:
-        """Open what the new configuration needs before closing what the old one had, so
-        a new port in use or an unwritable log path leaves everything as it was."""
-        from perfectschedd.control import server as control
-
-        new_control = new_metrics = None
-        try:
-            # A socket file someone deleted (tmpfiles cleaning, a careless rm) comes back
-            # with a reload, as with a restart.
-            if new.control_socket != old.control_socket or \
-                    new.control_group != old.control_group or \
-                    (self.control is not None and not self.control.file_intact()):
-                new_control = control.ControlServer(new, self.dispatch, log=log)
-                if new.control_socket == old.control_socket and self.control is not None:
-                    self.control.stop()  # same path: it must be free to bind again
-                new_control.start()
-            if new.metrics_listen != old.metrics_listen and new.metrics_listen is not None:
-                new_metrics = self._serve_metrics(new.metrics_listen)
-            logsetup.setup(new.log)
-        except BaseException:
-            if new_control is not None:
-                new_control.stop()
-                if new.control_socket == old.control_socket:
-                    self._start_control()
-            if new_metrics is not None:
-                new_metrics.stop()
-            logsetup.setup(old.log)
-            raise
-        if new_control is not None:
-            if self.control is not None and new.control_socket != old.control_socket:
-                self.control.stop()
-            self.control = new_control
-        if new.metrics_listen != old.metrics_listen:
-            if self.metrics_server is not None:
-                self.metrics_server.stop()
-            self.metrics_server = new_metrics
-            if new.metrics_listen is not None:
-                log.info("metrics on http://%s:%d/metrics", *new.metrics_listen)
 
     def _finish_reload(self) -> None:
         old = self.table.finish_reload(time.monotonic())
@@ -695,7 +506,7 @@ class Supervisor:
         self.state = "stopping"
         log.info("stopping")
         self.notify("STOPPING=1", "STATUS=stopping")
-        self._stop_listeners()
+        self.listeners.stop()
         for p in self.table:
             self.procs.kill(p.pid, signal.SIGTERM)
         deadline = time.monotonic() + self.config.shutdown_timeout + self.config.kill_grace + 5
@@ -709,111 +520,14 @@ class Supervisor:
             self.reap()
             time.sleep(0.02)
         self.unit_cleanups.join(25.0)  # their give-backs need the database, still open
-        self._kill_orphans()
+        self.cleanup.kill_orphans()
         self.db.stop(timeout=5.0)  # lets the killed workers' leases be given back
         log.info("stopped")
 
-    def _kill_orphans(self) -> None:
-        """Job processes re-parented to us (their worker died) must not outlive us."""
-        me = str(os.getpid())
-        pids = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            if stat.rsplit(")", 1)[1].split()[1] == me:
-                pids.append(int(entry))
-        for pid in pids:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except OSError:
-                self.procs.kill(pid, signal.SIGKILL)
-        for pid in pids:
-            try:
-                os.waitpid(pid, 0)
-            except ChildProcessError:
-                pass
-
     # -- listeners ------------------------------------------------------------------------
 
-    def _start_control(self) -> None:
-        from perfectschedd.control import server as control
-
-        previous = self.control  # set (and stopped) when a reload moved the socket
-        server = control.ControlServer(self.config, self.dispatch, log=log)
-        try:
-            server.start()
-        except ConfigError as exc:
-            if previous is None:  # at start: the daemon cannot be controlled, so it stops
-                log.error("%s", exc)
-                raise SystemExit(1) from None
-            log.error("%s; keeping the control socket at %s", exc, previous.path)
-            self.last_error = str(exc)
-            server = control.ControlServer(self.config, self.dispatch, log=log,
-                                           path=previous.path)
-            server.start()
-        self.control = server
-
-    def _start_metrics_server(self) -> None:
-        if self.metrics_server is not None:
-            self.metrics_server.stop()
-            self.metrics_server = None
-        if self.config.metrics_listen is not None:
-            self.metrics_server = self._serve_metrics(self.config.metrics_listen)
-            log.info("metrics on http://%s:%d/metrics", *self.config.metrics_listen)
-
-    def _serve_metrics(self, listen: tuple[str, int]) -> Any:
-        try:
-            return metrics.serve(listen, self._healthy)
-        except OSError as exc:
-            hint = " (another perfectschedd?  Set metrics_listen to a free port, or off)" \
-                if exc.errno == errno.EADDRINUSE else ""
-            raise ConfigError(f"metrics_listen: cannot listen on {listen[0]}:{listen[1]}: "
-                              f"{exc.strerror or exc}{hint}") from None
-
-    def _start_dbus(self) -> None:
-        if not self.config.dbus:
-            return
-        self.dbus_attempt += 1
-        try:
-            self.dbus = self._dbus_service()
-        except Exception as exc:  # noqa: BLE001 - D-Bus is optional; the daemon runs on
-            log.error("D-Bus interface not available: %s; trying again with back-off", exc)
-            self.dbus = None
-            # The bus may not have read our policy yet (right after the package was
-            # installed) or may not run yet: keep trying, off the loop.
-            threading.Thread(target=self._retry_dbus, args=(self.dbus_attempt,),
-                             name="dbus-retry", daemon=True).start()
-
-    def _dbus_service(self) -> Any:
-        from perfectschedd.control import dbus_server as dbus_service
-
-        group = self.control.group_gid if self.control is not None else None
-        service = dbus_service.DBusService(self.dispatch, log=log,
-                                           address=self.config.dbus_address, group_gid=group)
-        service.start()
-        return service
-
-    def _retry_dbus(self, attempt: int) -> None:
-        wait = 1.0
-        while True:
-            time.sleep(wait)
-            wait = min(wait * 2, DBUS_RETRY_MAX)
-            if attempt != self.dbus_attempt or self.state == "stopping":
-                return  # a reload or a stop took over
-            try:
-                service = self._dbus_service()
-            except Exception:  # noqa: BLE001 - said once; the daemon runs on without it
-                continue
-            if attempt != self.dbus_attempt or self.state == "stopping":
-                service.stop()
-                return
-            self.dbus = service
-            return
+    def _listener_error(self, why: str) -> None:
+        self.last_error = why
 
     def _healthy(self) -> bool:
         """Running, a worker alive, and the database reachable from the master and from
@@ -823,22 +537,6 @@ class Supervisor:
         return self.state in ("running", "reloading") and any(
             now - p.last_seen < self.config.worker_timeout for p in procs) \
             and self.db.health()[0] is not False and all(p.db_ok for p in procs)
-
-    def _listener_fds(self) -> list[int]:
-        fds: list[int] = []
-        for obj in (self.control, self.metrics_server, self.dbus):
-            if obj is not None and hasattr(obj, "fds"):
-                fds.extend(obj.fds())
-        fds.extend(metrics.master_fds())
-        return fds
-
-    def _stop_listeners(self) -> None:
-        for obj in (self.control, self.dbus, self.metrics_server):
-            if obj is not None:
-                try:
-                    obj.stop()
-                except Exception:  # noqa: BLE001 - stopping must go on
-                    log.exception("error while stopping a listener")
 
     # -- main loop ------------------------------------------------------------------------
 
@@ -851,32 +549,22 @@ class Supervisor:
         except OSError:
             pass
         self._install_signals()
-        self.listener_fds = self._listener_fds
+        self.listener_fds = self.listeners.fds
         # The control socket first: its lock refuses a second daemon before anything of the
         # running one (its metric files, its port) is touched.
-        self._start_control()
+        self.listeners.start_control(self.config)
         try:
             metrics.setup_master(self.config)
-            self._start_metrics_server()
+            self.listeners.start_metrics(self.config)
         except ConfigError as exc:
             log.error("%s", exc)
-            self._stop_listeners()  # no control socket file left behind
+            self.listeners.stop()  # no control socket file left behind
             return 1
         self.db.start()
-        self._start_dbus()
-        if self._runs_units():
-            from perfectschedd.executors.systemd import unit as unitjobs
-
-            # A previous daemon of this host that died without stopping its jobs (killed,
-            # crashed): its units must not run beside the occurrences run again now.
-            mark = unitjobs.owner_mark(self.config.node, 0).rsplit(":", 1)[0] + ":"
-            # Only this instance's: another daemon of this host (another table, database
-            # or configuration, one socket each) keeps its units.
-            tag = unitprops.daemon_tag(self.config.control_socket)
-            # Before any worker exists: waiting here is what keeps them from running twice.
-            stop_units(self.unit_cleanups.stopper, "a previous daemon of this host",
-                       lambda name, description: mark in description
-                       and unitprops.started_by(description, tag))
+        self.listeners.start_dbus(self.config)
+        # A previous daemon of this host that died without stopping its jobs: its units
+        # stop before any worker exists.
+        self.cleanup.stop_previous_units(self.config)
         log.info("perfectschedd %s starting: %d worker(s), database %s", __version__,
                  self.config.workers, engine_url(self.config.url).render_as_string(
                      hide_password=True))
@@ -975,53 +663,3 @@ def host_grant() -> bool:
 # READY=1 waits this long at most for the first try to open the database: a database
 # that is only unreachable does not hold the start, one it can never use stops it.
 READY_DATABASE_WAIT = 10.0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="perfectschedd",
-                                description="PerfectSched daemon (runs in the foreground).")
-    p.add_argument("-c", "--config", metavar="CONFIG",
-                   help=f"configuration file (default $PERFECTSCHED_CONFIG or "
-                        f"{config_mod.DEFAULT_CONFIG_PATH})")
-    p.add_argument("-e", "--environment", metavar="ENV", help="section of a multi-env config")
-    p.add_argument("-I", dest="include", metavar="PATH", action="append", default=[],
-                   help="add PATH to the module search path (for python routes)")
-    p.add_argument("-r", dest="require", metavar="MODULE", action="append", default=[],
-                   help="import MODULE at start (for python routes)")
-    p.add_argument("--version", action="version", version=f"perfectschedd {__version__}")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    try:
-        return _main(argv)
-    finally:
-        logsetup.shutdown()  # write what the log queue still holds
-
-
-def _main(argv: list[str] | None) -> int:
-    ns = build_parser().parse_args(argv)
-    source = ns.config or os.environ.get("PERFECTSCHED_CONFIG") or \
-        config_mod.DEFAULT_CONFIG_PATH
-    logsetup.setup(None)
-    try:
-        cfg = config_mod.load(source, ns.environment)
-    except (ConfigError, NotSupportedError) as exc:
-        log.error("%s", exc)
-        return 1
-    logsetup.setup(cfg.log)
-    for path in reversed(ns.include):
-        sys.path.insert(0, os.path.abspath(path))
-    for module in ns.require:
-        try:
-            importlib.import_module(module)
-        except Exception as exc:  # noqa: BLE001 - report any import failure in one line
-            log.error("cannot import %s: %s", module, exc)
-            return 1
-    try:
-        return Supervisor(cfg, source, ns.environment).run()
-    except OSError as exc:
-        if exc.errno in (errno.EADDRINUSE, errno.EACCES, errno.EPERM):
-            log.error("%s", exc)
-            return 1
-        raise

@@ -8,7 +8,12 @@ in-process (tests/master/test_workertable.py).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+
+from perfectschedd.worker import pipe
+
+log = logging.getLogger("perfectschedd")
 
 QUICK_DEATH = 10.0  # a worker that dies sooner than this counts towards the back-off
 BACKOFF_MAX = 30.0
@@ -34,30 +39,34 @@ class WorkerProc:
     runs: dict[str, int | None] = field(default_factory=dict)
     # Its unit runs (executor systemd): run id -> unit name.
     units: dict[str, str] = field(default_factory=dict)
+    refused_line: bool = False  # it wrote a line that is no message (logged once)
 
     def report(self, line: bytes, now: float) -> None:
-        """One line of its alive pipe: "RUNNING DB_OK [LOOP_AGE IN_DB]" (a ping) or a run
-        event: "s RUN" (about to spawn), "g RUN PGID" (spawned), "u RUN UNIT" (about to
-        start a systemd unit), "e RUN" (ended)."""
+        """One line of its alive pipe (worker/pipe.py): a ping or a run event.  A line
+        that is neither is not a sign of life: said once for this worker, then ignored."""
+        try:
+            msg = pipe.parse(line)
+        except pipe.PipeError as exc:
+            if not self.refused_line:
+                self.refused_line = True
+                log.error("worker %d (pid %d): %s; ignored (said once per worker)",
+                          self.index, self.pid, exc)
+            return
         self.last_seen = now
         self.pinged = True
-        words = line.split()
-        try:
-            if words[0] not in (b"s", b"g", b"u", b"e"):
-                self.running, self.db_ok = int(words[0]), words[1] == b"1"
-                if len(words) >= 4:
-                    self.loop_age, self.in_db = float(words[2]), words[3] == b"1"
-            elif words[0] == b"s":
-                self.runs[words[1].decode()] = None
-            elif words[0] == b"g":
-                self.runs[words[1].decode()] = int(words[2])
-            elif words[0] == b"u":
-                self.units[words[1].decode()] = words[2].decode()
-            else:
-                self.runs.pop(words[1].decode(), None)
-                self.units.pop(words[1].decode(), None)
-        except (ValueError, IndexError, UnicodeDecodeError):
-            pass  # a line cut by a dying worker
+        if isinstance(msg, pipe.Ping):
+            self.running, self.db_ok = msg.running, msg.db_ok
+            if msg.loop_age is not None and msg.in_db is not None:
+                self.loop_age, self.in_db = msg.loop_age, msg.in_db
+        elif isinstance(msg, pipe.Spawning):
+            self.runs[msg.run] = None
+        elif isinstance(msg, pipe.Spawned):
+            self.runs[msg.run] = msg.pgid
+        elif isinstance(msg, pipe.UnitStarting):
+            self.units[msg.run] = msg.unit
+        else:
+            self.runs.pop(msg.run, None)
+            self.units.pop(msg.run, None)
 
 
 @dataclass(frozen=True)

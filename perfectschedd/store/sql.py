@@ -142,6 +142,11 @@ class Store:
         self.backend.drop_connections()
         self.engine.dispose()
 
+    def after_fork(self) -> None:
+        """In a process forked from the one that opened this store: forget the parent's
+        pooled connections without using or closing them (they are still the parent's)."""
+        self.engine.dispose(close=False)
+
     def keep_connection(self) -> None:
         """The calling thread keeps a connection for the hot path (where it pays)."""
         self.backend.keep_connection()

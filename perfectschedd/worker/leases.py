@@ -8,7 +8,7 @@ Invariants:
   renewed stops itself `fence_lead` seconds before the lease expires (FENCED).
 - Finishes are queued by the runs and written with the next claim, in one transaction;
   a finish that cannot be written stays queued (its lease still protects it).
-- Run events ("s", "g", "e" lines, see workertable.WorkerProc.report) reach the master
+- Run events (pipe.py's Spawning, Spawned, UnitStarting and Ended lines) reach the master
   through `report` before a run's first process exists and after its last one is gone.
 """
 
@@ -36,6 +36,8 @@ from perfectschedd.executors.systemd import props as unitprops
 from perfectschedd.metrics import counters as metrics
 from perfectschedd.schedules import catchup
 from perfectschedd.schedules.collection import ScheduleCollection, Task
+from perfectschedd.store.sql import Store
+from perfectschedd.worker import pipe
 
 log = logging.getLogger("perfectschedd.worker")
 
@@ -135,6 +137,13 @@ class LeasePipeline:
         self.db_backoff = 0.5
         self.last_flush = time.monotonic()
 
+    @property
+    def store(self) -> Store:
+        """The open collection's store: the calls the collection does not offer (claim
+        filters, advances and retargets, history, heartbeats) go to it directly."""
+        assert self.sc is not None
+        return self.sc.store
+
     def running_count(self) -> int:
         with self.lock:
             return len(self.running)
@@ -148,7 +157,7 @@ class LeasePipeline:
                 # Pooled connections may be what is broken: SQLite opens a file it may not
                 # write read-only, and such a connection stays read-only after the
                 # permissions come back.  The next try opens fresh ones.
-                self.sc.store.reset_connections()
+                self.store.reset_connections()
             if self.db_ok:
                 log.error("database unreachable: %s; retrying with back-off",
                           str(exc).splitlines()[0] if exc else "?")
@@ -168,12 +177,12 @@ class LeasePipeline:
             try:
                 self.sc = ScheduleCollection(self.config)
                 exact, patterns = self.router.claimable()
-                self.sc.store.restrict_types(
+                self.store.restrict_types(
                     exact, patterns, lambda t: self.router.match(t) is not None)
-                if self.sc.store.write_lock is not None:
-                    self.sc.store.write_lock.while_waiting = self.while_waiting
-                self.sc.store.keep_connection()  # step() runs on the worker's main loop
-                self.sc.store.warm_up()
+                if self.store.write_lock is not None:
+                    self.store.write_lock.while_waiting = self.while_waiting
+                self.store.keep_connection()  # step() runs on the worker's main loop
+                self.store.warm_up()
                 self._set_db(True)
             except (SQLAlchemyError, OSError) as exc:
                 self._set_db(False, exc)
@@ -258,11 +267,11 @@ class LeasePipeline:
         if plan.run is None:
             task._end()
             assert plan.next_time is not None
-            if self.sc.store.advance([task.advance_to(plan.next_time)]):
+            if self.store.advance([task.advance_to(plan.next_time)]):
                 log.warning("key=%s: lease lost while skipping missed occurrences", task.key)
             return False
         if plan.run != task.scheduled_time:
-            if not self.sc.store.retarget(task.key, task.fence, plan.run):
+            if not self.store.retarget(task.key, task.fence, plan.run):
                 return False  # the lease is gone: nothing of it is ours to run
             task.scheduled_time = plan.run
         return True
@@ -305,7 +314,7 @@ class LeasePipeline:
                 return
             group = task.group
             if group is not None and self.sc is not None and \
-                    not self.sc.store.group_acquire(task.key, group, int(time.time())):
+                    not self.store.group_acquire(task.key, group, int(time.time())):
                 # One schedule never runs two occurrences at once (`run KEY` while KEY
                 # runs): this one waits for the other to end.
                 log.info("key=%s: waiting for the running occurrence of %s to end",
@@ -323,7 +332,7 @@ class LeasePipeline:
                 # Reported before the spawn: the master must know the run before any
                 # process of it can become the master's orphan.
                 run_id = self.new_run_id()
-                self.report(f"s {run_id}")
+                self.report(pipe.Spawning(run_id).line())
             if task.policy.timeout is not None:  # the schedule's, over the route's
                 handler = dataclasses.replace(handler, timeout=task.policy.timeout)
             try:
@@ -331,14 +340,14 @@ class LeasePipeline:
                     BatchedTask(task, self), handler, log=log, stop_event=control,
                     kill_grace=self.config.kill_grace, run_id=run_id,
                     on_spawn=None if run_id is None else
-                    (lambda pgid, r=run_id: self.report(f"g {r} {pgid}")),
+                    (lambda pgid, r=run_id: self.report(pipe.Spawned(r, pgid).line())),
                     on_unit=None if run_id is None else
-                    (lambda name, r=run_id: self.report(f"u {r} {name}")),
+                    (lambda name, r=run_id: self.report(pipe.UnitStarting(r, name).line())),
                     node=self.config.node,
                     tag=self.unit_tag)
             finally:
                 if run_id is not None:
-                    self.report(f"e {run_id}")
+                    self.report(pipe.Ended(run_id).line())
             outcome, duration, unit = str(result.outcome), result.duration, result.unit
             if task.exhausted:
                 outcome = "failed"
@@ -421,7 +430,7 @@ class LeasePipeline:
         if not batch:
             return
         try:
-            self.sc.store.record_runs(batch)
+            self.store.record_runs(batch)
         except DBAPIError:
             with self.lock:  # keep them for the next flush, bounded
                 self.history[:0] = batch[-10_000:]
@@ -448,7 +457,7 @@ class LeasePipeline:
         assert self.sc is not None
         try:
             lease = math.ceil(time.time() if now is None else now) + self.config.alive_time
-            lost = self.sc.store.heartbeat(held, lease)
+            lost = self.store.heartbeat(held, lease)
         except SQLAlchemyError as exc:  # not only DBAPIError: this thread must not die
             # No renewal: the runs' fence_at stays, and they stop themselves in time.
             self._set_db(False, exc)

@@ -34,6 +34,7 @@ from perfectschedd.executors import command
 from perfectschedd.executors import reaper as jobreaper
 from perfectschedd.executors.base import StopReason
 from perfectschedd.schedules.collection import Task
+from perfectschedd.worker import pipe
 from perfectschedd.worker.leases import LeasePipeline
 
 log = logging.getLogger("perfectschedd.worker")
@@ -134,19 +135,19 @@ class Worker:
         if not force and now - self.last_ping < PING_INTERVAL:
             return
         self.last_ping = now
-        n = self.pipeline.running_count()
-        line = (f"{n} {int(self.pipeline.db_ok)} {now - self.loop_at:.1f} "
-                f"{int(self.in_db)}\n")
+        ping = pipe.Ping(self.pipeline.running_count(), self.pipeline.db_ok,
+                         now - self.loop_at, self.in_db)
         try:
-            os.write(self.alive_fd, line.encode())
+            os.write(self.alive_fd, pipe.encode(ping.line()))
         except BlockingIOError:
             pass
         except OSError:
             self.stopping.set()  # master gone
 
     def _report(self, line: str) -> None:
-        """A run event for the master; unlike pings, it waits for room in the pipe."""
-        data = f"{line}\n".encode()
+        """A run event (a pipe message's line) for the master; unlike pings, it waits for
+        room in the pipe."""
+        data = pipe.encode(line)
         deadline = time.monotonic() + REPORT_WAIT
         while True:
             try:

@@ -18,8 +18,9 @@ import pytest
 import perfectschedd
 from perfectschedd import config as config_mod
 from perfectschedd.executors.systemd import props as unitprops
+from perfectschedd.master.cleanup import UnitStopper
 from perfectschedd.master.processes import Processes
-from perfectschedd.master.supervisor import Supervisor, UnitStopper
+from perfectschedd.master.supervisor import Supervisor
 from perfectschedd.schedules.collection import ScheduleCollection
 
 

@@ -1,0 +1,189 @@
+"""The master's three listeners: the control socket, the metrics HTTP server and the D-Bus
+service.  Started at start, swapped on a reload (what the new configuration needs opens
+before what the old one had closes), stopped at stop.
+
+Each serves requests on threads of its own and hands them to the supervisor's
+`dispatch`; the metrics server asks `healthy`.  D-Bus is optional: when it cannot be had
+the daemon runs on and a thread keeps trying, with back-off.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from perfectschedd import logsetup
+from perfectschedd.config import Config
+from perfectschedd.errors import ConfigError
+from perfectschedd.metrics import counters as metrics
+
+log = logging.getLogger("perfectschedd")
+
+DBUS_RETRY_MAX = 30.0
+
+
+class Listeners:
+    def __init__(self, dispatch: Callable[..., Any], healthy: Callable[[], bool],
+                 stopping: Callable[[], bool], on_error: Callable[[str], None]) -> None:
+        self.dispatch = dispatch
+        self.healthy = healthy
+        self.stopping = stopping  # the daemon stops: a D-Bus retry gives up
+        self.on_error = on_error  # an error status should show (the daemon runs on)
+        self.control: Any = None
+        self.dbus: Any = None
+        self.metrics_server: Any = None
+        self.dbus_attempt = 0  # a retry thread gives up when this moves on
+
+    # -- control socket -------------------------------------------------------------------
+
+    def start_control(self, config: Config) -> None:
+        from perfectschedd.control import server as control
+
+        previous = self.control  # set (and stopped) when a reload moved the socket
+        server = control.ControlServer(config, self.dispatch, log=log)
+        try:
+            server.start()
+        except ConfigError as exc:
+            if previous is None:  # at start: the daemon cannot be controlled, so it stops
+                log.error("%s", exc)
+                raise SystemExit(1) from None
+            log.error("%s; keeping the control socket at %s", exc, previous.path)
+            self.on_error(str(exc))
+            server = control.ControlServer(config, self.dispatch, log=log,
+                                           path=previous.path)
+            server.start()
+        self.control = server
+
+    # -- metrics HTTP ---------------------------------------------------------------------
+
+    def start_metrics(self, config: Config) -> None:
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
+            self.metrics_server = None
+        if config.metrics_listen is not None:
+            self.metrics_server = self.serve_metrics(config.metrics_listen)
+            log.info("metrics on http://%s:%d/metrics", *config.metrics_listen)
+
+    def serve_metrics(self, listen: tuple[str, int]) -> Any:
+        try:
+            return metrics.serve(listen, self.healthy)
+        except OSError as exc:
+            hint = " (another perfectschedd?  Set metrics_listen to a free port, or off)" \
+                if exc.errno == errno.EADDRINUSE else ""
+            raise ConfigError(f"metrics_listen: cannot listen on {listen[0]}:{listen[1]}: "
+                              f"{exc.strerror or exc}{hint}") from None
+
+    # -- D-Bus ----------------------------------------------------------------------------
+
+    def start_dbus(self, config: Config) -> None:
+        if not config.dbus:
+            return
+        self.dbus_attempt += 1
+        try:
+            self.dbus = self._dbus_service(config)
+        except Exception as exc:  # noqa: BLE001 - D-Bus is optional; the daemon runs on
+            log.error("D-Bus interface not available: %s; trying again with back-off", exc)
+            self.dbus = None
+            # The bus may not have read our policy yet (right after the package was
+            # installed) or may not run yet: keep trying, off the loop.
+            threading.Thread(target=self._retry_dbus, args=(self.dbus_attempt, config),
+                             name="dbus-retry", daemon=True).start()
+
+    def _dbus_service(self, config: Config) -> Any:
+        from perfectschedd.control import dbus_server as dbus_service
+
+        group = self.control.group_gid if self.control is not None else None
+        service = dbus_service.DBusService(self.dispatch, log=log,
+                                           address=config.dbus_address, group_gid=group)
+        service.start()
+        return service
+
+    def _retry_dbus(self, attempt: int, config: Config) -> None:
+        wait = 1.0
+        while True:
+            time.sleep(wait)
+            wait = min(wait * 2, DBUS_RETRY_MAX)
+            if attempt != self.dbus_attempt or self.stopping():
+                return  # a reload or a stop took over
+            try:
+                service = self._dbus_service(config)
+            except Exception:  # noqa: BLE001 - said once; the daemon runs on without it
+                continue
+            if attempt != self.dbus_attempt or self.stopping():
+                service.stop()
+                return
+            self.dbus = service
+            return
+
+    # -- reload ---------------------------------------------------------------------------
+
+    def swap(self, old: Config, new: Config) -> None:
+        """Open what the new configuration needs before closing what the old one had, so
+        a new port in use or an unwritable log path leaves everything as it was."""
+        from perfectschedd.control import server as control
+
+        new_control = new_metrics = None
+        try:
+            # A socket file someone deleted (tmpfiles cleaning, a careless rm) comes back
+            # with a reload, as with a restart.
+            if new.control_socket != old.control_socket or \
+                    new.control_group != old.control_group or \
+                    (self.control is not None and not self.control.file_intact()):
+                new_control = control.ControlServer(new, self.dispatch, log=log)
+                if new.control_socket == old.control_socket and self.control is not None:
+                    self.control.stop()  # same path: it must be free to bind again
+                new_control.start()
+            if new.metrics_listen != old.metrics_listen and new.metrics_listen is not None:
+                new_metrics = self.serve_metrics(new.metrics_listen)
+            logsetup.setup(new.log)
+        except BaseException:
+            if new_control is not None:
+                new_control.stop()
+                if new.control_socket == old.control_socket:
+                    self.start_control(old)
+            if new_metrics is not None:
+                new_metrics.stop()
+            logsetup.setup(old.log)
+            raise
+        if new_control is not None:
+            if self.control is not None and new.control_socket != old.control_socket:
+                self.control.stop()
+            self.control = new_control
+        if new.metrics_listen != old.metrics_listen:
+            if self.metrics_server is not None:
+                self.metrics_server.stop()
+            self.metrics_server = new_metrics
+            if new.metrics_listen is not None:
+                log.info("metrics on http://%s:%d/metrics", *new.metrics_listen)
+
+    def swap_dbus(self, old: Config, new: Config) -> None:
+        """Once the new configuration is in place: D-Bus on its new bus, or off."""
+        if (new.dbus, new.dbus_address) != (old.dbus, old.dbus_address):
+            self.dbus_attempt += 1  # stops a retry of the old address
+            if self.dbus is not None:
+                self.dbus.stop()
+                self.dbus = None
+            self.start_dbus(new)  # optional: a failure is logged and the daemon runs on
+
+    # -- child processes and stop ---------------------------------------------------------
+
+    def fds(self) -> list[int]:
+        """The master's listening fds, which a worker closes after fork."""
+        fds: list[int] = []
+        for obj in (self.control, self.metrics_server, self.dbus):
+            if obj is not None and hasattr(obj, "fds"):
+                fds.extend(obj.fds())
+        fds.extend(metrics.master_fds())
+        return fds
+
+    def stop(self) -> None:
+        for obj in (self.control, self.dbus, self.metrics_server):
+            if obj is not None:
+                try:
+                    obj.stop()
+                except Exception:  # noqa: BLE001 - stopping must go on
+                    log.exception("error while stopping a listener")
