@@ -102,7 +102,7 @@ def _show(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[s
     # schedule is running.
     shown["extra_runs"] = [{"run_key": r.key, "run_at": r.next_run_time,
                             "running": r.owner is not None and r.next_run_time > now}
-                           for r in sc.store.extra_runs(a["key"])]
+                           for r in sc.extra_runs(a["key"])]
     return shown
 
 
@@ -152,7 +152,7 @@ def _run(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[st
     info = schedule.info()
     access.check_route(info.key, info.type)
     run_key = schedule.run_now(now=now, creator=access.creator)
-    busy = sc.store.group_busy(run_key, a["key"], int(now))
+    busy = sc.group_busy(run_key, a["key"], int(now))
     return {"key": a["key"], "run_key": run_key, "run_at": int(now),
             "after_running": busy,
             "note": ("starts once the running occurrence of this schedule has ended"
@@ -164,7 +164,7 @@ def _history(sc: ScheduleCollection, a: Args, now: float, access: Access) -> lis
     limit = a.get("limit", 20)
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= HISTORY_MAX:
         raise InvalidInputError("limit", f"must be a whole number from 1 to {HISTORY_MAX}")
-    runs = sc.store.history(key, limit)
+    runs = sc.history(key, limit)
     if not runs and not sc[key].exists():
         sc[key].info()  # raises NotFoundError with the usual message
     for r in runs:
@@ -190,7 +190,7 @@ def _apply(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[
         raise InvalidInputError("prune", "prune and dry_run must be true or false")
     # --prune: every schedule that came from a file and is not in these files goes (those
     # the caller may change: Access.owns).
-    remove_from = sc.store.file_sources() if prune else []
+    remove_from = sc.file_sources() if prune else []
     changes = converge.converge(sc, entries, remove_from, dry_run=dry_run, now=now,
                                 creator=access.creator, applier=access.caller.uid)
     return converge.summary(changes)

@@ -11,7 +11,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from perfectschedd.config import Config, load
@@ -492,6 +492,29 @@ class ScheduleCollection:
 
     def earliest_due(self) -> int | None:
         return self.store.earliest_due()
+
+    # -- what the commands read beside the schedules themselves ----------------------------
+
+    def history(self, key: str, limit: int) -> list[dict[str, Any]]:
+        """The latest `limit` runs of `key`, newest first."""
+        return self.store.history(key, limit)
+
+    def extra_runs(self, key: str) -> list[Row]:
+        """The pending extra runs (`run KEY`) of `key`."""
+        return self.store.extra_runs(key)
+
+    def group_busy(self, run_key: str, key: str, now: int) -> bool:
+        """Whether another member of `key`'s group holds a live lease: `run_key` then
+        starts once it has ended."""
+        return self.store.group_busy(run_key, key, now)
+
+    def rows_of(self, keys: Sequence[str] = (), sources: Sequence[str] = ()) -> list[Row]:
+        """The stored rows of these keys and of these sources (file:NAME)."""
+        return self.store.rows_of(keys=keys, sources=sources)
+
+    def file_sources(self) -> list[str]:
+        """Every file:NAME source that has schedules."""
+        return self.store.file_sources()
 
 
 def open(config: Mapping[str, Any] | str | os.PathLike[str] | Config | None = None,

@@ -79,7 +79,7 @@ def converge(sc: ScheduleCollection, entries: Mapping[str, Entry],
     creators = creators or {}
     now = time.time() if now is None else now
     tz = sc.config.timezone
-    rows = {r.key: r for r in sc.store.rows_of(keys=list(entries), sources=list(remove_from))}
+    rows = {r.key: r for r in sc.rows_of(keys=list(entries), sources=list(remove_from))}
     changes: list[Change] = []
     for key, entry in entries.items():
         row = rows.get(key)
