@@ -38,7 +38,9 @@ class AcceptGuard:
 
     def exhausted(self, listener: socket.socket, exc: OSError) -> bool:
         """Call when accept() raised `exc`; True if it was descriptor exhaustion (handled:
-        one waiting client closed, a short pause taken), False for any other error."""
+        one waiting client closed, a short pause taken), False for any other error.
+        It accepts on `listener` itself: call it only after select() saw a client, or
+        with a non-blocking listener, or it waits for the next client."""
         if exc.errno not in EXHAUSTED:
             return False
         if self.reserve is not None:

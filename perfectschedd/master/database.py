@@ -324,10 +324,8 @@ class MasterDatabase:
             now = time.monotonic()
             try:
                 if self.sc is None:
-                    try:
-                        self._open()
-                    finally:
-                        self.first_open.set()
+                    self._open()
+                    self.first_open.set()
                     backoff = 0.5
                 if now >= next_host:
                     next_host = now + HOST_EVERY
@@ -354,9 +352,11 @@ class MasterDatabase:
             except SchemaError as exc:
                 # Waiting will not fix it: the supervisor stops the daemon (and says why).
                 self.fatal = first_line(exc)
+                self.first_open.set()  # after the outcome is published: waiters read it
                 return
             except Exception as exc:  # noqa: BLE001 - this thread must not die
                 self._mark(False, first_line(getattr(exc, "orig", None) or exc))
+                self.first_open.set()
                 # A status request (or stop) arriving meanwhile cuts the wait short.
                 self._refresh.clear()
                 if self._stop.is_set():
