@@ -26,6 +26,7 @@ import sqlalchemy as sa
 from daemon_harness import Daemon, wait_until
 from dbservers import driver_url
 from old_release import OldRelease
+from test_upgrade_db import ctl_many
 
 import perfectschedd
 from perfectschedd.schedules import cron
@@ -73,11 +74,30 @@ def test_rolling_upgrade_from_0_1_0_loses_and_repeats_nothing(
     via: dict[str, str] = {}      # key -> the host@version whose socket added it
 
     def add(d: Daemon, label: str, n: int) -> None:
+        """`n` schedules through `d`'s socket, with `d`'s perfectschedctl (one process)."""
         now = int(time.time())
-        for _ in range(n):
-            key = f"k{len(started):02d}-{label.replace('@', '-')}"
-            d.ctl("add", key, JOB, "* * * * *", "-s", str(now - BEHIND))
+        keys = [f"k{len(started) + i:02d}-{label.replace('@', '-')}" for i in range(n)]
+        many = ctl_many(d.ctl_command, ["--socket", d.socket_path],
+                        home=None if label.endswith(new_label) else old.path)
+        many([["add", key, JOB, "* * * * *", "-s", str(now - BEHIND)] for key in keys])
+        for key in keys:
             started[key], via[key] = now - BEHIND, label
+
+    def ended() -> Counter[str]:
+        """Runs ended so far, by host@version."""
+        return Counter(r.node for r in parse_log(log_path.read_text()) if r.kind == "E")
+
+    def work(labels: list[str], since: Counter[str], n: int = 8) -> None:
+        """Wait until each of `labels` ended `n` runs more than `since`: what the phase is
+        for (each host of each version works), instead of a fixed time."""
+        wait_until(lambda: all(ended()[lb] >= since[lb] + n for lb in labels), timeout=30,
+                   interval=0.1, what=f"{n} runs more by each of {labels}")
+
+    def all_ran() -> None:
+        """Every schedule ran at least once (asserted below, from the database)."""
+        wait_until(lambda: set(via) <= {r.key for r in parse_log(log_path.read_text())
+                                        if r.kind == "E"}, timeout=30, interval=0.1,
+                   what="a run of every schedule")
 
     def in_flight(d: Daemon) -> None:
         """Wait until `d` is running jobs: a switch now stops work in progress."""
@@ -118,31 +138,34 @@ def test_rolling_upgrade_from_0_1_0_loses_and_repeats_nothing(
     t0 = time.monotonic()
     n0 = host("n0", old.version)
     assert "created table" in old.ctl("-c", str(n0.config_path), "init").stdout
-    # -- phase A: two hosts of 0.1.0 ------------------------------------------------------
-    hosts = [n0.start(), host("n1", old.version).start()]
     logs: list[str] = []
     new = perfectschedd.__version__
     old_label, new_label = f"@{old.version}", f"@{new}"
+    # -- phase A: two hosts of 0.1.0 ------------------------------------------------------
+    hosts = [n0.start(wait_ready=False), host("n1", old.version).start(wait_ready=False)]
+    for d in hosts:  # both start at once
+        d.wait_notify(lambda m: "READY=1" in m, timeout=30, what="READY=1")
     add(hosts[0], "n0" + old_label, 6)
     add(hosts[1], "n1" + old_label, 6)
-    time.sleep(6)
+    work(["n0" + old_label, "n1" + old_label], Counter())
     # -- phase B: n1 runs this release, n0 still 0.1.0 ------------------------------------
     upgrade(1)
     add(hosts[1], "n1" + new_label, 3)
     add(hosts[0], "n0" + old_label, 3)
-    t_phase = time.monotonic()
+    since = ended()
     mixed = {"n0": old.version, "n1": new}
     seen = {"B": hosts_listed(hosts[1], mixed)}
-    time.sleep(max(0.0, 8 - (time.monotonic() - t_phase)))
+    work(["n1" + new_label, "n0" + old_label], since)
     # -- phase C: both run this release -----------------------------------------------------
     upgrade(0)
     add(hosts[0], "n0" + new_label, 3)
     add(hosts[1], "n1" + new_label, 3)
-    t_phase = time.monotonic()
+    since = ended()
     seen.update({f"C n{i}": hosts_listed(d, {"n0": new, "n1": new})
                  for i, d in enumerate(hosts)})
     seen["C table"] = hosts_table()
-    time.sleep(max(0.0, 8 - (time.monotonic() - t_phase)))
+    work(["n0" + new_label, "n1" + new_label], since)
+    all_ran()
     in_flight(hosts[0])
     for d in hosts:
         assert d.stop() == 0, d.log()[-3000:]

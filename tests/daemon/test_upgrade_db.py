@@ -11,16 +11,17 @@ database that 0.1.0's CLI still reads the same way.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
 import yaml
-from daemon_harness import Daemon, sh, wait_until
+from daemon_harness import CTL, Daemon, sh, wait_until
 from dbservers import driver_url
 from old_release import OldRelease
 
@@ -58,32 +59,99 @@ STATIC = ("key", "type", "cron", "delay", "timezone", "data", "misfire", "grace"
           "paused_reason")
 
 Snapshot = dict[str, Any]  # {"list": [...], "show": {key: ...}, "history": {key: [...]}}
+Many = Callable[[list[list[str]]], list[Any]]  # argument vectors -> their JSON answers
+
+# `python -m perfectschedctl ARGV...` for many argument vectors in one process (a
+# perfectschedctl takes 0.3-0.5 s of CPU for its imports, a direct-mode one a scram login
+# too, and a snapshot is some 25 calls): the package is imported once, then each vector
+# runs its __main__ afresh, with fd 1 and 2 on files of its own.  It says which
+# perfectschedctl it imported: the release's, or this tree's.
+BATCH = r"""
+import json, os, runpy, sys, tempfile, traceback
+import perfectschedctl
+results = []
+for argv in json.load(sys.stdin):
+    sys.argv = ["perfectschedctl", *argv]
+    outs = [tempfile.TemporaryFile(), tempfile.TemporaryFile()]
+    saved = [os.dup(1), os.dup(2)]
+    sys.stdout.flush(); sys.stderr.flush()
+    os.dup2(outs[0].fileno(), 1); os.dup2(outs[1].fileno(), 2)
+    try:
+        try:
+            runpy.run_module("perfectschedctl", run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as exc:
+            if exc.code is None or isinstance(exc.code, int):
+                code = exc.code or 0
+            else:
+                print(exc.code, file=sys.stderr)
+                code = 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    finally:
+        sys.stdout.flush(); sys.stderr.flush()
+        os.dup2(saved[0], 1); os.dup2(saved[1], 2)
+        for fd in saved:
+            os.close(fd)
+    text = []
+    for f in outs:
+        f.seek(0)
+        text.append(f.read().decode(errors="replace"))
+        f.close()
+    results.append([code, text[0], text[1]])
+sys.__stdout__.write(json.dumps({"file": perfectschedctl.__file__, "results": results}))
+"""
 
 
-def snapshot(ctl_json: Any, threads: int = 4, histories_of: set[str] | None = None
-             ) -> Snapshot:
+def ctl_many(command: list[str], prefix: list[str], home: Path | None = None) -> Many:
+    """`command` (`[..., python, "-m", "perfectschedctl"]`) with `prefix` and `--json`
+    before each argument vector, all of them in one process (BATCH); each must exit 0.
+    With `home`, the perfectschedctl imported must be the one in that directory."""
+    assert command[-2:] == ["-m", "perfectschedctl"], command
+
+    def many(argvs: list[list[str]]) -> list[Any]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PERFECTSCHED_")}
+        res = subprocess.run([*command[:-2], "-c", BATCH], capture_output=True, text=True,
+                             timeout=120, env=env, cwd=str(home) if home else None,
+                             input=json.dumps([[*prefix, "--json", *a] for a in argvs]))
+        assert res.returncode == 0, res.stderr
+        out = json.loads(res.stdout)
+        if home is not None:
+            assert Path(out["file"]).resolve().is_relative_to(home.resolve()), out["file"]
+        answers = []
+        for argv, (code, stdout, stderr) in zip(argvs, out["results"], strict=True):
+            assert code == 0, f"perfectschedctl {' '.join(argv)} -> {code}\n{stdout}{stderr}"
+            answers.append(json.loads(stdout))
+        return answers
+    return many
+
+
+def snapshot(many: Many, histories_of: set[str] | None = None) -> Snapshot:
     """Everything a CLI shows: `list`, and `show` and `history` of each key listed (or
     of `histories_of` only)."""
-    listed = ctl_json("list")
+    [listed] = many([["list"]])
     keys = [s["key"] for s in listed]
     hkeys = [k for k in keys if histories_of is None or k in histories_of]
-    # A direct-mode perfectschedctl takes 0.3-0.5 s of CPU (imports, a scram login).
-    with ThreadPoolExecutor(threads) as pool:
-        shows = list(pool.map(lambda k: ctl_json("show", k), keys))
-        histories = list(pool.map(lambda k: ctl_json("history", k, "-n", HISTORY_ALL), hkeys))
+    answers = many([*(["show", k] for k in keys),
+                    *(["history", k, "-n", HISTORY_ALL] for k in hkeys)])
+    shows, histories = answers[:len(keys)], answers[len(keys):]
     return {"list": listed, "show": dict(zip(keys, shows, strict=True)),
             "history": dict(zip(hkeys, histories, strict=True))}
 
 
 @contextmanager
-def direct_ctl(config: Path) -> Iterator[Any]:
+def direct_ctl(config: Path) -> Iterator[Many]:
     """This tree's `perfectschedctl --json -c CONFIG ...` without a process per call: its
     parser, its request and the commands it runs on the database, printed as JSON."""
     with schedules.open(str(config)) as sc:
-        def call(*args: str) -> Any:
-            cmd, req = cli.request_of(cli.build_parser().parse_args(["-c", str(config),
-                                                                     *args]))
-            return json.loads(json.dumps(commands.execute(sc, cmd, req)))
+        def call(argvs: list[list[str]]) -> list[Any]:
+            answers = []
+            for args in argvs:
+                cmd, req = cli.request_of(cli.build_parser().parse_args(["-c", str(config),
+                                                                         *args]))
+                answers.append(json.loads(json.dumps(commands.execute(sc, cmd, req))))
+            return answers
         yield call
 
 
@@ -134,17 +202,19 @@ def test_new_daemon_keeps_and_runs_a_database_of_0_1_0(
          "--max-attempts", "3", "--retry-wait", "30", "--jitter", "20", "--timeout", "90"],
         ["add", "paused", "t", "@daily", "-t", "America/New_York"],
     ]
-    for args in direct:  # perfectschedctl -c: on the database, no daemon
-        old.ctl("-c", conf_old, *args)
+    # perfectschedctl -c: on the database, no daemon (one process for the four).
+    old_direct = ctl_many(old.ctl_command, ["-c", conf_old], home=old.path)
+    old_direct(direct)
     d_old.start()
-    start = now - 2700
+    start = now - 1800
     via_socket: list[list[str]] = [
         ["pause", "paused"],
         ["add", "once", "t", "@once", '{"why": "later"}', "--at", str(now + 86400)],
         ["add", "data", "t", "@weekly",
          '{"s": "caf\\u00e9 \\u2713", "n": [1, 2.5, null, true, false],'
          ' "o": {"deep": {"er": [{}, []]}}, "empty": ""}'],
-        # 45 missed minutes (misfire all), 0.15 s each: still catching up at the upgrade.
+        # 30 missed minutes (misfire all), 0.15 s each: still catching up at the upgrade
+        # (0.1.0 runs some 5 of them before it stops; each the new daemon runs is time).
         ["add", "ticking", "py", "* * * * *", '{"sleep": 0.15}', "-s", str(start)],
         # misfire latest: the missed ones are recorded skipped, the latest runs.
         ["add", "latest", "py", "* * * * *", "-s", str(now - 600), "--misfire", "latest"],
@@ -156,18 +226,21 @@ def test_new_daemon_keeps_and_runs_a_database_of_0_1_0(
     for args in via_socket:
         d_old.ctl(*args)
 
-    def hist(key: str) -> list[dict[str, Any]]:
-        return list(d_old.ctl_json("history", key, "-n", HISTORY_ALL))
-    wait_until(lambda: len(hist("ticking")) >= 3 and
-               any(r["outcome"] == "success" for r in hist("latest")) and
-               len(hist("failing")) >= 2 and
-               {"file-report", "file-exec"} <= {s["key"] for s in d_old.ctl_json("list")},
-               timeout=30, interval=0.2, what="0.1.0's first runs and its schedules file")
+    old_socket = ctl_many(old.ctl_command, ["--socket", d_old.socket_path], home=old.path)
+
+    def first_runs() -> bool:
+        ticking, latest, failing, listed = old_socket(
+            [["history", k, "-n", HISTORY_ALL] for k in ("ticking", "latest", "failing")]
+            + [["list"]])
+        return len(ticking) >= 3 and any(r["outcome"] == "success" for r in latest) and \
+            len(failing) >= 2 and {"file-report", "file-exec"} <= {s["key"] for s in listed}
+    wait_until(first_runs, timeout=30, interval=0.2,
+               what="0.1.0's first runs and its schedules file")
     assert d_old.stop() == 0, d_old.log()[-3000:]
     assert "Traceback" not in d_old.log(), d_old.log()[-3000:]
 
     # -- what 0.1.0 sees ------------------------------------------------------------------
-    before = snapshot(lambda *a: old.ctl_json("-c", conf_old, *a))
+    before = snapshot(old_direct)
     shown, runs = before["show"], before["history"]
     extra_runs = [k for k in shown if k.startswith("plain@run-")]
     assert set(shown) - set(extra_runs) == {
@@ -199,15 +272,17 @@ def test_new_daemon_keeps_and_runs_a_database_of_0_1_0(
          "routes": [py, fail, sh("t", "true")]},
         url=db_url, extra_args=["-I", str(mods)]).start()
 
+    new_socket = ctl_many(CTL, ["--socket", d_new.socket_path])
+
     def caught_up() -> bool:
-        s = d_new.ctl_json("show", "ticking")
+        s, plain = new_socket([["show", "ticking"], ["history", "plain"]])
         return s["next_time"] > time.time() - 60 and s["owner"] is None and \
-            any(r["key"] == run_key for r in d_new.ctl_json("history", "plain"))
+            any(r["key"] == run_key for r in plain)
     wait_until(caught_up, timeout=40, interval=0.5,
                what="the backlog of ticking and the extra run of plain, on the new daemon")
     # 0.1.0's CLI reads the database while the new daemon works on it.
     assert {s["key"] for s in old.ctl_json("-c", conf_old, "list")} == kept
-    after = snapshot(d_new.ctl_json)
+    after = snapshot(new_socket)
 
     # Every schedule is kept, every field of it (extra fields may be new).
     assert set(after["show"]) == kept, set(after["show"]) ^ kept
@@ -250,8 +325,8 @@ def test_new_daemon_keeps_and_runs_a_database_of_0_1_0(
 
     # -- expand-only: 0.1.0's CLI reads all of it as the new one does --------------------
     with direct_ctl(d_new.config_path) as new_ctl_json:
-        new_view = snapshot(new_ctl_json, threads=1)
-    old_view = snapshot(lambda *a: old.ctl_json("-c", conf_old, *a), histories_of={
+        new_view = snapshot(new_ctl_json)
+    old_view = snapshot(old_direct, histories_of={
         k for k, runs in new_view["history"].items() if runs})
     assert {s["key"] for s in old_view["list"]} == set(new_view["show"]) >= kept
     new_listed = {s["key"]: s for s in new_view["list"]}
