@@ -113,7 +113,7 @@ def test_sqlite_held_by_an_outside_writer(daemon_factory: Any, tmp_path: Path) -
     hold.execute("BEGIN EXCLUSIVE")
     hang_start = time.monotonic()
     try:
-        ride_out_hang(d, 30)
+        ride_out_hang(d, 12)  # three times worker_timeout: long enough to be mistaken
     finally:
         hold.execute("COMMIT")
         hold.close()
