@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ctl_batch import run_batch
 from daemon_harness import CTL, Daemon
 
 import perfectschedd
@@ -213,52 +214,10 @@ def test_fuzz_direct_mode(tmp_path: Path) -> None:
     tally.check("direct")
 
 
-# `python -m perfectschedctl ARGV...` for many argument vectors in one process: the
-# package is imported once (a direct-mode process spends ~0.4 s on its imports), then
-# each vector runs its __main__ afresh with fd 1 and 2 on files of their own, so that
-# whatever it writes (print, argparse, a logging handler made earlier) is its own, and an
-# exception escaping it is printed as the interpreter would print it, with exit 1.
-BATCH = r"""
-import json, os, runpy, sys, tempfile, traceback
-results = []
-for argv in json.load(sys.stdin):
-    sys.argv = ["perfectschedctl", *argv]
-    outs = [tempfile.TemporaryFile(), tempfile.TemporaryFile()]
-    saved = [os.dup(1), os.dup(2)]
-    sys.stdout.flush(); sys.stderr.flush()
-    os.dup2(outs[0].fileno(), 1); os.dup2(outs[1].fileno(), 2)
-    try:
-        try:
-            runpy.run_module("perfectschedctl", run_name="__main__", alter_sys=True)
-            code = 0
-        except SystemExit as exc:
-            if exc.code is None or isinstance(exc.code, int):
-                code = exc.code or 0
-            else:
-                print(exc.code, file=sys.stderr)
-                code = 1
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-    finally:
-        sys.stdout.flush(); sys.stderr.flush()
-        os.dup2(saved[0], 1); os.dup2(saved[1], 2)
-        for fd in saved:
-            os.close(fd)
-    text = []
-    for f in outs:
-        f.seek(0)
-        text.append(f.read().decode(errors="replace"))
-        f.close()
-    results.append({"argv": argv, "returncode": code, "stdout": text[0], "stderr": text[1]})
-sys.__stdout__.write(json.dumps(results))
-"""
-
-
 def test_fuzz_direct_mode_command_lines(tmp_path: Path) -> None:
     """Real `perfectschedctl -c` command lines with odd argument vectors: one line on
     stderr, exit 0, 1 (refused) or 2 (usage), never a traceback.  All of them run in one
-    process (BATCH), and a few of them each in a process of its own as well."""
+    process (tests/ctl_batch.py), and a few of them each in a process of its own as well."""
     config = tmp_path / "c.yml"
     config.write_text(json.dumps({"type": "rdb_compat", "url": f"sqlite:///{tmp_path}/c.db"}))
     subprocess.run([*CTL, "-c", str(config), "init"], check=True, capture_output=True)
@@ -276,20 +235,15 @@ def test_fuzz_direct_mode_command_lines(tmp_path: Path) -> None:
         if res.returncode == 1:
             assert len(res.stderr.strip().splitlines()) == 1, (argv, res.stderr)
 
-    batch = subprocess.run([*CTL[:-2], "-c", BATCH],
-                           input=json.dumps([["-c", str(config), *a] for a in argvs]),
-                           capture_output=True, text=True, timeout=120)
-    assert batch.returncode == 0, batch.stderr
-    results = json.loads(batch.stdout)
+    results = run_batch(CTL[:-2], [["-c", str(config), *a] for a in argvs]).results
     assert len(results) == len(argvs)
     for argv, res in zip(argvs, results, strict=True):
-        check(argv, subprocess.CompletedProcess(res["argv"], res["returncode"],
-                                                res["stdout"], res["stderr"]))
+        check(argv, res)
     # The batch saw every kind of ending, so it did run the programme each time.
-    assert {r["returncode"] for r in results} == {0, 1, 2}, results
+    assert {r.returncode for r in results} == {0, 1, 2}, results
     # The same checks on processes of their own: 6 vectors, one of each ending and the rest
     # spread over the list.
-    firsts = {r["returncode"]: i for i, r in reversed(list(enumerate(results)))}
+    firsts = {r.returncode: i for i, r in reversed(list(enumerate(results)))}
     for i in sorted({*firsts.values(), *range(0, len(argvs), 20)}):
         res = subprocess.run([*CTL, "-c", str(config), *argvs[i]], capture_output=True,
                              text=True, timeout=60)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,6 +20,7 @@ from typing import Any
 
 import sqlalchemy as sa
 import yaml
+from ctl_batch import run_batch
 from daemon_harness import CTL, Daemon, sh, wait_until
 from dbservers import driver_url
 from old_release import OldRelease
@@ -61,68 +61,25 @@ STATIC = ("key", "type", "cron", "delay", "timezone", "data", "misfire", "grace"
 Snapshot = dict[str, Any]  # {"list": [...], "show": {key: ...}, "history": {key: [...]}}
 Many = Callable[[list[list[str]]], list[Any]]  # argument vectors -> their JSON answers
 
-# `python -m perfectschedctl ARGV...` for many argument vectors in one process (a
-# perfectschedctl takes 0.3-0.5 s of CPU for its imports, a direct-mode one a scram login
-# too, and a snapshot is some 25 calls): the package is imported once, then each vector
-# runs its __main__ afresh, with fd 1 and 2 on files of its own.  It says which
-# perfectschedctl it imported: the release's, or this tree's.
-BATCH = r"""
-import json, os, runpy, sys, tempfile, traceback
-import perfectschedctl
-results = []
-for argv in json.load(sys.stdin):
-    sys.argv = ["perfectschedctl", *argv]
-    outs = [tempfile.TemporaryFile(), tempfile.TemporaryFile()]
-    saved = [os.dup(1), os.dup(2)]
-    sys.stdout.flush(); sys.stderr.flush()
-    os.dup2(outs[0].fileno(), 1); os.dup2(outs[1].fileno(), 2)
-    try:
-        try:
-            runpy.run_module("perfectschedctl", run_name="__main__", alter_sys=True)
-            code = 0
-        except SystemExit as exc:
-            if exc.code is None or isinstance(exc.code, int):
-                code = exc.code or 0
-            else:
-                print(exc.code, file=sys.stderr)
-                code = 1
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-    finally:
-        sys.stdout.flush(); sys.stderr.flush()
-        os.dup2(saved[0], 1); os.dup2(saved[1], 2)
-        for fd in saved:
-            os.close(fd)
-    text = []
-    for f in outs:
-        f.seek(0)
-        text.append(f.read().decode(errors="replace"))
-        f.close()
-    results.append([code, text[0], text[1]])
-sys.__stdout__.write(json.dumps({"file": perfectschedctl.__file__, "results": results}))
-"""
 
 
 def ctl_many(command: list[str], prefix: list[str], home: Path | None = None) -> Many:
     """`command` (`[..., python, "-m", "perfectschedctl"]`) with `prefix` and `--json`
-    before each argument vector, all of them in one process (BATCH); each must exit 0.
+    before each argument vector, all of them in one process (ctl_batch); each must exit 0.
     With `home`, the perfectschedctl imported must be the one in that directory."""
     assert command[-2:] == ["-m", "perfectschedctl"], command
 
     def many(argvs: list[list[str]]) -> list[Any]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("PERFECTSCHED_")}
-        res = subprocess.run([*command[:-2], "-c", BATCH], capture_output=True, text=True,
-                             timeout=120, env=env, cwd=str(home) if home else None,
-                             input=json.dumps([[*prefix, "--json", *a] for a in argvs]))
-        assert res.returncode == 0, res.stderr
-        out = json.loads(res.stdout)
+        batch = run_batch(command[:-2], [[*prefix, "--json", *a] for a in argvs], env=env,
+                          cwd=home)
         if home is not None:
-            assert Path(out["file"]).resolve().is_relative_to(home.resolve()), out["file"]
+            assert Path(batch.file).resolve().is_relative_to(home.resolve()), batch.file
         answers = []
-        for argv, (code, stdout, stderr) in zip(argvs, out["results"], strict=True):
-            assert code == 0, f"perfectschedctl {' '.join(argv)} -> {code}\n{stdout}{stderr}"
-            answers.append(json.loads(stdout))
+        for argv, res in zip(argvs, batch.results, strict=True):
+            assert res.returncode == 0, (f"perfectschedctl {' '.join(argv)} -> "
+                                         f"{res.returncode}\n{res.stdout}{res.stderr}")
+            answers.append(json.loads(res.stdout))
         return answers
     return many
 
