@@ -17,6 +17,8 @@ import yaml
 from perfectschedd.errors import ConfigError, InvalidInputError, NotSupportedError, describe
 from perfectschedd.executors import runas
 from perfectschedd.executors.systemd import props as unitprops
+from perfectschedd.notify import spec as notify_spec
+from perfectschedd.notify.spec import Notifier
 from perfectschedd.schedules.fields import EXEC_TYPE
 
 DEFAULT_CONFIG_PATH = "/etc/perfectsched/perfectsched.yml"
@@ -54,6 +56,9 @@ class RouteConfig:
     # Why this host cannot run the route (refuse_routes), or None: a refused route still
     # takes the types it matches (first match wins), and runs none of them here.
     refused: str | None = None
+    # Who hears of this route's failures (notify_spec.SILENT: nobody); None: the
+    # configuration's default.
+    notify: Notifier | None = None
 
     @property
     def regexp(self) -> re.Pattern[str] | None:
@@ -102,11 +107,31 @@ class Config:
     schedules_dir: str | None = DEFAULT_SCHEDULES_DIR
     # This host's name in lease owners ("node:pid") and status; default: the hostname.
     node_name: str | None = None
+    # Named notifiers (`--notify NAME` stores a name), the default one, the mail program.
+    notifiers: tuple[tuple[str, Notifier], ...] = ()
+    notify: Notifier | None = None
+    sendmail: str = notify_spec.DEFAULT_SENDMAIL
+    # Schedules files' entries' own `notify:` (inline or none), by key: on this host only,
+    # as their commands (set by converge.FileSchedules.load).
+    entry_notify: tuple[tuple[str, Notifier], ...] = ()
     source: str | None = field(default=None, compare=False)
 
     @property
     def node(self) -> str:
         return self.node_name or socket.gethostname()
+
+    def notifier(self, name: str) -> Notifier | None:
+        for known, notifier in self.notifiers:
+            if known == name:
+                return notifier
+        return None
+
+    def all_notifiers(self) -> list[Notifier]:
+        """Every notifier this configuration may use (for the host checks)."""
+        found = [n for _, n in self.notifiers]
+        found += [n for n in (self.notify, *(r.notify for r in self.routes)) if n is not None]
+        found += [n for _, n in self.entry_notify]
+        return found
 
 
 # A configuration file larger than this is refused unread (it is a few kB).
@@ -120,7 +145,7 @@ _KNOWN_KEYS = {
     "workers", "concurrency", "control_socket", "control_group", "metrics_listen", "dbus",
     "dbus_address",
     "shutdown_timeout", "kill_grace", "worker_timeout", "routes", "history_limit",
-    "node_name", "schedules_dir",
+    "node_name", "schedules_dir", "notifiers", "notify", "sendmail",
 }
 
 
@@ -152,7 +177,7 @@ def parse_listen(value: Any) -> tuple[str, int] | None:
     return host, int(port)
 
 
-def _routes(raw: Any) -> tuple[RouteConfig, ...]:
+def _routes(raw: Any, notifiers: Mapping[str, Notifier]) -> tuple[RouteConfig, ...]:
     if raw is None:
         return ()
     if not isinstance(raw, list):
@@ -163,7 +188,7 @@ def _routes(raw: Any) -> tuple[RouteConfig, ...]:
         if not isinstance(entry, Mapping):
             raise ConfigError(f"{where}: must be a mapping")
         unknown = set(entry) - {"type", "exec", "python", "timeout", "executor", "unit",
-                                "user", "env", "allow"}
+                                "user", "env", "allow", "notify"}
         if unknown:
             raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
         pattern = entry.get("type")
@@ -213,8 +238,15 @@ def _routes(raw: Any) -> tuple[RouteConfig, ...]:
         if allow and user is None:
             raise ConfigError(f"{where}.allow: only for a route with user: (a route without "
                               "one is open to control_group)")
+        notify = None
+        if entry.get("notify") is not None:
+            try:
+                notify = notify_spec.parse_ref(entry["notify"], notifiers, f"{where}.notify")
+            except ValueError as exc:
+                raise ConfigError(f"{where}.{exc}") from None
         route = RouteConfig(
             pattern=pattern,
+            notify=notify,
             exec=tuple(route_exec) if route_exec is not None else None,
             python=python,
             timeout=float(timeout) if timeout is not None else None,
@@ -299,6 +331,15 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
                                       or "\0" in schedules_dir):
         raise ConfigError(f"schedules_dir: must be a directory path or off, got "
                           f"{describe(schedules_dir)}")
+    try:
+        notifiers = notify_spec.parse_table(raw.get("notifiers"))
+        default_notify = (notify_spec.parse_ref(raw["notify"], notifiers, "notify")
+                          if raw.get("notify") is not None else None)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    sendmail = raw.get("sendmail", notify_spec.DEFAULT_SENDMAIL)
+    if not isinstance(sendmail, str) or not sendmail.startswith("/") or "\0" in sendmail:
+        raise ConfigError(f"sendmail: must be an absolute path, got {describe(sendmail)}")
     dbus = raw.get("dbus", False)
     if not isinstance(dbus, bool):
         raise ConfigError("dbus: must be true or false")
@@ -325,12 +366,27 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
         shutdown_timeout=_number(raw, "shutdown_timeout", 30.0, minimum=0),
         kill_grace=_number(raw, "kill_grace", 5.0, minimum=0),
         worker_timeout=_number(raw, "worker_timeout", 30.0, minimum=2),
-        routes=_routes(raw.get("routes")),
+        routes=_routes(raw.get("routes"), notifiers),
         history_limit=_number(raw, "history_limit", 100, minimum=0, integer=True),
         node_name=node_name,
         schedules_dir=schedules_dir,
+        notifiers=tuple(notifiers.items()),
+        notify=default_notify,
+        sendmail=sendmail,
         source=source,
     )
+
+
+def notify_refusal(config: Config) -> str | None:
+    """What only the daemon's host can check of the notifiers (at start and on reload):
+    a mail notifier needs the sendmail program.  One line, or None."""
+    if any(n.kind == "mail" for n in config.all_notifiers()) and \
+            not os.access(config.sendmail, os.X_OK):
+        where = f"{config.source}: " if config.source else ""
+        return (f"{where}sendmail: {config.sendmail} is not an executable program on this "
+                "host, and a mail notifier needs it (install a mail transfer agent, or set "
+                "sendmail: to its path)")
+    return None
 
 
 def host_refusals(config: Config, grant: bool = False) -> list[tuple[int, str]]:

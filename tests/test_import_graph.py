@@ -23,6 +23,7 @@ LAYERS: dict[str, int] = {
     "perfectschedd.schedules.fields": 0,
     "perfectschedd.executors.runas": 1,
     "perfectschedd.executors.systemd.props": 1,
+    "perfectschedd.notify.spec": 1,  # the config reads notifiers with it
     "perfectschedd.config": 2,
     "perfectschedd": 2,  # __init__: the version and the lazy public names
     "perfectschedd.store": 3,
@@ -30,6 +31,7 @@ LAYERS: dict[str, int] = {
     "perfectschedd.schedules": 4,
     "perfectschedd.executors": 4,
     "perfectschedd.control": 5,
+    "perfectschedd.notify": 5,
     "perfectschedd.worker": 6,
     "perfectschedd.master": 7,
     "perfectschedd.__main__": 8,

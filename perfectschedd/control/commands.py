@@ -17,6 +17,7 @@ from perfectschedd.control import registry
 from perfectschedd.control.auth import Access, Caller, check_force
 from perfectschedd.control.protocol import HISTORY_MAX
 from perfectschedd.errors import InvalidInputError
+from perfectschedd.notify import spec as notify_spec
 from perfectschedd.schedules.collection import ScheduleCollection, ScheduleInfo
 from perfectschedd.schedules.ownership import known_user_name
 from perfectschedd.schedules.policy import OPTIONS as POLICY_OPTIONS
@@ -49,10 +50,24 @@ def _may_schedule(access: Access, key: Any, task_type: Any) -> None:
     access.check_route(check_key(key), check_type(task_type))
 
 
+def _check_notify(sc: ScheduleCollection, name: Any) -> None:
+    """A schedule names a notifier of the configuration of the host that handles the
+    request (the notifier's command or address never travels with it); '' and none
+    clear it.  The name's form is policy.check's."""
+    if not isinstance(name, str) or name in ("", *notify_spec.NONE_WORDS) or \
+            not notify_spec.NAME.match(name):
+        return
+    if sc.config.notifier(name) is None:
+        known = ", ".join(n for n, _ in sc.config.notifiers) or "none are defined"
+        raise InvalidInputError("notify", f"no notifier named {name!r} in this host's "
+                                f"notifiers: ({known})")
+
+
 def _add(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
     options = {k: a[k] for k in ("delay", "timezone", "start", "at", "data", *POLICY_OPTIONS)
                if a.get(k) is not None}
     _may_schedule(access, _arg(a, "key"), _arg(a, "type"))
+    _check_notify(sc, a.get("notify"))
     sc.add(a["key"], a["type"], _arg(a, "cron"), now=now, creator=access.creator, **options)
     return _info(sc[a["key"]].info(), LIST_FIELDS)
 
@@ -68,6 +83,7 @@ def _add_many(sc: ScheduleCollection, a: Args, now: float, access: Access) -> di
         if unknown:
             raise InvalidInputError("schedules", f"unknown field(s) {', '.join(sorted(unknown))}")
         _may_schedule(access, item.get("key"), item.get("type"))
+        _check_notify(sc, item.get("notify"))
     return {"added": sc.add_many([{**i, "now": now, "creator": access.creator}
                                   for i in items])}
 
@@ -126,6 +142,7 @@ def _modify(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict
                if k in a}
     info = _changing(sc, a, access)
     access.check_route(info.key, info.type)  # what runs as its route's user changes
+    _check_notify(sc, a.get("notify"))
     if "type" in changes:
         access.check_route(info.key, check_type(changes["type"]))
     sc[a["key"]].modify(now=now, **changes)
@@ -185,6 +202,7 @@ def _apply(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[
     entries = converge.from_wire(_arg(a, "entries"))
     for entry in entries.values():
         access.check_apply_type(entry.key, entry.type)
+        _check_notify(sc, entry.policy.notify)
     prune, dry_run = a.get("prune", False), a.get("dry_run", False)
     if not isinstance(prune, bool) or not isinstance(dry_run, bool):
         raise InvalidInputError("prune", "prune and dry_run must be true or false")

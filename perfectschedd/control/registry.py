@@ -90,6 +90,8 @@ def _policy_args() -> tuple[Arg, ...]:
                        "attempt"),
         "jitter": ("--jitter", "start each occurrence a fixed per-key 0..SEC later"),
         "timeout": ("--timeout", "stop a run after SEC (default: the route's)"),
+        "notify": ("--notify", "NAME of the daemon's notifiers: told of failures and "
+                   "recoveries ('' or none: the route's, else the config's)"),
     }
     assert set(texts) == set(POLICY_OPTIONS)
     return tuple(Arg((flag,), dest, text, kind="policy") for dest, (flag, text) in

@@ -46,6 +46,9 @@ def _main(argv: list[str] | None) -> int:
     logsetup.setup(None)
     try:
         cfg = config_mod.load(source, ns.environment)
+        refusal = config_mod.notify_refusal(cfg)
+        if refusal is not None:  # a host check: perfectschedctl -c reads the file too
+            raise ConfigError(refusal)
     except (ConfigError, NotSupportedError) as exc:
         log.error("%s", exc)
         return 1

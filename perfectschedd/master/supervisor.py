@@ -466,6 +466,9 @@ class Supervisor:
         old = self.config
         try:
             new = config_mod.load(self.config_source, self.environment)
+            refusal = config_mod.notify_refusal(new)
+            if refusal is not None:
+                raise ConfigError(refusal)
             if (new.url, new.table) != (old.url, old.table):
                 check_url(new.url)  # the old store stays unless the new one can be made
             self.listeners.swap(old, new)

@@ -90,6 +90,11 @@ class _WorkerMetrics:
         self.given_up = Counter(f"{p}_occurrences_given_up",
                                 "Occurrences given up after max_attempts failed attempts.",
                                 ["type"], registry=None)
+        self.notifications = Counter(
+            f"{p}_notifications",
+            "Notifications of failures and recoveries, by notifier kind (exec, mail, "
+            "webhook; ? when dropped before one was chosen) and result (sent, failed, "
+            "dropped).", ["kind", "result"], registry=None)
         self.db_errors = Counter(f"{p}_database_errors",
                                  "Failed database operations of the workers.", registry=None)
         # livemin: 1 only while every live worker reaches the database.
@@ -165,6 +170,11 @@ def occurrences_skipped(task_type: str, count: int) -> None:
 def occurrence_given_up(task_type: str) -> None:
     if _worker is not None:
         _worker.given_up.labels(task_type).inc()
+
+
+def notification(kind: str, result: str) -> None:
+    if _worker is not None:
+        _worker.notifications.labels(kind, result).inc()
 
 
 def lease_lost(task_type: str) -> None:

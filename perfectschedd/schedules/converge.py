@@ -177,7 +177,8 @@ class FileSchedules:
             self.directory = directory
             self.loaded = loaded
             self.due_at = time.monotonic()
-        return replace(config, routes=loaded.routes() + config.routes)
+        return replace(config, routes=loaded.routes() + config.routes,
+                       entry_notify=loaded.notifiers())
 
     def take_pending(self) -> bool:
         """Whether an apply is due now; if so it is no longer pending (apply() makes it

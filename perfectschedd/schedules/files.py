@@ -21,6 +21,8 @@ from perfectschedd.config import RouteConfig
 from perfectschedd.errors import InvalidInputError, describe
 from perfectschedd.executors import runas
 from perfectschedd.executors.systemd import props as unitprops
+from perfectschedd.notify import spec as notify_spec
+from perfectschedd.notify.spec import Notifier
 from perfectschedd.schedules import cron as cron_mod
 from perfectschedd.schedules import filetrust
 from perfectschedd.schedules import policy as policy_mod
@@ -59,6 +61,9 @@ class Entry:
     user: str | None = None
     executor: str = "exec"
     unit: tuple[unitprops.Property, ...] = ()
+    # The entry's inline `notify:` (or notify_spec.SILENT for `none`): on this host only,
+    # as its command.  A notifier's name is stored in the policy instead.
+    notify: Notifier | None = None
 
     def stored(self, default_timezone: str) -> dict[str, Any]:
         """The fields the database holds, as `add` takes them."""
@@ -88,6 +93,10 @@ class Loaded:
 
     def routes(self) -> tuple[RouteConfig, ...]:
         return tuple(r for e in self.entries.values() if (r := e.route()) is not None)
+
+    def notifiers(self) -> tuple[tuple[str, Notifier], ...]:
+        """The entries' own inline notifiers (or none), by key."""
+        return tuple((k, e.notify) for k, e in self.entries.items() if e.notify is not None)
 
 
 def source_of(path: Path) -> str:
@@ -280,7 +289,20 @@ def check_entry(raw: Any, source: str, need_user_support: bool = True,
         tz = check_timezone(tz)
     delay = check_int("delay", raw.get("delay", 0))
     data = check_data(raw.get("data"))
-    chosen = policy_mod.DEFAULT.changed({k: raw[k] for k in policy_mod.OPTIONS if k in raw})
+    local_notify = None
+    options = {k: raw[k] for k in policy_mod.OPTIONS if k in raw}
+    if isinstance(options.get("notify"), Mapping) or options.get("notify") == "none":
+        # An inline notifier holds a command or a destination: it stays in the file, on
+        # the hosts that read it (never sent by apply, never stored).
+        if stored_only:
+            raise InvalidInputError("notify", "only a notifier's name can be sent to the "
+                                    "daemon; an inline notifier belongs in its schedules_dir")
+        try:
+            local_notify = notify_spec.parse_ref(options.pop("notify"), {}, f"entry {key}")
+        except ValueError as exc:
+            where, _, why = str(exc).partition(": ")
+            raise InvalidInputError(where, why) from None
+    chosen = policy_mod.DEFAULT.changed(options)
     env = runas.check_env(raw.get("env"))
     if env and argv is None:
         raise InvalidInputError("env", "only for exec entries (a type's route has its own)")
@@ -304,7 +326,7 @@ def check_entry(raw: Any, source: str, need_user_support: bool = True,
         user = runas.check_user(user, need_user_support, needs_root=executor == "exec")
     return Entry(key=key, source=source, cron=expr, type=task_type, timezone=tz, delay=delay,
                  data=data, policy=chosen, exec=argv, env=env, user=user, executor=executor,
-                 unit=unit)
+                 unit=unit, notify=local_notify)
 
 
 def _check_exec(value: Any) -> tuple[str, ...]:

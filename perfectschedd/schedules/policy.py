@@ -17,6 +17,7 @@ from functools import lru_cache
 from typing import Any
 
 from perfectschedd.errors import InvalidInputError, describe
+from perfectschedd.notify import spec as notify_spec
 
 MISFIRES = ("all", "latest", "skip")
 # `misfire: skip` without a grace: an occurrence that has not started this long after its
@@ -36,6 +37,9 @@ class Policy:
     retry_wait: int | None = None     # seconds before the 2nd attempt; None: the config's
     jitter: int = 0                   # seconds; each key gets a fixed offset in [0, jitter)
     timeout: float | None = None      # seconds; None: the route's
+    # A name of the handling host's `notifiers:` (never a command or a destination: those
+    # stay in the files root writes); None: the file entry's, the route's, the config's.
+    notify: str | None = None
 
     # -- stored form ----------------------------------------------------------------------
 
@@ -119,6 +123,15 @@ def check(options: Mapping[str, Any]) -> dict[str, Any]:
                 raise InvalidInputError("misfire", f"must be one of {', '.join(MISFIRES)}, "
                                         f"got {describe(value)}")
             out[name] = value
+        elif name == "notify":
+            # '' or none: the schedule's own notifier is cleared (it inherits again).
+            if value in ("", *notify_spec.NONE_WORDS):
+                out[name] = None
+                continue
+            try:
+                out[name] = notify_spec.check_name(value)
+            except ValueError as exc:
+                raise InvalidInputError("notify", str(exc).partition(": ")[2]) from None
         elif name == "timeout":
             out[name] = _number(name, value, minimum=0.001, maximum=_SECONDS_MAX,
                                 integer=False)

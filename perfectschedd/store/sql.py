@@ -652,6 +652,18 @@ class Store:
             return [dict(r._mapping) for r in conn.execute(q)]
 
     @_retried
+    def last_outcome(self, key: str, before: float, outcomes: Iterable[str]) -> str | None:
+        """The outcome of `key`'s latest run among `outcomes` that ended before `before`
+        (Unix seconds), or None (notifications: was the run before this one a failure?)."""
+        h = self.h
+        q = (sa.select(h.c.outcome)
+             .where(h.c.key == key, h.c.finished_at < before, h.c.outcome.in_(list(outcomes)))
+             .order_by(h.c.id.desc()).limit(1))
+        with self._tx(readonly=True) as conn:
+            found = conn.execute(q).scalar()
+        return None if found is None else str(found)
+
+    @_retried
     def prune_history(self, keep_per_key: int) -> int:
         """Keep only the newest `keep_per_key` runs of each key (bounded history)."""
         h = self.h

@@ -101,8 +101,12 @@ class BatchedTask:
 class LeasePipeline:
     def __init__(self, config: Config, *, report: Callable[[str], None] = lambda line: None,
                  nudge: Callable[[], None] = lambda: None,
-                 while_waiting: Callable[[], None] | None = None) -> None:
+                 while_waiting: Callable[[], None] | None = None,
+                 on_recorded: Callable[[list[dict[str, Any]]], None] | None = None) -> None:
         self.config = config
+        # Called with each history batch once it is written (notifications); must not
+        # block: it runs on this loop.
+        self.on_recorded = on_recorded
         self.report = report        # a run event for the master
         self.nudge = nudge          # a run ended: the claim loop should look again
         self.while_waiting = while_waiting  # called while waiting for SQLite's writer lock
@@ -393,6 +397,8 @@ class LeasePipeline:
                 "finished_at": started + duration if duration else time.time(),
                 "outcome": outcome, "worker": self.sc.owner if self.sc else "?",
                 "unit": unit,
+                # Not a column: the schedule's own notifier's name, for on_recorded.
+                **({"notify": task.policy.notify} if task.policy.notify else {}),
             })
 
     def _take_finished(self) -> list[Task]:
@@ -434,6 +440,12 @@ class LeasePipeline:
         except DBAPIError:
             with self.lock:  # keep them for the next flush, bounded
                 self.history[:0] = batch[-10_000:]
+            return
+        if self.on_recorded is not None:
+            try:
+                self.on_recorded(batch)
+            except Exception:  # noqa: BLE001 - the records are written; runs go on
+                log.exception("after recording %d run(s)", len(batch))
 
     # -- heartbeat --------------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ from perfectschedd.config import Config
 from perfectschedd.executors import command
 from perfectschedd.executors import reaper as jobreaper
 from perfectschedd.executors.base import StopReason
+from perfectschedd.notify.dispatch import STATE_OUTCOMES, Dispatcher
 from perfectschedd.schedules.collection import Task
 from perfectschedd.worker import pipe
 from perfectschedd.worker.leases import LeasePipeline
@@ -43,6 +44,8 @@ PING_INTERVAL = 1.0
 # How long a run event may wait for room in the alive pipe (the master reads it at once
 # unless it is gone or stuck).
 REPORT_WAIT = 2.0
+# How long a stopping worker waits for its queued notifications to go out.
+NOTIFY_DRAIN = 5.0
 
 
 class TaskThreads:
@@ -91,8 +94,14 @@ class Worker:
         self.alive_fd = alive_fd
         self.master_pid = master_pid
         self.stopping = threading.Event()  # no new claims
-        self.pipeline = LeasePipeline(config, report=self._report, nudge=self._nudge,
-                                      while_waiting=self._ping)
+        # Notifications only where some notifier is configured: without one, the
+        # pipeline's history path is exactly as before.
+        self.notices: Dispatcher | None = None
+        if config.all_notifiers():
+            self.notices = Dispatcher(config, self._previous_outcome)
+        self.pipeline = LeasePipeline(
+            config, report=self._report, nudge=self._nudge, while_waiting=self._ping,
+            on_recorded=None if self.notices is None else self.notices.on_recorded)
         self.master_gone = False
         self.report_dropped = False
         self.last_ping = 0.0
@@ -104,6 +113,12 @@ class Worker:
         os.set_blocking(alive_fd, False)
 
     # -- plumbing ---------------------------------------------------------------------------
+
+    def _previous_outcome(self, key: str, before: float) -> str | None:
+        """For the notification thread: `key`'s last state outcome before a run."""
+        if self.pipeline.sc is None:
+            return None
+        return self.pipeline.store.last_outcome(key, before, STATE_OUTCOMES)
 
     def _nudge(self, force: bool = False) -> None:
         # One wake-up byte until the loop has read it: a burst of finishing tasks must not
@@ -248,6 +263,10 @@ class Worker:
             me = os.getpid()
             jobreaper.kill_marked(lambda r: jobreaper.worker_of(r) == me, me=me)
         self.pipeline.give_back_leftovers()
+        if self.notices is not None:
+            # The last runs' notifications, briefly: a stop must not wait on a receiver.
+            self.pipeline.flush_history(force=True)
+            self.notices.drain(NOTIFY_DRAIN)
         self.pipeline.close()
         log.info("worker %d stopped", self.index)
 

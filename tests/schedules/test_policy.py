@@ -20,7 +20,7 @@ def test_defaults_store_as_null_and_read_back_as_defaults() -> None:
     assert from_text(None) is DEFAULT
     assert from_text("") is DEFAULT
     assert set(OPTIONS) == {"misfire", "grace", "max_attempts", "retry_wait", "jitter",
-                            "timeout"}
+                            "timeout", "notify"}
 
 
 ROUND_TRIPS = [

@@ -1,0 +1,137 @@
+"""Notifications against a real daemon (issue #27): a schedule failing five times then
+recovering is told twice by default and 5 + 1 times with every-failure; a webhook that
+hangs or fails delays no run; mail through a sendmail stand-in and an exec notifier;
+refusals of unknown names and of mail without sendmail, at start and on reload."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from daemon_harness import YEARLY, Daemon, sh, wait_until
+from notify_receivers import Receiver, mails, sendmail_stand_in
+from scrape import scrape, value
+
+# A job that fails its first five runs, then succeeds: a counter in a file.
+FLAKY = ('n=$(cat {c} 2>/dev/null || echo 0); n=$((n+1)); echo $n > {c}; '
+         'echo "try $n"; [ $n -gt 5 ]')
+
+
+def history(d: Daemon, key: str) -> list[dict[str, Any]]:
+    return list(reversed(d.ctl_json("history", key, "-n", "100")))
+
+
+@pytest.mark.parametrize(("when", "want"), [
+    ("change", [("failure", "failed"), ("recovery", "success")]),
+    ("every-failure", [("failure", "failed")] * 5 + [("recovery", "success")]),
+])
+def test_five_failures_then_a_recovery_are_told(daemon_factory: Any, tmp_path: Path,
+                                                when: str, want: list[Any]) -> None:
+    hook = Receiver()
+    try:
+        d: Daemon = daemon_factory({
+            "workers": 1,  # one worker: the test needs no second one's history
+            "notifiers": {"hook": {"webhook": hook.url, "when": when}},
+            "routes": [sh("t", FLAKY.format(c=tmp_path / "count"))]}).start()
+        d.ctl("add", "k", "t", YEARLY, "-a", "0", "--retry-wait", "0", "--notify", "hook")
+        assert d.ctl_json("show", "k")["notify"] == "hook"
+        wait_until(lambda: [r["outcome"] for r in history(d, "k")][-1:] == ["success"], 20,
+                   what="the sixth attempt to succeed")
+        wait_until(lambda: len(hook.events()) >= len(want), 10, what="the notifications")
+        time.sleep(1.0)  # nothing more comes
+        assert hook.events() == want
+        assert [doc["key"] for doc in hook.docs] == ["k"] * len(want)
+        assert [doc["attempt"] for doc in hook.docs][-1] == 6
+        _, samples = scrape(d.metrics_port)
+        assert value(samples, "perfectsched_notifications_total", kind="webhook",
+                     result="sent") == len(want)
+    finally:
+        hook.close()
+
+
+@pytest.mark.parametrize("mode", ["hang", "500"])
+def test_a_receiver_that_hangs_or_fails_delays_no_run(daemon_factory: Any, tmp_path: Path,
+                                                      mode: str) -> None:
+    hook = Receiver(mode)
+    try:
+        d: Daemon = daemon_factory({
+            "retry_wait": 1, "retry_wait_max": 1,  # an attempt every second
+            "notifiers": {"hook": {"webhook": hook.url, "when": "every-failure"}},
+            "notify": "hook",
+            "routes": [sh("t", "exit 1"), sh("ok", "true")]}).start()
+        d.ctl("add", "k", "t", YEARLY, "-a", "0")
+        wait_until(lambda: len(history(d, "k")) >= 5, 15, what="five attempts")
+        runs = history(d, "k")[:5]
+        # Each attempt starts about retry_wait after the one before ended, however long
+        # the receiver takes (a hung one holds its notification for 10 s per try).
+        gaps = [b["started_at"] - a["finished_at"] for a, b in zip(runs, runs[1:], strict=False)]
+        assert all(g < 2.5 for g in gaps), gaps
+        started = time.time()
+        d.ctl("add", "other", "ok", YEARLY, "-a", "0")
+        wait_until(lambda: history(d, "other"), 5, what="another job to run")
+        assert history(d, "other")[0]["started_at"] - started < 2.0
+        assert hook.requests  # the receiver was asked
+        if mode == "500":
+            wait_until(lambda: value(scrape(d.metrics_port)[1],
+                                     "perfectsched_notifications_total", kind="webhook",
+                                     result="failed"), 15, what="a failed notification")
+            assert "notification not sent (webhook hook): webhook: HTTP 500" in d.log()
+    finally:
+        hook.close()
+
+
+def test_mail_and_exec_notifiers(daemon_factory: Any, tmp_path: Path) -> None:
+    sendmail, mailbox = sendmail_stand_in(tmp_path)
+    told = tmp_path / "told"
+    d: Daemon = daemon_factory({
+        "sendmail": str(sendmail),
+        "notifiers": {
+            "ops": {"mail": "ops@example.com"},
+            "script": {"exec": ["/bin/sh", "-c",
+                                f'{{ echo "$PERFECTSCHED_KEY $PERFECTSCHED_EVENT '
+                                f'$PERFECTSCHED_OUTCOME $PERFECTSCHED_EXIT_CODE"; cat; }} '
+                                f'>> {told}']}},
+        "routes": [sh("mailed", "echo boom; exit 3", notify="ops"),
+                   sh("scripted", "echo bang; exit 2")]}).start()
+    d.ctl("add", "m", "mailed", YEARLY, "-a", "0", "--max-attempts", "1")
+    d.ctl("add", "x", "scripted", YEARLY, "-a", "0", "--max-attempts", "1",
+          "--notify", "script")
+    wait_until(lambda: mails(mailbox), 15, what="a mail")
+    (mail,) = mails(mailbox)
+    assert mail.startswith("ARGS: -t -oi\n") and "To: ops@example.com" in mail
+    assert "Subject: [perfectsched] m FAILED: failed" in mail
+    wait_until(lambda: told.exists() and told.read_text(), 15, what="the exec notifier")
+    assert told.read_text().splitlines()[0].startswith("x failure failed")
+
+
+def test_unknown_names_are_refused(daemon_factory: Any) -> None:
+    d: Daemon = daemon_factory({"notifiers": {"ops": {"webhook": "http://127.0.0.1:9/"}},
+                                "routes": [sh("t", "true")]}).start()
+    res = d.ctl("add", "k", "t", YEARLY, "--notify", "nobody", check=False)
+    assert res.returncode == 1
+    (line,) = res.stderr.strip().splitlines()
+    assert line.endswith("notify: no notifier named 'nobody' in this host's notifiers: (ops)")
+    assert d.ctl("list", "--json").stdout.strip() == "[]"  # nothing stored
+    d.ctl("add", "k", "t", YEARLY, "--notify", "ops")
+    res = d.ctl("modify", "k", "--notify", "ghost", check=False)
+    assert res.returncode == 1 and "no notifier named 'ghost'" in res.stderr
+    assert d.ctl_json("show", "k")["notify"] == "ops"
+    d.ctl("modify", "k", "--notify", "none")
+    assert d.ctl_json("show", "k")["notify"] is None
+
+
+def test_mail_without_sendmail_is_refused_at_start_and_on_reload(daemon_factory: Any,
+                                                                 tmp_path: Path) -> None:
+    mail = {"notifiers": {"ops": {"mail": "ops@example.com"}},
+            "sendmail": str(tmp_path / "no-sendmail")}
+    d: Daemon = daemon_factory(mail).start(wait_ready=False)
+    assert d.proc is not None and d.proc.wait(20) == 1
+    refusals = [line for line in d.log().splitlines() if "sendmail:" in line]
+    assert len(refusals) == 1 and "no-sendmail is not an executable program" in refusals[0]
+    good: Daemon = daemon_factory({"routes": [sh("t", "true")]}).start()
+    good.write_config({**good.config, **mail})
+    res = good.ctl("reload", check=False)
+    assert res.returncode == 1 and "no-sendmail is not an executable program" in res.stderr
+    assert good.alive()

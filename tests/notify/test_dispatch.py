@@ -1,0 +1,139 @@
+"""When a run is told (notify/dispatch.py), with a real SQLite history and a real exec
+notifier: state changes by default, every failure on request, output on request, the
+notifier's precedence, and a success after a success costing no query."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from notify_receivers import wait_for
+
+from perfectschedd import config as config_mod
+from perfectschedd.notify.dispatch import STATE_OUTCOMES, Dispatcher
+from perfectschedd.schedules.collection import ScheduleCollection
+
+
+def make(tmp_path: Path, **extra: Any) -> tuple[Dispatcher, ScheduleCollection, Path,
+                                                 list[str]]:
+    told = tmp_path / "told"
+    argv = ["/bin/sh", "-c", f'echo "$PERFECTSCHED_KEY $PERFECTSCHED_EVENT" >> {told}']
+    raw = {"type": "rdb_compat", "url": f"sqlite:///{tmp_path / 'db.sqlite'}",
+           "notifiers": {"log": {"exec": argv},
+                         "every": {"exec": argv, "when": "every-failure"},
+                         "out": {"exec": argv, "when": "output"}},
+           "notify": "log", **extra}
+    cfg = config_mod.from_mapping(raw)
+    sc = ScheduleCollection(cfg)
+    sc.init()
+    queries: list[str] = []
+
+    def previous(key: str, before: float) -> str | None:
+        queries.append(key)
+        return sc.store.last_outcome(key, before, STATE_OUTCOMES)
+
+    return Dispatcher(cfg, previous), sc, told, queries
+
+
+def runs(key: str, outcomes: list[str], start: float = 1000.0, **extra: Any
+         ) -> list[dict[str, Any]]:
+    return [{"key": key, "type": "t", "scheduled_time": 0, "attempt": i + 1,
+             "started_at": start + 10 * i, "finished_at": start + 10 * i + 1,
+             "outcome": o, "worker": "w", "unit": None, **extra}
+            for i, o in enumerate(outcomes)]
+
+
+def record(d: Dispatcher, sc: ScheduleCollection, batch: list[dict[str, Any]]) -> None:
+    sc.store.record_runs(batch)  # as the pipeline does: written, then told
+    d.on_recorded(batch)
+
+
+def told(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def settle(d: Dispatcher) -> None:
+    assert d.drain(10) == 0
+
+
+@pytest.mark.parametrize(("notify", "want"), [
+    (None, ["k failure", "k recovery"]),
+    ("every", ["k failure"] * 5 + ["k recovery"]),
+])
+def test_five_failures_then_a_recovery(tmp_path: Path, notify: str | None,
+                                       want: list[str]) -> None:
+    d, sc, path, _ = make(tmp_path)
+    extra = {"notify": notify} if notify else {}
+    batch = runs("k", ["success", "failed", "timeout", "failed", "lost", "failed",
+                       "success", "success"], **extra)
+    for r in batch:  # one batch per run, as a slow schedule's runs come
+        record(d, sc, [r])
+    settle(d)
+    assert told(path) == want
+
+
+def test_the_history_says_what_came_before_this_worker(tmp_path: Path) -> None:
+    d, sc, path, queries = make(tmp_path)
+    sc.store.record_runs(runs("k", ["failed"], start=100.0))  # another worker's failure
+    record(d, sc, runs("k", ["failed", "success"], start=200.0))
+    settle(d)
+    # The failure continues the one before it: only the recovery is told.
+    assert told(path) == ["k recovery"]
+    assert queries == ["k"]  # once for the key, then from memory
+
+
+def test_a_success_after_a_success_costs_no_query_and_no_thread_work(tmp_path: Path) -> None:
+    d, sc, path, queries = make(tmp_path)
+    record(d, sc, runs("k", ["success"]))
+    settle(d)
+    queued_before = len(d.queue)
+    started = time.perf_counter()
+    for i in range(10_000):
+        d.on_recorded([{"key": "k", "outcome": "success", "started_at": 2000.0 + i}])
+    per_run = (time.perf_counter() - started) / 10_000
+    assert len(d.queue) == queued_before == 0
+    assert queries == ["k"] and told(path) == []
+    assert per_run < 50e-6  # a dict look-up, not a query (SQLite takes ~100 us at least)
+
+
+def test_precedence_schedule_then_entry_then_route_then_default(tmp_path: Path) -> None:
+    d, _, _, _ = make(tmp_path, routes=[
+        {"type": "r", "exec": ["/bin/true"], "notify": "every"},
+        {"type": "quiet", "exec": ["/bin/true"], "notify": "none"}])
+    d.entry_notify = {"file-k": d.config.notifier("out")}  # as FileSchedules.load sets
+    assert d.resolve({"key": "x", "type": "t"}).name == "log"             # the default
+    assert d.resolve({"key": "x", "type": "r"}).name == "every"           # the route's
+    assert d.resolve({"key": "file-k", "type": "r"}).name == "out"        # the entry's
+    assert d.resolve({"key": "file-k", "type": "r", "notify": "log"}).name == "log"
+    assert d.resolve({"key": "x", "type": "quiet"}) is None               # none
+    # A name this host does not know: logged once, the next level decides.
+    assert d.resolve({"key": "x", "type": "r", "notify": "elsewhere"}).name == "every"
+
+
+def test_output_mode_tells_runs_that_printed(tmp_path: Path) -> None:
+    d, sc, path, queries = make(tmp_path, notify="out")
+    record(d, sc, runs("a", ["success"], output="hello\n"))
+    record(d, sc, runs("b", ["success"], output=""))
+    record(d, sc, runs("c", ["failed"]))
+    settle(d)
+    assert told(path) == ["a output"]
+    assert queries == []  # output mode needs no history
+
+
+def test_a_notifier_that_keeps_failing_is_counted_and_retried(tmp_path: Path) -> None:
+    d, sc, _, _ = make(tmp_path, notifiers={"bad": {"exec": ["/bin/false"]}}, notify="bad")
+    d_runs = runs("k", ["failed"])
+    tries: list[float] = []
+    real = d._send
+
+    def counting(n: Any, m: Any) -> None:
+        tries.append(time.monotonic())
+        real(n, m)
+
+    d._send = counting
+    record(d, sc, d_runs)
+    wait_for(lambda: len(tries) == 3, 15, "three tries")
+    assert tries[1] - tries[0] >= 0.9 and tries[2] - tries[1] >= 3.9
+    settle(d)
