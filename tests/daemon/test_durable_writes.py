@@ -15,6 +15,7 @@ import re
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -53,11 +54,20 @@ class Traced:
                 break
             attached += "attached" in line
         assert attached >= len(pids), f"strace attached to {attached} of {len(pids)}"
+        # What strace says from now on (one line per tracee as it detaches) is drained, so
+        # that a full pipe can never hold it up.
+        self.said: list[str] = []
+        self.drain = threading.Thread(target=lambda: self.said.extend(self.proc.stderr or ()),
+                                      daemon=True)
+        self.drain.start()
 
     def stop(self) -> list[tuple[str, str, str]]:
         """(syscall, fd path, rest of the line) in the order they happened."""
         self.proc.send_signal(signal.SIGINT)
-        self.proc.wait(20)
+        # Detaching waits for every traced thread to reach a stop: on a loaded machine
+        # that has taken more than 20 s (CI); what it wrote before is complete either way.
+        self.proc.wait(90)
+        self.drain.join(10)
         calls = []
         for line in self.out.read_text(errors="replace").splitlines():
             m = LINE.match(line)
