@@ -205,7 +205,8 @@ class Task:
         schedule's max_attempts the occurrence is given up instead: the schedule moves
         on to its next one (`gave_up` says so).  `later`: the job asked to run again
         (SCHED_LATER), which is not a failure."""
-        if not later and self.policy.gives_up(self.attempt):
+        if not later and self.policy.gives_up(self.attempt,
+                                              self._collection.config.max_attempts):
             self._end()
             self.gave_up = True
             if self._collection.store.advance([self.next_advance()]):
