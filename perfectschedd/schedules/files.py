@@ -38,7 +38,7 @@ FILE_MAX = 4 << 20      # bytes of one schedules file
 ENTRIES_MAX = 20_000    # entries of one file
 SUFFIX = ".yml"
 ENTRY_KEYS = frozenset({"key", "cron", "type", "exec", "timezone", "delay", "data", "user",
-                        "env", "executor", "unit", *policy_mod.OPTIONS})
+                        "env", "executor", "unit", "notify", *policy_mod.OPTIONS})
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,10 @@ class Entry:
     user: str | None = None
     executor: str = "exec"
     unit: tuple[unitprops.Property, ...] = ()
+    # `notify:` as written: a notifier's name (or "none") or an inline mapping such as
+    # {mail: ADDRESS, when: output}.  Carried raw: its kinds are validated (and it is
+    # acted on) by the notifications work of issue #27, not here.
+    notify: Any = field(default=None, hash=False)
 
     def stored(self, default_timezone: str) -> dict[str, Any]:
         """The fields the database holds, as `add` takes them."""
@@ -304,7 +308,17 @@ def check_entry(raw: Any, source: str, need_user_support: bool = True,
         user = runas.check_user(user, need_user_support, needs_root=executor == "exec")
     return Entry(key=key, source=source, cron=expr, type=task_type, timezone=tz, delay=delay,
                  data=data, policy=chosen, exec=argv, env=env, user=user, executor=executor,
-                 unit=unit)
+                 unit=unit, notify=_check_notify(raw.get("notify")))
+
+
+def _check_notify(value: Any) -> Any:
+    """`notify:` kept as written, a string or a mapping.
+    TODO(notifications, issue #27): validate the kinds (exec, mail, webhook, when) and
+    the notifier names here; only the shape is checked so far."""
+    if value is None or isinstance(value, str | Mapping):
+        return value
+    raise InvalidInputError("notify", "must be a notifier's name, none, or a mapping such "
+                            f"as {{mail: ADDRESS, when: output}}, got {describe(value)}")
 
 
 def _check_exec(value: Any) -> tuple[str, ...]:

@@ -121,16 +121,19 @@ def test_user_crontab_with_every_feature(tmp_path: Path, db_url: str) -> None:
         "PATH": "/usr/local/bin:/usr/bin:/bin", "GREETING": "hello  world",
         "QUOTED": "single quotes"}
     assert "MAILTO" not in str([e.get("env") for e in entries])
+    # cron's ways: MAILTO mails the output of every line after it; no retries.
     assert "# MAILTO=ops@example.com" in text
+    assert all(e["notify"] == {"mail": "ops@example.com", "when": "output"}
+               for e in entries)
+    assert all(e["max_attempts"] == 1 for e in entries)
     # The unknown zone leaves the previous one in force.
     assert by_cron["0 6 * * *"]["timezone"] == "Europe/Berlin"
     assert by_cron["0 6 * * *"]["exec"][:2] == ["/bin/bash", "-c"]  # SHELL=/bin/bash
     assert by_cron["@hourly"]["exec"] == "/usr/local/bin/rotate"
     # One warning per line not carried over, each named by file and line.
     assert [w.split(": ", 3)[2] for w in warnings] == [
-        "user-crontab:2", "user-crontab:15", "user-crontab:16", "user-crontab:17",
-        "user-crontab:18"]
-    assert "@reboot" in warnings[2] and "not imported" in text
+        "user-crontab:15", "user-crontab:16", "user-crontab:17", "user-crontab:18"]
+    assert "@reboot" in warnings[1] and "not imported" in text
     # % as crontab(5) says, run for real by the shell the entry names.
     out_dir = tmp_path / "out"
     out_dir.mkdir()
