@@ -460,6 +460,15 @@ class ScheduleCollection:
         return [ScheduleInfo.from_row(r)
                 for r in self.store.rows(prefix=prefix, limit=limit, after_key=after_key)]
 
+    def list_with_last_run(self, *, prefix: str | None = None, limit: int | None = None,
+                           after_key: str | None = None
+                           ) -> list[tuple[ScheduleInfo, dict[str, Any] | None]]:
+        """list(), each schedule with its latest run (outcome, attempt, finished_at,
+        error; None: none recorded), read in one query."""
+        return [(ScheduleInfo.from_row(r), last) for r, last in
+                self.store.rows_with_last_run(prefix=prefix, limit=limit,
+                                              after_key=after_key)]
+
     def poll(self, now: float | None = None) -> Task | None:
         tasks = self.poll_many(1, now)
         return tasks[0] if tasks else None
