@@ -332,3 +332,37 @@ def test_the_delimiter_is_absent_from_the_text() -> None:
                          stdin=subprocess.DEVNULL, timeout=10, check=True).stdout
     assert out == "a\nPERFECTSCHED_INPUT\nPERFECTSCHED_INPUT_1\nPERFECTSCHED_INPUT_2\n" \
         "PERFECTSCHED_INPUT_3\n"
+
+
+def test_mailto_becomes_the_notify_that_gives_cron_s_mail(tmp_path: Path) -> None:
+    # A system crontab: without MAILTO each line's user (its owner) gets the output, as
+    # from cron; several addresses stay one comma-joined entry; MAILTO="" mails nothing.
+    system = tmp_path / "jobs"
+    system.write_text("0 1 * * * backup /usr/local/bin/a\n"
+                      "MAILTO=ops@example.com, dev@example.com\n"
+                      "0 2 * * * root /usr/local/bin/b\n"
+                      'MAILTO=""\n'
+                      "0 3 * * * root /usr/local/bin/c\n")
+    entries, text, warnings = imported(str(system), "--system")
+    assert warnings == []
+    assert [e.get("notify") for e in entries] == [
+        {"mail": "backup", "when": "output"},
+        {"mail": "ops@example.com,dev@example.com", "when": "output"},
+        "none"]
+    assert "(no MAILTO: its output is mailed to its owner backup, as cron does)" in text
+    assert text.count("no MAILTO") == 1
+    assert all(e["max_attempts"] == 1 for e in entries)
+    # A user crontab without MAILTO: its user.
+    (entry,) = yaml.safe_load(ctl("import-crontab", "--user", "nobody", "-",
+                                  stdin="* * * * * /bin/true\n").stdout)
+    assert entry["notify"] == {"mail": "nobody", "when": "output"}
+    # The schedules file loader takes what the importer writes (apply end to end is
+    # test_user_crontab_with_every_feature's).
+    from perfectschedd.schedules import files
+
+    out = tmp_path / "jobs.yml"
+    out.write_text(text)
+    loaded = files.load([out], need_user_support=False)
+    assert loaded.errors == []
+    assert [e.notify for e in loaded.entries.values()] == [e["notify"] for e in entries]
+    assert {e.policy.max_attempts for e in loaded.entries.values()} == {1}
