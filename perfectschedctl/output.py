@@ -9,7 +9,8 @@ from datetime import UTC, datetime
 from typing import Any
 from zoneinfo import ZoneInfo
 
-LIST_COLUMNS = ("key", "type", "cron", "delay", "timezone", "next_time", "next_run_time", "data")
+LIST_COLUMNS = ("key", "type", "cron", "delay", "timezone", "next_time", "next_run_time", "data",
+                "state")
 HISTORY_COLUMNS = ("scheduled_time", "started_at", "finished_at", "outcome", "attempt", "worker",
                    "unit")
 
@@ -56,6 +57,15 @@ def _host_row(h: dict[str, Any]) -> dict[str, Any]:
             "state": "live" if h.get("live") else "silent"}
 
 
+def _state_counts(result: dict[str, Any]) -> str:
+    states = result.get("states") or {}
+    shown = [f"{states[s]} {s}" for s in ("retrying", "failed") if states.get(s)]
+    overdue = float(result.get("oldest_overdue") or 0)
+    if overdue:
+        shown.append(f"oldest overdue {int(overdue)}s")
+    return f", {', '.join(shown)}" if shown else ""
+
+
 def _status(result: dict[str, Any]) -> str:
     lines = [
         f"perfectschedd {result.get('version', '?')} on {result.get('host', '?')}, "
@@ -63,7 +73,7 @@ def _status(result: dict[str, Any]) -> str:
         f"state: {result.get('state', '?')}",
         f"workers: {result.get('workers_alive', 0)}/{result.get('workers_configured', 0)} alive",
         f"schedules: {result.get('schedules', 0)} ({result.get('paused', 0)} paused), "
-        f"due now: {result.get('due', 0)}",
+        f"due now: {result.get('due', 0)}" + _state_counts(result),
     ]
     database = result.get("database") or {}
     if database.get("unreachable_since") is not None:
@@ -93,11 +103,44 @@ def _status(result: dict[str, Any]) -> str:
         where = "" if u.get("routed_here") else "; no route on this host"
         lines.append(f"unclaimed for over a minute: {u.get('occurrences')} occurrence(s) of "
                      f"type {u.get('type')!r}{where}")
+    lines += _failing_lines(result)
     running = result.get("running") or []
     lines.append(f"running: {len(running)}")
     if running:
         lines.append(table(running, ("key", "type", "scheduled_time", "age", "owner")))
     return "\n".join(lines)
+
+
+def _failing_lines(result: dict[str, Any]) -> list[str]:
+    """Schedules retrying or failed, and those overdue by more than their period: never
+    invisible in status (a daemon before 0.2.0 sends none of this)."""
+    lines: list[str] = []
+    failing = result.get("failing") or []
+    total = int(result.get("failing_total") or len(failing))
+    if total:
+        lines.append(f"failing: {total}" + (f" (the first {len(failing)} by key)"
+                                             if total > len(failing) else ""))
+    for f in failing:
+        tz = f.get("timezone") or "UTC"
+        if f.get("state") == "retrying":
+            what = (f"retrying (attempt {f.get('attempt')} failed) the occurrence of "
+                    f"{format_time(f.get('scheduled_time'), tz)}, due since "
+                    f"{format_time(f.get('since'), tz)}; next try "
+                    f"{format_time(f.get('next_try'), tz)}")
+        else:
+            what = (f"failed ({f.get('last_outcome')}) at {format_time(f.get('since'), tz)};"
+                    " given up, the schedule moved on")
+        lines.append(f"  {f.get('key')}: {what}")
+        if f.get("error"):
+            lines.append(f"    error: {f['error']}")
+    beyond = result.get("overdue_beyond_period") or []
+    total = int(result.get("overdue_beyond_period_total") or len(beyond))
+    if total:
+        lines.append(f"overdue by more than their period: {total}")
+    for b in beyond:
+        lines.append(f"  {b.get('key')}: due {format_time(b.get('due'))}, overdue by "
+                     f"{int(b.get('overdue_by') or 0)}s (period {b.get('period')}s)")
+    return lines
 
 
 def print_result(cmd: str, result: Any, *, as_json: bool) -> None:

@@ -85,6 +85,9 @@ class Config:
     retry_wait: int = 300
     # Retry back-off: retry_wait doubles per failed attempt, up to this.
     retry_wait_max: int = 3600
+    # Failed attempts after which an occurrence is given up, for schedules that set no
+    # max_attempts of their own; 0: retry until success (the original's way).
+    max_attempts: int = 0
     workers: int = 2
     # Tasks one worker process runs at once (threads); a long job must not block a worker.
     concurrency: int = 8
@@ -141,7 +144,7 @@ _NUMBER_MAX = 315_360_000
 
 _KNOWN_KEYS = {
     "type", "url", "table", "log", "poll_interval", "timezone", "alive_time", "retry_wait",
-    "retry_wait_max",
+    "retry_wait_max", "max_attempts",
     "workers", "concurrency", "control_socket", "control_group", "metrics_listen", "dbus",
     "dbus_address",
     "shutdown_timeout", "kill_grace", "worker_timeout", "routes", "history_limit",
@@ -356,6 +359,7 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
         alive_time=_number(raw, "alive_time", 300, minimum=1, integer=True),
         retry_wait=_number(raw, "retry_wait", 300, minimum=0, integer=True),
         retry_wait_max=_number(raw, "retry_wait_max", 3600, minimum=0, integer=True),
+        max_attempts=_number(raw, "max_attempts", 0, minimum=0, integer=True),
         workers=_number(raw, "workers", 2, minimum=1, integer=True),
         concurrency=_number(raw, "concurrency", 8, minimum=1, integer=True),
         control_socket=sock,

@@ -22,6 +22,7 @@ from perfectschedd.schedules.collection import ScheduleCollection, ScheduleInfo
 from perfectschedd.schedules.ownership import known_user_name
 from perfectschedd.schedules.policy import OPTIONS as POLICY_OPTIONS
 from perfectschedd.schedules.validate import check_key, check_type, lookup_key
+from perfectschedd.store import states
 
 Args = Mapping[str, Any]
 
@@ -99,7 +100,17 @@ def _list(sc: ScheduleCollection, a: Args, now: float, access: Access) -> list[d
         lookup_key(after, "after")
     limit = check_limit(a.get("limit"))
     fields = SHOW_FIELDS if a.get("verbose") else LIST_FIELDS
-    return [_info(i, fields) for i in sc.list(prefix=prefix, limit=limit, after_key=after)]
+    return [{**_info(i, fields), **state_fields(i, last)} for i, last in
+            sc.list_with_last_run(prefix=prefix, limit=limit, after_key=after)]
+
+
+def state_fields(info: ScheduleInfo, last: Mapping[str, Any] | None) -> dict[str, Any]:
+    """What `list --json` and `show` say of a schedule's state (store/states.py): paused,
+    the outcome of its latest run, the attempts of its current occurrence, the state."""
+    outcome = last["outcome"] if last else None
+    state = states.state_of(info.paused, info.owner, info.attempt, outcome)
+    return {"paused": bool(info.paused), "last_outcome": outcome, "attempt": info.attempt,
+            "state": states.shown(state, info.attempt)}
 
 
 def check_limit(limit: Any) -> int | None:

@@ -31,9 +31,11 @@ from perfectschedd import __version__
 from perfectschedd.config import Config
 from perfectschedd.errors import DatabaseUnavailableError, SchemaError, first_line
 from perfectschedd.metrics import counters as metrics
+from perfectschedd.schedules import overdue
 from perfectschedd.schedules.collection import ScheduleCollection
 from perfectschedd.schedules.validate import key_problem
-from perfectschedd.store.sql import RUN_NOW_MARK, Store
+from perfectschedd.store import states
+from perfectschedd.store.sql import RUN_NOW_MARK, Row, Store
 
 log = logging.getLogger("perfectschedd")
 
@@ -55,6 +57,8 @@ FORK_AFTER_NETWORK_WAIT = 2.0
 # While a fork waits for calls in flight to end, new calls hold back this long, so that a
 # steady stream of requests cannot starve worker starts.
 FORK_PRIORITY = 1.0
+# Failing and overdue schedules named by status (the totals count them all).
+FAILING_SHOWN = 20
 # A status call in flight this long means the database does not answer.
 UNANSWERED_AFTER = 3.0
 # This host's row in the hosts table is refreshed this often (status reads "last seen").
@@ -76,6 +80,14 @@ class Snapshot:
     # recent runs) that are not in it: hosts of a release before 0.2.0.
     hosts: list[dict[str, Any]] = field(default_factory=list)
     unrecorded_nodes: list[str] = field(default_factory=list)
+    # Schedules by state (store/states.py); those retrying or whose latest run failed
+    # (at most FAILING_SHOWN, and how many in all); overdue ones (schedules/overdue.py).
+    states: dict[str, int] = field(default_factory=dict)
+    failing: list[dict[str, Any]] = field(default_factory=list)
+    failing_total: int = 0
+    oldest_overdue: float = 0.0        # seconds; 0: nothing overdue
+    beyond_period: list[dict[str, Any]] = field(default_factory=list)
+    beyond_period_total: int = 0
     read_at: float | None = None       # Unix time of `counts`/`running`
     ok: bool | None = None             # None: not asked yet
     unreachable_since: float | None = None
@@ -399,6 +411,7 @@ class MasterDatabase:
         now = time.time()
         with self._gate():
             counts = store.counts(int(now))
+            summary = store.state_summary(int(now))
             rows = store.running()
             unclaimed = store.unclaimed(int(now) - UNCLAIMED_AFTER)
             hosts = store.hosts(forget_before=now - HOST_FORGET_AFTER)
@@ -407,10 +420,36 @@ class MasterDatabase:
                     "timezone": r.timezone, "owner": r.owner,
                     "age": round(now - r.claimed_at, 3) if r.claimed_at else None,
                     "attempt": r.attempt} for r in rows]
+        failing = [_failing(r, last, now) for r, last in summary["problems"]]
+        lates = overdue.late([*summary["overdue"], *(r for r, _ in summary["problems"])],
+                             now)
+        beyond = [{"key": x.key, "due": x.due, "overdue_by": x.overdue_by,
+                   "period": x.period} for x in lates if x.beyond_period]
+        oldest = lates[0].overdue_by if lates else 0.0
         metrics.set_schedule_counts(counts, now, unclaimed)
+        metrics.set_schedule_states(summary["counts"], oldest, len(beyond))
         recorded = {h["name"] for h in hosts}
         self._publish(replace(self.snapshot, counts=counts, running=running,
+                              states=summary["counts"], failing=failing[:FAILING_SHOWN],
+                              failing_total=len(failing), oldest_overdue=oldest,
+                              beyond_period=beyond[:FAILING_SHOWN],
+                              beyond_period_total=len(beyond),
                               unclaimed=unclaimed, hosts=hosts,
                               unrecorded_nodes=sorted(at_work - recorded),
                               read_at=now, ok=True,
                               unreachable_since=None, error=None))
+
+
+def _failing(row: Row, last: dict[str, Any] | None, now: float) -> dict[str, Any]:
+    """One schedule status lists as failing: retrying its occurrence (since that
+    occurrence was due), or failed (since its latest run ended)."""
+    outcome = last["outcome"] if last else None
+    state = states.state_of(row.paused, row.owner, row.attempt, outcome)
+    since = overdue.due_of(row) if state == states.RETRYING else \
+        (last["finished_at"] if last else None)
+    return {"key": row.key, "type": row.type, "state": state, "attempt": row.attempt,
+            "scheduled_time": row.next_time, "timezone": row.timezone,
+            "since": round(since, 3) if since is not None else None,
+            "next_try": row.next_run_time if state == states.RETRYING else None,
+            "last_outcome": outcome,
+            "error": states.first_line(last.get("error")) if last else None}

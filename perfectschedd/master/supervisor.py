@@ -387,6 +387,12 @@ class Supervisor:
             "refused_routes": list(self.refused_routes), "unit_grant": self.unit_grant,
             "database_ok": reachable, "database": database,
             "hosts": self._hosts(snap, now),
+            # Schedules by state; those retrying or failed; overdue (docs/metrics.md).
+            "states": dict(snap.states), "failing": list(snap.failing),
+            "failing_total": snap.failing_total,
+            "oldest_overdue": snap.oldest_overdue,
+            "overdue_beyond_period": list(snap.beyond_period),
+            "overdue_beyond_period_total": snap.beyond_period_total,
             **{k: snap.counts.get(k, 0) for k in ("schedules", "paused", "due")},
         }
 

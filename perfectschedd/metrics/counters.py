@@ -205,6 +205,9 @@ class _MasterState:
         self.counts: dict[str, int] | None = None
         self.counts_time = 0.0
         self.unclaimed: dict[str, int] = {}
+        self.states: dict[str, int] | None = None
+        self.oldest_overdue = 0.0
+        self.beyond_period = 0
 
 
 class _MasterCollector:
@@ -242,6 +245,23 @@ class _MasterCollector:
         yield GaugeMetricFamily(f"{p}_schedule_counts_timestamp_seconds",
                                 "Unix time the schedule counts were read.",
                                 value=s.counts_time)
+        if s.states is not None:
+            by_state = GaugeMetricFamily(
+                f"{p}_schedules", "Schedules by state: ok, paused, running, retrying (the "
+                "current occurrence failed and waits for another attempt), failed (the "
+                "latest run failed and was given up). Refreshed every 15 s.",
+                labels=["state"])
+            for state, n in s.states.items():
+                by_state.add_metric([state], n)
+            yield by_state
+            yield GaugeMetricFamily(
+                f"{p}_oldest_overdue_seconds",
+                "How long the most overdue occurrence has been due without starting or "
+                "succeeding (0: none). Refreshed every 15 s.", value=s.oldest_overdue)
+            yield GaugeMetricFamily(
+                f"{p}_schedules_overdue_beyond_period",
+                "Schedules whose current occurrence is overdue by more than their period "
+                "(docs/metrics.md). Refreshed every 15 s.", value=s.beyond_period)
         unclaimed = GaugeMetricFamily(
             f"{p}_occurrences_unclaimed",
             "Occurrences due for over a minute that no worker claimed (no live host routes "
@@ -336,6 +356,14 @@ def set_schedule_counts(counts: dict[str, int], read_at: float | None = None,
         _master.unclaimed = dict(unclaimed or {})
         _master.counts = dict(counts)
         _master.counts_time = time.time() if read_at is None else read_at
+
+
+def set_schedule_states(by_state: dict[str, int], oldest_overdue: float,
+                        beyond_period: int) -> None:
+    if _master is not None:
+        _master.states = dict(by_state)
+        _master.oldest_overdue = float(oldest_overdue)
+        _master.beyond_period = int(beyond_period)
 
 
 def set_workers(configured: int, alive: int) -> None:

@@ -28,8 +28,10 @@ DEFAULT_SENDMAIL = "/usr/sbin/sendmail"
 NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 # The words that mean "no notifier" where a `notify:` is read.
 NONE_WORDS = ("none",)
-# An address as sendmail -t reads it from a To: header: one line, no header injection.
-_ADDRESS = re.compile(r"^[^\s<>,;:\"()\[\]\\]+@[^\s<>,;:\"()\[\]\\]+$")
+# One recipient as cron's MAILTO takes them: user@host, or a local user name (sendmail
+# delivers it here); several are separated by commas.  No spaces, quotes, brackets or
+# line breaks: the value becomes a To: header, and nothing may be injected after it.
+_ADDRESS = re.compile(r"^[^\s<>,;:\"()\[\]\\@]+(@[^\s<>,;:\"()\[\]\\@]+)?$")
 _URL_MAX = 2048
 
 
@@ -91,8 +93,10 @@ def parse(raw: Any, name: str = "inline") -> Notifier:
                              f"{describe(value[0])}")
         target = tuple(value)
     elif kind == "mail":
-        if not isinstance(value, str) or not _ADDRESS.match(value):
-            raise ValueError(f"mail: must be one address such as ops@example.com, "
+        if not isinstance(value, str) or \
+                not all(_ADDRESS.match(a) for a in value.split(",")):
+            raise ValueError(f"mail: must be addresses such as ops@example.com or a local "
+                             f"user, separated by commas, "
                              f"got {describe(value)}")
         target = value
     else:

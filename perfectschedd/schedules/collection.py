@@ -205,7 +205,8 @@ class Task:
         schedule's max_attempts the occurrence is given up instead: the schedule moves
         on to its next one (`gave_up` says so).  `later`: the job asked to run again
         (SCHED_LATER), which is not a failure."""
-        if not later and self.policy.gives_up(self.attempt):
+        if not later and self.policy.gives_up(self.attempt,
+                                              self._collection.config.max_attempts):
             self._end()
             self.gave_up = True
             if self._collection.store.advance([self.next_advance()]):
@@ -458,6 +459,15 @@ class ScheduleCollection:
              after_key: str | None = None) -> list[ScheduleInfo]:
         return [ScheduleInfo.from_row(r)
                 for r in self.store.rows(prefix=prefix, limit=limit, after_key=after_key)]
+
+    def list_with_last_run(self, *, prefix: str | None = None, limit: int | None = None,
+                           after_key: str | None = None
+                           ) -> list[tuple[ScheduleInfo, dict[str, Any] | None]]:
+        """list(), each schedule with its latest run (outcome, attempt, finished_at,
+        error; None: none recorded), read in one query."""
+        return [(ScheduleInfo.from_row(r), last) for r, last in
+                self.store.rows_with_last_run(prefix=prefix, limit=limit,
+                                              after_key=after_key)]
 
     def poll(self, now: float | None = None) -> Task | None:
         tasks = self.poll_many(1, now)

@@ -40,7 +40,7 @@ FILE_MAX = 4 << 20      # bytes of one schedules file
 ENTRIES_MAX = 20_000    # entries of one file
 SUFFIX = ".yml"
 ENTRY_KEYS = frozenset({"key", "cron", "type", "exec", "timezone", "delay", "data", "user",
-                        "env", "executor", "unit", *policy_mod.OPTIONS})
+                        "env", "executor", "unit", "notify", *policy_mod.OPTIONS})
 
 
 @dataclass(frozen=True)

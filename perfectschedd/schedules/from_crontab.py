@@ -3,8 +3,14 @@ crontab(5), Debian's cron and cronie, written out as schedfiles entries.
 
 - Blank lines and lines starting with `#` are skipped; `NAME=value` (spaces around `=`
   allowed, the value optionally in matching quotes) sets a variable for the lines after
-  it: CRON_TZ and TZ become their `timezone`, SHELL their shell, MAILTO a comment (mail
-  is not sent), any other name their `env`.
+  it: CRON_TZ and TZ become their `timezone`, SHELL their shell, MAILTO their `notify`
+  (below), any other name their `env`.
+- cron runs the next occurrence whatever the last one's exit status: every entry gets
+  `max_attempts: 1` (a failed run is recorded and not retried).
+- cron mails a job's output (MAILTO's rule): `MAILTO=ADDRESS[,ADDRESS...]` becomes
+  `notify: {mail: ADDRESSES, when: output}`, `MAILTO=""` `notify: none`, and without
+  MAILTO the crontab's owner (--user, or a system crontab's user column) gets the mail,
+  as from cron, with a comment saying so.
 - A job line is five fields (or an @alias) then, in a system crontab (/etc/crontab,
   /etc/cron.d), the user, then the command: the rest of the line.  An unescaped `%` ends
   the command; what follows it is the command's standard input, each further `%` a
@@ -173,6 +179,7 @@ def convert(text: str, *, name: str, system: bool, user: str | None = None,
     env: dict[str, str] = {}
     tz = default_timezone
     shell = "/bin/sh"
+    mailto: str | None = None  # None: no MAILTO line yet (cron mails the owner)
     out: list[str] = [f"# Imported from {name} by perfectschedctl import-crontab.",
                       "# Review, then drop into schedules_dir (and reload) or run"
                       " perfectschedctl apply.", ""]
@@ -199,10 +206,9 @@ def convert(text: str, *, name: str, system: bool, user: str | None = None,
             elif var == "SHELL":
                 shell = value or "/bin/sh"
             elif var == "MAILTO":
-                out.append(f"# {raw.strip()}   (PerfectSched sends no mail: output goes "
-                           "to its log)")
-                result.warnings.append(f"{where}: MAILTO kept as a comment: PerfectSched "
-                                       "sends no mail (job output goes to its log)")
+                mailto = ",".join(a.strip() for a in value.split(",") if a.strip())
+                out.append(f"# MAILTO={value}: output mailed by the entries below" if mailto
+                           else '# MAILTO="": the entries below mail nothing')
             else:
                 env[var] = value
             continue
@@ -248,7 +254,14 @@ def convert(text: str, *, name: str, system: bool, user: str | None = None,
             entry["user"] = line_user
         if env:
             entry["env"] = dict(env)
+        entry["max_attempts"] = 1  # cron runs the next one whatever this one's exit
+        notify, mails_owner = _notify(mailto, line_user)
+        if notify is not None:
+            entry["notify"] = notify
         out.append(f"# {where}: {raw.strip()}")
+        if mails_owner:
+            out.append(f"# (no MAILTO: its output is mailed to its owner {line_user}, "
+                       "as cron does)")
         out.append(yaml.dump([entry], Dumper=_Dumper, sort_keys=False, allow_unicode=True,
                              width=1000).rstrip())
         result.entries += 1
@@ -256,6 +269,18 @@ def convert(text: str, *, name: str, system: bool, user: str | None = None,
         out.append("[]")
     result.text = "\n".join(out) + "\n"
     return result
+
+
+def _notify(mailto: str | None, owner: str | None) -> tuple[Any, bool]:
+    """The `notify` that gives cron's mail (MAILTO's rule: output, to whom), and whether
+    it goes to the owner for want of a MAILTO."""
+    if mailto is None:
+        if owner is None:
+            return None, False
+        return {"mail": owner, "when": "output"}, True
+    if not mailto:
+        return "none", False
+    return {"mail": mailto, "when": "output"}, False
 
 
 def _looks_like_job(fields: list[str], system: bool) -> bool:

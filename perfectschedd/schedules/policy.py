@@ -33,7 +33,9 @@ _JITTER_MAX = 7 * 86400
 class Policy:
     misfire: str = "all"
     grace: int | None = None          # seconds; None: no deadline
-    max_attempts: int = 0             # 0: unlimited
+    # None: the config's max_attempts (itself 0 unless set); 0: unlimited.  Stored when
+    # set, 0 included, so that a schedule's own value wins over the config's.
+    max_attempts: int | None = None
     retry_wait: int | None = None     # seconds before the 2nd attempt; None: the config's
     jitter: int = 0                   # seconds; each key gets a fixed offset in [0, jitter)
     timeout: float | None = None      # seconds; None: the route's
@@ -80,8 +82,15 @@ class Policy:
             return 0.0
         return min(max(cap, base), base * 2.0 ** min(max(0, attempt - 1), 62))
 
-    def gives_up(self, attempt: int) -> bool:
-        return self.max_attempts > 0 and attempt >= self.max_attempts
+    def attempts_allowed(self, default: int = 0) -> int:
+        """The schedule's max_attempts, else `default` (the config's); 0: unlimited."""
+        return self.max_attempts if self.max_attempts is not None else default
+
+    def gives_up(self, attempt: int, default: int = 0) -> bool:
+        """Whether failed attempt `attempt` is the occurrence's last: the schedule's
+        max_attempts, or `default` (the config's) where it sets none."""
+        allowed = self.attempts_allowed(default)
+        return allowed > 0 and attempt >= allowed
 
 
 DEFAULT = Policy()
@@ -109,13 +118,13 @@ def jitter_offset(key: str, jitter: int) -> int:
 
 
 def check(options: Mapping[str, Any]) -> dict[str, Any]:
-    """Validate policy options (any subset; None means "the default"), naming the bad
-    one; returns them normalised."""
+    """Validate policy options (any subset; None, or the word "default" as a command line
+    gives it, means "the default"), naming the bad one; returns them normalised."""
     out: dict[str, Any] = {}
     for name, value in options.items():
         if name not in _DEFAULTS:
             raise InvalidInputError(name, "not a schedule policy option")
-        if value is None:
+        if value is None or value == "default":
             out[name] = None
             continue
         if name == "misfire":

@@ -20,6 +20,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
 from perfectschedd.errors import ConfigError, SchemaError, first_line
 from perfectschedd.schedules.fields import ROW_FIELDS, SCHEDULE_FIELDS, dumps_data
+from perfectschedd.store import states
 from perfectschedd.store import version as schemaversion
 from perfectschedd.store.backends.choice import open_backend
 from perfectschedd.store.schema import (
@@ -348,6 +349,85 @@ class Store:
             running = conn.execute(sa.select(sa.func.count()).select_from(t).where(
                 t.c.owner.isnot(None), t.c.next_run_time > now)).scalar() or 0
         return {"schedules": total, "paused": paused, "due": due, "running": running}
+
+    def _last_run(self) -> tuple[sa.sql.FromClause, list[Any]]:
+        """The schedules table outer-joined to each row's latest history row (its
+        outcome, attempt, end and, where the history has one, error text; NULLs when the
+        key has none), and those columns: one probe of the (key, id) index per schedule,
+        one query for any number of them."""
+        t, h = self.t, self.h
+        h2 = h.alias("h_latest")
+        last_id = (sa.select(sa.func.max(h2.c.id)).where(h2.c.key == t.c.key)
+                   .correlate(t).scalar_subquery())
+        columns = [h.c.outcome.label("last_outcome"), h.c.attempt.label("last_attempt"),
+                   h.c.finished_at.label("last_finished_at")]
+        # The history's error text, once a version that records it made the column.
+        error = h.c.get("error")  # type: ignore[no-untyped-call]
+        columns.append((error if error is not None else sa.null()).label("last_error"))
+        return t.outerjoin(h, h.c.id == last_id), columns
+
+    @staticmethod
+    def _last_of(m: Any) -> dict[str, Any] | None:
+        if m["last_outcome"] is None:
+            return None
+        return {"outcome": m["last_outcome"], "attempt": m["last_attempt"],
+                "finished_at": m["last_finished_at"], "error": m["last_error"]}
+
+    @_retried
+    def rows_with_last_run(self, *, prefix: str | None = None, limit: int | None = None,
+                           after_key: str | None = None
+                           ) -> list[tuple[Row, dict[str, Any] | None]]:
+        """rows(), each with its latest run (outcome, attempt, finished_at, error; None:
+        no run recorded), in one query."""
+        t = self.t
+        joined, last = self._last_run()
+        q = sa.select(t, *last).select_from(joined).order_by(t.c.key)
+        if prefix:
+            q = q.where(t.c.key.startswith(prefix, autoescape=True))
+        if after_key is not None:
+            q = q.where(t.c.key > after_key)
+        if limit is not None:
+            q = q.limit(limit)
+        with self._tx(readonly=True) as conn:
+            return [(self._row(r), self._last_of(r._mapping)) for r in conn.execute(q)]
+
+    @_retried
+    def state_summary(self, now: int, problems: int = 1000, overdue: int = 500
+                      ) -> dict[str, Any]:
+        """What status and /metrics say of the schedules' states (states.py):
+        `counts` by state; `problems`: up to `problems` rows retrying or whose latest run
+        failed, by key, each with its latest run; `overdue`: up to `overdue` rows due and
+        not held, oldest due first (the due index)."""
+        t = self.t
+        joined, last = self._last_run()
+        outcome = last[0]
+        retrying = sa.and_(t.c.attempt > 0, sa.or_(outcome.is_(None),
+                                                     outcome != states.LATER))
+        failed = outcome.in_(states.FAILURES)
+        unheld = sa.and_(t.c.paused == 0, t.c.owner.is_(None))
+        cases = {
+            states.PAUSED: t.c.paused != 0,
+            states.RUNNING: sa.and_(t.c.paused == 0, t.c.owner.isnot(None)),
+            states.RETRYING: sa.and_(unheld, retrying),
+            states.FAILED: sa.and_(unheld, sa.not_(retrying), failed),
+        }
+        sums = [sa.func.sum(sa.case((cond, 1), else_=0)).label(name)
+                for name, cond in cases.items()]
+        total = sa.func.count().label("total")
+        with self._tx(readonly=True) as conn:
+            r = conn.execute(sa.select(total, *sums).select_from(joined)).first()
+            counts = {name: int(getattr(r, name) or 0) for name in cases}
+            counts[states.OK] = int(r.total or 0) - sum(counts.values())
+            bad = conn.execute(
+                sa.select(t, *last).select_from(joined)
+                .where(unheld, sa.or_(retrying, failed)).order_by(t.c.key)
+                .limit(problems)).all()
+            late = conn.execute(
+                sa.select(t).where(unheld, t.c.next_run_time <= now)
+                .order_by(t.c.next_run_time).limit(overdue)).all()
+        return {"counts": counts,
+                "problems": [(self._row(r), self._last_of(r._mapping)) for r in bad],
+                "overdue": [self._row(r) for r in late]}
 
     @_retried
     def keys_matching(self, bad: Callable[[str], bool], limit: int = 100) -> list[str]:

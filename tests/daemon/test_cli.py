@@ -25,10 +25,13 @@ from daemon_harness import CTL, Daemon, foreign_ctl, wait_until
 import perfectschedd
 from perfectschedctl import cli
 
-# The table's columns (SPEC `list`); --json adds the schedule policies, source and creator.
-TABLE_KEYS = ["key", "type", "cron", "delay", "timezone", "next_time", "next_run_time", "data"]
-LIST_KEYS = [*TABLE_KEYS, "misfire", "grace", "max_attempts", "retry_wait", "jitter", "timeout",
-             "source", "creator"]
+# The table's columns (SPEC `list`, then the state); --json adds the schedule policies,
+# source and creator, and the state's parts (SPEC "Failures and notifications").
+SPEC_KEYS = ["key", "type", "cron", "delay", "timezone", "next_time", "next_run_time", "data"]
+TABLE_KEYS = [*SPEC_KEYS, "state"]
+ADD_KEYS = [*SPEC_KEYS, "misfire", "grace", "max_attempts", "retry_wait", "jitter", "timeout",
+            "notify", "source", "creator"]
+LIST_KEYS = [*ADD_KEYS, "paused", "last_outcome", "attempt", "state"]
 # 2030-01-01 00:00:00 UTC, a Tuesday
 T2030 = 1893456000
 
@@ -117,6 +120,8 @@ def test_direct_add_list_delete_and_output_format(direct: list[str], ctl: Ctl) -
     assert (k1["next_time"], k1["next_run_time"], k1["delay"]) == (T2030 + 18 * 3600,
                                                                    T2030 + 18 * 3600 + 30, 30)
     assert k1["data"] == {"a": 1} and k2["data"] == {}
+    assert (k1["paused"], k1["last_outcome"], k1["attempt"], k1["state"]) == (
+        False, None, 0, "ok")
     assert (k2["next_time"], k2["next_run_time"], k2["timezone"]) == (T2030, T2030 + 5, "UTC")
     # --json before the command works as well
     assert json.loads(ctl(*direct, "--json", "list", "--prefix", "k2").stdout) == [k2]
@@ -248,7 +253,7 @@ def test_every_command_through_the_socket(daemon_factory: Any, tmp_path: Path,
     res = sctl("add", "k1", "quick", "0 0 1 1 *", '{"n": 1}', "-s", str(T2030))
     assert res.returncode == 0 and res.stdout.startswith("added k1: next run 2030-01-01"), res
     added = json.loads(sctl("add", "k2", "other", "@daily", "--json").stdout)
-    assert list(added) == LIST_KEYS and added["key"] == "k2"
+    assert list(added) == ADD_KEYS and added["key"] == "k2"
 
     out = sctl("list").stdout.splitlines()
     assert out[0].split() == TABLE_KEYS and out[-1] == "2 entries."

@@ -291,7 +291,8 @@ def test_shipped_alert_rules_pass_promtool() -> None:
     assert res.returncode == 0, res.stdout + res.stderr
     alerts = {r["alert"] for g in yaml.safe_load(RULES.read_text())["groups"]
               for r in g["rules"] if "alert" in r}
-    assert {"PerfectSchedScheduleOverdue", "PerfectSchedTaskFailureRate",
+    assert {"PerfectSchedScheduleOverdue", "PerfectSchedScheduleStalled",
+            "PerfectSchedTaskFailureRate",
             "PerfectSchedNoWorkerAlive", "PerfectSchedDatabaseErrors"} <= alerts
     # Unit tests of the alerts: each fires on the series meant to trigger it, only then.
     res = promtool("test", "rules", str(RULES_TEST))

@@ -121,16 +121,19 @@ def test_user_crontab_with_every_feature(tmp_path: Path, db_url: str) -> None:
         "PATH": "/usr/local/bin:/usr/bin:/bin", "GREETING": "hello  world",
         "QUOTED": "single quotes"}
     assert "MAILTO" not in str([e.get("env") for e in entries])
+    # cron's ways: MAILTO mails the output of every line after it; no retries.
     assert "# MAILTO=ops@example.com" in text
+    assert all(e["notify"] == {"mail": "ops@example.com", "when": "output"}
+               for e in entries)
+    assert all(e["max_attempts"] == 1 for e in entries)
     # The unknown zone leaves the previous one in force.
     assert by_cron["0 6 * * *"]["timezone"] == "Europe/Berlin"
     assert by_cron["0 6 * * *"]["exec"][:2] == ["/bin/bash", "-c"]  # SHELL=/bin/bash
     assert by_cron["@hourly"]["exec"] == "/usr/local/bin/rotate"
     # One warning per line not carried over, each named by file and line.
     assert [w.split(": ", 3)[2] for w in warnings] == [
-        "user-crontab:2", "user-crontab:15", "user-crontab:16", "user-crontab:17",
-        "user-crontab:18"]
-    assert "@reboot" in warnings[2] and "not imported" in text
+        "user-crontab:15", "user-crontab:16", "user-crontab:17", "user-crontab:18"]
+    assert "@reboot" in warnings[1] and "not imported" in text
     # % as crontab(5) says, run for real by the shell the entry names.
     out_dir = tmp_path / "out"
     out_dir.mkdir()
@@ -329,3 +332,40 @@ def test_the_delimiter_is_absent_from_the_text() -> None:
                          stdin=subprocess.DEVNULL, timeout=10, check=True).stdout
     assert out == "a\nPERFECTSCHED_INPUT\nPERFECTSCHED_INPUT_1\nPERFECTSCHED_INPUT_2\n" \
         "PERFECTSCHED_INPUT_3\n"
+
+
+def test_mailto_becomes_the_notify_that_gives_cron_s_mail(tmp_path: Path) -> None:
+    # A system crontab: without MAILTO each line's user (its owner) gets the output, as
+    # from cron; several addresses stay one comma-joined entry; MAILTO="" mails nothing.
+    system = tmp_path / "jobs"
+    system.write_text("0 1 * * * backup /usr/local/bin/a\n"
+                      "MAILTO=ops@example.com, dev@example.com\n"
+                      "0 2 * * * root /usr/local/bin/b\n"
+                      'MAILTO=""\n'
+                      "0 3 * * * root /usr/local/bin/c\n")
+    entries, text, warnings = imported(str(system), "--system")
+    assert warnings == []
+    assert [e.get("notify") for e in entries] == [
+        {"mail": "backup", "when": "output"},
+        {"mail": "ops@example.com,dev@example.com", "when": "output"},
+        "none"]
+    assert "(no MAILTO: its output is mailed to its owner backup, as cron does)" in text
+    assert text.count("no MAILTO") == 1
+    assert all(e["max_attempts"] == 1 for e in entries)
+    # A user crontab without MAILTO: its user.
+    (entry,) = yaml.safe_load(ctl("import-crontab", "--user", "nobody", "-",
+                                  stdin="* * * * * /bin/true\n").stdout)
+    assert entry["notify"] == {"mail": "nobody", "when": "output"}
+    # The schedules file loader takes what the importer writes (apply end to end is
+    # test_user_crontab_with_every_feature's).
+    from perfectschedd.schedules import files
+
+    out = tmp_path / "jobs.yml"
+    out.write_text(text)
+    loaded = files.load([out], need_user_support=False)
+    assert loaded.errors == []
+    assert [(n.kind, n.target, n.when) for n in (e.notify for e in loaded.entries.values())
+            if n is not None] == [("mail", "backup", "output"),
+                                  ("mail", "ops@example.com,dev@example.com", "output"),
+                                  ("none", "", "change")]
+    assert {e.policy.max_attempts for e in loaded.entries.values()} == {1}

@@ -1,0 +1,52 @@
+"""What state a schedule is in, as `list`, `status` and /metrics say it (SPEC "Failures
+and notifications"): one rule, read from the schedule's row and its latest history row.
+
+- `paused`: paused (by a user, or by the daemon when it has no next occurrence).
+- `running`: a worker holds it.
+- `retrying`: its current occurrence failed and waits for another attempt (`attempt` on
+  the row counts the attempts made; the latest run did not ask to run later).
+- `failed`: its latest run failed and the occurrence was given up (max_attempts): the
+  schedule moved on, and says so until a run succeeds.
+- `ok`: anything else.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Outcomes of a run that count as a failure (a worker that died with the run: `lost`).
+FAILURES = ("failed", "timeout", "lost")
+# The run asked to be run again later (SCHED_LATER N): an attempt, not a failure.
+LATER = "later"
+
+OK, PAUSED, RUNNING, RETRYING, FAILED = "ok", "paused", "running", "retrying", "failed"
+STATES = (OK, PAUSED, RUNNING, RETRYING, FAILED)
+
+
+def state_of(paused: Any, owner: str | None, attempt: int, last_outcome: str | None) -> str:
+    """The state of a schedule whose row says `paused`, `owner`, `attempt` and whose latest
+    run (None: none recorded) ended `last_outcome`."""
+    if paused:
+        return PAUSED
+    if owner is not None:
+        return RUNNING
+    if attempt > 0 and last_outcome != LATER:
+        return RETRYING
+    if last_outcome in FAILURES:
+        return FAILED
+    return OK
+
+
+def shown(state: str, attempt: int) -> str:
+    """The state as `list` prints it: `retrying N` says how many attempts failed."""
+    return f"{RETRYING} {attempt}" if state == RETRYING else state
+
+
+def first_line(text: Any, limit: int = 200) -> str | None:
+    """The first non-empty line of a run's error text (None: none)."""
+    if not isinstance(text, str):
+        return None
+    for line in text.splitlines():
+        if line.strip():
+            return line.strip()[:limit]
+    return None
