@@ -79,9 +79,19 @@ def _policy_value(text: str) -> Any:
     return text
 
 
+def _attempt(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 1 <= value <= protocol.ATTEMPT_MAX:
+        raise argparse.ArgumentTypeError(f"must be 1 or more (1 is the first try): {text!r}")
+    return value
+
+
 # How perfectschedctl reads each kind of argument (registry.Arg.kind).
 _TYPES: dict[str, Any] = {"seconds": _seconds, "unix_time": _unix_time, "limit": _limit,
-                          "count": _count, "policy": _policy_value}
+                          "count": _count, "attempt": _attempt, "policy": _policy_value}
 
 
 def _add_argument(parser: argparse.ArgumentParser, arg: registry.Arg) -> None:
@@ -209,23 +219,45 @@ def _import_crontab(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# How many of a schedule's newest history rows `logs` looks through for its newest run
+# (skipped occurrences are rows too).
+LOGS_LOOK_BACK = 100
+
+
 def _logs(ns: argparse.Namespace, send: Callable[[str, dict[str, Any]], Any]) -> int:
-    """The journal of the newest run of KEY that ran as a unit: history says which unit
-    (through the daemon, or the database of -c), journalctl prints it (reading the
-    journal needs what journalctl needs: root, or the adm/systemd-journal group)."""
-    runs = send("history", {"key": ns.key, "limit": protocol.HISTORY_MAX})
-    unit = next((r["unit"] for r in runs if r.get("unit")), None)
-    if unit is None:
-        raise _BadArgument(f"{ns.key}: no run in its history ran as a systemd unit "
-                           "(executor: systemd)")
-    argv = ["journalctl", "--no-pager", "--unit", unit]
+    """The output of the newest run of KEY (or, with --attempt N, of the newest run that
+    was attempt N): the tail its history row holds, or for a run as a systemd unit its
+    journal (journalctl prints it; reading the journal needs what journalctl needs: root,
+    or the adm/systemd-journal group).  History comes through the daemon, or the database
+    of -c."""
+    args: dict[str, Any] = {"key": ns.key, "limit": LOGS_LOOK_BACK}
+    if ns.attempt is not None:
+        args.update(attempt=ns.attempt, limit=1)
+    runs = send("history", args)
+    run = next((r for r in runs if r.get("outcome") != "skipped"), None)
+    if run is None:
+        which = f"attempt {ns.attempt}" if ns.attempt is not None else "run"
+        raise _BadArgument(f"{ns.key}: no {which} in its history")
+    if run.get("unit"):
+        argv = ["journalctl", "--no-pager", "--unit", run["unit"]]
+        if ns.lines is not None:
+            argv += ["--lines", str(ns.lines)]
+        sys.stdout.flush()
+        try:
+            return subprocess.run(argv, check=False).returncode
+        except OSError as exc:
+            raise _BadArgument(f"cannot run journalctl: {exc.strerror or exc}") from None
+    output = run.get("output")
+    if output is None:
+        # Said on stderr: stdout holds only what the run printed.
+        print(f"perfectschedctl: {ns.key}: attempt {run.get('attempt')} of "
+              f"{run.get('scheduled_time')} ({run.get('outcome')}) has no output recorded"
+              + (f": {run['error']}" if run.get("error") else ""), file=sys.stderr)
+        return EXIT_OK
     if ns.lines is not None:
-        argv += ["--lines", str(ns.lines)]
-    sys.stdout.flush()
-    try:
-        return subprocess.run(argv, check=False).returncode
-    except OSError as exc:
-        raise _BadArgument(f"cannot run journalctl: {exc.strerror or exc}") from None
+        output = "".join(output.splitlines(keepends=True)[-ns.lines:] if ns.lines else [])
+    sys.stdout.write(output)
+    return EXIT_OK
 
 
 IMPORT_BATCH = 500  # schedules per add_many request (well inside a request's size)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -11,8 +12,8 @@ from zoneinfo import ZoneInfo
 
 LIST_COLUMNS = ("key", "type", "cron", "delay", "timezone", "next_time", "next_run_time", "data",
                 "state")
-HISTORY_COLUMNS = ("scheduled_time", "started_at", "finished_at", "outcome", "attempt", "worker",
-                   "unit")
+HISTORY_COLUMNS = ("scheduled_time", "started_at", "outcome", "attempt", "exit", "duration",
+                   "worker", "unit", "error")
 
 
 def format_time(ts: float | None, tz: str = "UTC") -> str:
@@ -45,6 +46,24 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     for r in cells:
         lines.append(" ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
     return "\n".join(lines)
+
+
+def _history_row(run: dict[str, Any]) -> dict[str, Any]:
+    """A run as the history table shows it: the exit status, or the signal that killed
+    it (SIGKILL), the duration in seconds, and the first line of its error (from a
+    daemon older than 0.2.0: dashes)."""
+    exit_code, sig, duration = run.get("exit_code"), run.get("signal"), run.get("duration")
+    if sig is not None:
+        try:
+            shown = signal.Signals(sig).name
+        except ValueError:
+            shown = f"signal {sig}"
+    else:
+        shown = None if exit_code is None else str(exit_code)
+    error = run.get("error")
+    return {**run, "exit": shown,
+            "duration": None if duration is None else f"{duration:.3f}s",
+            "error": error.splitlines()[0] if error else None}
 
 
 def _host_row(h: dict[str, Any]) -> dict[str, Any]:
@@ -151,7 +170,7 @@ def print_result(cmd: str, result: Any, *, as_json: bool) -> None:
         print(table(result, LIST_COLUMNS))
         print(f"{len(result)} entries.")
     elif cmd == "history":
-        print(table(result, HISTORY_COLUMNS))
+        print(table([_history_row(r) for r in result], HISTORY_COLUMNS))
         print(f"{len(result)} runs.")
     elif cmd == "status":
         print(_status(result))

@@ -73,6 +73,16 @@ class RouteConfig:
         return rx.search(task_type) is not None
 
 
+# output_limit: the default keeps a screenful of a failing job's last words; history then
+# holds up to history_limit x output_limit bytes of output per schedule (docs/performance.md).
+# Above the maximum a history row, and a batch of them, would weigh on the database and on
+# the workers' memory (a ring of output_limit bytes per running job); below the minimum the
+# truncation mark itself would not fit.
+DEFAULT_OUTPUT_LIMIT = 4096
+OUTPUT_LIMIT_MIN = 64
+OUTPUT_LIMIT_MAX = 1 << 20
+
+
 @dataclass(frozen=True)
 class Config:
     url: str
@@ -106,6 +116,8 @@ class Config:
     worker_timeout: float = 30.0
     routes: tuple[RouteConfig, ...] = ()
     history_limit: int = 100
+    # Bytes of each run's output kept in its history row (the tail); 0: none.
+    output_limit: int = DEFAULT_OUTPUT_LIMIT
     # Schedules files (*.yml) the daemon converges the database to; None: none.
     schedules_dir: str | None = DEFAULT_SCHEDULES_DIR
     # This host's name in lease owners ("node:pid") and status; default: the hostname.
@@ -148,6 +160,7 @@ _KNOWN_KEYS = {
     "workers", "concurrency", "control_socket", "control_group", "metrics_listen", "dbus",
     "dbus_address",
     "shutdown_timeout", "kill_grace", "worker_timeout", "routes", "history_limit",
+    "output_limit",
     "node_name", "schedules_dir", "notifiers", "notify", "sendmail",
 }
 
@@ -166,6 +179,14 @@ def _number(raw: Mapping[str, Any], key: str, default: float, *, minimum: float,
     if value < minimum:
         raise ConfigError(f"{key}: must be at least {minimum}, got {describe(value)}")
     return int(value) if integer else float(value)
+
+
+def _output_limit(raw: Mapping[str, Any]) -> int:
+    value: int = _number(raw, "output_limit", DEFAULT_OUTPUT_LIMIT, minimum=0, integer=True)
+    if value != 0 and not OUTPUT_LIMIT_MIN <= value <= OUTPUT_LIMIT_MAX:
+        raise ConfigError(f"output_limit: must be 0 (keep no output) or from "
+                          f"{OUTPUT_LIMIT_MIN} to {OUTPUT_LIMIT_MAX} bytes, got {value}")
+    return value
 
 
 def parse_listen(value: Any) -> tuple[str, int] | None:
@@ -372,6 +393,7 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
         worker_timeout=_number(raw, "worker_timeout", 30.0, minimum=2),
         routes=_routes(raw.get("routes"), notifiers),
         history_limit=_number(raw, "history_limit", 100, minimum=0, integer=True),
+        output_limit=_output_limit(raw),
         node_name=node_name,
         schedules_dir=schedules_dir,
         notifiers=tuple(notifiers.items()),

@@ -191,3 +191,16 @@ def test_allow_is_for_routes_that_run_as_another_user() -> None:
                                           "allow": ["alice"]}]})
     assert str(info.value) == ("routes[0].allow: only for a route with user: (a route "
                                "without one is open to control_group)")
+
+
+def test_output_limit_defaults_to_4096_and_takes_0_or_a_bounded_size() -> None:
+    assert load(dict(BASE)).output_limit == 4096
+    assert load({**BASE, "output_limit": 0}).output_limit == 0
+    assert load({**BASE, "output_limit": 65536}).output_limit == 65536
+    for bad, why in ((10, "must be 0 (keep no output) or from 64 to 1048576 bytes, got 10"),
+                     (2 << 20, "must be 0 (keep no output) or from 64"),
+                     (-1, "must be at least 0"), ("4k", "must be a number"),
+                     (100.5, "must be a whole number")):
+        with pytest.raises(ConfigError, match=r"^output_limit: " + why.replace("(", r"\(")
+                           .replace(")", r"\)")):
+            load({**BASE, "output_limit": bad})

@@ -15,7 +15,7 @@ from typing import Any
 from perfectschedd.config import RouteConfig
 from perfectschedd.control import registry
 from perfectschedd.control.auth import Access, Caller, check_force
-from perfectschedd.control.protocol import HISTORY_MAX
+from perfectschedd.control.protocol import ATTEMPT_MAX, HISTORY_MAX, HISTORY_OUTPUT_BYTES
 from perfectschedd.errors import InvalidInputError
 from perfectschedd.notify import spec as notify_spec
 from perfectschedd.schedules.collection import ScheduleCollection, ScheduleInfo
@@ -188,15 +188,29 @@ def _run(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[st
 
 
 def _history(sc: ScheduleCollection, a: Args, now: float, access: Access) -> list[dict[str, Any]]:
+    """The newest runs of a schedule, each with what it did (exit status or signal,
+    duration, output tail, error); `attempt`: only the runs that were that attempt."""
     key = lookup_key(_arg(a, "key"))
     limit = a.get("limit", 20)
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= HISTORY_MAX:
         raise InvalidInputError("limit", f"must be a whole number from 1 to {HISTORY_MAX}")
-    runs = sc.history(key, limit)
+    attempt = a.get("attempt")
+    if attempt is not None and (isinstance(attempt, bool) or not isinstance(attempt, int)
+                                or not 1 <= attempt <= ATTEMPT_MAX):
+        raise InvalidInputError("attempt", f"must be a whole number from 1 to {ATTEMPT_MAX}")
+    runs = sc.history(key, limit, attempt)
     if not runs and not sc[key].exists():
         sc[key].info()  # raises NotFoundError with the usual message
+    budget = HISTORY_OUTPUT_BYTES
     for r in runs:
         r.pop("id", None)
+        # An answer waits whole in the daemon's memory until the client reads it: the
+        # newest runs keep their output up to a budget, older ones say theirs was left out.
+        output = r.get("output")
+        if output:
+            budget -= len(output)
+            if budget < 0:
+                r["output"], r["output_omitted"] = None, True
     return runs
 
 

@@ -24,6 +24,12 @@ from perfectschedd.schedules.validate import MAX_DEPTH, json_depth
 
 # Most runs one `history` request returns.
 HISTORY_MAX = 1000
+# Most characters of output one `history` answer carries (the newest runs' first; older
+# runs then say "output_omitted"): as LIST_PAGE_BYTES, what a client that does not read
+# may pin in the daemon.  `history --attempt`/`logs` ask for one run, which always fits.
+HISTORY_OUTPUT_BYTES = 2 << 20
+# Largest attempt number a `history` request may ask for.
+ATTEMPT_MAX = (1 << 31) - 1
 # Most schedules one `list` answer holds on the socket and D-Bus, and the most bytes it
 # may take: an answer waits whole in the daemon's memory until the client reads it, so a
 # client that does not read must not be able to pin more than this per connection.

@@ -36,8 +36,9 @@ class Arg:
     flags: tuple[str, ...]
     dest: str
     help: str = ""
-    # How perfectschedctl reads it: text, json, seconds, unix_time, limit, count, policy
-    # (a number, or text the daemon refuses by name), flag, paths (one or more).
+    # How perfectschedctl reads it: text, json, seconds, unix_time, limit, count, attempt
+    # (1 or more), policy (a number, or text the daemon refuses by name), flag, paths (one
+    # or more).
     kind: str = "text"
     default: Any = None
     optional: bool = False  # a positional that may be left out
@@ -138,13 +139,17 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
         Arg(("-t", "--timezone"), "timezone"),
         Arg(("--data",), "data", "JSON object replacing the data", kind="json"),
         *POLICIES, FORCE), required=frozenset({"key"}), wakes=True, change="modified"),
-    Command("history", "recent runs of a schedule", (
+    Command("history", "recent runs of a schedule: outcome, exit status or signal, "
+                       "duration, error (--json: and the output's tail)", (
         KEY, Arg(("-n", "--limit"), "limit", f"at most this many runs, newest first "
                  f"(1-{HISTORY_MAX}, default 20)", kind="limit", default=20)),
-        required=frozenset({"key"})),
-    Command("logs", "print the journal of a schedule's newest run as a systemd unit "
-                    "(executor: systemd)", (
+        # attempt: only the runs that were that attempt of their occurrence (logs).
+        extra_args=frozenset({"attempt"}), required=frozenset({"key"})),
+    Command("logs", "print the output of a schedule's newest run (its stored tail; for "
+                    "executor: systemd, its journal)", (
         Arg(("key",), "key", sent=False),
+        Arg(("--attempt",), "attempt", "that attempt of the newest occurrence that had "
+            "one (1 is the first try)", kind="attempt", sent=False, metavar="N"),
         Arg(("-n", "--lines"), "lines", "only the last N lines (default: the whole run)",
             kind="count", sent=False)),
         where=frozenset({LOCAL})),

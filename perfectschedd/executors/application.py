@@ -4,6 +4,10 @@
 A timeout (or a stop: daemon stopping, lease lost) is delivered by one shared watchdog
 thread as an asynchronous exception (see :class:`_Watchdog`), after the application's
 ``kill()`` was called; the application's calls to the store are never interrupted.
+
+A run that raised leaves in its history row the exception ("ExcType: message") and the
+tail of its traceback (``output_limit`` bytes); what the application prints is not
+captured (it runs in the worker, beside other runs: its output is the daemon's).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import logging
 import os
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,9 +33,12 @@ from perfectschedd.executors.base import (
     Log,
     Outcome,
     RunOptions,
+    RunResult,
     Stop,
     StopReason,
     TaskLike,
+    error_line,
+    output_tail,
     stop_reason,
 )
 
@@ -96,8 +104,8 @@ class PythonHandler:
             return f"{route.python} is not a class with a run() method (subclass Application)"
         return cls(route, obj, route.timeout)
 
-    def run(self, task: TaskLike, options: RunOptions) -> tuple[Outcome, None, None]:
-        return _run_python(task, self, options.log, options.stop_event), None, None
+    def run(self, task: TaskLike, options: RunOptions) -> RunResult:
+        return _run_python(task, self, options.log, options.stop_event, options.output_limit)
 
 
 def _raise_in_thread(thread_id: int, exc: type[BaseException] | None) -> None:
@@ -307,8 +315,54 @@ class _ObservedTask:
 _ACTION_OUTCOME = {"finish": Outcome.SUCCESS, "release": Outcome.RELEASED}
 
 
-def _run_python(task: TaskLike, handler: PythonHandler, log: Log,
-                stop_event: Stop | None) -> Outcome:
+def exception_line(exc: BaseException) -> str:
+    """"ExcType: message" (the first line of the message), as a history row's error."""
+    name = type(exc).__qualname__
+    try:
+        message = str(exc).strip().splitlines()
+    except Exception:  # noqa: BLE001 - an exception whose str() raises: its name will do
+        message = []
+    return error_line(f"{name}: {message[0]}" if message else name)
+
+
+def traceback_tail(exc: BaseException, limit: int) -> str | None:
+    """The end of the traceback of `exc` (where it was raised, and the exception), at most
+    `limit` bytes; None when limit is 0."""
+    if limit <= 0:
+        return None
+    try:
+        text = "".join(traceback.format_exception(exc))
+    except Exception:  # noqa: BLE001 - an exception whose str() raises
+        text = f"{type(exc).__qualname__} (its message could not be read)\n"
+    data = text.encode("utf-8", "replace")
+    return output_tail(data, len(data), limit)
+
+
+def _run_python(task: TaskLike, handler: PythonHandler, log: Log, stop_event: Stop | None,
+                output_limit: int = 0) -> RunResult:
+    """Run the application; the outcome, and what went wrong: the error line and the
+    traceback's tail (for a timeout or a stop, where run() was interrupted)."""
+    caught: list[BaseException] = []
+    outcome = _run_application(task, handler, log, stop_event, caught)
+    if outcome in (Outcome.SUCCESS, Outcome.RELEASED, Outcome.LATER):
+        return RunResult(outcome, 0.0)
+    error = caught[0] if caught else None
+    output = traceback_tail(error, output_limit) if error is not None else None
+    if outcome is Outcome.TIMEOUT:
+        line = error_line(f"timed out after {handler.timeout:g} s")
+    elif outcome in (Outcome.PREEMPTED, Outcome.STOPPED):
+        line = error_line(f"stopped: {REASON_TEXT[stop_reason(stop_event)]}")
+    elif error is None:
+        line = error_line(f"{handler.route.python} called retry()")
+    else:
+        line = exception_line(error)
+    return RunResult(outcome, 0.0, output=output, error=line)
+
+
+def _run_application(task: TaskLike, handler: PythonHandler, log: Log,
+                     stop_event: Stop | None, caught: list[BaseException]) -> Outcome:
+    """Run the application and end the task; what run() raised (an application's
+    exception, or the watchdog's) is appended to `caught`."""
     timeout = handler.timeout
     watch = None
     if timeout is not None or stop_event is not None:
@@ -332,6 +386,8 @@ def _run_python(task: TaskLike, handler: PythonHandler, log: Log,
     except (HandlerTimeout, ProcessStopError) as late:  # fired just as run() returned
         error = error or late
     fired = watch.fired if watch is not None else None
+    if error is not None:
+        caught.append(error)
 
     if observed.action is not None:
         if error is not None and not isinstance(error, HandlerTimeout | ProcessStopError):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -21,18 +22,27 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from perfectschedd.config import RouteConfig
+from perfectschedd.schedules.fields import ERROR_MAX
 
 __all__ = [
+    "ERROR_MAX",
     "REASON_TEXT",
     "Handler",
     "Log",
     "Outcome",
+    "OutputTail",
     "RunControl",
     "RunOptions",
     "RunResult",
     "Stop",
     "StopReason",
     "TaskLike",
+    "clean_text",
+    "cut_mark",
+    "error_line",
+    "output_tail",
+    "signal_name",
+    "status_text",
     "stop_grace",
     "stop_reason",
 ]
@@ -76,10 +86,134 @@ class Outcome(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class RunResult:
+    """How a run ended, as its history row records it.  A handler's ``run`` returns one
+    with duration 0; ``run_task`` sets the duration it measured."""
+
     outcome: Outcome
     duration: float              # seconds, monotonic
-    exit_code: int | None = None  # exec only: the exit status, or -signal if killed
+    exit_code: int | None = None  # exec, systemd: the exit status, or -signal if killed
     unit: str | None = None       # executor systemd: the run's unit
+    output: str | None = None     # the tail of the output (output_tail), None: none kept
+    error: str | None = None      # one line (error_line): what went wrong; None: nothing
+
+    @property
+    def status(self) -> int | None:
+        """The exit status of a command that exited (None: killed, or no command)."""
+        return self.exit_code if self.exit_code is not None and self.exit_code >= 0 \
+            else None
+
+    @property
+    def signal(self) -> int | None:
+        """The signal that killed the command (None: it exited, or no command)."""
+        return -self.exit_code if self.exit_code is not None and self.exit_code < 0 \
+            else None
+
+
+# -- what a run said: its output's tail and one line of error -------------------------------
+
+
+
+def signal_name(number: int) -> str:
+    """SIGTERM for 15; "signal 99" for a number Python does not name."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def status_text(code: int) -> str:
+    """An exit status as people read it: "exit status 3", "killed by SIGKILL"."""
+    return f"exit status {code}" if code >= 0 else f"killed by {signal_name(-code)}"
+
+
+def clean_text(text: str) -> str:
+    """Text any database stores: no NUL (PostgreSQL refuses it in text and in JSON), no
+    lone surrogates (no UTF-8 for them: an exception's message may carry undecodable
+    file names as surrogates)."""
+    if "\0" in text:
+        text = text.replace("\0", "\ufffd")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "replace").decode("utf-8")
+    return text
+
+
+def error_line(*parts: str | None) -> str:
+    """One line of at most ERROR_MAX characters: the parts that are not empty, joined by
+    ": ", line breaks and control characters made spaces (a history table stays one row a
+    line, a mail's subject one line)."""
+    text = ": ".join(p.strip() for p in parts if p and p.strip())
+    text = "".join(c if c.isprintable() else " " for c in clean_text(text))
+    return text if len(text) <= ERROR_MAX else text[:ERROR_MAX - 3] + "..."
+
+
+def cut_mark(cut: int) -> str:
+    """What stands before an output tail that lost its first `cut` bytes."""
+    return f"[... {cut} bytes cut]\n"
+
+
+def output_tail(data: bytes, total: int, limit: int) -> str | None:
+    """The text of an output's last bytes: `data` is its tail, `total` how many bytes it
+    had in all.  At most `limit` bytes of UTF-8 (None when 0), invalid bytes replaced, cut
+    at a character boundary; a tail that lost its beginning starts with cut_mark()."""
+    if limit <= 0:
+        return None
+    text, shown = _decoded_tail(data, limit)
+    if shown >= total:
+        return text
+    # The mark's length with the most digits it can have: mark and text stay in limit.
+    text, shown = _decoded_tail(data, max(0, limit - len(cut_mark(total).encode())))
+    return cut_mark(total - shown) + text
+
+
+def _decoded_tail(data: bytes, budget: int) -> tuple[str, int]:
+    """The longest tail of `data` whose text takes at most `budget` bytes of UTF-8, and
+    how many bytes of `data` it shows."""
+    keep = data[-budget:] if budget else b""
+    while True:
+        start = 0
+        # A character cut in two: its continuation bytes (at most 3) go with the cut.
+        while start < min(3, len(keep)) and 0x80 <= keep[start] <= 0xBF:
+            start += 1
+        text = clean_text(keep[start:].decode("utf-8", "replace"))
+        size = len(text.encode())
+        if size <= budget:
+            return text, len(keep) - start
+        # Replacement characters (3 bytes for an invalid byte or a NUL) made it longer:
+        # drop a third of the excess from its beginning (no more: each byte dropped
+        # shortens the text by 1 to 3 bytes), and decode again.
+        keep = keep[start + max(1, (size - budget) // 3):]
+
+
+class OutputTail:
+    """The last `limit` bytes of an output, kept while it is produced (a ring: the
+    memory of a run with endless output stays bounded), and its last non-empty line."""
+
+    __slots__ = ("limit", "buf", "total", "last_line")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(0, limit)
+        self.buf = bytearray()
+        self.total = 0
+        self.last_line = ""  # set by the caller, which splits lines anyway (command.py)
+
+    def add(self, chunk: bytes) -> None:
+        self.total += len(chunk)
+        if not self.limit:
+            return
+        if len(chunk) >= self.limit:
+            self.buf[:] = chunk[-self.limit:]
+            return
+        self.buf += chunk
+        if len(self.buf) > 2 * self.limit:  # trimmed now and then, not on every chunk
+            del self.buf[:-self.limit]
+
+    def text(self) -> str | None:
+        """output_tail() of what was added; None when nothing was, or limit is 0."""
+        if not self.total:
+            return None
+        return output_tail(bytes(self.buf[-self.limit:]), self.total, self.limit)
 
 
 class StopReason(enum.StrEnum):
@@ -160,6 +294,7 @@ class RunOptions:
     on_unit: Callable[[str], None] | None = None    # systemd: before the unit can exist
     node: str = ""                                  # systemd: the unit's owner
     tag: str = ""                                   # systemd: this daemon instance
+    output_limit: int = 4096                        # config.output_limit: tail kept
 
 
 class Handler(Protocol):
@@ -167,9 +302,10 @@ class Handler(Protocol):
     ``run_task`` (``run``).  A frozen dataclass: the worker replaces its ``timeout``.
 
     ``run`` performs the task, ends it (``finish``, ``retry`` or ``release``; on a stop,
-    ``give_back`` or nothing) and returns (outcome, exit status, unit name).  It may
-    raise ``PreemptedError`` (the lease was lost) and the store's errors; the handler's
-    own failures are outcomes.
+    ``give_back`` or nothing) and returns a RunResult (outcome, exit status, unit name,
+    output tail, error line; duration 0: ``run_task`` measures it).  It may raise
+    ``PreemptedError`` (the lease was lost) and the store's errors; the handler's own
+    failures are outcomes.
     """
 
     @property
@@ -183,5 +319,4 @@ class Handler(Protocol):
         """The handler of `route`, or why it cannot run here."""
         ...
 
-    def run(self, task: TaskLike, options: RunOptions
-            ) -> tuple[Outcome, int | None, str | None]: ...
+    def run(self, task: TaskLike, options: RunOptions) -> RunResult: ...

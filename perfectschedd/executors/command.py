@@ -3,6 +3,8 @@
 The task's data goes to the command's standard input as JSON; its output is logged line
 by line, each prefixed by the task key, and its last stdout line or else its exit status
 ends the task (:func:`exec_verdict`: ``SCHED_LATER N``, ``SCHED_DONE``, ``SCHED_FAIL``).
+The tail of its stdout and stderr together (``output_limit`` bytes, a ring) and its last
+non-empty line go into the run's history row (RunResult.output, .error).
 On timeout, or when the caller's ``RunControl`` says stop (daemon stopping, lease lost,
 lease not renewable in time), the whole group gets SIGTERM, then SIGKILL after
 ``kill_grace``.  Each live group is recorded in a module registry so that
@@ -34,15 +36,20 @@ from perfectschedd.executors.base import (
     REASON_TEXT,
     Log,
     Outcome,
+    OutputTail,
     RunOptions,
+    RunResult,
     Stop,
     StopReason,
     TaskLike,
+    error_line,
+    status_text,
     stop_grace,
     stop_reason,
 )
 
-__all__ = ["RUN_ID_ENV", "ExecHandler", "exec_verdict", "kill_all_groups", "running_groups"]
+__all__ = ["RUN_ID_ENV", "ExecHandler", "exec_error", "exec_verdict", "kill_all_groups",
+           "running_groups"]
 
 # A read chunk, and the longest line kept before it is logged in pieces.
 _CHUNK = 65536
@@ -74,10 +81,9 @@ class ExecHandler:
         assert route.exec is not None
         return cls(route, tuple(route.exec), route.timeout)
 
-    def run(self, task: TaskLike, options: RunOptions) -> tuple[Outcome, int | None, None]:
-        outcome, code = _run_exec(task, self, options.log, options.stop_event,
-                                  options.kill_grace, options.run_id, options.on_spawn)
-        return outcome, code, None
+    def run(self, task: TaskLike, options: RunOptions) -> RunResult:
+        return _run_exec(task, self, options.log, options.stop_event, options.kill_grace,
+                         options.run_id, options.on_spawn, options.output_limit)
 
 
 # pgid -> task key of every exec group alive in this process. An entry is
@@ -117,17 +123,21 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 
 class _Lines:
-    """Splits a pipe's bytes into lines and logs them; keeps only the last one."""
+    """Splits a pipe's bytes into lines and logs them; keeps only the last one.  The
+    bytes also go to `tail`, shared by stdout and stderr (the run's output as a
+    terminal would have shown it, in the order the chunks came)."""
 
-    __slots__ = ("emit", "key", "buf", "last")
+    __slots__ = ("emit", "key", "buf", "last", "tail")
 
-    def __init__(self, emit: Any, key: str) -> None:
+    def __init__(self, emit: Any, key: str, tail: OutputTail) -> None:
         self.emit = emit
         self.key = key
         self.buf = b""
         self.last = ""  # last non-empty line (stdout: SCHED_LATER)
+        self.tail = tail
 
     def feed(self, chunk: bytes) -> None:
+        self.tail.add(chunk)
         data = self.buf + chunk if self.buf else chunk
         *lines, self.buf = data.split(b"\n")
         for line in lines:
@@ -145,6 +155,8 @@ class _Lines:
         text = raw.decode("utf-8", "replace").rstrip("\r")
         if text.strip():
             self.last = text
+            if not text.startswith("SCHED_"):  # the protocol's words say nothing of why
+                self.tail.last_line = text
         self.emit("%s: %s", self.key, text)
 
 
@@ -195,7 +207,7 @@ def _later(line: str) -> float | None:
 
 def _run_exec(task: TaskLike, handler: ExecHandler, log: Log, stop_event: Stop | None,
               kill_grace: float, run_id: str | None,
-              on_spawn: Callable[[int], None] | None) -> tuple[Outcome, int | None]:
+              on_spawn: Callable[[int], None] | None, output_limit: int) -> RunResult:
     key = task.key
     route = handler.route
     argv = [*handler.argv, key] if route.append_key else list(handler.argv)
@@ -212,16 +224,18 @@ def _run_exec(task: TaskLike, handler: ExecHandler, log: Log, stop_event: Stop |
     except OSError as exc:
         log.error("%s: cannot run %s: %s", key, argv[0], exc.strerror or exc)
         task.retry()
-        return Outcome.FAILED, None
+        return RunResult(Outcome.FAILED, 0.0,
+                         error=error_line(f"cannot run {argv[0]}", exc.strerror or str(exc)))
     pgid = proc.pid  # a session leader leads its own process group
     with _groups_lock:
         _groups[pgid] = key
     completed = False
+    tail = OutputTail(output_limit)
     try:
         if on_spawn is not None:
             on_spawn(pgid)
         why, last_line = _supervise(proc, key, payload, handler.timeout, log, stop_event,
-                                    kill_grace)
+                                    kill_grace, tail)
         completed = True
     finally:
         if not completed:  # an error of our own: no orphan, no wait on a live command
@@ -229,16 +243,34 @@ def _run_exec(task: TaskLike, handler: ExecHandler, log: Log, stop_event: Stop |
         with _groups_lock:
             _groups.pop(pgid, None)
         code = proc.wait()  # the leader is a zombie by now (or dies of SIGKILL at once)
+    output = tail.text()
     if why == "stop":
         reason = stop_reason(stop_event)
+        error = error_line(f"stopped: {REASON_TEXT[reason]}", tail.last_line)
         if reason is StopReason.SHUTDOWN:
             task.give_back()
-            return Outcome.STOPPED, code
-        return Outcome.PREEMPTED, code  # nothing to write: the lease is not ours
+            return RunResult(Outcome.STOPPED, 0.0, code, None, output, error)
+        # Nothing to write: the lease is not ours.
+        return RunResult(Outcome.PREEMPTED, 0.0, code, None, output, error)
     if why == "timeout":
         task.retry()
-        return Outcome.TIMEOUT, code
-    return exec_verdict(task, last_line.strip(), code, log), code
+        return RunResult(Outcome.TIMEOUT, 0.0, code, None, output, error_line(
+            f"timed out after {handler.timeout:g} s", tail.last_line))
+    outcome = exec_verdict(task, last_line.strip(), code, log)
+    return RunResult(outcome, 0.0, code, None, output,
+                     exec_error(outcome, last_line.strip(), code, tail.last_line))
+
+
+def exec_error(outcome: Outcome, last: str, code: int, last_line: str) -> str | None:
+    """The error line of a command that ended by itself (exec_verdict's `outcome`): how it
+    ended ("exit status 3", "killed by SIGKILL", SCHED_FAIL) and its last non-empty line
+    of output that is not a SCHED_ word; None when it succeeded or asked to run later."""
+    if outcome is not Outcome.FAILED:
+        return None
+    how = status_text(code)
+    if last == _SCHED_FAIL:
+        how = f"{_SCHED_FAIL} ({how})"
+    return error_line(how, last_line)
 
 
 def exec_verdict(task: TaskLike, last: str, code: int, log: Log) -> Outcome:
@@ -268,9 +300,10 @@ def exec_verdict(task: TaskLike, last: str, code: int, log: Log) -> Outcome:
 
 
 def _supervise(proc: subprocess.Popen[bytes], key: str, payload: bytes, timeout: float | None,
-               log: Log, stop_event: Stop | None,
-               kill_grace: float) -> tuple[str | None, str]:
-    """Feed stdin, log output, enforce timeout/stop; return (reason, last stdout line).
+               log: Log, stop_event: Stop | None, kill_grace: float,
+               tail: OutputTail) -> tuple[str | None, str]:
+    """Feed stdin, log output (and keep its `tail`), enforce timeout/stop; return
+    (reason, last stdout line).
 
     Returns once the leader has exited (not reaped: its zombie keeps the pgid
     reserved, so signalling the group stays safe) and the pipes are drained.
@@ -279,8 +312,8 @@ def _supervise(proc: subprocess.Popen[bytes], key: str, payload: bytes, timeout:
     pgid = proc.pid
     start = time.monotonic()
     deadline = start + timeout if timeout is not None else None
-    out = _Lines(log.info, key)
-    err = _Lines(log.warning, key)
+    out = _Lines(log.info, key, tail)
+    err = _Lines(log.warning, key, tail)
     # poll(2) itself, not a selectors object: a few wake-ups per run, and the wrapper's
     # per-call bookkeeping showed in a burst of short runs.
     poller = select.poll()

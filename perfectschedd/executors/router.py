@@ -33,6 +33,7 @@ from perfectschedd.executors.base import (
     Stop,
     StopReason,
     TaskLike,
+    error_line,
     stop_reason,
 )
 from perfectschedd.executors.command import ExecHandler
@@ -158,8 +159,8 @@ def run_task(task: TaskLike, handler: Handler, *, log: Log = logger,
              stop_event: Stop | None = None, kill_grace: float = 5.0,
              run_id: str | None = None,
              on_spawn: Callable[[int], None] | None = None,
-             on_unit: Callable[[str], None] | None = None, node: str = "", tag: str = ""
-             ) -> RunResult:
+             on_unit: Callable[[str], None] | None = None, node: str = "", tag: str = "",
+             output_limit: int = 4096) -> RunResult:
     """Run ``task`` with ``handler`` and end it; never raises for handler failures.
 
     ``stop_event`` means "end now" (a :class:`RunControl` says why). An exec
@@ -173,25 +174,29 @@ def run_task(task: TaskLike, handler: Handler, *, log: Log = logger,
     ``on_spawn(pgid)`` is called once the command's process group exists.  A unit run
     calls ``on_unit(name)`` before its unit can exist; ``node`` names this host in the
     unit's Description (its owner: "worker NODE:PID"), and ``tag`` this daemon instance
-    (unitprops.daemon_tag).
+    (unitprops.daemon_tag).  ``output_limit`` bounds the output tail the result keeps
+    (config.output_limit).
 
     Errors of the store other than ``PreemptedError`` (a database that is
     down) propagate to the caller.
     """
     start = time.monotonic()
-    unit: str | None = None
-    code: int | None = None
     try:
         if stop_event is not None and stop_event.is_set():
-            return RunResult(_stopped_before_start(task, stop_event, log),
-                             time.monotonic() - start)
+            outcome = _stopped_before_start(task, stop_event, log)
+            return RunResult(outcome, time.monotonic() - start, error=error_line(
+                f"not started: {REASON_TEXT[stop_reason(stop_event)]}"))
         options = RunOptions(log, stop_event, kill_grace, run_id, on_spawn, on_unit, node,
-                             tag)
-        outcome, code, unit = handler.run(task, options)
+                             tag, output_limit)
+        result = handler.run(task, options)
     except PreemptedError:
         log.warning("%s: lease lost while running; the result was discarded", task.key)
-        outcome = Outcome.PREEMPTED
-    return RunResult(outcome, time.monotonic() - start, code, unit)
+        return RunResult(Outcome.PREEMPTED, time.monotonic() - start, error=error_line(
+            "lease lost while running (schedule deleted, modified or taken over); the "
+            "result was discarded"))
+    # Built, not dataclasses.replace(): that one looks the fields up on every call.
+    return RunResult(result.outcome, time.monotonic() - start, result.exit_code, result.unit,
+                     result.output, result.error)
 
 
 def _stopped_before_start(task: TaskLike, stop: Stop, log: Log) -> Outcome:

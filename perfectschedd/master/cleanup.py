@@ -26,6 +26,7 @@ from collections.abc import Callable
 from perfectschedd.config import Config
 from perfectschedd.errors import first_line
 from perfectschedd.executors import reaper as jobreaper
+from perfectschedd.executors.base import signal_name
 from perfectschedd.executors.systemd import props as unitprops
 from perfectschedd.master.processes import Processes
 from perfectschedd.master.workertable import WorkerProc, WorkerTable
@@ -117,10 +118,14 @@ class RunCleanup:
         self.next_sweep = 0.0
 
     def after_death(self, proc: WorkerProc, code: int, config: Config, master_pid: int,
-                    give_back: Callable[[str], None]) -> None:
+                    give_back: Callable[[str, str], None]) -> None:
         """A worker exited with `code`: nothing of its runs may outlive it, and if it died
-        its leases are given back (`give_back(owner)`) once they are gone."""
-        then = (functools.partial(give_back, f"{config.node}:{proc.pid}")
+        its leases are given back (`give_back(owner, why)`: `why` goes into the history
+        of its runs) once they are gone."""
+        owner = f"{config.node}:{proc.pid}"
+        how = f"killed by {signal_name(-code)}" if code < 0 else f"exit status {code}"
+        then = (functools.partial(give_back, owner, f"worker {owner} died ({how}); its run "
+                                  "was stopped and the occurrence given back")
                 if code != 0 else None)
         # With units, the give-back waits until they have stopped (UnitCleanups).
         units_stopping = bool(code != 0 or proc.runs or proc.units) and \

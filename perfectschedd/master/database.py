@@ -160,16 +160,16 @@ class MasterDatabase:
         if self.store is not None:
             self.store.after_fork()
 
-    def give_back_leases(self, owner: str) -> None:
+    def give_back_leases(self, owner: str, why: str | None = None) -> None:
         """Give the leases of `owner` (a dead worker whose runs were killed) back now,
-        recording those attempts as `lost`, off the caller's thread: the database may be
-        slow, and the occurrences need not wait for alive_time.  If the database does not
-        answer, the leases expire by themselves."""
+        recording those attempts as `lost` (with `why`), off the caller's thread: the
+        database may be slow, and the occurrences need not wait for alive_time.  If the
+        database does not answer, the leases expire by themselves."""
         store = self.store
 
         def work(sc: ScheduleCollection) -> None:
             assert store is not None
-            n = store.reclaim_owner(owner, time.time())
+            n = store.reclaim_owner(owner, time.time(), why)
             if n:
                 log.info("gave back %d lease(s) of %s; recorded as lost", n, owner)
 

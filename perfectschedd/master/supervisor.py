@@ -265,10 +265,10 @@ class Supervisor:
         for proc in self.table.surplus():  # a reload lowered `workers`
             self.procs.kill(proc.pid, signal.SIGTERM)
 
-    def _give_back(self, owner: str) -> None:
-        """A dead worker's leases back now (its runs were killed): the database of the
-        configuration running when its units have stopped."""
-        self.db.give_back_leases(owner)
+    def _give_back(self, owner: str, why: str) -> None:
+        """A dead worker's leases back now (its runs were killed, `why` says how): the
+        database of the configuration running when its units have stopped."""
+        self.db.give_back_leases(owner, why)
 
     def sweep_orphans(self) -> None:
         """Kill what ended runs left behind (cleanup.RunCleanup.sweep_orphans)."""

@@ -505,9 +505,11 @@ class ScheduleCollection:
 
     # -- what the commands read beside the schedules themselves ----------------------------
 
-    def history(self, key: str, limit: int) -> list[dict[str, Any]]:
-        """The latest `limit` runs of `key`, newest first."""
-        return self.store.history(key, limit)
+    def history(self, key: str, limit: int, attempt: int | None = None
+                ) -> list[dict[str, Any]]:
+        """The latest `limit` runs of `key`, newest first (`attempt`: only those that
+        were that attempt of their occurrence)."""
+        return self.store.history(key, limit, attempt)
 
     def extra_runs(self, key: str) -> list[Row]:
         """The pending extra runs (`run KEY`) of `key`."""

@@ -25,6 +25,7 @@ PAUSED_REASON_MAX = 400
 POLICY_MAX = 400
 SOURCE_MAX = 300
 UNIT_MAX = 255  # systemd's longest unit name
+ERROR_MAX = 400  # a history row's error: one line
 # The last second of year 9999: the calendar ends here (datetime, and so croniter, knows
 # no year 10000); it bounds every time and duration we store (and keeps them in 64 bits).
 LAST_INSTANT = 253402300799

@@ -19,6 +19,7 @@ from perfectschedd.schedules.fields import (  # noqa: F401 - the store's names t
     CLAIMED_OPTIONAL,
     CRON_MAX,
     DATA_MAX,
+    ERROR_MAX,
     EXEC_TYPE,
     KEY_MAX,
     PAUSED_REASON_MAX,
@@ -123,7 +124,11 @@ def schedules_table(metadata: sa.MetaData, name: str, data_type: sa.types.TypeEn
     return t
 
 
-def history_table(metadata: sa.MetaData, name: str) -> sa.Table:
+def history_table(metadata: sa.MetaData, name: str,
+                  output_type: sa.types.TypeEngine[Any] | None = None) -> sa.Table:
+    """One row per run (and per occurrence skipped or lost).  `output_type` holds the
+    output tail, up to the config's output_limit (at most OUTPUT_LIMIT_MAX bytes):
+    the backend's long text (schedules' `data` type: MySQL's TEXT stops at 64 KiB)."""
     t = sa.Table(
         f"{name}_history", metadata,
         sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"),
@@ -139,6 +144,20 @@ def history_table(metadata: sa.MetaData, name: str) -> sa.Table:
         # executor systemd: the run's transient unit (journalctl -u UNIT); NULL otherwise.
         # Nullable: init() adds it to a history table an older version made.
         sa.Column("unit", sa.String(UNIT_MAX), nullable=True),
+        # What happened (schema 3).  Nullable, as unit: init() adds them to an older
+        # table, and hosts of 0.1.0 and 0.2.0, which name the columns they insert, leave
+        # them NULL.  The exit status of a command that exited (NULL: none, e.g. a python
+        # run or a command killed by a signal) ...
+        sa.Column("exit_code", sa.Integer, nullable=True),
+        # ... the signal that killed it (NULL: none) ...
+        sa.Column("signal", sa.Integer, nullable=True),
+        # ... how long it ran, seconds ...
+        sa.Column("duration", SECONDS, nullable=True),
+        # ... the tail of its output (exec: stdout+stderr; python: the traceback) ...
+        sa.Column("output", output_type if output_type is not None else sa.Text(),
+                  nullable=True),
+        # ... and one line saying what went wrong (NULL: nothing did).
+        sa.Column("error", sa.String(ERROR_MAX), nullable=True),
     )
     sa.Index(f"{name}_history_key", t.c.key, t.c.id)
     return t
@@ -169,4 +188,7 @@ def hosts_table(metadata: sa.MetaData, name: str) -> sa.Table:
 
 
 HISTORY_COLUMNS = ("key", "type", "scheduled_time", "attempt", "started_at", "finished_at",
-                   "outcome", "worker", "unit")
+                   "outcome", "worker", "unit", "exit_code", "signal", "duration", "output",
+                   "error")
+# The columns a run may leave out (NULL): every one schema 1 did not have.
+HISTORY_OPTIONAL = ("unit", "exit_code", "signal", "duration", "output", "error")

@@ -26,6 +26,8 @@ from perfectschedd.store.backends.choice import open_backend
 from perfectschedd.store.schema import (
     CRON_MAX,
     DATA_MAX,
+    ERROR_MAX,
+    HISTORY_COLUMNS,
     KEY_MAX,
     PAUSED_REASON_MAX,
     POLICY_MAX,
@@ -637,9 +639,10 @@ class Store:
                 attempt=t.c.attempt - 1)).rowcount
 
     @_retried
-    def reclaim_owner(self, owner: str, now: float) -> int:
+    def reclaim_owner(self, owner: str, now: float, error: str | None = None) -> int:
         """A worker died and its runs were killed: record each attempt it held as `lost`
-        and give the occurrences back to run now; the attempt counts.  One transaction."""
+        (`error`: what happened to it) and give the occurrences back to run now; the
+        attempt counts.  One transaction."""
         t = self.t
         with self._tx() as conn:
             held = conn.execute(sa.select(t.c.key, t.c.type, t.c.next_time, t.c.attempt,
@@ -650,7 +653,9 @@ class Store:
             conn.execute(self.h.insert(), [
                 {"key": r.key, "type": r.type, "scheduled_time": r.next_time,
                  "attempt": r.attempt, "started_at": r.claimed_at or now,
-                 "finished_at": now, "outcome": "lost", "worker": owner, "unit": None}
+                 "finished_at": now, "outcome": "lost", "worker": owner, "unit": None,
+                 # No duration: when the run ended inside the dead worker is unknown.
+                 "error": (error or f"worker {owner} died")[:ERROR_MAX]}
                 for r in held])
             stmt = t.update().where(t.c.key == sa.bindparam("k"),
                                     t.c.fence == sa.bindparam("f")).values(
@@ -714,20 +719,27 @@ class Store:
 
     @_retried
     def record_runs(self, runs: Iterable[dict[str, Any]]) -> None:
-        # Runs recorded without a unit (most: exec, python) have none.
-        payload = [r if "unit" in r else {**r, "unit": None} for r in runs]
+        """Append history rows (schema.HISTORY_COLUMNS) in one transaction.  A row may
+        leave out the optional columns (HISTORY_OPTIONAL: a skipped occurrence has no
+        exit code); the backends' statements bind every column, so they become None.  Keys
+        that are not columns (what observers of the runs read) are left out."""
+        payload = [{k: r.get(k) for k in _HISTORY_ORDER} for r in runs]
         if not payload:
             return
         self.backend.record_runs(payload)
 
     @_retried
-    def history(self, key: str, limit: int) -> list[dict[str, Any]]:
-        """Newest runs of `key`, including its extra runs (`run`: keys KEY@run-...)."""
+    def history(self, key: str, limit: int, attempt: int | None = None
+                ) -> list[dict[str, Any]]:
+        """Newest runs of `key`, including its extra runs (`run`: keys KEY@run-...);
+        with `attempt`, only the runs that were that attempt of their occurrence."""
         h = self.h
         q = (sa.select(h).where(sa.or_(h.c.key == key,
                                        h.c.key.startswith(f"{key}{RUN_NOW_MARK}",
                                                           autoescape=True)))
              .order_by(h.c.id.desc()).limit(limit))
+        if attempt is not None:
+            q = q.where(h.c.attempt == attempt)
         with self._tx(readonly=True) as conn:
             return [dict(r._mapping) for r in conn.execute(q)]
 
@@ -764,6 +776,9 @@ class Store:
                 removed += conn.execute(
                     h.delete().where(h.c.key == key, h.c.id < oldest_kept)).rowcount
         return removed
+
+
+_HISTORY_ORDER = tuple(HISTORY_COLUMNS)
 
 
 def _split_pauses(items: Sequence[Advance]) -> tuple[Sequence[Advance], list[Advance]]:

@@ -29,7 +29,7 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from perfectschedd.config import Config
 from perfectschedd.errors import InvalidInputError, PreemptedError
-from perfectschedd.executors.base import RunControl, StopReason
+from perfectschedd.executors.base import RunControl, RunResult, StopReason, error_line
 from perfectschedd.executors.command import ExecHandler
 from perfectschedd.executors.router import Router, run_task
 from perfectschedd.executors.systemd import props as unitprops
@@ -56,6 +56,9 @@ PREFETCH = 8
 # finishes, instead of one per task.  Their leases still hold them meanwhile.
 FINISH_DEFER = 0.05
 HISTORY_FLUSH = 0.5
+# Unwritten history a worker keeps while the database is away, in output bytes at most
+# (history_kept): with output_limit at its maximum, 10,000 rows would be 10 GiB.
+HISTORY_KEPT_BYTES = 64 << 20
 DB_BACKOFF_MAX = 2.0  # a cron must resume soon after its database does
 # An occurrence whose schedule runs another one looks again after this (plus up to 1 s,
 # so that two that gave way to each other do not meet again).
@@ -104,12 +107,13 @@ class LeasePipeline:
                  while_waiting: Callable[[], None] | None = None,
                  on_recorded: Callable[[list[dict[str, Any]]], None] | None = None) -> None:
         self.config = config
-        # Called with each history batch once it is written (notifications); must not
-        # block: it runs on this loop.
-        self.on_recorded = on_recorded
         self.report = report        # a run event for the master
         self.nudge = nudge          # a run ended: the claim loop should look again
         self.while_waiting = while_waiting  # called while waiting for SQLite's writer lock
+        # Called with each batch of history rows once it is written (flush_history):
+        # what reacts to runs (notifications) sees only what the database holds.
+        self.on_recorded = on_recorded
+        self.on_recorded_failed = False  # its first exception was logged
         self.kill_event = threading.Event()  # the heartbeat thread ends
         self.sc: ScheduleCollection | None = None
         self.router = Router(config.routes, log=log)
@@ -263,10 +267,15 @@ class LeasePipeline:
                         else f"next at {plan.next_time}")
             keep = self.config.history_limit
             with self.lock:
+                why = error_line(f"not run: misfire {task.policy.misfire}" + (
+                    f", grace {task.policy.grace} s" if task.policy.grace is not None
+                    else ""))
                 self.history.extend(
                     {"key": task.key, "type": task.type, "scheduled_time": t,
                      "attempt": 0, "started_at": now, "finished_at": now,
-                     "outcome": "skipped", "worker": self.sc.owner, "unit": None}
+                     "outcome": "skipped", "worker": self.sc.owner, "unit": None,
+                     "exit_code": None, "signal": None, "duration": None,
+                     "output": None, "error": why}
                     for t in reversed(plan.skipped[:keep]))
         if plan.run is None:
             task._end()
@@ -302,6 +311,8 @@ class LeasePipeline:
         outcome = "failed"
         duration = 0.0
         unit: str | None = None
+        result: RunResult | None = None
+        error: str | None = None
         try:
             handler = self.router.match(task.type)
             if handler is None:
@@ -315,6 +326,8 @@ class LeasePipeline:
                               self.config.retry_wait)
                 task.give_back(wait=self.config.retry_wait)
                 outcome = "no_route"
+                error = error_line(f"no route for type {task.type!r} on this host; given "
+                                   "back untried")
                 return
             group = task.group
             if group is not None and self.sc is not None and \
@@ -348,13 +361,15 @@ class LeasePipeline:
                     on_unit=None if run_id is None else
                     (lambda name, r=run_id: self.report(pipe.UnitStarting(r, name).line())),
                     node=self.config.node,
-                    tag=self.unit_tag)
+                    tag=self.unit_tag, output_limit=self.config.output_limit)
             finally:
                 if run_id is not None:
                     self.report(pipe.Ended(run_id).line())
             outcome, duration, unit = str(result.outcome), result.duration, result.unit
+            error = result.error
             if task.exhausted:
                 outcome = "failed"
+                error = error or error_line(task.exhausted)
                 log.error("key=%s: %s", task.key, task.exhausted)
             if task.gave_up:
                 metrics.occurrence_given_up(task.type)
@@ -369,13 +384,17 @@ class LeasePipeline:
                 metrics.lease_lost(task.type)
         except PreemptedError:
             outcome = "preempted"
+            error = error_line("lease lost (schedule deleted, modified or taken over)")
             metrics.lease_lost(task.type)
         except DBAPIError as exc:
             outcome = "db_error"
+            error = error_line("could not record the result (database error); the "
+                               "occurrence runs again when its lease expires")
             self._set_db(False, exc)
             log.error("key=%s: could not record the result (database error); the "
                       "occurrence runs again when its lease expires", task.key)
-        except Exception:  # noqa: BLE001 - a worker never dies of one task
+        except Exception as exc:  # noqa: BLE001 - a worker never dies of one task
+            error = error_line(f"internal error: {type(exc).__name__}: {exc}")
             log.exception("key=%s: internal error while running the task", task.key)
         finally:
             ran = outcome != "waiting"  # gave way untried: not a run
@@ -385,21 +404,31 @@ class LeasePipeline:
                 self.running.pop(task.key, None)
                 self.controls.pop(task.key, None)
             if ran:
-                self._record(task, started, duration, outcome, unit)
+                self._record(task, started, duration, outcome, unit, result, error)
             self.nudge()
 
     def _record(self, task: Task, started: float, duration: float, outcome: str,
-                unit: str | None = None) -> None:
+                unit: str | None = None, result: RunResult | None = None,
+                error: str | None = None) -> None:
+        """Queue the history row of one run (written in batches by flush_history): what
+        happened, with the exit status or signal, output tail and error line the
+        executor gave (`result`, None when it did not run), or `error`."""
+        row = {
+            "key": task.key, "type": task.type, "scheduled_time": task.scheduled_time,
+            "attempt": task.attempt, "started_at": started,
+            "finished_at": started + duration if duration else time.time(),
+            "outcome": outcome, "worker": self.sc.owner if self.sc else "?",
+            "unit": unit, "exit_code": None, "signal": None,
+            "duration": duration if result is not None else None, "output": None,
+            "error": error,
+        }
+        if result is not None:
+            row["exit_code"], row["signal"] = result.status, result.signal
+            row["output"] = result.output
+        if task.policy.notify:  # not a column: the schedule's own notifier, for on_recorded
+            row["notify"] = task.policy.notify
         with self.lock:
-            self.history.append({
-                "key": task.key, "type": task.type, "scheduled_time": task.scheduled_time,
-                "attempt": task.attempt, "started_at": started,
-                "finished_at": started + duration if duration else time.time(),
-                "outcome": outcome, "worker": self.sc.owner if self.sc else "?",
-                "unit": unit,
-                # Not a column: the schedule's own notifier's name, for on_recorded.
-                **({"notify": task.policy.notify} if task.policy.notify else {}),
-            })
+            self.history.append(row)
 
     def _take_finished(self) -> list[Task]:
         batch = self.finished[:]
@@ -439,13 +468,28 @@ class LeasePipeline:
             self.store.record_runs(batch)
         except DBAPIError:
             with self.lock:  # keep them for the next flush, bounded
-                self.history[:0] = batch[-10_000:]
+                self.history[:0] = batch[-self.history_kept:]
             return
-        if self.on_recorded is not None:
-            try:
-                self.on_recorded(batch)
-            except Exception:  # noqa: BLE001 - the records are written; runs go on
-                log.exception("after recording %d run(s)", len(batch))
+        self._recorded(batch)
+
+    @property
+    def history_kept(self) -> int:
+        """How many unwritten history rows a worker keeps while the database is away:
+        10,000, fewer when their output could make them weigh more than HISTORY_KEPT_BYTES."""
+        return max(100, min(10_000, HISTORY_KEPT_BYTES // max(1, self.config.output_limit)))
+
+    def _recorded(self, batch: list[dict[str, Any]]) -> None:
+        """Hand a written batch to on_recorded.  It runs on the claim loop: it must not
+        block (it queues); what it raises is logged once and swallowed, since a run's
+        record is written whatever its observers do."""
+        if self.on_recorded is None:
+            return
+        try:
+            self.on_recorded(batch)
+        except Exception:  # noqa: BLE001 - an observer never stops the worker
+            if not self.on_recorded_failed:
+                self.on_recorded_failed = True
+                log.exception("on_recorded failed (logged once; the history is written)")
 
     # -- heartbeat --------------------------------------------------------------------------
 

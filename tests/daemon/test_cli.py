@@ -151,25 +151,28 @@ def test_direct_refusals_change_nothing(direct: list[str], ctl: Ctl) -> None:
     assert ctl(*direct, "list", "--json").stdout == before
 
 
-def test_history_names_units_and_logs_prints_the_newest_one_s_journal(
+def test_history_names_units_and_logs_prints_the_newest_run_s_output_or_journal(
         direct: list[str], ctl: Ctl, tmp_path: Path) -> None:
-    """`history` has a unit column; `logs KEY` asks history for the newest run that ran as
-    a unit and hands it to journalctl (here a stand-in that says how it was called: this
-    host has no journal)."""
+    """`history` has a unit column; `logs KEY` prints the newest run's stored output, or
+    when it ran as a unit hands the unit to journalctl (here a stand-in that says how it
+    was called: this host has no journal); `--attempt N` picks the newest run that was
+    attempt N."""
     assert ctl(*direct, "add", "nightly", "backup", "@daily").returncode == 0
-    refused(ctl(*direct, "logs", "nightly"),
-            "nightly: no run in its history ran as a systemd unit (executor: systemd)")
+    refused(ctl(*direct, "logs", "nightly"), "nightly: no run in its history")
     refused(ctl(*direct, "logs", "nothing-here"), "not found")
     unit = "perfectsched-nightly-1893456000.service"
     run = {"key": "nightly", "type": "backup", "scheduled_time": T2030, "attempt": 1,
            "started_at": T2030 + 1.0, "finished_at": T2030 + 2.0, "worker": "h:1"}
     with perfectschedd.open(direct[1]) as sc:
         sc.store.record_runs([{**run, "outcome": "success", "unit": "perfectsched-old.service"},
-                              {**run, "outcome": "failed", "unit": unit},
-                              {**run, "outcome": "failed"}])
+                              {**run, "outcome": "failed", "attempt": 2,
+                               "output": "partial\noutput\n", "exit_code": 1,
+                               "error": "exit status 1: output"},
+                              {**run, "outcome": "failed", "attempt": 3, "unit": unit}])
     table = ctl(*direct, "history", "nightly").stdout.splitlines()
-    assert table[0].split()[-1] == "unit" and table[1].split()[-1] == "-"
-    assert table[2].split()[-1] == unit
+    assert table[0].split()[-2:] == ["unit", "error"]
+    assert f" {unit} " in table[1] and " perfectsched-old.service" in table[3]
+    assert ".service" not in table[2] and table[2].endswith("exit status 1: output")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fake = bin_dir / "journalctl"
@@ -180,6 +183,10 @@ def test_history_names_units_and_logs_prints_the_newest_one_s_journal(
     assert res.returncode == 0 and res.stdout == f"journalctl --no-pager --unit {unit}\n"
     res = ctl_process(*direct, "logs", "nightly", "-n", "5", env={"PATH": path})
     assert res.stdout == f"journalctl --no-pager --unit {unit} --lines 5\n", res
+    res = ctl_process(*direct, "logs", "nightly", "--attempt", "2", env={"PATH": path})
+    assert res.returncode == 0 and res.stdout == "partial\noutput\n", res
+    res = ctl_process(*direct, "logs", "nightly", "--attempt", "2", "-n", "1")
+    assert res.stdout == "output\n", res
 
 
 def test_bad_config_and_unreachable_database(tmp_path: Path, ctl: Ctl) -> None:
@@ -296,7 +303,8 @@ def test_every_command_through_the_socket(daemon_factory: Any, tmp_path: Path,
             "worker"} <= set(history[0])
     assert history[0]["attempt"] == 1 and history[0]["finished_at"] >= history[0]["started_at"]
     hist_text = sctl("history", run_key).stdout.splitlines()
-    assert hist_text[0].split()[:3] == ["scheduled_time", "started_at", "finished_at"]
+    assert hist_text[0].split()[:6] == ["scheduled_time", "started_at", "outcome", "attempt",
+                                        "exit", "duration"]
     assert hist_text[-1] == "1 runs."
 
     status = json.loads(sctl("status", "--json").stdout)

@@ -26,6 +26,8 @@ from perfectschedd.store import version as schemaversion
 from perfectschedd.store.sql import Store
 
 T0 = 1_700_002_800
+# A schema from a release after this one.
+NEWER = schemaversion.SCHEMA_VERSION + 1
 
 
 def meta(url: str) -> dict[str, str]:
@@ -67,15 +69,15 @@ def make_v1(url: str) -> None:
 
 
 def make_newer(url: str, compatible_from: int | None) -> None:
-    """A database a later release updated: schema_version 3 (and, if given, the oldest
-    schema that may still use it)."""
+    """A database a later release (0.9.0) updated: schema_version NEWER (and, if given,
+    the oldest schema that may still use it)."""
     make_v1(url)
     Store(url).init()
     engine = sa.create_engine(Store(url).url)
     with engine.begin() as conn:
-        conn.exec_driver_sql("UPDATE perfectsched_meta SET value = '3' "
+        conn.exec_driver_sql(f"UPDATE perfectsched_meta SET value = '{NEWER}' "
                              "WHERE name = 'schema_version'")
-        conn.exec_driver_sql("UPDATE perfectsched_meta SET value = '0.3.0' "
+        conn.exec_driver_sql("UPDATE perfectsched_meta SET value = '0.9.0' "
                              "WHERE name = 'written_by'")
         if compatible_from is None:
             conn.exec_driver_sql("DELETE FROM perfectsched_meta WHERE name = 'compatible_from'")
@@ -92,7 +94,7 @@ def test_a_new_database_records_its_schema(db_url: str) -> None:
                             "compatible_from": str(schemaversion.COMPATIBLE_FROM),
                             "written_by": perfectschedd.__version__}
     assert store.init() is False  # idempotent
-    assert meta(db_url)["schema_version"] == "2"
+    assert meta(db_url)["schema_version"] == "3"
 
 
 def test_a_0_1_0_database_is_brought_up_to_date_keeping_its_rows(db_url: str) -> None:
@@ -103,13 +105,13 @@ def test_a_0_1_0_database_is_brought_up_to_date_keeping_its_rows(db_url: str) ->
         info = sc["k"].info()
         assert (info.cron, info.next_time, info.data) == ("0 * * * *", T0, {"a": 1})
     after = snapshot(db_url)
-    assert meta(db_url)["schema_version"] == "2"
+    assert meta(db_url)["schema_version"] == "3"
     assert after["perfectsched"] == before["perfectsched"]
     assert after["perfectsched_history"] == before["perfectsched_history"]
     assert after["perfectsched_hosts"][1] == []
 
 
-@pytest.mark.parametrize("compatible_from", [None, 3])
+@pytest.mark.parametrize("compatible_from", [None, NEWER])
 def test_a_newer_database_is_refused_naming_both_versions_and_left_alone(
         db_url: str, compatible_from: int | None) -> None:
     make_newer(db_url, compatible_from)
@@ -118,8 +120,8 @@ def test_a_newer_database_is_refused_naming_both_versions_and_left_alone(
         Store(db_url).init()
     message = str(caught.value)
     assert "\n" not in message
-    assert "schema 3 (perfectsched 0.3.0)" in message
-    assert f"perfectsched {perfectschedd.__version__}" in message and "schema 2" in message
+    assert f"schema {NEWER} (perfectsched 0.9.0)" in message
+    assert f"perfectsched {perfectschedd.__version__}" in message and "schema 3" in message
     assert snapshot(db_url) == before
 
 
@@ -129,8 +131,8 @@ def test_a_newer_database_that_older_versions_may_use_is_used_as_it_is(db_url: s
     make_newer(db_url, 1)
     with perfectschedd.open({"type": "rdb_compat", "url": db_url}) as sc:
         assert sc["k"].exists()
-    assert meta(db_url)["schema_version"] == "3"
-    assert meta(db_url)["written_by"] == "0.3.0"
+    assert meta(db_url)["schema_version"] == str(NEWER)
+    assert meta(db_url)["written_by"] == "0.9.0"
 
 
 def test_a_table_not_made_by_perfectsched_is_refused_before_anything_is_created(
@@ -163,7 +165,7 @@ def test_hosts_starting_at_once_all_update_the_database(db_url: str, start: str)
     with ctx.Pool(6) as pool:
         results = pool.map(_init_in_a_process, [db_url] * 6)
     assert results == ["ok"] * 6
-    assert meta(db_url)["schema_version"] == "2"
+    assert meta(db_url)["schema_version"] == "3"
     with perfectschedd.open({"type": "rdb_compat", "url": db_url}) as sc:
         assert sc["k"].exists() == (start == "0.1.0")
 
@@ -179,14 +181,14 @@ def _failed_start(d: Daemon) -> str:
     return d.log()
 
 
-@pytest.mark.parametrize("compatible_from", [None, 3])
+@pytest.mark.parametrize("compatible_from", [None, NEWER])
 def test_a_daemon_on_a_newer_database_fails_its_start_in_one_line(
         db_url: str, daemon_factory: Any, compatible_from: int | None) -> None:
     make_newer(db_url, compatible_from)
     before = snapshot(db_url)
     log = _failed_start(daemon_factory(url=db_url))
     errors = [line for line in log.splitlines() if " ERROR " in line]
-    assert errors and "cannot start: the database has schema 3 (perfectsched 0.3.0)" \
+    assert errors and f"cannot start: the database has schema {NEWER} (perfectsched 0.9.0)" \
         in errors[-1], log
     assert "Traceback" not in log and "keep dying" not in log
     assert snapshot(db_url) == before
@@ -236,7 +238,7 @@ def test_status_lists_the_hosts_and_a_host_too_old_to_record_itself(
     found = wait_until(three, timeout=30, what="three hosts")
     assert found["host-a"]["version"] == found["host-b"]["version"] == \
         perfectschedd.__version__
-    assert found["host-b"]["live"] and found["host-b"]["schema_version"] == 2
+    assert found["host-b"]["live"] and found["host-b"]["schema_version"] == 3
     assert found["host-old"]["version"] == "0.1.0" and found["host-old"]["last_seen"] is None
     text = a.ctl("status").stdout
     assert "host-b" in text and "0.1.0 (or older)" in text
@@ -262,4 +264,35 @@ def test_a_table_from_before_creators_gets_the_column_and_its_rows_read_as_unkno
         assert (shown["creator"], shown["creator_name"]) == (None, None)
         assert [(s["key"], s["creator"]) for s in commands.execute(sc, "list")] == [
             ("new", os.geteuid()), ("old", None)]
-    assert meta(db_url)["schema_version"] == "2"
+    assert meta(db_url)["schema_version"] == "3"
+
+
+RUN_COLUMNS = ("exit_code", "signal", "duration", "output", "error")
+
+
+def test_a_history_table_from_before_schema_3_gets_the_run_columns(db_url: str) -> None:
+    """0.1.0 and 0.2.0 made history without what each run did: init adds the columns
+    (nullable: their hosts keep inserting the columns they name), older rows read them as
+    NULL, and new rows fill them."""
+    config = {"type": "rdb_compat", "url": db_url}
+    run = {"key": "k", "type": "t", "scheduled_time": T0, "attempt": 1,
+           "started_at": T0 + 1.0, "finished_at": T0 + 2.0, "outcome": "success",
+           "worker": "old:1"}
+    with perfectschedd.open(config) as sc:
+        sc.add("k", "t", cron="@daily")
+        with sc.store.engine.begin() as conn:
+            for column in RUN_COLUMNS:
+                conn.exec_driver_sql(f"ALTER TABLE perfectsched_history DROP COLUMN "
+                                     f"{sc.store.engine.dialect.identifier_preparer.quote(column)}")
+            # A host of 0.2.0 writes a run as it knows it.
+            conn.execute(sc.store.h.insert().values(**run, unit=None))
+            conn.exec_driver_sql("UPDATE perfectsched_meta SET value = '2' "
+                                 "WHERE name = 'schema_version'")
+    with perfectschedd.open(config) as sc:
+        sc.store.record_runs([{**run, "attempt": 2, "outcome": "failed", "exit_code": 4,
+                               "signal": None, "duration": 0.5, "output": "boom\n",
+                               "error": "exit status 4: boom"}])
+        newest, oldest = sc.history("k", 10)
+    assert [oldest[c] for c in RUN_COLUMNS] == [None] * 5
+    assert [newest[c] for c in RUN_COLUMNS] == [4, None, 0.5, "boom\n", "exit status 4: boom"]
+    assert meta(db_url)["schema_version"] == "3"

@@ -499,11 +499,41 @@ def test_run_history_is_recorded_in_batches_newest_first(sc: ScheduleCollection)
     sc.store.record_runs([run("k", 3), {**run("k@run-1-ab", 4), "unit": unit}])
     got = sc.store.history("k", 10)
     assert [r["scheduled_time"] - T0 for r in got] == [4, 3, 2, 1, 0]
-    assert {k: v for k, v in got[1].items() if k != "id"} == {**run("k", 3), "unit": None}
+    # Columns a row leaves out (0.1.0's, and a skipped occurrence's) are NULL.
+    assert {k: v for k, v in got[1].items() if k != "id"} == {
+        **run("k", 3), "unit": None, "exit_code": None, "signal": None, "duration": None,
+        "output": None, "error": None}
     assert got[0]["unit"] == unit
     assert [r["scheduled_time"] - T0 for r in sc.store.history("k", 2)] == [4, 3]
     sc.store.record_runs([])
     assert len(sc.store.history("other", 10)) == 1
+
+
+def test_history_keeps_what_each_run_did(sc: ScheduleCollection) -> None:
+    """Exit status, signal, duration, output and error (schema 3) round-trip on every
+    database: text beyond ASCII, a long output (MySQL's TEXT stops at 64 KiB), and the
+    filter of one attempt."""
+    from perfectschedd.config import OUTPUT_LIMIT_MAX
+
+    output = "é€😀 line\n" * (OUTPUT_LIMIT_MAX // 16)
+    assert 65536 < len(output.encode()) <= OUTPUT_LIMIT_MAX
+    base = {"key": "k", "type": "t", "scheduled_time": T0, "started_at": T0 + 0.5,
+            "finished_at": T0 + 2.75, "worker": "host:1", "unit": None}
+    runs = [
+        {**base, "attempt": 1, "outcome": "failed", "exit_code": 3, "signal": None,
+         "duration": 2.25, "output": output, "error": "exit status 3: ça a échoué"},
+        {**base, "attempt": 2, "outcome": "timeout", "exit_code": None, "signal": 15,
+         "duration": 1.5, "output": None, "error": "timed out after 1.5 s"},
+        {**base, "attempt": 3, "outcome": "success", "exit_code": 0, "signal": None,
+         "duration": 0.125, "output": "", "error": None},
+    ]
+    sc.store.record_runs(runs)
+    got = [{k: v for k, v in r.items() if k != "id"} for r in sc.store.history("k", 10)]
+    assert got == list(reversed(runs))
+    second = sc.store.history("k", 10, attempt=2)
+    assert [(r["attempt"], r["signal"], r["error"]) for r in second] == [
+        (2, 15, "timed out after 1.5 s")]
+    assert sc.store.history("k", 10, attempt=4) == []
 
 
 def test_warm_up_claims_and_changes_nothing(sc: ScheduleCollection) -> None:

@@ -24,16 +24,19 @@ class Finishes(Application):
         self.task.finish()
 
 
-def pipeline(tmp_path: Path, **extra: Any) -> tuple[LeasePipeline, list[str]]:
+def pipeline(tmp_path: Path, on_recorded: Any = None, **extra: Any
+             ) -> tuple[LeasePipeline, list[str]]:
     cfg = config_mod.load({
         "type": "rdb_compat", "url": f"sqlite:///{tmp_path / 'db'}", "alive_time": 30,
         "kill_grace": 2, "routes": [
             {"type": "py", "python": f"{__name__}:Finishes"},
-            {"type": "sh", "exec": ["/bin/sh", "-c", "exit 0"]}], **extra})
+            {"type": "sh", "exec": ["/bin/sh", "-c", "exit 0"]},
+            {"type": "fails", "exec": ["/bin/sh", "-c", "echo out; echo why >&2; exit 3"]}],
+        **extra})
     with ScheduleCollection(cfg) as sc:
         sc.init()
     events: list[str] = []
-    return LeasePipeline(cfg, report=events.append), events
+    return LeasePipeline(cfg, report=events.append, on_recorded=on_recorded), events
 
 
 def add(p: LeasePipeline, key: str, type_: str = "py") -> None:
@@ -160,4 +163,75 @@ def test_task_threads_taking_run_ids_at_once_get_distinct_ids(tmp_path: Path) ->
     assert errors == []
     every = [i for out in ids for i in out]
     assert len(every) == len(set(every)) == 8 * 20_000
+    p.close()
+
+
+def run_due(p: LeasePipeline) -> None:
+    submitted: list[Task] = []
+    p.step(submitted.append)
+    for task in submitted:
+        p.run_one(task)
+
+
+def test_each_run_s_row_says_what_it_did_and_on_recorded_sees_it_once_written(
+        tmp_path: Path) -> None:
+    batches: list[list[dict[str, Any]]] = []
+
+    def on_recorded(rows: list[dict[str, Any]]) -> None:
+        # Called after the write: the rows are in the database already.
+        assert p.sc is not None
+        stored = {r["key"] for k in ("ok", "bad") for r in p.sc.store.history(k, 10)}
+        assert {r["key"] for r in rows} <= stored
+        batches.append(rows)
+
+    p, _ = pipeline(tmp_path, on_recorded)
+    add(p, "ok", "sh")
+    add(p, "bad", "fails")
+    run_due(p)
+    assert batches == []  # nothing written yet: nothing seen
+    p.flush_history(force=True)
+    assert len(batches) == 1
+    rows = {r["key"]: r for r in batches[0]}
+    assert (rows["ok"]["outcome"], rows["ok"]["exit_code"], rows["ok"]["error"]) == (
+        "success", 0, None)
+    bad = rows["bad"]
+    assert (bad["outcome"], bad["exit_code"], bad["signal"]) == ("failed", 3, None)
+    assert bad["error"] == "exit status 3: why" and bad["output"] == "out\nwhy\n"
+    assert 0 <= bad["duration"] < 5
+    assert p.sc is not None
+    (stored,) = p.sc.store.history("bad", 10)
+    assert {k: stored[k] for k in bad} == bad
+    p.flush_history(force=True)
+    assert len(batches) == 1  # an empty flush hands nothing on
+    p.close()
+
+
+def test_on_recorded_sees_nothing_that_was_not_written_and_its_errors_never_stop_runs(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    calls: list[list[dict[str, Any]]] = []
+
+    def on_recorded(rows: list[dict[str, Any]]) -> None:
+        calls.append(rows)
+        raise RuntimeError("observer broke")
+
+    p, _ = pipeline(tmp_path, on_recorded)
+    add(p, "a", "sh")
+    run_due(p)
+    assert p.sc is not None
+    with p.sc.store.engine.begin() as conn:  # the write will fail: a real database error
+        conn.exec_driver_sql("ALTER TABLE perfectsched_history RENAME TO away")
+    p.flush_history(force=True)
+    assert calls == [] and [r["key"] for r in p.history] == ["a"]  # kept for the next one
+    with p.sc.store.engine.begin() as conn:
+        conn.exec_driver_sql("ALTER TABLE away RENAME TO perfectsched_history")
+    p.flush_history(force=True)
+    assert [[r["key"] for r in b] for b in calls] == [["a"]]
+    assert [r["outcome"] for r in p.sc.store.history("a", 10)] == ["success"]
+    add(p, "b", "sh")
+    run_due(p)
+    p.flush_history(force=True)
+    assert [[r["key"] for r in b] for b in calls] == [["a"], ["b"]]
+    # Logged once, then swallowed.
+    assert [r.getMessage() for r in caplog.records if "on_recorded" in r.getMessage()] == [
+        "on_recorded failed (logged once; the history is written)"]
     p.close()

@@ -33,12 +33,14 @@ from perfectschedd.executors.base import (
     Log,
     Outcome,
     RunOptions,
+    RunResult,
     StopReason,
     TaskLike,
+    error_line,
     stop_grace,
     stop_reason,
 )
-from perfectschedd.executors.command import ExecHandler, exec_verdict
+from perfectschedd.executors.command import ExecHandler, exec_error, exec_verdict
 from perfectschedd.executors.systemd import props as unitprops
 from perfectschedd.executors.systemd.bus import Systemd, SystemdError, Watch
 
@@ -90,7 +92,7 @@ class UnitHandler(ExecHandler):
     def __str__(self) -> str:
         return f"systemd unit {' '.join(self.argv)}"
 
-    def run(self, task: TaskLike, options: RunOptions) -> tuple[Outcome, int | None, str]:
+    def run(self, task: TaskLike, options: RunOptions) -> RunResult:
         return run(task, self, options.log, options.stop_event, options.kill_grace,
                    options.node, options.on_unit, options.tag)
 
@@ -156,9 +158,9 @@ def properties(task: TaskLike, handler: UnitHandler, name: str, *, node: str, ki
 
 
 def run(task: TaskLike, handler: UnitHandler, log: Log, stop: Any, kill_grace: float,
-        node: str, on_unit: Callable[[str], None] | None, tag: str = ""
-        ) -> tuple[Outcome, int | None, str]:
-    """Run one task as a unit and end it (as command.py's exec runs do)."""
+        node: str, on_unit: Callable[[str], None] | None, tag: str = "") -> RunResult:
+    """Run one task as a unit and end it (as command.py's exec runs do).  Its output stays
+    in the journal (perfectschedctl logs reads it there): the result carries none."""
     key = task.key
     name = unitprops.unit_name(key, task.scheduled_time, task.attempt)
     verdict_r, verdict_w = os.pipe()
@@ -171,7 +173,8 @@ def run(task: TaskLike, handler: UnitHandler, log: Log, stop: Any, kill_grace: f
         except SystemdError as exc:
             log.error("%s: cannot start unit %s: %s", key, name, exc)
             task.retry()
-            return Outcome.FAILED, None, name
+            return RunResult(Outcome.FAILED, 0.0, None, name,
+                             error=error_line(f"cannot start unit {name}", str(exc)))
         finally:
             os.close(verdict_w)  # the unit holds its own copy
         log.info("%s: running as unit %s", key, name)
@@ -180,8 +183,9 @@ def run(task: TaskLike, handler: UnitHandler, log: Log, stop: Any, kill_grace: f
         last = _read_verdict(verdict_r)
     finally:
         os.close(verdict_r)
-    return end_task(task, name, state, last, why, stop, handler.timeout, log), \
-        exit_code(state), name
+    outcome = end_task(task, name, state, last, why, stop, handler.timeout, log)
+    return RunResult(outcome, 0.0, exit_code(state), name,
+                     error=unit_error(outcome, name, state, last, why, stop, handler.timeout))
 
 
 def exit_code(state: dict[str, Any]) -> int | None:
@@ -221,6 +225,26 @@ def end_task(task: TaskLike, name: str, state: dict[str, Any], last: str, why: s
         task.retry()
         return Outcome.FAILED
     return exec_verdict(task, last, code, log)
+
+
+def unit_error(outcome: Outcome, name: str, state: dict[str, Any], last: str,
+               why: str | None, stop: Any, timeout: float | None) -> str | None:
+    """The error line of a unit's run that end_task ended with `outcome` (the same
+    reasons, in the same order); None when nothing went wrong."""
+    result = str(state.get("Result", "unknown"))
+    code = exit_code(state)
+    if why == "stop":
+        return error_line(f"stopped: {REASON_TEXT[stop_reason(stop)]}")
+    if why == "timeout" or result == "timeout":
+        return error_line(f"timed out after {timeout or 0:g} s")
+    if result == "oom-kill":
+        return error_line(f"unit {name} was killed: out of memory (OOM, its MemoryMax)")
+    if result not in ("success", "exit-code", "signal", "core-dump") or code is None:
+        return error_line(f"unit {name} failed: result {result}"
+                          + (f", status {code}" if code is not None else ""))
+    # The last stdout line wrap.py passed on is the only line seen here (the rest is in
+    # the journal); a SCHED_ word says nothing of why.
+    return exec_error(outcome, last, code, "" if last.startswith("SCHED_") else last)
 
 
 def _wait(watch: Watch, name: str, key: str, timeout: float | None, log: Log, stop: Any,

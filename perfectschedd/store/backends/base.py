@@ -76,7 +76,7 @@ class Backend(ABC):
         self.metadata = sa.MetaData()
         self.t = schema.schedules_table(self.metadata, table, self.data_type(),
                                         self.partial_index_dialect)
-        self.h = schema.history_table(self.metadata, table)
+        self.h = schema.history_table(self.metadata, table, self.data_type())
         self.meta = schema.meta_table(self.metadata, table)
         self.hosts = schema.hosts_table(self.metadata, table)
         t = self.t
@@ -99,7 +99,8 @@ class Backend(ABC):
         """The engine, with this database's connection options."""
 
     def data_type(self) -> sa.types.TypeEngine[Any]:
-        """The column type of `data` (JSON text up to DATA_MAX bytes)."""
+        """The column type of `data` (JSON text up to DATA_MAX bytes) and of history's
+        `output` (up to config.OUTPUT_LIMIT_MAX bytes)."""
         return sa.Text()
 
     # -- transactions and errors ----------------------------------------------------------

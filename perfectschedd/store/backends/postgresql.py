@@ -48,7 +48,8 @@ class PostgreSQLBackend(ServerBackend):
         columns = ", ".join(HISTORY_COLUMNS)
         typed = ", ".join(f"{c} {pg_type}" for c, pg_type in zip(
             HISTORY_COLUMNS, ("text", "text", "bigint", "integer", "double precision",
-                              "double precision", "text", "text", "text"), strict=True))
+                              "double precision", "text", "text", "text", "integer", "integer",
+                              "double precision", "text", "text"), strict=True))
         self._history_sql = (f"INSERT INTO {history} ({columns}) SELECT {columns}"
                              f" FROM json_to_recordset(%(rows)s::json) AS r({typed})")
 
