@@ -31,7 +31,9 @@ from perfectschedd import __version__
 from perfectschedd.config import Config
 from perfectschedd.errors import DatabaseUnavailableError, SchemaError, first_line
 from perfectschedd.metrics import counters as metrics
+from perfectschedd.notify.dispatch import STATE_OUTCOMES, Dispatcher
 from perfectschedd.schedules import overdue
+from perfectschedd.schedules import policy as policy_mod
 from perfectschedd.schedules.collection import ScheduleCollection
 from perfectschedd.schedules.validate import key_problem
 from perfectschedd.store import states
@@ -117,6 +119,11 @@ class MasterDatabase:
         self._thread = threading.Thread(target=self._housekeeping, name="housekeeping",
                                         daemon=True)
         self.started_at = time.time()
+        # Runs the master records itself (a dead worker's, as `lost`) are notified from
+        # here; only where some notifier is configured.
+        self.notices: Dispatcher | None = None
+        if config.all_notifiers():
+            self.notices = Dispatcher(config, self._previous_outcome)
         # Set once the first attempt to open the store has ended, whatever its outcome.
         self.first_open = threading.Event()
         # Why the database can never be used by this version (SchemaError): the daemon
@@ -129,6 +136,8 @@ class MasterDatabase:
     def stop(self, timeout: float = 5.0) -> None:
         """Let calls in flight end (at most `timeout`), then close the store."""
         end = time.monotonic() + timeout
+        if self.notices is not None:  # what a dead worker's lost runs still have to tell
+            self.notices.drain(min(2.0, timeout / 2))
         self._stop.set()
         self._refresh.set()
         self._pool.shutdown(wait=False)
@@ -160,6 +169,14 @@ class MasterDatabase:
         if self.store is not None:
             self.store.after_fork()
 
+    def _previous_outcome(self, key: str, before: float) -> str | None:
+        """For the notification thread: `key`'s last state outcome before a run."""
+        store = self.store
+        if store is None:
+            return None
+        with self._gate():
+            return store.last_outcome(key, before, STATE_OUTCOMES)
+
     def give_back_leases(self, owner: str, why: str | None = None) -> None:
         """Give the leases of `owner` (a dead worker whose runs were killed) back now,
         recording those attempts as `lost` (with `why`), off the caller's thread: the
@@ -169,9 +186,16 @@ class MasterDatabase:
 
         def work(sc: ScheduleCollection) -> None:
             assert store is not None
-            n = store.reclaim_owner(owner, time.time(), why)
-            if n:
-                log.info("gave back %d lease(s) of %s; recorded as lost", n, owner)
+            runs = store.reclaim_owner(owner, time.time(), why)
+            if runs:
+                log.info("gave back %d lease(s) of %s; recorded as lost", len(runs), owner)
+            if runs and self.notices is not None:
+                # These runs were recorded here, not by a worker: the master tells.
+                for run in runs:
+                    notify = policy_mod.from_text(run.pop("policy")).notify
+                    if notify:
+                        run["notify"] = notify
+                self.notices.on_recorded(runs)
 
         self.in_background(f"giving back the leases of {owner}", work)
 

@@ -639,29 +639,31 @@ class Store:
                 attempt=t.c.attempt - 1)).rowcount
 
     @_retried
-    def reclaim_owner(self, owner: str, now: float, error: str | None = None) -> int:
+    def reclaim_owner(self, owner: str, now: float, error: str | None = None
+                      ) -> list[dict[str, Any]]:
         """A worker died and its runs were killed: record each attempt it held as `lost`
         (`error`: what happened to it) and give the occurrences back to run now; the
-        attempt counts.  One transaction."""
+        attempt counts.  One transaction.  The history rows written, each with the
+        schedule's stored `policy` text beside them (not a column: who is notified)."""
         t = self.t
         with self._tx() as conn:
             held = conn.execute(sa.select(t.c.key, t.c.type, t.c.next_time, t.c.attempt,
-                                          t.c.claimed_at, t.c.fence)
+                                          t.c.claimed_at, t.c.fence, t.c.policy)
                                 .where(t.c.owner == owner)).all()
             if not held:
-                return 0
-            conn.execute(self.h.insert(), [
-                {"key": r.key, "type": r.type, "scheduled_time": r.next_time,
-                 "attempt": r.attempt, "started_at": r.claimed_at or now,
-                 "finished_at": now, "outcome": "lost", "worker": owner, "unit": None,
-                 # No duration: when the run ended inside the dead worker is unknown.
-                 "error": (error or f"worker {owner} died")[:ERROR_MAX]}
-                for r in held])
+                return []
+            rows = [{"key": r.key, "type": r.type, "scheduled_time": r.next_time,
+                     "attempt": r.attempt, "started_at": r.claimed_at or now,
+                     "finished_at": now, "outcome": "lost", "worker": owner, "unit": None,
+                     # No duration: when the run ended inside the dead worker is unknown.
+                     "error": (error or f"worker {owner} died")[:ERROR_MAX]}
+                    for r in held]
+            conn.execute(self.h.insert(), rows)
             stmt = t.update().where(t.c.key == sa.bindparam("k"),
                                     t.c.fence == sa.bindparam("f")).values(
                 next_run_time=int(now), owner=None, claimed_at=None, fence=t.c.fence + 1)
             conn.execute(stmt, [{"k": r.key, "f": r.fence} for r in held])
-        return len(held)
+        return [{**row, "policy": r.policy} for row, r in zip(rows, held, strict=True)]
 
     # -- hosts ----------------------------------------------------------------------------
 

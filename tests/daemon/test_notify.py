@@ -135,3 +135,28 @@ def test_mail_without_sendmail_is_refused_at_start_and_on_reload(daemon_factory:
     res = good.ctl("reload", check=False)
     assert res.returncode == 1 and "no-sendmail is not an executable program" in res.stderr
     assert good.alive()
+
+
+def test_a_worker_killed_mid_run_is_told_by_the_master(daemon_factory: Any,
+                                                         tmp_path: Path) -> None:
+    """A run lost with its worker (kill -9) is recorded by the master, not by a worker:
+    the master tells it, with the schedule's own notifier."""
+    import os
+    import signal
+
+    hook = Receiver()
+    try:
+        d: Daemon = daemon_factory({
+            "workers": 1, "alive_time": 4,
+            "notifiers": {"hook": {"webhook": hook.url}},
+            "routes": [sh("t", f"touch {tmp_path}/started; sleep 30")]}).start()
+        d.ctl("add", "k", "t", YEARLY, "-a", "0", "--notify", "hook")
+        wait_until(lambda: (tmp_path / "started").exists(), 10, what="the run to start")
+        (victim,) = d.children()
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: hook.events(), 15, what="the lost run's notification")
+        assert hook.events()[0] == ("failure", "lost")
+        assert hook.docs[0]["key"] == "k"
+        assert "died" in (hook.docs[0].get("error") or ""), hook.docs[0]
+    finally:
+        hook.close()
