@@ -162,6 +162,7 @@ class FileSchedules:
         else:
             # As cron: the files, and the directory, are root's or the daemon's own.
             loaded = load([directory], daemon_uid=os.geteuid())
+        self._refuse_mail_without_sendmail(loaded, config.sendmail)
         for line in loaded.errors:
             log.error("schedules file rejected, its schedules stay as they were: %s", line)
         with self.lock:
@@ -179,6 +180,29 @@ class FileSchedules:
             self.due_at = time.monotonic()
         return replace(config, routes=loaded.routes() + config.routes,
                        entry_notify=loaded.notifiers())
+
+    @staticmethod
+    def _refuse_mail_without_sendmail(loaded: Loaded, sendmail: str) -> None:
+        """A file whose entry mails (an inline `notify: {mail: ...}`) on a host without
+        the sendmail program is rejected whole, as any file with an error: what it
+        promises could not be kept here (config.notify_refusal says the same of the
+        configuration's notifiers)."""
+        if os.access(sendmail, os.X_OK):
+            return
+        for key, entry in list(loaded.entries.items()):
+            if entry.notify is not None and entry.notify.kind == "mail":
+                if entry.source not in loaded.broken:
+                    loaded.errors.append(
+                        f"{entry.source}: entry {key}: notify: mail needs sendmail, and "
+                        f"{sendmail} is not an executable program on this host (install a "
+                        "mail transfer agent, or set sendmail: in the configuration)")
+                loaded.broken.add(entry.source)
+        for key, entry in list(loaded.entries.items()):
+            if entry.source in loaded.broken:
+                del loaded.entries[key]
+        loaded.sources -= loaded.broken
+        for source in loaded.broken:
+            loaded.owners.pop(source, None)
 
     def take_pending(self) -> bool:
         """Whether an apply is due now; if so it is no longer pending (apply() makes it

@@ -160,3 +160,28 @@ def test_a_worker_killed_mid_run_is_told_by_the_master(daemon_factory: Any,
         assert "died" in (hook.docs[0].get("error") or ""), hook.docs[0]
     finally:
         hook.close()
+
+
+def test_a_schedules_file_that_mails_without_sendmail_is_rejected_whole(
+        daemon_factory: Any, tmp_path: Path) -> None:
+    """An entry's inline mail notifier on a host without sendmail: its file is rejected
+    (one line naming the entry), the other files' schedules are made."""
+    import yaml
+
+    sdir = tmp_path / "schedules.d"
+    sdir.mkdir()
+    (sdir / "mails.yml").write_text(yaml.safe_dump(
+        [{"key": "mailed", "cron": "@daily", "type": "t",
+          "notify": {"mail": "ops@example.com"}},
+         {"key": "beside", "cron": "@daily", "type": "t"}]))
+    (sdir / "plain.yml").write_text(yaml.safe_dump(
+        [{"key": "plain", "cron": "@daily", "type": "t"}]))
+    d: Daemon = daemon_factory({"schedules_dir": str(sdir),
+                                "sendmail": str(tmp_path / "no-sendmail"),
+                                "routes": [sh("t", "true")]}).start()
+    wait_until(lambda: [s["key"] for s in d.ctl_json("list")] == ["plain"], 10,
+               what="the other file's schedule")
+    wait_until(lambda: "entry mailed: notify: mail needs sendmail" in d.log(), 5,
+               what="the rejection")
+    time.sleep(0.5)
+    assert [s["key"] for s in d.ctl_json("list")] == ["plain"]
