@@ -123,7 +123,8 @@ class MasterDatabase:
         # here; only where some notifier is configured.
         self.notices: Dispatcher | None = None
         if config.all_notifiers():
-            self.notices = Dispatcher(config, self._previous_outcome)
+            self.notices = Dispatcher(config, self._previous_outcome,
+                                      previous_many=self._previous_outcomes)
         # Set once the first attempt to open the store has ended, whatever its outcome.
         self.first_open = threading.Event()
         # Why the database can never be used by this version (SchemaError): the daemon
@@ -176,6 +177,13 @@ class MasterDatabase:
             return None
         with self._gate():
             return store.last_outcome(key, before, STATE_OUTCOMES)
+
+    def _previous_outcomes(self, runs: list[tuple[str, float]]) -> dict[str, str | None]:
+        store = self.store
+        if store is None:
+            return {}
+        with self._gate():
+            return store.last_outcomes(runs, STATE_OUTCOMES)
 
     def give_back_leases(self, owner: str, why: str | None = None) -> None:
         """Give the leases of `owner` (a dead worker whose runs were killed) back now,

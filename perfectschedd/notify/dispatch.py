@@ -16,6 +16,12 @@ and sends, with a few tries.  The previous outcome of a key comes from this thre
 memory, or once per key from the history table (the latest row recorded before this run)
 when the thread has not seen the key yet.  Nothing here ever waits on the pipeline, and
 the pipeline never waits on this: a full queue drops notifications (counted, logged).
+
+A first success (attempt 1) of a key the pipeline has not seen is a recovery only if the
+history says the run before it failed: a burst of thousands of new keys must neither
+fill the queue nor cost a query each.  Those wait apart, one per key, and the thread
+asks the history about up to VERIFY_BATCH of them in one query when it has nothing
+else to do.
 """
 
 from __future__ import annotations
@@ -50,13 +56,23 @@ STATE_MAX = 100_000
 
 Run = dict[str, Any]
 PreviousOutcome = Callable[[str, float], "str | None"]
+# Many at once: [(key, before)] -> {key: the latest state outcome before, or None}.
+PreviousOutcomes = Callable[[list[tuple[str, float]]], dict[str, "str | None"]]
+# First successes of unseen keys asked about in one query; at most STATE_MAX wait.
+VERIFY_BATCH = 500
+# The state of a key whose history holds no earlier run.
+UNKNOWN = "unknown"
 
 
 class Dispatcher:
     def __init__(self, config: Config, previous: PreviousOutcome, *,
+                 previous_many: PreviousOutcomes | None = None,
                  send: Callable[[Notifier, senders.Message], None] | None = None) -> None:
         self.config = config
         self.previous = previous  # (key, before) -> the latest state outcome before
+        self.previous_many = previous_many
+        # First successes of keys the pipeline had not seen, by key (see the module doc).
+        self.unverified: collections.OrderedDict[str, Run] = collections.OrderedDict()
         self.host = config.node
         self._send = send or (lambda n, m: senders.send(n, m, sendmail=config.sendmail))
         self.watch_output = any(n.when == "output" for n in config.all_notifiers())
@@ -79,19 +95,35 @@ class Dispatcher:
         """Runs just written to the history (the pipeline's thread): queue those that may
         be told.  Never blocks, never raises."""
         keep = []
+        later = []
         seen = self.seen
         for r in records:
             outcome = r.get("outcome")
             key = r.get("key")
             if outcome == SUCCESS:
-                if seen.get(key) == SUCCESS and not (self.watch_output and r.get("output")):
+                told_output = self.watch_output and r.get("output")
+                known = seen.get(key)
+                if known == SUCCESS and not told_output:
                     continue  # the hot path: success after success, nothing to tell
                 seen[key] = SUCCESS
+                if known is None and not told_output and (r.get("attempt") or 1) <= 1 \
+                        and self.previous_many is not None:
+                    later.append(r)  # a recovery only if the history says so: asked apart
+                    continue
             elif outcome in FAILURES:
                 seen[key] = "failed"
             else:
                 continue
             keep.append(r)
+        if later:
+            with self.cond:
+                for r in later:
+                    self.unverified[r["key"]] = r
+                    self.unverified.move_to_end(r["key"])
+                while len(self.unverified) > STATE_MAX:
+                    self.unverified.popitem(last=False)
+                    metrics.notification("?", "dropped")
+                self.cond.notify()
         if not keep:
             return
         with self.cond:
@@ -111,23 +143,52 @@ class Dispatcher:
     # -- the thread ---------------------------------------------------------------------
 
     def _loop(self) -> None:
+        unverified = False
         while True:
+            batch: list[Run] = []
             with self.cond:
-                while not self.queue and not self.stopping.is_set():
+                while not self.queue and not self.unverified and not self.stopping.is_set():
                     self.busy = False
                     self.cond.notify_all()
                     self.cond.wait()
-                if not self.queue:
+                if not self.queue and not self.unverified:
                     self.busy = False
                     self.cond.notify_all()
                     return
                 self.busy = True
-                run = self.queue.popleft()
-            try:
-                self.handle(run)
-            except Exception:  # noqa: BLE001 - this thread must outlive any one run
-                log.exception("key=%s: notification not sent (internal error)",
-                              run.get("key"))
+                if self.queue:
+                    batch = [self.queue.popleft()]
+                else:  # nothing else to do: first successes, many per query
+                    while self.unverified and len(batch) < VERIFY_BATCH:
+                        batch.append(self.unverified.popitem(last=False)[1])
+                    unverified = True
+            if unverified:
+                self._learn(batch)  # outside the lock: on_recorded never waits on a query
+                unverified = False
+            for run in batch:
+                try:
+                    self.handle(run)
+                except Exception:  # noqa: BLE001 - this thread must outlive any one run
+                    log.exception("key=%s: notification not sent (internal error)",
+                                  run.get("key"))
+
+    def _learn(self, runs: list[Run]) -> None:
+        """The state before each of these runs, for the keys this thread does not know,
+        in one query (see the module doc)."""
+        assert self.previous_many is not None
+        ask = [(str(r["key"]), float(r.get("started_at") or time.time()))
+               for r in runs if r.get("key") not in self.state]
+        if not ask:
+            return
+        try:
+            found = self.previous_many(ask)
+        except Exception:  # noqa: BLE001 - decide() asks one by one instead
+            log.exception("reading the previous outcomes of %d key(s)", len(ask))
+            return
+        for key, _ in ask:
+            prior = found.get(key)
+            self.state[key] = (UNKNOWN if prior is None
+                               else "failed" if prior in FAILURES else SUCCESS)
 
     def handle(self, run: Run) -> None:
         notifier = self.resolve(run)
@@ -212,9 +273,10 @@ class Dispatcher:
         number of runs left untold (logged)."""
         deadline = time.monotonic() + timeout
         with self.cond:
-            while (self.queue or self.busy) and time.monotonic() < deadline:
+            while (self.queue or self.unverified or self.busy) and \
+                    time.monotonic() < deadline:
                 self.cond.wait(max(0.0, min(0.1, deadline - time.monotonic())))
-            left = len(self.queue) + (1 if self.busy else 0)
+            left = len(self.queue) + len(self.unverified) + (1 if self.busy else 0)
             self.stopping.set()
             self.cond.notify_all()
         if left:

@@ -758,6 +758,31 @@ class Store:
         return None if found is None else str(found)
 
     @_retried
+    def last_outcomes(self, runs: Sequence[tuple[str, float]], outcomes: Iterable[str]
+                      ) -> dict[str, str | None]:
+        """last_outcome of many keys in one query: for each (key, before), the outcome of
+        the key's latest run among `outcomes` that ended before `before`.  The three
+        newest such rows of each key are read (the newest is usually the run itself);
+        a key with none of them before `before` gets None."""
+        keys = sorted({key for key, _ in runs})
+        if not keys:
+            return {}
+        h = self.h
+        rank = sa.func.row_number().over(partition_by=h.c.key,
+                                         order_by=h.c.id.desc()).label("rank")
+        newest = (sa.select(h.c.key, h.c.outcome, h.c.finished_at, rank)
+                  .where(h.c.key.in_(keys), h.c.outcome.in_(list(outcomes))).subquery())
+        q = (sa.select(newest.c.key, newest.c.outcome, newest.c.finished_at)
+             .where(newest.c.rank <= 3).order_by(newest.c.key, newest.c.rank))
+        by_key: dict[str, list[tuple[str, float]]] = {}
+        with self._tx(readonly=True) as conn:
+            for key, outcome, finished in conn.execute(q):
+                by_key.setdefault(key, []).append((str(outcome), float(finished)))
+        return {key: next((o for o, finished in by_key.get(key, ()) if finished < before),
+                          None)
+                for key, before in runs}
+
+    @_retried
     def prune_history(self, keep_per_key: int) -> int:
         """Keep only the newest `keep_per_key` runs of each key (bounded history)."""
         h = self.h

@@ -98,7 +98,8 @@ class Worker:
         # pipeline's history path is exactly as before.
         self.notices: Dispatcher | None = None
         if config.all_notifiers():
-            self.notices = Dispatcher(config, self._previous_outcome)
+            self.notices = Dispatcher(config, self._previous_outcome,
+                                      previous_many=self._previous_outcomes)
         self.pipeline = LeasePipeline(
             config, report=self._report, nudge=self._nudge, while_waiting=self._ping,
             on_recorded=None if self.notices is None else self.notices.on_recorded)
@@ -119,6 +120,12 @@ class Worker:
         if self.pipeline.sc is None:
             return None
         return self.pipeline.store.last_outcome(key, before, STATE_OUTCOMES)
+
+    def _previous_outcomes(self, runs: list[tuple[str, float]]) -> dict[str, str | None]:
+        """The same for many keys, in one query."""
+        if self.pipeline.sc is None:
+            return {}
+        return self.pipeline.store.last_outcomes(runs, STATE_OUTCOMES)
 
     def _nudge(self, force: bool = False) -> None:
         # One wake-up byte until the loop has read it: a burst of finishing tasks must not

@@ -137,3 +137,57 @@ def test_a_notifier_that_keeps_failing_is_counted_and_retried(tmp_path: Path) ->
     wait_for(lambda: len(tries) == 3, 15, "three tries")
     assert tries[1] - tries[0] >= 0.9 and tries[2] - tries[1] >= 3.9
     settle(d)
+
+
+def make_batched(tmp_path: Path) -> tuple[Dispatcher, ScheduleCollection, Path,
+                                          list[int]]:
+    """As make(), with the many-keys query the worker gives (one call per batch)."""
+    d, sc, path, queries = make(tmp_path)
+    calls: list[int] = []
+
+    def previous_many(pairs: list[tuple[str, float]]) -> dict[str, str | None]:
+        calls.append(len(pairs))
+        return sc.store.last_outcomes(pairs, STATE_OUTCOMES)
+
+    d.drain(1)  # make()'s dispatcher has no batch query: a new one
+    return (Dispatcher(d.config, d.previous, previous_many=previous_many), sc, path,
+            calls)
+
+
+def test_a_first_success_after_a_failure_elsewhere_is_a_recovery(tmp_path: Path) -> None:
+    """The run before this worker's first success of the key failed (another worker,
+    an earlier occurrence given up): told as the recovery, from one batch query."""
+    d, sc, path, calls = make_batched(tmp_path)
+    sc.store.record_runs(runs("k", ["failed"], start=100.0) + runs("ok", ["success"],
+                                                                   start=100.0))
+    record(d, sc, runs("k", ["success"], start=200.0) + runs("ok", ["success"], start=200.0)
+           + runs("new", ["success"], start=200.0))
+    settle(d)
+    assert told(path) == ["k recovery"]
+    assert calls == [3]
+
+
+def test_a_burst_of_new_keys_costs_a_query_per_batch_and_drops_nothing(
+        tmp_path: Path) -> None:
+    """5,000 first successes (a burst of new one-off schedules): none is told, the queue
+    never fills (nothing dropped), and the history is asked once per 500 keys."""
+    d, sc, path, calls = make_batched(tmp_path)
+    burst = [r for i in range(5000) for r in runs(f"b{i}", ["success"], start=300.0)]
+    for i in range(0, len(burst), 250):  # as the pipeline's history batches come
+        record(d, sc, burst[i:i + 250])
+    settle(d)
+    assert told(path) == []
+    assert sum(calls) == 5000 and len(calls) <= 5000 // 500 + len(burst) // 250
+    assert not d.queue and not d.unverified
+
+
+def test_last_outcomes_agrees_with_last_outcome(tmp_path: Path) -> None:
+    _, sc, _, _ = make(tmp_path)
+    sc.store.record_runs(runs("a", ["failed", "success", "skipped"], start=100.0)
+                         + runs("b", ["success", "timeout"], start=100.0))
+    pairs = [("a", 115.0), ("a", 125.0), ("b", 500.0), ("b", 105.0), ("c", 500.0)]
+    for key, before in pairs:
+        assert sc.store.last_outcomes([(key, before)], STATE_OUTCOMES) == {
+            key: sc.store.last_outcome(key, before, STATE_OUTCOMES)}, (key, before)
+    assert sc.store.last_outcomes(pairs[1:3] + pairs[4:], STATE_OUTCOMES) == {
+        "a": "success", "b": "timeout", "c": None}

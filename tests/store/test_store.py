@@ -571,3 +571,22 @@ def test_a_deadlock_is_run_again_not_reported(pg_url: str) -> None:
         other.dispose()
         assert result == [set()]  # both renewed, after PostgreSQL broke the deadlock
         assert row(c, "k1")["next_run_time"] == T0 + 999
+
+
+def test_last_outcomes_of_many_keys_in_one_query(sc: ScheduleCollection) -> None:
+    """Notifications ask the run before a first success of many keys at once (a window
+    function on every database): the latest state outcome that ended before each time."""
+    def run(key: str, outcome: str, at: float) -> dict[str, object]:
+        return {"key": key, "type": "t", "scheduled_time": 0, "attempt": 1,
+                "started_at": at, "finished_at": at + 1, "outcome": outcome, "worker": "w"}
+
+    sc.store.record_runs([run("a", "failed", 100), run("a", "success", 110),
+                          run("a", "skipped", 120), run("b", "timeout", 100),
+                          run("b", "success", 200)])
+    states = ("success", "failed", "timeout", "lost")
+    assert sc.store.last_outcomes([("a", 105.0), ("b", 150.0), ("c", 500.0)], states) == {
+        "a": "failed", "b": "timeout", "c": None}
+    assert sc.store.last_outcomes([("a", 100.5)], states) == {"a": None}
+    assert sc.store.last_outcomes([("a", 500.0), ("b", 500.0)], states) == {
+        "a": "success", "b": "success"}
+    assert sc.store.last_outcomes([], states) == {}
