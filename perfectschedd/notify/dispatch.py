@@ -62,6 +62,10 @@ PreviousOutcomes = Callable[[list[tuple[str, float]]], dict[str, "str | None"]]
 VERIFY_BATCH = 500
 # The state of a key whose history holds no earlier run.
 UNKNOWN = "unknown"
+# First successes are checked once the pipeline has recorded nothing for this long: the
+# check shares the GIL with the pipeline, and a recovery told a second late harms
+# nobody, while a burst slowed down does.
+QUIET = 0.5
 
 
 class Dispatcher:
@@ -73,6 +77,7 @@ class Dispatcher:
         self.previous_many = previous_many
         # First successes of keys the pipeline had not seen, by key (see the module doc).
         self.unverified: collections.OrderedDict[str, Run] = collections.OrderedDict()
+        self.last_recorded = 0.0  # monotonic time of the pipeline's last on_recorded
         self.host = config.node
         self._send = send or (lambda n, m: senders.send(n, m, sendmail=config.sendmail))
         self.watch_output = any(n.when == "output" for n in config.all_notifiers())
@@ -115,6 +120,9 @@ class Dispatcher:
             else:
                 continue
             keep.append(r)
+        if len(seen) > STATE_MAX:  # forgetting costs at most one query per key again
+            seen.clear()
+        self.last_recorded = time.monotonic()
         if later:
             with self.cond:
                 for r in later:
@@ -155,6 +163,13 @@ class Dispatcher:
                     self.busy = False
                     self.cond.notify_all()
                     return
+                if not self.queue and not self.stopping.is_set():
+                    quiet_in = self.last_recorded + QUIET - time.monotonic()
+                    if quiet_in > 0 and len(self.unverified) < STATE_MAX // 2:
+                        self.busy = False
+                        self.cond.notify_all()
+                        self.cond.wait(quiet_in)
+                        continue
                 self.busy = True
                 if self.queue:
                     batch = [self.queue.popleft()]
@@ -163,7 +178,10 @@ class Dispatcher:
                         batch.append(self.unverified.popitem(last=False)[1])
                     unverified = True
             if unverified:
-                self._learn(batch)  # outside the lock: on_recorded never waits on a query
+                # Outside the lock: on_recorded never waits on a query.  Only a success
+                # after a failure has anything to tell; the rest cost a dict write each
+                # (a burst of new keys shares the GIL with the pipeline).
+                batch = self._learn(batch)
                 unverified = False
             for run in batch:
                 try:
@@ -172,23 +190,34 @@ class Dispatcher:
                     log.exception("key=%s: notification not sent (internal error)",
                                   run.get("key"))
 
-    def _learn(self, runs: list[Run]) -> None:
-        """The state before each of these runs, for the keys this thread does not know,
-        in one query (see the module doc)."""
+    def _learn(self, runs: list[Run]) -> list[Run]:
+        """Of these first successes, those that may be recoveries: the history (one
+        query, see the module doc) or this thread's memory says the run before failed.
+        The others only mark their key a success."""
         assert self.previous_many is not None
+        state = self.state
         ask = [(str(r["key"]), float(r.get("started_at") or time.time()))
-               for r in runs if r.get("key") not in self.state]
-        if not ask:
-            return
+               for r in runs if r.get("key") not in state]
         try:
-            found = self.previous_many(ask)
+            found = self.previous_many(ask) if ask else {}
         except Exception:  # noqa: BLE001 - decide() asks one by one instead
             log.exception("reading the previous outcomes of %d key(s)", len(ask))
-            return
+            return runs
         for key, _ in ask:
             prior = found.get(key)
-            self.state[key] = (UNKNOWN if prior is None
-                               else "failed" if prior in FAILURES else SUCCESS)
+            state[key] = (UNKNOWN if prior is None
+                          else "failed" if prior in FAILURES else SUCCESS)
+        told = []
+        for r in runs:
+            key = r["key"]
+            if state.get(key) == "failed":
+                told.append(r)
+            else:
+                state[key] = SUCCESS
+                state.move_to_end(key)
+        while len(state) > STATE_MAX:
+            state.popitem(last=False)
+        return told
 
     def handle(self, run: Run) -> None:
         notifier = self.resolve(run)
