@@ -43,6 +43,7 @@ from typing import Any
 import yaml
 
 from perfectschedd.errors import InvalidInputError
+from perfectschedd.notify.spec import DEFAULT_SENDMAIL
 from perfectschedd.schedules import cron as cron_mod
 from perfectschedd.schedules import filetrust
 from perfectschedd.schedules.validate import check_timezone
@@ -168,10 +169,13 @@ def _parse_schedule(fields: list[str]) -> tuple[str, list[str]] | None:
 
 
 def convert(text: str, *, name: str, system: bool, user: str | None = None,
-            default_timezone: str | None = None) -> Imported:
+            default_timezone: str | None = None, sendmail: str = DEFAULT_SENDMAIL
+            ) -> Imported:
     """A crontab's text as a schedules file.  `name`: where it came from (a comment, and
     the keys' prefix); `system`: lines carry a user column; `user`: the owner of a user
-    crontab (set as each entry's `user`)."""
+    crontab (set as each entry's `user`); `sendmail`: the program mail goes through (a
+    crontab without MAILTO mails its owner only where it exists, see _notify)."""
+    can_mail = os.access(sendmail, os.X_OK)
     # A user crontab is named after its owner (its file's name, or "stdin" when piped
     # from `crontab -l`, would change the keys); a system one after its file.
     label = user if user is not None else ("crontab" if name == "stdin" else name)
@@ -256,12 +260,20 @@ def convert(text: str, *, name: str, system: bool, user: str | None = None,
             entry["env"] = dict(env)
         entry["max_attempts"] = 1  # cron runs the next one whatever this one's exit
         notify, mails_owner = _notify(mailto, line_user)
+        if mails_owner and not can_mail:
+            notify = None
         if notify is not None:
             entry["notify"] = notify
         out.append(f"# {where}: {raw.strip()}")
-        if mails_owner:
+        if mails_owner and can_mail:
             out.append(f"# (no MAILTO: its output is mailed to its owner {line_user}, "
                        "as cron does)")
+        elif mails_owner:
+            # A mail notifier where nothing can send mail would get the file refused
+            # (the daemon refuses what it cannot keep): say what cron would have done.
+            out.append(f"# (no MAILTO: cron would mail its output to its owner {line_user};"
+                       f" {sendmail} is not on this host, so nothing is mailed: add notify:"
+                       f" {{mail: {line_user}, when: output}} where it is)")
         out.append(yaml.dump([entry], Dumper=_Dumper, sort_keys=False, allow_unicode=True,
                              width=1000).rstrip())
         result.entries += 1

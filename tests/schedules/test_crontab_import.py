@@ -334,34 +334,42 @@ def test_the_delimiter_is_absent_from_the_text() -> None:
         "PERFECTSCHED_INPUT_3\n"
 
 
+SYSTEM_CRONTAB_WITH_MAILTO = ("0 1 * * * backup /usr/local/bin/a\n"
+                              "MAILTO=ops@example.com, dev@example.com\n"
+                              "0 2 * * * root /usr/local/bin/b\n"
+                              'MAILTO=""\n'
+                              "0 3 * * * root /usr/local/bin/c\n")
+
+
 def test_mailto_becomes_the_notify_that_gives_cron_s_mail(tmp_path: Path) -> None:
     # A system crontab: without MAILTO each line's user (its owner) gets the output, as
     # from cron; several addresses stay one comma-joined entry; MAILTO="" mails nothing.
-    system = tmp_path / "jobs"
-    system.write_text("0 1 * * * backup /usr/local/bin/a\n"
-                      "MAILTO=ops@example.com, dev@example.com\n"
-                      "0 2 * * * root /usr/local/bin/b\n"
-                      'MAILTO=""\n'
-                      "0 3 * * * root /usr/local/bin/c\n")
-    entries, text, warnings = imported(str(system), "--system")
-    assert warnings == []
+    from perfectschedd.schedules.from_crontab import convert
+
+    sendmail = tmp_path / "sendmail"
+    sendmail.write_text("#!/bin/sh\ncat > /dev/null\n")
+    sendmail.chmod(0o755)
+    done = convert(SYSTEM_CRONTAB_WITH_MAILTO, name="jobs", system=True,
+                   sendmail=str(sendmail))
+    assert done.warnings == []
+    entries = yaml.safe_load(done.text)
     assert [e.get("notify") for e in entries] == [
         {"mail": "backup", "when": "output"},
         {"mail": "ops@example.com,dev@example.com", "when": "output"},
         "none"]
-    assert "(no MAILTO: its output is mailed to its owner backup, as cron does)" in text
-    assert text.count("no MAILTO") == 1
+    assert "(no MAILTO: its output is mailed to its owner backup, as cron does)" in done.text
+    assert done.text.count("no MAILTO") == 1
     assert all(e["max_attempts"] == 1 for e in entries)
     # A user crontab without MAILTO: its user.
-    (entry,) = yaml.safe_load(ctl("import-crontab", "--user", "nobody", "-",
-                                  stdin="* * * * * /bin/true\n").stdout)
+    (entry,) = yaml.safe_load(convert("* * * * * /bin/true\n", name="stdin", system=False,
+                                      user="nobody", sendmail=str(sendmail)).text)
     assert entry["notify"] == {"mail": "nobody", "when": "output"}
     # The schedules file loader takes what the importer writes (apply end to end is
     # test_user_crontab_with_every_feature's).
     from perfectschedd.schedules import files
 
     out = tmp_path / "jobs.yml"
-    out.write_text(text)
+    out.write_text(done.text)
     loaded = files.load([out], need_user_support=False)
     assert loaded.errors == []
     assert [(n.kind, n.target, n.when) for n in (e.notify for e in loaded.entries.values())
@@ -369,3 +377,17 @@ def test_mailto_becomes_the_notify_that_gives_cron_s_mail(tmp_path: Path) -> Non
                                   ("mail", "ops@example.com,dev@example.com", "output"),
                                   ("none", "", "change")]
     assert {e.policy.max_attempts for e in loaded.entries.values()} == {1}
+
+
+def test_without_sendmail_a_crontab_without_mailto_mails_nobody(tmp_path: Path) -> None:
+    """Where nothing can send mail, cron's mail to the owner is not carried over (a mail
+    notifier there would get the file refused by the daemon): a comment says so; an
+    explicit MAILTO is still carried over (the user asked for it)."""
+    from perfectschedd.schedules.from_crontab import convert
+
+    done = convert(SYSTEM_CRONTAB_WITH_MAILTO, name="jobs", system=True,
+                   sendmail=str(tmp_path / "no-sendmail"))
+    entries = yaml.safe_load(done.text)
+    assert [e.get("notify") for e in entries] == [
+        None, {"mail": "ops@example.com,dev@example.com", "when": "output"}, "none"]
+    assert "cron would mail its output to its owner backup" in done.text
