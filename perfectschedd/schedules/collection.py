@@ -43,6 +43,7 @@ from perfectschedd.schedules.validate import (
     check_type,
     lookup_key,
 )
+from perfectschedd.store.schema import lease_until
 from perfectschedd.store.sql import Advance, Claimed, Row, Store
 
 _UNSET: Any = object()
@@ -255,7 +256,7 @@ class Task:
         if self.done:
             raise AlreadyFinishedError(f"task {self.key!r} was already finished")
         now = time.time() if now is None else now
-        lease = int(now) + self._collection.config.alive_time
+        lease = lease_until(now, self._collection.config.alive_time)
         if self._collection.store.heartbeat([(self.key, self.fence)], lease):
             raise PreemptedError(f"task {self.key!r} lost its lease")
 
@@ -497,7 +498,7 @@ class ScheduleCollection:
 
     def heartbeat_many(self, tasks: list[Task], now: float | None = None) -> set[str]:
         now = time.time() if now is None else now
-        lease = int(now) + self.config.alive_time
+        lease = lease_until(now, self.config.alive_time)
         return self.store.heartbeat([(t.key, t.fence) for t in tasks if not t.done], lease)
 
     def earliest_due(self) -> int | None:

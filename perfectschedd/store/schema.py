@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import sqlalchemy as sa
@@ -38,6 +39,14 @@ from perfectschedd.schedules.fields import (  # noqa: F401 - the store's names t
 # How long an operation is tried again while the database says "try again" (a SQLite
 # writer waiting for the lock: busy_timeout and our retries; a deadlock victim).
 TRY_AGAIN_FOR = 60.0
+
+
+def lease_until(now: float, seconds: int) -> int:
+    """The stored end of a lease taken or renewed at `now` for `seconds`.  Rounded up:
+    next_run_time holds whole seconds, and rounding down took up to a second off every
+    lease, so a short one (alive_time 2) could be fenced before its first heartbeat and
+    its occurrence run twice."""
+    return math.ceil(now) + seconds
 
 
 # Row and Claimed are made from the one list of a schedule's fields (fields.py), which

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import math
 import os
 import random
 import threading
@@ -36,6 +35,7 @@ from perfectschedd.executors.systemd import props as unitprops
 from perfectschedd.metrics import counters as metrics
 from perfectschedd.schedules import catchup
 from perfectschedd.schedules.collection import ScheduleCollection, Task
+from perfectschedd.store.schema import lease_until
 from perfectschedd.store.sql import Store
 from perfectschedd.worker import pipe
 
@@ -222,8 +222,7 @@ class LeasePipeline:
                 claimed = self._finish_and_claim(batch, want)
                 claimed = [t for t in claimed if self._catch_up(t)]
                 for task in claimed:
-                    # The claim wrote the lease as int(claimed_at) + alive_time.
-                    control = RunControl(int(task.claimed_at) + self.config.alive_time
+                    control = RunControl(lease_until(task.claimed_at, self.config.alive_time)
                                          - self.fence_lead, self.fence_grace)
                     with self.lock:
                         self.running[task.key] = task
@@ -512,7 +511,7 @@ class LeasePipeline:
         """One heartbeat of the leases `held` ((key, fence) pairs)."""
         assert self.sc is not None
         try:
-            lease = math.ceil(time.time() if now is None else now) + self.config.alive_time
+            lease = lease_until(time.time() if now is None else now, self.config.alive_time)
             lost = self.store.heartbeat(held, lease)
         except SQLAlchemyError as exc:  # not only DBAPIError: this thread must not die
             # No renewal: the runs' fence_at stays, and they stop themselves in time.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -57,7 +58,7 @@ def test_claim_run_and_batched_finish(tmp_path: Path) -> None:
     p.step(submitted.append)
     assert sorted(t.key for t in submitted) == ["a", "b"]
     assert set(p.controls) == {"a", "b"}
-    lease_end = int(submitted[0].claimed_at) + p.config.alive_time
+    lease_end = math.ceil(submitted[0].claimed_at) + p.config.alive_time
     assert p.controls["a"].fence_at == lease_end - p.fence_lead  # self-fencing armed
     for task in submitted:
         p.run_one(task)
@@ -67,6 +68,29 @@ def test_claim_run_and_batched_finish(tmp_path: Path) -> None:
     assert row(p, "a").owner is None and row(p, "a").next_time > time.time()
     p.flush_history(force=True)
     assert [r["outcome"] for r in p.sc.store.history("a", 10)] == ["success"]  # type: ignore[union-attr]
+    p.close()
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.001, 0.5, 0.999])
+def test_a_lease_is_never_shorter_than_alive_time(tmp_path: Path, fraction: float) -> None:
+    """next_run_time holds whole seconds; rounded down, a claim at x.999 with alive_time 2
+    held a 1-second lease, fenced 0.5 s after the claim: before its first heartbeat
+    (every alive_time/3), so the run was stopped and its occurrence ran twice."""
+    p, _ = pipeline(tmp_path, alive_time=2, kill_grace=1)
+    with ScheduleCollection(p.config) as sc:
+        for key in ("a", "b"):
+            add(p, key)
+        claimed_at = int(time.time()) + fraction
+        lost, tasks = sc.finish_and_poll([], 1, now=claimed_at)
+        assert len(tasks) == 1 and not lost
+        assert sc.store.get(tasks[0].key).next_run_time >= claimed_at + 2
+        sc.heartbeat_many(tasks, now=claimed_at + 0.6)
+        assert sc.store.get(tasks[0].key).next_run_time >= claimed_at + 2.6
+    submitted: list[Task] = []
+    p.step(submitted.append)  # the pipeline's own claim, at the clock's fraction
+    first_heartbeat = max(0.2, p.config.alive_time / 3)
+    assert p.controls["b"].fence_at - submitted[0].claimed_at >= 0.75 * p.config.alive_time
+    assert 0.75 * p.config.alive_time > first_heartbeat + 0.5
     p.close()
 
 

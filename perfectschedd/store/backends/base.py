@@ -207,9 +207,9 @@ class ServerBackend(Backend):
             lost = self.advance_in(conn, finished) if finished else set()
             if limit <= 0:
                 return lost, []
-            ts = int(now)
             return lost, self.claim_in(conn, {
-                "due_by": ts, "lease_until": ts + lease_seconds, "holder": owner,
+                "due_by": int(now), "lease_until": schema.lease_until(now, lease_seconds),
+                "holder": owner,
                 "claim_ts": now, "batch": limit})
 
     @abstractmethod

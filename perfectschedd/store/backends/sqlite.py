@@ -28,7 +28,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from perfectschedd.errors import ConfigError
 from perfectschedd.schedules.fields import CLAIMED_FIELDS
 from perfectschedd.store.backends.base import Backend, in_cron_order
-from perfectschedd.store.schema import TRY_AGAIN_FOR, Advance, Claimed
+from perfectschedd.store.schema import TRY_AGAIN_FOR, Advance, Claimed, lease_until
 from perfectschedd.store.writelock import HostWriteLock
 
 # RETURNING: the claim is one statement that leases the rows and hands them back.
@@ -242,9 +242,9 @@ class SQLiteBackend(Backend):
                 if cur.rowcount != 1:
                     lost.add(key)
             if limit > 0:
-                ts = int(now)
                 claimed = cur.execute(self._claim_sql, (
-                    ts + lease_seconds, owner, now, ts, *self._routed_params, limit)).fetchall()
+                    lease_until(now, lease_seconds), owner, now, int(now),
+                    *self._routed_params, limit)).fetchall()
         return lost, in_cron_order(claimed) if claimed else []
 
     def earliest_due(self) -> int | None:
