@@ -14,12 +14,14 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from perfectschedd import __version__
 from perfectschedd.config import Config, load
 from perfectschedd.errors import (
     AlreadyExistsError,
     AlreadyFinishedError,
     InvalidInputError,
     NotFoundError,
+    NotSupportedError,
     PreemptedError,
 )
 from perfectschedd.schedules import cron
@@ -75,6 +77,9 @@ class _ScheduleView:
 
 
 # The fields shown otherwise than stored: data decoded, source named, policy as options.
+# A host that recorded itself this recently is live (it writes every 10 s: master/database.py).
+OLDER_HOSTS_WINDOW = 30.0
+
 _SHOWN_OTHERWISE = {"data": dict[str, Any], "source": str, "policy": None}
 # The fields after `data` may be left out; their defaults when not None.
 _SHOWN_DEFAULTS = {"paused": False, "attempt": 0, "source": SOURCE_API}
@@ -521,6 +526,29 @@ class ScheduleCollection:
         starts once it has ended."""
         return self.store.group_busy(run_key, key, now)
 
+    def older_hosts(self, now: float | None = None) -> list[str]:
+        """The live hosts on this database that run an older release than this one, as
+        "NAME (VERSION)": those that record themselves (0.2.0 on) and were heard of within
+        alive_time, and nodes at work that do not record themselves (0.1.0).  SPEC
+        "Upgrades": a feature such a host cannot honour is refused naming them."""
+        now = time.time() if now is None else now
+        since = now - max(self.config.alive_time, OLDER_HOSTS_WINDOW)
+        recorded = self.store.hosts()
+        older = {h["name"]: h["version"] for h in recorded
+                 if h["last_seen"] >= since and _release(h["version"]) < _release(__version__)}
+        known = {h["name"] for h in recorded}
+        older.update({n: "0.1.0" for n in self.store.nodes_at_work(since) if n not in known})
+        return [f"{name} ({version})" for name, version in sorted(older.items())]
+
+    def refuse_on_older_hosts(self, feature: str, now: float | None = None) -> None:
+        """NotSupportedError naming the older live hosts, if any, for `feature` (what the
+        request asks, in words: "--concurrency allow")."""
+        older = self.older_hosts(now)
+        if older:
+            raise NotSupportedError(
+                f"{feature} needs PerfectSched {__version__} or newer on every host; "
+                f"older hosts use this database: {', '.join(older)} (upgrade them first)")
+
     def rows_of(self, keys: Sequence[str] = (), sources: Sequence[str] = ()) -> list[Row]:
         """The stored rows of these keys and of these sources (file:NAME)."""
         return self.store.rows_of(keys=keys, sources=sources)
@@ -528,6 +556,14 @@ class ScheduleCollection:
     def file_sources(self) -> list[str]:
         """Every file:NAME source that has schedules."""
         return self.store.file_sources()
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """A release's number as a tuple (0.10.0 after 0.9.0); what does not parse sorts first."""
+    try:
+        return tuple(int(part) for part in version.split("+")[0].split(".")[:3])
+    except ValueError:
+        return (0,)
 
 
 def open(config: Mapping[str, Any] | str | os.PathLike[str] | Config | None = None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -208,3 +209,24 @@ def test_commands_layer_refuses_the_same_way(sc: ScheduleCollection) -> None:
                                "next_run_time", "data", "misfire", "grace", "max_attempts",
                                "retry_wait", "jitter", "timeout", "notify", "source",
                                "creator", "paused", "last_outcome", "attempt", "state"]
+
+
+def test_older_hosts_are_named_and_a_feature_they_cannot_honour_is_refused(
+        sc: ScheduleCollection) -> None:
+    """SPEC "Upgrades": hosts of an older release are found both ways (a hosts row with
+    its version; a 0.1.0 node, which records no row, by the lease it holds), and a refusal
+    names them in one line."""
+    now = time.time()
+    assert sc.older_hosts(now) == []
+    sc.refuse_on_older_hosts("--feature", now)  # nobody older: nothing refused
+    sc.store.record_host("same", perfectschedd.__version__, 1, now - 60, now)
+    sc.store.record_host("gone", "0.1.9", 2, now - 900, now - 600)  # not live
+    sc.store.record_host("older", "0.1.9", 3, now - 60, now - 1)
+    sc.add("k", "t", cron="* * * * *", next_run_time=int(now) - 1)
+    assert "k" in [c.key for c in sc.store.claim(now, 30, "ancient:42", 5)]
+    assert sc.older_hosts(now) == ["ancient (0.1.0)", "older (0.1.9)"]
+    with pytest.raises(NotSupportedError) as refused:
+        sc.refuse_on_older_hosts("--feature", now)
+    message = str(refused.value)
+    assert "\n" not in message and "--feature" in message
+    assert "ancient (0.1.0), older (0.1.9)" in message and "same" not in message
