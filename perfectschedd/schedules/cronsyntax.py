@@ -178,6 +178,8 @@ def _expanded(field: Field, text: str) -> str:
 
 
 def _days(field: Field, text: str) -> str:
+    if text == "*":
+        return text
     items = []
     for item in text.split(","):
         base, _, step = item.partition("/")
