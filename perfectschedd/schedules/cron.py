@@ -288,3 +288,45 @@ def latest_at_or_before(expr: str, tz_name: str, at: int, anchor: int | None = N
 
 def _wall_ts(wall: datetime) -> int:
     return int(wall.replace(tzinfo=UTC).timestamp())
+
+
+# -- what a preview marks (perfectschedctl next) ------------------------------------------
+
+# Wall times looked at between two occurrences for ones a DST gap skipped: a gap is at
+# most a few hours, and the wall times of an expression in it at most one a minute.
+_GAP_STEPS = 2000
+
+
+def repeated(ts: int, tz_name: str) -> int | None:
+    """1 or 2 when the wall time of instant `ts` happens twice in the zone (a clock set
+    back): the first or the second time; None otherwise."""
+    tz = zone(tz_name)
+    wall = datetime.fromtimestamp(ts, UTC).astimezone(tz).replace(tzinfo=None)
+    instants = _instants(wall, tz)
+    return instants.index(ts) + 1 if len(instants) == 2 and ts in instants else None
+
+
+def skipped_between(expr: str, tz_name: str, after: int, until: int) -> list[datetime]:
+    """The wall times of `expr` after instant `after` and before instant `until` that do
+    not exist in the zone (a clock set forward) and so are skipped; none for @once and
+    @every (which count seconds)."""
+    fields = normalize(expr)
+    if fields == ONCE or interval.is_interval(fields):
+        return []
+    tz = zone(tz_name)
+    start = datetime.fromtimestamp(after, UTC).astimezone(tz).replace(tzinfo=None)
+    end = datetime.fromtimestamp(until, UTC).astimezone(tz).replace(tzinfo=None)
+    if end <= start:
+        return []
+    out: list[datetime] = []
+    it = croniter(fields, start)
+    for _ in range(_GAP_STEPS):
+        try:
+            wall = it.get_next(datetime)
+        except CroniterBadDateError:
+            break
+        if wall >= end:
+            break
+        if not _instants(wall, tz):
+            out.append(wall)
+    return out
