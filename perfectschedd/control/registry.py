@@ -194,7 +194,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
         Arg(("-t", "--timezone"), "timezone", "the zone of --cron (default UTC)",
             sent=False, metavar="ZONE"),
         Arg(("-s", "--start"), "start", "with --cron: times at or after this (default now)",
-            kind="unix_time", sent=False),
+            kind="unix_time", sent=False, metavar="UNIXTIME"),
         Arg(("-n", "--count"), "count", f"how many times (1-{NEXT_MAX}, default "
             f"{NEXT_DEFAULT})", kind="iterations", default=NEXT_DEFAULT, sent=False,
             metavar="N")),

@@ -71,10 +71,10 @@ def check(fields: list[str]) -> list[str]:
     each as given, but for the items rewritten for croniter (`5L` as `L5`)."""
     checked = [",".join(_item(field, item, text) for item in text.split(","))
                for field, text in zip(FIELDS, fields, strict=True)]
-    days = checked[4].lower().split(",")
-    special = [d for d in days if "#" in d or "l" in d]
+    days = fields[4].split(",")
+    special = [d for d in days if "#" in d or "l" in d.lower()]
     if special and len(special) != len(days):
-        raise _refuse(f"day of week {fields[4]!r}: {special[0].upper()} cannot be listed "
+        raise _refuse(f"day of week {fields[4]!r}: {special[0]} cannot be listed "
                       "with plain days (croniter releases read that differently): make "
                       "two schedules")
     return checked
