@@ -118,3 +118,14 @@ def test_rows_stored_before_still_evaluate() -> None:
         with pytest.raises(InvalidInputError):
             cron.check(legacy)
         assert cron.next_after(legacy, "UTC", 1_700_000_000) > 1_700_000_000
+
+
+def test_import_crontab_warns_with_the_same_reason() -> None:
+    from perfectschedd.schedules import from_crontab
+
+    done = from_crontab.convert("61 * * * * /bin/true\n0 0 * * 5L /bin/echo last\n",
+                                name="t", system=False, user="root",
+                                default_timezone="UTC")
+    assert [w for w in done.warnings if "not imported" in w or "kept as a comment" in w] \
+        == ["t:1: cron: minute '61' is out of range 0-59; kept as a comment"]
+    assert "cron: 0 0 * * 5L" in done.text
