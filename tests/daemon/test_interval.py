@@ -6,6 +6,7 @@ uses the database (SPEC "Upgrades")."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -134,8 +135,17 @@ def test_every_is_refused_while_a_0_1_0_host_is_live(
                                  ctl_command=old_release.ctl_command).start()
     old.ctl("add", "busy", "t", YEARLY, "-a", "0")
     wait_until(lambda: old.ctl_json("show", "busy")["owner"], 30, what="the old host to run")
-    new: Daemon = daemon_factory({"node_name": "newhost", "routes": [sh("t", "true")]},
-                                 url=sqlite_url).start()
+    # The new host's own schedules files: the @every entry waits, the others apply.
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "own.yml").write_text(yaml.safe_dump([
+        {"key": "f-every", "type": "t", "cron": "@every 5m"},
+        {"key": "f-plain", "type": "t", "cron": "0 * * * *"}]))
+    new: Daemon = daemon_factory({"node_name": "newhost", "routes": [sh("t", "true")],
+                                  "schedules_dir": str(own)}, url=sqlite_url).start()
+    wait_until(lambda: "refused f-every" in new.log(), 30, what="the @every entry refused")
+    assert "oldhost (0.1.0)" in new.log()
+    assert [s["key"] for s in new.ctl_json("list")] == ["busy", "f-plain"]
     new.ctl("add", "plain", "t", "0 * * * *")
     def stored() -> list[tuple[str, str, int]]:
         return [(s["key"], s["cron"], s["next_time"]) for s in new.ctl_json("list")]
@@ -149,14 +159,19 @@ def test_every_is_refused_while_a_0_1_0_host_is_live(
         assert "@every" in res.stderr and "oldhost (0.1.0)" in res.stderr, res.stderr
     schedfile = tmp_path / "every.yml"
     schedfile.write_text(yaml.safe_dump([{"key": "f", "type": "t", "cron": "@every 5m"}]))
-    res = new.ctl("apply", str(schedfile), check=False)
-    assert res.returncode == 1 and "oldhost (0.1.0)" in res.stderr, res.stderr
+    for dry_run in ((), ("--dry-run",)):
+        res = new.ctl("apply", *dry_run, str(schedfile), check=False)
+        assert res.returncode == 1 and "oldhost (0.1.0)" in res.stderr, res.stderr
+        assert res.stderr.count("\n") == 1
     assert stored() == before  # nothing changed
     assert new.alive() and old.alive()
     # Once the old host is gone (stopped, its lease released), @every is taken.
     old.stop()
     wait_until(lambda: new.ctl("add", "k", "t", "@every 5m", check=False).returncode == 0,
                60, interval=2, what="@every to be taken once the old host is gone")
+    new.send_signal(signal.SIGHUP)  # its files apply whole now
+    wait_until(lambda: "f-every" in [s["key"] for s in new.ctl_json("list")], 30,
+               what="the @every entry once the old host is gone")
 
 
 def test_bad_every_is_refused_in_one_line(daemon_factory: Any, sqlite_url: str) -> None:
