@@ -1,6 +1,7 @@
 """The five cron fields as a new schedule may write them: checked field by field, so that
-a refusal names the field, the value and the allowed range; and the text to store, which
-croniter 1.3.5 (Debian 12, and so PerfectSched 0.1.0) and the newest croniter read alike.
+a refusal names the field, the value and the allowed range; the text to store, which
+croniter 1.3.5 (Debian 12, and so PerfectSched 0.1.0) reads; and the text croniter
+evaluates (for_croniter), which croniter 1.3.5 and 7 read alike.
 
     field          values                        also
     minute         0-59
@@ -41,7 +42,7 @@ class Field:
         word = text.lower()
         if word in self.names:
             return self.names[word]
-        if not text.isdigit():
+        if not _number(text):
             also = f" or a name {self.names_shown}" if self.names else ""
             where = f" in {item!r}" if item != text else ""
             raise _refuse(f"{self.name} {text!r}{where} is not a number {self.low}-"
@@ -60,6 +61,10 @@ MONTH = Field("month", 1, 12, {n: i + 1 for i, n in enumerate(_MONTHS)}, "JAN-DE
 DAY_OF_WEEK = Field("day of week", 0, 7, {n: i for i, n in enumerate(_DAYS)}, "SUN-SAT")
 FIELDS = (MINUTE, HOUR, DAY_OF_MONTH, MONTH, DAY_OF_WEEK)
 WEEKS_IN_MONTH = 5
+
+
+def _number(text: str) -> bool:
+    return text.isascii() and text.isdigit()  # not str.isdigit alone: '²' is a digit
 
 
 def _refuse(message: str) -> InvalidInputError:
@@ -99,7 +104,7 @@ def _item(field: Field, item: str, text: str) -> str:
             return special
     base, slash, step = item.partition("/")
     if slash:
-        if not step.isdigit():
+        if not _number(step):
             raise _refuse(f"{field.name} step {step!r} in {item!r} is not a number")
         if int(step) < 1:
             raise _refuse(f"{field.name} step {step!r} in {item!r} must be at least 1")
@@ -129,7 +134,7 @@ def _day_of_week_special(item: str, word: str) -> str | None:
     if "#" in word:
         day, _, nth = item.partition("#")
         DAY_OF_WEEK.value(day, item)
-        if not nth.isdigit() or not 1 <= int(nth) <= WEEKS_IN_MONTH:
+        if not _number(nth) or not 1 <= int(nth) <= WEEKS_IN_MONTH:
             raise _refuse(f"day of week {item!r}: the week {nth!r} is out of range "
                           f"1-{WEEKS_IN_MONTH} ({day}#2 is the second of the month)")
         return item
@@ -142,7 +147,7 @@ def _day_of_week_special(item: str, word: str) -> str | None:
                       "of the month), not a range or step")
     if word.startswith("l"):
         number = DAY_OF_WEEK.value(item[1:], item)
-        return item if item[1:].isdigit() else f"L{number}"
+        return item if _number(item[1:]) else f"L{number}"
     if word.endswith("l"):
         return f"L{DAY_OF_WEEK.value(item[:-1], item)}"
     raise _refuse(f"day of week {item!r}: L goes before or after one day (5L or L5: the "
