@@ -11,7 +11,7 @@ from typing import Any
 from zoneinfo import ZoneInfo
 
 LIST_COLUMNS = ("key", "type", "cron", "delay", "timezone", "next_time", "next_run_time", "data",
-                "state")
+                "state", "source")
 HISTORY_COLUMNS = ("scheduled_time", "started_at", "outcome", "attempt", "exit", "duration",
                    "worker", "unit", "error")
 

@@ -29,7 +29,7 @@ from typing import Any
 from perfectschedd.config import Config
 from perfectschedd.errors import AlreadyExistsError, InvalidInputError, NotFoundError
 from perfectschedd.schedules.collection import ScheduleCollection, ScheduleInfo
-from perfectschedd.schedules.fields import SOURCE_API, SOURCE_MAX
+from perfectschedd.schedules.fields import SOURCE_API, SOURCE_MAX, detached_source
 from perfectschedd.schedules.files import (
     SOURCE_FILE,
     Entry,
@@ -49,15 +49,6 @@ ADDED, CHANGED, REMOVED, UNCHANGED = "added", "changed", "removed", "unchanged"
 DIFFERS = "differs"    # the database holds another host's version; not written
 REFUSED = "refused"    # the key belongs to `add` or to another file
 DETACHED = "detached"  # root changed it with --force: the file's entry is not applied
-# The source of a schedule root took from its file with --force: forced:file:NAME.  Not
-# file:NAME, so that no convergence (a reload, apply, apply --prune, an older host's)
-# writes the file's version back or removes it.
-SOURCE_FORCED = "forced:"
-
-
-def detached_source(source: str) -> str:
-    """The source recorded for a schedule of `source` (file:NAME) changed with --force."""
-    return f"{SOURCE_FORCED}{source}"[:SOURCE_MAX]
 
 
 @dataclass(frozen=True)
