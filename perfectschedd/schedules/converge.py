@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Collection, Mapping
@@ -101,8 +102,8 @@ def converge(sc: ScheduleCollection, entries: Mapping[str, Entry],
             continue
         owner = row.source or SOURCE_API
         if owner == detached_source(entry.source):
-            changes.append(Change(DETACHED, key, f"changed with --force ({owner}); the "
-                                  "file's entry is not applied"))
+            changes.append(Change(DETACHED, key, f"source {owner}, changed with --force: "
+                                  "the file's entry is not applied"))
             continue
         if owner != entry.source:
             changes.append(Change(REFUSED, key, f"the key belongs to {owner}"
@@ -161,10 +162,13 @@ class FileSchedules:
     loads: int = 0
     converged: int = 0
 
-    def load(self, config: Config, host: HostChecks) -> Config:
-        """Read config.schedules_dir with the daemon's checks (files.check); the
-        configuration with the entries' routes first.  A file with an error keeps what it
-        held before (logged, one line per problem: problems())."""
+    def load(self, config: Config, host: HostChecks | None = None) -> Config:
+        """Read config.schedules_dir with the daemon's checks (files.check; `host`:
+        default this process, without the polkit grant); the configuration with the
+        entries' routes first.  A file with an error keeps what it held before (logged,
+        one line per problem: problems())."""
+        if host is None:
+            host = HostChecks(os.geteuid(), config.sendmail)
         directory = config.schedules_dir
         if directory is None or not Path(directory).is_dir():
             if directory is not None and directory != self.directory:
