@@ -93,13 +93,13 @@ def test_a_rejected_schedules_file_fails_reload_and_apply_dry_run_alike(
 
 
 def test_an_entry_whose_key_is_another_s_fails_the_reload(daemon_factory: Any,
-                                                          tmp_path: Path) -> None:
+                                                          tmp_path: Path, db_url: str) -> None:
     """An entry refused by the convergence (its key was made with add) is a refusal too:
     the reload waits for the convergence of its files and says it."""
     sdir = tmp_path / "schedules.d"
     sdir.mkdir()
     d: Daemon = daemon_factory({"schedules_dir": str(sdir),
-                                "routes": [sh("t", "true")]}).start()
+                                "routes": [sh("t", "true")]}, url=db_url).start()
     d.ctl("add", "taken", "t", "@daily")
     write(sdir / "jobs.yml", [{"key": "taken", "cron": "@hourly", "type": "t"},
                               {"key": "fine", "cron": "@hourly", "type": "t"}])
