@@ -44,6 +44,7 @@ from perfectschedd.master.processes import Processes
 from perfectschedd.master.workertable import WorkerProc, WorkerTable
 from perfectschedd.metrics import counters as metrics
 from perfectschedd.schedules.converge import FileSchedules
+from perfectschedd.schedules.files import HostChecks
 from perfectschedd.store.sql import check_url, engine_url
 from perfectschedd.worker import pipe
 
@@ -55,6 +56,7 @@ STATUS_EVERY = 2.0
 # last ones it has (and their age): it answers within a second whatever the database does.
 STATUS_FRESH_WAIT = 0.5
 RELOAD_ANSWER_WAIT = 10.0
+LAST_ERROR_MAX = 2000  # characters of status' last_error when it lists several problems
 SPAWN_RETRY = 2.0  # after a fork or pipe failed
 TURN_MIN = 0.05  # the loop's duties at most this often when only run reports arrive
 REPORT_GATHER = 0.01  # after a turn woken only by run reports, the next one waits this
@@ -345,18 +347,32 @@ class Supervisor:
         done = threading.Event()
         self.reload_waiters.append((done, answer))
         self._on_signal(signal.SIGHUP, None)
+        deadline = time.monotonic() + RELOAD_ANSWER_WAIT
         if not done.wait(RELOAD_ANSWER_WAIT):
             return {"reload": "requested"}  # the loop is busy: the log will say
         if answer[0] is not None:
             raise ConfigError(f"reload rejected, the running configuration stays: {answer[0]}")
-        return {"reload": "done", "workers": self.config.workers,
-                "refused": list(self.refused_routes)}
+        # What the new files hold is known once the database has been converged to them
+        # (an entry whose key is another's is refused there): wait for it, bounded.
+        converged = self.files.wait_converged(max(0.0, deadline - time.monotonic()))
+        problems = self.load_problems()
+        # Partly refused: what was refused stays as it was (a rejected file's schedules)
+        # or does not run here (a refused route or entry); the rest runs.
+        return {"reload": "partial" if problems else "done", "workers": self.config.workers,
+                "refused": problems, "files_applied": converged}
+
+    def load_problems(self) -> list[str]:
+        """What the running configuration refused (routes and entries this host cannot
+        run, schedules files rejected, entries whose key is another's), one line each;
+        empty once a load took everything."""
+        return [*self.refused_routes, *self.files.problems()]
 
     def status(self) -> dict[str, Any]:
         """Called from the control threads; never waits on the database for more than
         STATUS_FRESH_WAIT: the figures are the housekeeping thread's snapshot."""
         procs = list(self.table)  # a copy: never iterate the live table
         snap = self.db.fresh_snapshot(STATUS_FRESH_WAIT)
+        problems = self.load_problems()
         now = time.time()
         mono = time.monotonic()
         workers = [{"pid": p.pid, "index": p.index, "generation": p.generation,
@@ -383,8 +399,12 @@ class Supervisor:
                           for t, n in snap.unclaimed.items()],
             "keys_to_rename": [{"key": k, "why": why} for k, why in snap.rename.items()],
             "last_error": self.last_error or (f"database: {why}" if why else None) or (
-                f"route refused: {self.refused_routes[0]}" if self.refused_routes else None),
-            "refused_routes": list(self.refused_routes), "unit_grant": self.unit_grant,
+                "; ".join(problems)[:LAST_ERROR_MAX] if problems else None),
+            "refused_routes": list(self.refused_routes), "refused": problems,
+            "unit_grant": self.unit_grant,
+            # What `perfectschedctl apply` needs to check files as this daemon does
+            # (files.HostChecks.of_status).
+            "daemon_uid": os.geteuid(), "sendmail": self.config.sendmail,
             "database_ok": reachable, "database": database,
             "hosts": self._hosts(snap, now),
             # Schedules by state; those retrying or failed; overdue (docs/metrics.md).
@@ -452,9 +472,9 @@ class Supervisor:
         and every route or entry it cannot run marked refused (reported once)."""
         grant = self.unit_grant = host_grant()
         config, refused = config_mod.refuse_routes(config, grant)
-        config = self.files.load(config)
-        config, refused_entries = config_mod.refuse_entry_routes(config, grant)
-        self.report_refused_routes(refused + refused_entries)
+        # The checks `perfectschedctl apply` runs too, with this daemon's facts.
+        config = self.files.load(config, HostChecks(os.geteuid(), config.sendmail, grant))
+        self.report_refused_routes(refused + list(self.files.loaded.refused.values()))
         return config
 
     def report_refused_routes(self, refused: list[str]) -> None:
