@@ -41,7 +41,9 @@ class _CommandParser(_Parser):
     _intermixing = False
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
-        if self._intermixing:
+        if self._intermixing or (args is not None and "--" in args):
+            # After `--` everything is positional (`add -- -key ...`), which the
+            # intermixed passes lose: the second one reads `-key` as an option again.
             return super().parse_known_args(args, namespace)
         self._intermixing = True
         try:
