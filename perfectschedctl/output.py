@@ -115,7 +115,13 @@ def _status(result: dict[str, Any]) -> str:
     workers = result.get("workers") or []
     if workers:
         lines.append(table(workers, ("pid", "index", "generation", "age", "running",
-                                     "retiring", "db_ok")))
+                                     "draining", "db_ok")))
+    if result.get("reload_pending"):
+        lines.append("reload pending: the new configuration's workers start once drains end")
+    for w in result.get("draining") or []:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(w["since"])))
+        lines.append(f"draining since {since}: worker pid {w.get('pid')} (generation "
+                     f"{w.get('generation')}), running: {' '.join(w.get('keys') or []) or '-'}")
     for bad in result.get("keys_to_rename") or []:
         lines.append(f"key to rename: {bad.get('key')!r}: {bad.get('why')}")
     for u in result.get("unclaimed") or []:
