@@ -204,7 +204,9 @@ def print_result(cmd: str, result: Any, *, as_json: bool) -> None:
     elif cmd == "reload":
         if result.get("reload") == "done":
             print(f"reloaded: the new configuration runs, {result.get('workers')} new "
-                  "worker(s) starting")
+                  "worker(s) starting" + (
+                      f" once fewer workers drain ({result.get('draining')} now)"
+                      if result.get("pending") else ""))
         else:
             print("reload requested (the daemon is busy; its log will say how it went)")
     else:

@@ -353,7 +353,10 @@ class Supervisor:
         if answer[0] is not None:
             raise ConfigError(f"reload rejected, the running configuration stays: {answer[0]}")
         return {"reload": "done", "workers": self.config.workers,
-                "refused": list(self.refused_routes)}
+                "refused": list(self.refused_routes),
+                # Its workers wait for drains to end (workertable.DRAIN_ROOM).
+                "pending": self.table.reload_pending is not None,
+                "draining": len(self.table.draining())}
 
     def status(self) -> dict[str, Any]:
         """Called from the control threads; never waits on the database for more than

@@ -216,7 +216,8 @@ def test_reloads_in_a_row_stay_within_the_bound_and_given_back_work_starts_at_on
         assert first_end == [], "given-back work did not wait for the drains"
         # A third reload: two generations drain, a third would pass 3 x 1 worker.
         n = len(d.messages())
-        d.send_signal(signal.SIGHUP)
+        answer = d.ctl("reload").stdout
+        assert "starting once fewer workers drain (2 now)" in answer, answer
         d.wait_log("start once fewer workers run")
         d.wait_notify(lambda m: "READY=1" in m, after=n, what="READY=1 (systemd not held)")
         assert d.status()["reload_pending"] is True
