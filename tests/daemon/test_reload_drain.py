@@ -7,6 +7,7 @@ after shutdown_timeout) would certainly have stopped every job here."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import threading
@@ -240,4 +241,37 @@ def test_reloads_in_a_row_stay_within_the_bound_and_given_back_work_starts_at_on
         assert [(r["outcome"], r["attempt"]) for r in runs] == [("success", 1)], (key, runs)
     assert re.search(r"drains \(a reload\): 1 running task\(s\) go on to their end, "
                      r"[1-9]\d* queued given back", d.log())
+    assert d.stop() == 0
+
+
+def test_a_silent_draining_worker_is_killed_with_its_job_and_not_replaced(
+        daemon_factory: Any, tmp_path: Path) -> None:
+    """A draining worker is watched like any other: frozen, it is killed after
+    worker_timeout, its job's process group with it, the occurrence runs again on the new
+    generation, and no worker replaces it."""
+    stamps = tmp_path / "stamps"
+    d = daemon_factory({**BASE, "worker_timeout": 4,
+                        "routes": [stamped("t", stamps, 120)]}).start()
+    d.ctl("add", "k", "t", YEARLY, "--at", "0")
+    (_, _, job_pid, _), = wait_until(lambda: stamps_of(stamps), what="the job's start")
+    reloaded(d, "USR1")
+    (entry,) = wait_until(lambda: [w for w in draining(d) if w["keys"] == ["k"]],
+                          what="the drain")
+    frozen = entry["pid"]
+    new = sorted(p for p in workers_of_master(d) if p != frozen)
+    assert len(new) == 2
+    os.kill(frozen, signal.SIGSTOP)
+    d.wait_log(f"(pid {frozen}) silent for", timeout=30)
+    wait_until(lambda: not pid_alive(frozen), timeout=15, what="the frozen worker's end")
+    wait_until(lambda: not pid_alive(job_pid), timeout=15, what="its job killed")
+    second = wait_until(lambda: [s for s in stamps_of(stamps)[1:] if s[0] == "start"],
+                        timeout=30, what="the occurrence run again")
+    assert second[0][2] != job_pid
+    owner = wait_until(lambda: [r["owner"] for r in d.status()["running"]
+                                if r["key"] == "k"], what="its new lease")[0]
+    assert int(owner.rsplit(":", 1)[1]) in new
+    assert sorted(workers_of_master(d)) == new  # not replaced
+    assert not draining(d)
+    runs = history(d, "k")
+    assert [r["outcome"] for r in runs] == ["lost"], runs
     assert d.stop() == 0
