@@ -87,7 +87,7 @@ def units(ns: Namespace, installed) -> dict[str, Any]:
                                'exec sleep 300'),
         entry(KEYS["leftover"], 'echo "leftover start"; exec sleep 300'),
         entry(KEYS["busrestart"], 'sleep 6; echo "busrestart done"'),
-        entry(KEYS["drained"], 'echo "drained start"; sleep 15; echo "drained end"'),
+        entry(KEYS["drained"], 'echo "drained start"; sleep 40; echo "drained end"'),
         entry(KEYS["frozenbus"], 'echo "frozenbus start attempt=$PERFECTSCHED_ATTEMPT"; '
                                  'exec sleep 300'),
     ]
@@ -575,7 +575,8 @@ def test_u13_a_group_member_cannot_become_root(ns: Namespace, units) -> None:
 def test_u14_a_reload_drains_a_running_unit_to_its_end(ns: Namespace, units) -> None:
     """A reload never stops a job (issue #28): the unit a worker of the old generation
     started runs to its end while that worker drains; status names the worker and the
-    run's key meanwhile; one run, a success, in the same unit."""
+    run's key meanwhile; one run, a success, in the same unit.  The job outlasts
+    shutdown_timeout (30 s): a reload that stopped the old workers would have stopped it."""
     key = KEYS["drained"]
     ns.ctl("run", key)
     unit = wait_for(lambda: active_units(ns, key), 30, "the unit running",
@@ -591,7 +592,7 @@ def test_u14_a_reload_drains_a_running_unit_to_its_end(ns: Namespace, units) -> 
                          lambda: journal(ns))
     assert entry_["keys"][0].startswith(key), entry_
     assert active_units(ns, key) == [unit]  # the reload did not stop it
-    runs = runs_until(ns, key, bool, 60, "its end")
+    runs = runs_until(ns, key, bool, 90, "its end")
     assert [(r["outcome"], r["unit"]) for r in runs] == [("success", unit)], runs
     assert "drained end" in journal(ns, unit)
     wait_for(lambda: not drain_of_worker() and
