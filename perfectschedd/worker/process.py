@@ -2,11 +2,11 @@
 
 The worker talks to its master through two pipes: it reads `wake` (pipe.WAKE means
 "look for due work now", pipe.DRAIN "drain": a reload; EOF means the master died) and
-writes `alive`: a pinger thread's line
-every PING_INTERVAL (running count, database state, how long ago the main loop last
-turned and whether it is inside a database call: so a worker waiting on a slow database
-is not mistaken for a wedged one), and for each exec run its id and process group, so
-that the master can kill what is left of it if this worker dies.
+writes `alive`: a pinger thread's line every PING_INTERVAL (running count, database
+state, how long ago the main loop last turned and whether it is inside a database call:
+so a worker waiting on a slow database is not mistaken for a wedged one), and for each
+exec run its id and process group, so that the master can kill what is left of it if
+this worker dies.
 It sleeps until the earliest `next_run_time` in the table, bounded by `poll_interval`,
 so a due occurrence starts within milliseconds.
 
