@@ -261,7 +261,10 @@ def test_a_silent_draining_worker_is_killed_with_its_job_and_not_replaced(
     new = sorted(p for p in workers_of_master(d) if p != frozen)
     assert len(new) == 2
     os.kill(frozen, signal.SIGSTOP)
-    d.wait_log(f"(pid {frozen}) silent for", timeout=30)
+    # Silent, or its loop seen stopped (the pings' loop age plus the silence): either way.
+    wait_until(lambda: re.search(rf"\(pid {frozen}\) (silent|main loop stopped) for \d+s"
+                                 r".*; killing it", d.log()), timeout=30,
+               what="the frozen worker killed as unresponsive")
     wait_until(lambda: not pid_alive(frozen), timeout=15, what="the frozen worker's end")
     wait_until(lambda: not pid_alive(job_pid), timeout=15, what="its job killed")
     second = wait_until(lambda: [s for s in stamps_of(stamps)[1:] if s[0] == "start"],
