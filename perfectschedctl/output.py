@@ -120,7 +120,13 @@ def _status(result: dict[str, Any]) -> str:
     workers = result.get("workers") or []
     if workers:
         lines.append(table(workers, ("pid", "index", "generation", "age", "running",
-                                     "retiring", "db_ok")))
+                                     "draining", "db_ok")))
+    if result.get("reload_pending"):
+        lines.append("reload pending: the new configuration's workers start once drains end")
+    for w in result.get("draining") or []:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(w["since"])))
+        lines.append(f"draining since {since}: worker pid {w.get('pid')} (generation "
+                     f"{w.get('generation')}), running: {' '.join(w.get('keys') or []) or '-'}")
     for bad in result.get("keys_to_rename") or []:
         lines.append(f"key to rename: {bad.get('key')!r}: {bad.get('why')}")
     for u in result.get("unclaimed") or []:
@@ -203,12 +209,19 @@ def print_result(cmd: str, result: Any, *, as_json: bool) -> None:
     elif cmd == "reload":
         if result.get("reload") == "done":
             print(f"reloaded: the new configuration runs, {result.get('workers')} new "
-                  "worker(s) starting")
+                  "worker(s) starting" + _drain_note(result))
         elif result.get("reload") == "partial":
             # The refusals themselves go to stderr, one line each (cli.main).
             print(f"reloaded with refusals: the rest of the new configuration runs, "
-                  f"{result.get('workers')} new worker(s) starting")
+                  f"{result.get('workers')} new worker(s) starting" + _drain_note(result))
         else:
             print("reload requested (the daemon is busy; its log will say how it went)")
     else:
         print(json.dumps(result, indent=2))
+
+
+def _drain_note(result: dict[str, Any]) -> str:
+    """What a reload's answer adds when its workers wait for drains to end."""
+    if not result.get("pending"):
+        return ""
+    return f" once fewer workers drain ({result.get('draining')} now)"
