@@ -110,9 +110,22 @@ def _attempt(text: str) -> int:
     return value
 
 
+def _iterations(text: str) -> int:
+    from perfectschedd.schedules.preview import MAX_COUNT
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 1 <= value <= MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"must be from 1 to {MAX_COUNT}: {text!r}")
+    return value
+
+
 # How perfectschedctl reads each kind of argument (registry.Arg.kind).
 _TYPES: dict[str, Any] = {"seconds": _seconds, "unix_time": _unix_time, "limit": _limit,
-                          "count": _count, "attempt": _attempt, "policy": _policy_value}
+                          "count": _count, "attempt": _attempt, "policy": _policy_value,
+                          "iterations": _iterations}
 
 
 def _add_argument(parser: argparse.ArgumentParser, arg: registry.Arg) -> None:
@@ -253,6 +266,34 @@ def _import_crontab(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _next(ns: argparse.Namespace, send: Callable[[str, dict[str, Any]], Any] | None
+          ) -> dict[str, Any]:
+    """The next fire times of KEY (its schedule read through `send`: the daemon, or the
+    database of -c) or of --cron EXPR (nothing read)."""
+    import time
+
+    from perfectschedd.schedules import preview
+
+    if (ns.key is None) == (ns.cron is None):
+        raise _BadArgument("next: give a KEY or --cron EXPR (one of them)")
+    if ns.cron is None and (ns.timezone is not None or ns.start is not None):
+        raise _BadArgument("next: -t and -s go with --cron (a schedule has its own)")
+    if ns.cron is not None:
+        tz = ns.timezone if ns.timezone is not None else "UTC"
+        start = ns.start if ns.start is not None else int(time.time())
+        fires = preview.of_expression(ns.cron, tz, start, ns.count)
+        head: dict[str, Any] = {"cron": ns.cron, "timezone": tz}
+    else:
+        assert send is not None
+        info = send("show", {"key": ns.key})
+        tz = info["timezone"]
+        fires = preview.of_schedule(info, ns.count)
+        head = {"key": info["key"], "cron": info["cron"], "timezone": tz,
+                "delay": info.get("delay") or 0, "jitter": info.get("jitter") or 0,
+                "paused": bool(info.get("paused")), "running": info.get("owner") is not None}
+    return {**head, "times": [f.as_dict(tz) for f in fires]}
+
+
 # How many of a schedule's newest history rows `logs` looks through for its newest run
 # (skipped occurrences are rows too).
 LOGS_LOOK_BACK = 100
@@ -344,6 +385,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if ns.command == "import-crontab":
             return _import_crontab(ns)
+        if ns.command == "next" and ns.cron is not None:
+            print_result("next", _next(ns, None), as_json=ns.json)
+            return EXIT_OK
         cmd = ns.command
         args: dict[str, Any] = {}
         local = registry.LOCAL in registry.COMMANDS[cmd].where  # import-legacy, logs
@@ -367,6 +411,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _import_legacy(ns, send)
         if cmd == "logs":
             return _logs(ns, send)
+        if cmd == "next":
+            result = _next(ns, send)
         if cmd == "apply" and not args["dry_run"]:
             # A key that belongs elsewhere refuses the whole apply before anything is
             # written (asked first as a dry run).
@@ -375,7 +421,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if refused:
                 raise _BadArgument("\n".join(f"perfectschedctl: {c}" for c in refused)
                                    .removeprefix("perfectschedctl: "))
-        result = send(cmd, args)
+        if cmd != "next":
+            result = send(cmd, args)
         if cmd == "apply":
             _note_exec_entries(args["entries"])
     except protocol.RemoteError as exc:

@@ -173,6 +173,29 @@ def _failing_lines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _next_times(result: dict[str, Any]) -> str:
+    """One line per fire time: the local time with its UTC offset, Unix seconds, the
+    nominal time when delay or jitter move it, and the DST marks; a line before a time
+    for each local time a DST gap skipped."""
+    lines: list[str] = []
+    tz = result.get("timezone") or "UTC"
+    for t in result.get("times") or []:
+        for wall in t.get("skipped_before") or []:
+            lines.append(f"skipped {wall}: no such local time in {tz} (DST gap)")
+        line = f"{t['run_local']}  {t['run_time']}"
+        if t["run_time"] != t["scheduled_time"]:
+            line += f"  nominal {t['scheduled_local']}"
+        if t.get("repeated"):
+            line += ("  (repeated local time, first of two)" if t["repeated"] == 1
+                     else "  (repeated local time, second of two)")
+        lines.append(line)
+    if result.get("running"):
+        lines.insert(0, f"{result.get('key')}: an occurrence runs now; the next ones:")
+    if result.get("paused"):
+        lines.append(f"{result.get('key')} is paused: none of these runs until it is resumed")
+    return "\n".join(lines)
+
+
 def print_result(cmd: str, result: Any, *, as_json: bool) -> None:
     if as_json:
         print(json.dumps(result, indent=None if cmd == "list" else 2, sort_keys=False))
@@ -206,6 +229,8 @@ def print_result(cmd: str, result: Any, *, as_json: bool) -> None:
     elif cmd == "apply":
         for line in result.get("changes", []):
             print(line)
+    elif cmd == "next":
+        print(_next_times(result))
     elif cmd == "reload":
         if result.get("reload") == "done":
             print(f"reloaded: the new configuration runs, {result.get('workers')} new "

@@ -17,6 +17,8 @@ from typing import Any
 from perfectschedd.control.protocol import HISTORY_MAX
 from perfectschedd.errors import InvalidInputError
 from perfectschedd.schedules.policy import OPTIONS as POLICY_OPTIONS
+from perfectschedd.schedules.preview import DEFAULT_COUNT as NEXT_DEFAULT
+from perfectschedd.schedules.preview import MAX_COUNT as NEXT_MAX
 
 # -- who may call a command ----------------------------------------------------------------
 # DAEMON: through the daemon (control socket, D-Bus): root, the daemon's user and members
@@ -37,8 +39,8 @@ class Arg:
     dest: str
     help: str = ""
     # How perfectschedctl reads it: text, json, seconds, unix_time, limit, count, attempt
-    # (1 or more), policy (a number, or text the daemon refuses by name), flag, paths (one
-    # or more).
+    # (1 or more), iterations (1 to preview.MAX_COUNT), policy (a number, or text the
+    # daemon refuses by name), flag, paths (one or more).
     kind: str = "text"
     default: Any = None
     optional: bool = False  # a positional that may be left out
@@ -181,6 +183,22 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             default="perfectsched", sent=False),
         Arg(("--dry-run",), "dry_run", "say what would be imported", kind="flag",
             sent=False)),
+        where=frozenset({LOCAL})),
+    # KEY: perfectschedctl reads the schedule (show, through the daemon or -c) and works
+    # the times out itself; --cron needs neither daemon nor database.
+    Command("next", "print the next fire times of a schedule (delay and jitter applied) "
+                    "or of a cron expression, with their UTC offsets and DST marks", (
+        Arg(("key",), "key", "a schedule (read through the daemon, or -c)", optional=True,
+            sent=False),
+        Arg(("--cron",), "cron", "an expression instead of a schedule (no daemon needed)",
+            sent=False, metavar="EXPR"),
+        Arg(("-t", "--timezone"), "timezone", "the zone of --cron (default UTC)",
+            sent=False, metavar="ZONE"),
+        Arg(("-s", "--start"), "start", "with --cron: times at or after this (default now)",
+            kind="unix_time", sent=False, metavar="UNIXTIME"),
+        Arg(("-n", "--count"), "count", f"how many times (1-{NEXT_MAX}, default "
+            f"{NEXT_DEFAULT})", kind="iterations", default=NEXT_DEFAULT, sent=False,
+            metavar="N")),
         where=frozenset({LOCAL})),
     Command("status", "daemon status: workers, running tasks, backlog",
             where=frozenset({DAEMON}), quick=True),

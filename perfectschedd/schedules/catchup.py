@@ -1,7 +1,8 @@
 """Misfire and grace (SPEC "Schedule policies"): what a worker does with an occurrence it
 has just claimed, when that occurrence (or some after it) could not start on time.
 
-Decided from the schedule's cron alone, without walking every missed occurrence: a
+Decided from the schedule's cron alone, without walking every missed occurrence (an
+`@every` schedule's grid runs through the occurrence claimed, a grid point): a
 schedule that missed 100,000 minutes is caught up by a few croniter steps back from now
 (`latest`/`skip`) or forward from the grace deadline (`all` with a grace); the skipped
 ones are counted up to COUNT_CAP and the newest of them recorded in the history.
@@ -45,13 +46,15 @@ def plan(task: Task, now: float) -> CatchUp | None:
             return None
         # Everything that can no longer start within the grace is skipped; the first
         # occurrence that still can is the next to run.
-        target = cron.first_at_or_after(expr, task.timezone, math.ceil(now - grace - shift))
+        target = cron.first_at_or_after(expr, task.timezone, math.ceil(now - grace - shift),
+                                        anchor=first)
         skipped = cron.occurrences_back(expr, task.timezone, target, first, COUNT_CAP)
         if target + shift <= now:
             return CatchUp(skipped, target, None)
         return CatchUp(skipped, None, target)
     # latest / skip: the newest occurrence that is due now.
-    newest = cron.latest_at_or_before(expr, task.timezone, math.floor(now - shift))
+    newest = cron.latest_at_or_before(expr, task.timezone, math.floor(now - shift),
+                                      anchor=first)
     newest = first if newest is None or newest < first else newest
     skipped = cron.occurrences_back(expr, task.timezone, newest, first, COUNT_CAP) \
         if newest > first else []

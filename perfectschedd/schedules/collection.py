@@ -49,6 +49,8 @@ from perfectschedd.store.schema import lease_until
 from perfectschedd.store.sql import Advance, Claimed, Row, Store
 
 _UNSET: Any = object()
+# What refuse_on_older_hosts names for an interval schedule.
+INTERVAL_FEATURE = "@every"
 
 
 class _ScheduleView:
@@ -330,6 +332,8 @@ class Schedule:
         new_tz = values.get("timezone", current.timezone)
         new_delay = values.get("delay", current.delay)
         next_time = current.next_time
+        if "cron" in values and cron_mod.period(values["cron"]) is not None:
+            self._collection.refuse_on_older_hosts(INTERVAL_FEATURE, now)
         if ("cron" in values or "timezone" in values) and new_cron is not None \
                 and not cron_mod.is_once(new_cron):
             now_s = int(time.time() if now is None else now)
@@ -450,6 +454,7 @@ class ScheduleCollection:
     def add(self, key: str, type: str, cron: str | None = None, **options: Any) -> Schedule:
         """Register a schedule (SPEC `add`); AlreadyExistsError if the key is taken."""
         row = self.build_row(key, type, cron, **options)
+        self._refuse_intervals_on_older_hosts([row], options.get("now"))
         if not self.store.insert(row):
             raise AlreadyExistsError(f"schedule {key!r} already exists")
         return Schedule(self, key)
@@ -464,11 +469,19 @@ class ScheduleCollection:
         keys = [r.key for r in rows]
         if len(set(keys)) != len(keys):
             raise InvalidInputError("key", "duplicate keys in one request")
+        self._refuse_intervals_on_older_hosts(rows, requests[0].get("now"))
         try:
             self.store.insert_many(rows)
         except IntegrityError:
             raise AlreadyExistsError("one of the keys already exists; nothing added") from None
         return len(rows)
+
+    def _refuse_intervals_on_older_hosts(self, rows: Sequence[Row], now: float | None
+                                         ) -> None:
+        """A release before 0.2.0 cannot read `@every`: a host of one would stop at such
+        a schedule's first run (SPEC "Upgrades")."""
+        if any(r.cron is not None and cron_mod.period(r.cron) is not None for r in rows):
+            self.refuse_on_older_hosts(INTERVAL_FEATURE, now)
 
     def list(self, *, prefix: str | None = None, limit: int | None = None,
              after_key: str | None = None) -> list[ScheduleInfo]:

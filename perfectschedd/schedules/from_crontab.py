@@ -230,7 +230,7 @@ def convert(text: str, *, name: str, system: bool, user: str | None = None,
                 problem = f"unknown alias {expr}"
             else:
                 try:
-                    cron_mod.normalize(expr)
+                    cron_mod.check(expr)  # as `apply` will take the entry
                 except InvalidInputError as exc:
                     problem = str(exc)
             if problem is None and system and len(rest) < 2:

@@ -183,5 +183,4 @@ def check_cron(expr: Any) -> str:
         raise InvalidInputError("cron", f"longer than {CRON_MAX} characters")
     from perfectschedd.schedules import cron
 
-    cron.normalize(expr)
-    return cron.ONCE if cron.is_once(expr) else expr.strip()
+    return cron.check(expr)
