@@ -388,6 +388,8 @@ class Supervisor:
             "database_ok": reachable, "database": database,
             "hosts": self._hosts(snap, now),
             # Schedules by state; those retrying or failed; overdue (docs/metrics.md).
+            # pause --all in force (on every host): since, by, schedules held; else None.
+            "paused_all": snap.paused_all,
             "states": dict(snap.states), "failing": list(snap.failing),
             "failing_total": snap.failing_total,
             "oldest_overdue": snap.oldest_overdue,
