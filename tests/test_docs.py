@@ -114,6 +114,29 @@ def test_every_config_key_has_an_entry() -> None:
         "configuration keys missing from perfectschedd(8)"
 
 
+def test_every_route_key_has_an_entry() -> None:
+    body = sections(DAEMON_PAGE.read_text(), ".SH")["CONFIGURATION"]
+    routes = body.split(".TP\n.B routes\n", 1)[1].split(".RE\n", 1)[0]
+    documented = {t.split()[0] for t in tags(routes) if t.split()}
+    # config._ROUTE_KEYS: the keys a route may have (anything else is refused).
+    assert sorted(set(config._ROUTE_KEYS) - documented) == [], \
+        "route keys missing from the routes entry of perfectschedd(8)"
+
+
+def test_the_checks_see_an_entry_removed() -> None:
+    """What the tests above read, with one entry taken out, misses it."""
+    text = CTL_PAGE.read_text()
+    entry = '.TP\n.B \\-\\-skip\\-missed\n'
+    assert entry in text
+    assert "--skip-missed" in tagged_flags(command_entries(text)["resume"][1])
+    cut = command_entries(text.replace(entry, ".PP\n"))
+    assert "--skip-missed" not in tagged_flags(cut["resume"][1])
+    assert "init" not in command_entries(text.replace('.SS "init"\n', ""))
+    daemon = DAEMON_PAGE.read_text()
+    body = sections(daemon.replace(".TP\n.B retry_wait_max\n", ""), ".SH")["CONFIGURATION"]
+    assert "retry_wait_max" not in {t.split()[0] for t in tags(body) if t.split()}
+
+
 def test_what_the_issue_found_missing_is_documented() -> None:
     ctl, daemon = CTL_PAGE.read_text(), DAEMON_PAGE.read_text()
     for word in ("@once", "--misfire", "--grace", "--max-attempts", "--retry-wait",

@@ -430,6 +430,8 @@ class Supervisor:
                 f"{counts.get('due', 0)} due, {counts.get('schedules', 0)} schedules")
         if not db_ok:
             line += "; database unreachable"
+        if self.db.snapshot.paused_all is not None:
+            line += "; everything paused"  # pause --all, on every host
         metrics.set_workers(self.config.workers, len(alive))
         if line != self.status_line:
             self.status_line = line

@@ -125,6 +125,8 @@ def test_pause_all_holds_across_a_restart_and_on_a_second_host(
     assert n0.stop() == 0
     n0.start()
     assert wait_status_paused(n0, True)["paused_all"]["schedules"] == 1
+    n0.wait_notify(lambda m: m.startswith("STATUS=") and "; everything paused" in m,
+                   timeout=30, what="STATUS saying everything is paused")
     time.sleep(WATCH)
     assert runs(log) == []
     if resume == "catch-up":
