@@ -449,9 +449,10 @@ class ScheduleCollection:
     def insert_rows(self, rows: Sequence[Row]) -> bool:
         """Store new schedules (several: all or nothing, IntegrityError if a key exists;
         one: False if its key exists).  While everything is paused (pause --all) they are
-        stored paused with it, and start at resume --all; a pause --all recorded while
-        they were being stored pauses them too (join_pause_all, after the insert: either
-        the pause saw them or they see the pause)."""
+        stored paused with it, and start at resume --all.  A pause --all recorded while
+        they were being stored pauses them too: the pause is looked for again once they
+        are (a pause that committed before this second look, and whose update did not
+        see them, is seen by it)."""
         paused_all = self.store.paused_all() is not None
         if paused_all:
             rows = [dataclasses.replace(r, paused=True, paused_reason=PAUSED_ALL_REASON)
@@ -461,7 +462,7 @@ class ScheduleCollection:
                 return False
         else:
             self.store.insert_many(rows)
-        if not paused_all:
+        if not paused_all and self.store.paused_all() is not None:
             self.store.join_pause_all([r.key for r in rows])
         return True
 
