@@ -219,3 +219,24 @@ def test_cli_bad_input_is_one_line_and_exit_1(sqlite_url: str, tmp_path: Any,
             err = capsys.readouterr().err
             assert err.count("\n") == 1 and err.startswith("perfectschedctl: "), err
             assert stored(sc) == before
+
+
+def test_schedules_files_converge_while_everything_is_paused(
+        sc: ScheduleCollection) -> None:
+    """Files converge as always; what they add is paused with everything, what they change
+    keeps its pause, and resume --all releases both."""
+    from perfectschedd.schedules.converge import converge
+    from perfectschedd.schedules.files import check_entry
+
+    def entries(*crons: tuple[str, str]) -> dict[str, Any]:
+        return {key: check_entry({"key": key, "cron": c, "type": "t"}, "file:jobs.yml",
+                                 need_user_support=False) for key, c in crons}
+
+    converge(sc, entries(("kept", "0 3 * * *"), ("gone", "0 4 * * *")), [])
+    run(sc, "pause", all=True)
+    converge(sc, entries(("kept", "0 5 * * *"), ("new", "0 6 * * *")), ["file:jobs.yml"])
+    shown = paused(sc)
+    assert shown == {"kept": (True, PAUSED_ALL_REASON), "new": (True, PAUSED_ALL_REASON)}
+    assert sc["kept"].info().cron == "0 5 * * *"
+    run(sc, "resume", all=True)
+    assert paused(sc) == {"kept": (False, None), "new": (False, None)}
