@@ -163,7 +163,7 @@ def _modify(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict
 
 def _pause(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
     """pause KEY..., --prefix P or --all: all or nothing (every key is checked first)."""
-    if _selected(a, "pause") is None:
+    if _selected(a, "pause") is None:  # every admitted caller's (auth.py says why)
         return {"all": True, "paused": sc.pause_all(access.caller.name, now),
                 **(sc.paused_all() or {})}
     keys = _pausing(sc, a, access)
