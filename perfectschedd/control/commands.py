@@ -164,6 +164,7 @@ def _modify(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict
 def _pause(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
     """pause KEY..., --prefix P or --all: all or nothing (every key is checked first)."""
     if _selected(a, "pause") is None:  # every admitted caller's (auth.py says why)
+        check_force(access.caller, a.get("force"))  # not needed; refused as elsewhere
         return {"all": True, "paused": sc.pause_all(access.caller.name, now),
                 **(sc.paused_all() or {})}
     keys = _pausing(sc, a, access)
@@ -177,6 +178,7 @@ def _resume(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict
     if not isinstance(skip_missed, bool):
         raise InvalidInputError("skip_missed", "must be true or false")
     if _selected(a, "resume") is None:
+        check_force(access.caller, a.get("force"))
         resumed, skipped = sc.resume_all(skip_missed=skip_missed, now=now)
         return {"all": True, "resumed": resumed, "skipped_occurrences": skipped,
                 "paused_on_their_own": sc.count_paused(with_all=False)}

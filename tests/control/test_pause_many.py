@@ -118,6 +118,9 @@ def test_pause_all_marks_rows_and_resume_all_leaves_their_own(
                                   "no next occurrence"}, take_lease=False)
     # A member of control_group pauses everything, file-managed schedules included, with
     # no --force: the pause changes no schedule (auth.py says why).
+    with pytest.raises(PermissionDeniedError, match="only root may force"):
+        run(sc, "pause", MEMBER, all=True, force=True)
+    assert sc.paused_all() is None
     got = run(sc, "pause", MEMBER, all=True)
     assert got["all"] is True and got["paused"] == 2 and got["by"] == MEMBER.name
     assert now - 5 <= got["since"] <= now + 5
