@@ -163,13 +163,14 @@ def _modify(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict
 
 def _pause(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
     """pause KEY..., --prefix P or --all: all or nothing (every key is checked first)."""
-    if _selected(a, "pause") is None:  # every admitted caller's (auth.py says why)
+    which = _selected(a, "pause")
+    if which is None:  # every admitted caller's (auth.py says why)
         check_force(access.caller, a.get("force"))  # not needed; refused as elsewhere
         return {"all": True, "paused": sc.pause_all(access.caller.name, now),
                 **(sc.paused_all() or {})}
-    keys = _pausing(sc, a, access)
+    keys = _pausing(sc, a, which, access)
     sc.pause_keys(keys)
-    return _paused_result(sc, a, keys, "paused")
+    return _paused_result(sc, which, keys, "paused")
 
 
 def _resume(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
@@ -177,14 +178,15 @@ def _resume(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict
     skip_missed = a.get("skip_missed", False)
     if not isinstance(skip_missed, bool):
         raise InvalidInputError("skip_missed", "must be true or false")
-    if _selected(a, "resume") is None:
+    which = _selected(a, "resume")
+    if which is None:
         check_force(access.caller, a.get("force"))
         resumed, skipped = sc.resume_all(skip_missed=skip_missed, now=now)
         return {"all": True, "resumed": resumed, "skipped_occurrences": skipped,
                 "paused_on_their_own": sc.count_paused(with_all=False)}
-    keys = _pausing(sc, a, access)
+    keys = _pausing(sc, a, which, access)
     skipped = sc.resume_keys(keys, skip_missed=skip_missed, now=now)
-    return {**_paused_result(sc, a, keys, "resumed"),
+    return {**_paused_result(sc, which, keys, "resumed"),
             **({"skipped_occurrences": skipped} if skip_missed else {})}
 
 
@@ -198,7 +200,8 @@ KEYS_MAX = 10_000
 def _selected(a: Args, verb: str) -> str | None:
     """Which selector a pause or resume request uses (None: `all`), once it uses exactly
     one, well formed."""
-    given = [n for n in _SELECTORS if a.get(n) not in (None, False, [], "")]
+    # Absent, null and false are not given; anything else is, and is checked below.
+    given = [n for n in _SELECTORS if a.get(n) is not None and a.get(n) is not False]
     if not given:
         raise InvalidInputError("key", f"{verb} what? give KEY..., --prefix PREFIX or --all")
     if len(given) > 1:
@@ -216,17 +219,17 @@ def _selected(a: Args, verb: str) -> str | None:
     return given[0]
 
 
-def _pausing(sc: ScheduleCollection, a: Args, access: Access) -> list[str]:
-    """The keys a pause or resume by key or prefix is about, once the caller may change
-    every one of them (a schedules file's only with root's `force`: callers.py); any
-    refusal refuses the whole request."""
+def _pausing(sc: ScheduleCollection, a: Args, which: str, access: Access) -> list[str]:
+    """The keys a pause or resume by key or prefix (`which`) is about, once the caller
+    may change every one of them (a schedules file's only with root's `force`:
+    callers.py); any refusal refuses the whole request."""
     force = check_force(access.caller, a.get("force"))
-    if "key" in a:
+    if which == "key":
         keys = [lookup_key(a["key"])]
-    elif "keys" in a:
+    elif which == "keys":
         keys = list(dict.fromkeys(lookup_key(k) for k in a["keys"]))
     else:
-        prefix = lookup_key(a["prefix"], "prefix")
+        prefix = lookup_key(a["prefix"], "prefix")  # never empty: that is --all
         # LIKE ignores case on SQLite and MySQL: the exact prefix is checked here.  Extra
         # runs (KEY@run-...) go with --all only, as `pause KEY` leaves them too.
         keys = [i.key for i in sc.list(prefix=prefix)
@@ -236,7 +239,7 @@ def _pausing(sc: ScheduleCollection, a: Args, access: Access) -> list[str]:
     rows = {r.key: r for r in sc.rows_of(keys=keys)}
     missing = [k for k in keys if k not in rows]
     if missing:
-        if "key" in a:
+        if which == "key":
             raise NotFoundError(f"schedule {missing[0]!r} not found")
         raise NotFoundError(f"schedule(s) not found: {', '.join(missing[:20])}"
                             f"{' ...' if len(missing) > 20 else ''}; nothing changed")
@@ -245,9 +248,9 @@ def _pausing(sc: ScheduleCollection, a: Args, access: Access) -> list[str]:
     return keys
 
 
-def _paused_result(sc: ScheduleCollection, a: Args, keys: list[str], verb: str
+def _paused_result(sc: ScheduleCollection, which: str, keys: list[str], verb: str
                    ) -> dict[str, Any]:
-    if "key" in a:  # as before several keys could be given
+    if which == "key":  # as before several keys could be given
         return _info(sc[keys[0]].info(), SHOW_FIELDS)
     return {verb: keys, "count": len(keys)}
 

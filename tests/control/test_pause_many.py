@@ -77,6 +77,11 @@ def test_several_keys_and_a_prefix(sc: ScheduleCollection) -> None:
     ({"keys": ["a", "nosuch", "b", "gone"]}, "schedule(s) not found: nosuch, gone; "
                                              "nothing changed"),
     ({"prefix": "zz"}, "no schedule key starts with 'zz'; nothing changed"),
+    ({"prefix": ""}, "prefix: must be a non-empty string"),
+    ({"keys": [], "all": False}, "keys: must be a list of 1 to"),
+    ({"keys": 0}, "keys: must be a list of 1 to"),
+    ({"all": 0}, "all: must be true or false"),
+    ({"keys": None, "prefix": {"a": 1}}, "prefix"),
     ({"key": "nosuch"}, "schedule 'nosuch' not found"),
 ])
 def test_bad_requests_change_nothing(sc: ScheduleCollection, args: dict[str, Any],

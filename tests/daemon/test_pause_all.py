@@ -60,17 +60,19 @@ def missed_minutes(start: int, until: float) -> list[int]:
     return list(range(first, int(until) + 1, 60))
 
 
-def paused_everything(d: Daemon) -> None:
+def paused_everything(d: Daemon) -> int:
     """Hold everything through `d` and add, while it holds: `k` (ten missed minutes) and
-    `own`, then paused on its own (it stays paused after resume --all)."""
+    `own`, then paused on its own (it stays paused after resume --all).  Returns their
+    start."""
     out = d.ctl("pause", "--all").stdout
     assert out.startswith("paused everything"), out
-    now = int(time.time())
+    start = int(time.time()) - BEHIND
     for key in ("k", "own"):
-        d.ctl("add", key, JOB, "* * * * *", "-s", str(now - BEHIND))
+        d.ctl("add", key, JOB, "* * * * *", "-s", str(start))
     shown = d.ctl_json("show", "k")
     assert (shown["paused"], shown["paused_reason"]) == (True, PAUSED_ALL_REASON)
     d.ctl("pause", "own")
+    return start
 
 
 def wait_status_paused(d: Daemon, held: bool) -> dict[str, Any]:
@@ -113,8 +115,7 @@ def test_pause_all_holds_across_a_restart_and_on_a_second_host(
     log = tmp_path / "runs.log"
     n0 = daemon_factory(config("n0", log), url=pg_url).start()
     n1 = daemon_factory(config("n1", log), url=pg_url).start()
-    start = int(time.time()) - BEHIND
-    paused_everything(n0)
+    start = paused_everything(n0)
     paused_at = time.time()
     status = wait_status_paused(n1, True)  # the other host says so too
     assert status["paused_all"]["schedules"] == 1 and status["paused_all"]["by"]
@@ -153,8 +154,7 @@ def test_pause_all_holds_on_a_0_1_0_host(resume: str, pg_url: str, old_release: 
     assert "created table" in old.ctl("-c", str(n0.config_path), "init").stdout
     n0.start()
     n1 = daemon_factory(config("n1", log), url=pg_url).start()
-    start = int(time.time()) - BEHIND
-    paused_everything(n1)
+    start = paused_everything(n1)
     paused_at = time.time()
     assert n1.stop() == 0  # only the 0.1.0 host is left to run anything
     time.sleep(WATCH)
