@@ -136,6 +136,8 @@ def _add_argument(parser: argparse.ArgumentParser, arg: registry.Arg) -> None:
         kwargs["action"] = "store_true"
     elif arg.kind == "paths":
         kwargs["nargs"] = "+"
+    elif arg.kind == "keys":
+        kwargs["nargs"] = "*"
     else:
         if arg.kind in _TYPES:
             kwargs["type"] = _TYPES[arg.kind]
@@ -182,7 +184,10 @@ def request_of(ns: argparse.Namespace, daemon_status: dict[str, Any] | None = No
     for arg in command.cli:
         value = getattr(ns, arg.dest, None)
         if not arg.sent or value is None or (arg.kind == "flag" and not value) or \
-                (arg.dest == "prefix" and value == ""):
+                (arg.dest == "prefix" and value == "") or (arg.kind == "keys" and not value):
+            continue
+        if arg.kind == "keys" and len(value) == 1:
+            args["key"] = value[0]  # one key, as every daemon since 0.1.0 reads it
             continue
         args[arg.dest] = _json_arg(arg.flags[-1].upper() if arg.positional else
                                    arg.flags[-1], value) if arg.kind == "json" else value

@@ -94,6 +94,12 @@ def _status(result: dict[str, Any]) -> str:
         f"schedules: {result.get('schedules', 0)} ({result.get('paused', 0)} paused), "
         f"due now: {result.get('due', 0)}" + _state_counts(result),
     ]
+    paused_all = result.get("paused_all")
+    if paused_all:
+        lines.append(f"everything paused (pause --all) since "
+                     f"{format_time(paused_all.get('since'))} by {paused_all.get('by')}: "
+                     f"{paused_all.get('schedules', 0)} schedule(s) held, on every host; "
+                     "resume --all ends it")
     database = result.get("database") or {}
     if database.get("unreachable_since") is not None:
         since = time.strftime("%Y-%m-%d %H:%M:%S",
@@ -196,6 +202,25 @@ def _next_times(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _paused_many(cmd: str, result: dict[str, Any]) -> str:
+    """What pause/resume of several keys, a prefix or --all did."""
+    skipped = result.get("skipped_occurrences")
+    skipped_line = (f"; {skipped} missed occurrence(s) skipped" if skipped is not None
+                    else "")
+    if not result.get("all"):
+        verb = "paused" if cmd == "pause" else "resumed"
+        keys = result.get(verb) or []
+        return f"{verb} {len(keys)} schedule(s): {' '.join(keys)}{skipped_line}"
+    if cmd == "pause":
+        return (f"paused everything (since {format_time(result.get('since'))}, by "
+                f"{result.get('by')}): {result.get('paused', 0)} schedule(s) more paused; "
+                "schedules added from now on are paused too, until resume --all")
+    own = result.get("paused_on_their_own") or 0
+    return (f"resumed everything: {result.get('resumed', 0)} schedule(s)"
+            + skipped_line
+            + (f"; {own} paused on their own stay paused" if own else ""))
+
+
 def print_result(cmd: str, result: Any, *, as_json: bool) -> None:
     if as_json:
         print(json.dumps(result, indent=None if cmd == "list" else 2, sort_keys=False))
@@ -208,6 +233,8 @@ def print_result(cmd: str, result: Any, *, as_json: bool) -> None:
         print(f"{len(result)} runs.")
     elif cmd == "status":
         print(_status(result))
+    elif cmd in ("pause", "resume") and ("count" in result or "all" in result):
+        print(_paused_many(cmd, result))
     elif cmd in ("show", "modify", "pause", "resume"):
         width = max(len(k) for k in result)
         for k in result:

@@ -163,6 +163,10 @@ _KNOWN_KEYS = {
     "node_name", "schedules_dir", "notifiers", "notify", "sendmail",
 }
 
+# The keys of an entry of `routes` (perfectschedd(8) has an entry for each).
+_ROUTE_KEYS = frozenset({"type", "exec", "python", "timeout", "executor", "unit", "user",
+                         "env", "allow", "notify"})
+
 
 def _number(raw: Mapping[str, Any], key: str, default: float, *, minimum: float,
             integer: bool = False) -> Any:
@@ -210,8 +214,7 @@ def _routes(raw: Any, notifiers: Mapping[str, Notifier]) -> tuple[RouteConfig, .
         where = f"routes[{i}]"
         if not isinstance(entry, Mapping):
             raise ConfigError(f"{where}: must be a mapping")
-        unknown = set(entry) - {"type", "exec", "python", "timeout", "executor", "unit",
-                                "user", "env", "allow", "notify"}
+        unknown = set(entry) - _ROUTE_KEYS
         if unknown:
             raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
         pattern = entry.get("type")

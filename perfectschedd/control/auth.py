@@ -17,7 +17,11 @@ The rules (docs/security.md):
     prefix of types is schedules.check_type's, refused to every caller);
   - a schedules file's schedule (source file:NAME) changes through its file, or by root
     with force; `apply` by anyone but root changes or prunes only what they made
-    (schedules.ownership.owns, which the convergence of files applies).
+    (schedules.ownership.owns, which the convergence of files applies);
+  - `pause --all` and `resume --all` are every admitted caller's, schedules files'
+    schedules included, with no force: they change no schedule (each is held with a
+    marker that resume --all releases, and its file still owns it), and they are the
+    operators' brake, as `reload` is theirs.  By key or prefix, the rule above holds.
 """
 
 from __future__ import annotations

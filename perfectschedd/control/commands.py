@@ -16,10 +16,10 @@ from perfectschedd.config import RouteConfig
 from perfectschedd.control import registry
 from perfectschedd.control.auth import Access, Caller, check_force
 from perfectschedd.control.protocol import ATTEMPT_MAX, HISTORY_MAX, HISTORY_OUTPUT_BYTES
-from perfectschedd.errors import InvalidInputError
+from perfectschedd.errors import InvalidInputError, NotFoundError
 from perfectschedd.notify import spec as notify_spec
 from perfectschedd.schedules.collection import ScheduleCollection, ScheduleInfo
-from perfectschedd.schedules.fields import SOURCE_FILE, detached_source
+from perfectschedd.schedules.fields import RUN_NOW_MARK, SOURCE_FILE, detached_source
 from perfectschedd.schedules.ownership import known_user_name
 from perfectschedd.schedules.policy import OPTIONS as POLICY_OPTIONS
 from perfectschedd.schedules.validate import check_key, check_type, lookup_key
@@ -146,9 +146,12 @@ def _changing(sc: ScheduleCollection, a: Args, access: Access) -> ScheduleInfo:
 def _detaching(info: ScheduleInfo) -> dict[str, Any]:
     """The new source of a schedules file's schedule changed with --force (as the change
     itself writes it): forced:file:NAME, which no convergence of files touches."""
-    if info.source.startswith(SOURCE_FILE):
-        return {"source": detached_source(info.source)}
-    return {}
+    source = _detaching_source(info.source)
+    return {} if source is None else {"source": source}
+
+
+def _detaching_source(source: str) -> str | None:
+    return detached_source(source) if source.startswith(SOURCE_FILE) else None
 
 
 def _delete(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
@@ -172,15 +175,103 @@ def _modify(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict
 
 
 def _pause(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
-    info = _changing(sc, a, access)
-    sc[a["key"]].pause(**_detaching(info))
-    return _info(sc[a["key"]].info(), SHOW_FIELDS)
+    """pause KEY..., --prefix P or --all: all or nothing (every key is checked first)."""
+    which = _selected(a, "pause")
+    if which is None:  # every admitted caller's (auth.py says why)
+        check_force(access.caller, a.get("force"))  # not needed; refused as elsewhere
+        return {"all": True, "paused": sc.pause_all(access.caller.name, now),
+                **(sc.paused_all() or {})}
+    keys, detached = _pausing(sc, a, which, access)
+    sc.pause_keys(keys, sources=detached)
+    return _paused_result(sc, which, keys, "paused")
 
 
 def _resume(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
-    info = _changing(sc, a, access)
-    sc[a["key"]].resume(**_detaching(info))
-    return _info(sc[a["key"]].info(), SHOW_FIELDS)
+    """resume KEY..., --prefix P or --all; skip_missed: without catching up."""
+    skip_missed = a.get("skip_missed", False)
+    if not isinstance(skip_missed, bool):
+        raise InvalidInputError("skip_missed", "must be true or false")
+    which = _selected(a, "resume")
+    if which is None:
+        check_force(access.caller, a.get("force"))
+        resumed, skipped = sc.resume_all(skip_missed=skip_missed, now=now)
+        return {"all": True, "resumed": resumed, "skipped_occurrences": skipped,
+                "paused_on_their_own": sc.count_paused(with_all=False)}
+    keys, detached = _pausing(sc, a, which, access)
+    skipped = sc.resume_keys(keys, skip_missed=skip_missed, now=now, sources=detached)
+    return {**_paused_result(sc, which, keys, "resumed"),
+            **({"skipped_occurrences": skipped} if skip_missed else {})}
+
+
+# What pause and resume act on: one of these (a single `key`: the request of 0.1.0
+# clients and of D-Bus Pause/Resume, answered as they expect).
+_SELECTORS = ("key", "keys", "prefix", "all")
+# Keys named in one request, at most (each is read and changed in one transaction).
+KEYS_MAX = 10_000
+
+
+def _selected(a: Args, verb: str) -> str | None:
+    """Which selector a pause or resume request uses (None: `all`), once it uses exactly
+    one, well formed."""
+    # Absent, null and false are not given; anything else is, and is checked below.
+    given = [n for n in _SELECTORS if a.get(n) is not None and a.get(n) is not False]
+    if not given:
+        raise InvalidInputError("key", f"{verb} what? give KEY..., --prefix PREFIX or --all")
+    if len(given) > 1:
+        shown = {"key": "KEY", "keys": "KEY...", "prefix": "--prefix", "all": "--all"}
+        raise InvalidInputError(given[0], f"give one of KEY..., --prefix or --all, not "
+                                f"{' and '.join(shown[g] for g in given)}")
+    if given[0] == "all":
+        if a["all"] is not True:
+            raise InvalidInputError("all", "must be true or false")
+        return None
+    if given[0] == "keys":
+        keys = a["keys"]
+        if not isinstance(keys, list) or not 0 < len(keys) <= KEYS_MAX:
+            raise InvalidInputError("keys", f"must be a list of 1 to {KEYS_MAX} keys")
+    return given[0]
+
+
+def _pausing(sc: ScheduleCollection, a: Args, which: str, access: Access
+             ) -> tuple[list[str], dict[str, str]]:
+    """The keys a pause or resume by key or prefix (`which`) is about, once the caller
+    may change every one of them (a schedules file's only with root's `force`:
+    callers.py), and the new sources of the schedules files' ones that force detaches
+    (_detaching); any refusal refuses the whole request."""
+    force = check_force(access.caller, a.get("force"))
+    if which == "key":
+        keys = [lookup_key(a["key"])]
+    elif which == "keys":
+        keys = list(dict.fromkeys(lookup_key(k) for k in a["keys"]))
+    else:
+        prefix = lookup_key(a["prefix"], "prefix")  # never empty: that is --all
+        # LIKE ignores case on SQLite and MySQL: the exact prefix is checked here.  Extra
+        # runs (KEY@run-...) go with --all only, as `pause KEY` leaves them too.
+        keys = [i.key for i in sc.list(prefix=prefix)
+                if i.key.startswith(prefix) and RUN_NOW_MARK not in i.key]
+        if not keys:
+            raise NotFoundError(f"no schedule key starts with {prefix!r}; nothing changed")
+    rows = {r.key: r for r in sc.rows_of(keys=keys)}
+    missing = [k for k in keys if k not in rows]
+    if missing:
+        if which == "key":
+            raise NotFoundError(f"schedule {missing[0]!r} not found")
+        raise NotFoundError(f"schedule(s) not found: {', '.join(missing[:20])}"
+                            f"{' ...' if len(missing) > 20 else ''}; nothing changed")
+    detached: dict[str, str] = {}
+    for key in keys:
+        access.check_change(key, rows[key].source, force)
+        source = _detaching_source(rows[key].source)
+        if source is not None:
+            detached[key] = source
+    return keys, detached
+
+
+def _paused_result(sc: ScheduleCollection, which: str, keys: list[str], verb: str
+                   ) -> dict[str, Any]:
+    if which == "key":  # as before several keys could be given
+        return _info(sc[keys[0]].info(), SHOW_FIELDS)
+    return {verb: keys, "count": len(keys)}
 
 
 def _run(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:

@@ -40,7 +40,8 @@ class Arg:
     help: str = ""
     # How perfectschedctl reads it: text, json, seconds, unix_time, limit, count, attempt
     # (1 or more), iterations (1 to preview.MAX_COUNT), policy (a number, or text the
-    # daemon refuses by name), flag, paths (one or more).
+    # daemon refuses by name), flag, paths (one or more), keys (none or more: one is sent
+    # as `key`, several as `keys`).
     kind: str = "text"
     default: Any = None
     optional: bool = False  # a positional that may be left out
@@ -76,6 +77,11 @@ class Command:
             return []
         if self.name == "add_many":
             return [(str(i.get("key")), self.change) for i in args.get("schedules", [])]
+        if self.name in ("pause", "resume") and isinstance(result, Mapping):
+            if result.get("all"):
+                return [("*", self.change)]  # every schedule: one signal, not thousands
+            if "count" in result:
+                return [(str(k), self.change) for k in result.get(self.change, [])]
         if self.name == "apply":
             words = {"added": "added", "changed": "modified", "removed": "deleted"}
             return [(parts[1], words[parts[0]]) for line in result.get("changes", [])
@@ -108,6 +114,14 @@ FORCE = Arg(("--force",), "force", "change a schedule from a schedules file (roo
             "it is detached from the file (source forced:file:NAME), whose entry no "
             "reload or apply writes back", kind="flag")
 _EVERYWHERE = frozenset({DAEMON, DIRECT})
+# What pause and resume act on: one of these (a request may also carry one `key`, as
+# 0.1.0 clients and D-Bus Pause/Resume send it).
+_PAUSED = (
+    Arg(("keys",), "keys", "schedules, by key", kind="keys", metavar="KEY"),
+    Arg(("--prefix",), "prefix", "every schedule whose key starts with P", metavar="P"),
+    Arg(("--all",), "all", "every schedule (pause: also those added while paused; "
+        "resume: those paused on their own stay paused)", kind="flag"),
+)
 
 COMMANDS: dict[str, Command] = {c.name: c for c in (
     Command("add", "register a schedule", (
@@ -130,10 +144,15 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
     Command("show", "show one schedule in full", (KEY,), required=frozenset({"key"})),
     Command("delete", "remove a schedule", (KEY, FORCE), required=frozenset({"key"}),
             change="deleted"),
-    Command("pause", "stop a schedule from firing", (KEY, FORCE),
-            required=frozenset({"key"}), change="paused"),
-    Command("resume", "let a paused schedule fire again (missed occurrences run)",
-            (KEY, FORCE), required=frozenset({"key"}), wakes=True, change="resumed"),
+    Command("pause", "stop schedules from firing: KEY..., --prefix P, or --all (every "
+                     "schedule, on every host, until resume --all)", (
+        *_PAUSED, FORCE), extra_args=frozenset({"key"}), change="paused"),
+    Command("resume", "let paused schedules fire again (missed occurrences run, as "
+                      "their misfire policy says)", (
+        *_PAUSED, FORCE,
+        Arg(("--skip-missed",), "skip_missed", "run none of the occurrences missed while "
+            "paused (recorded as skipped); the next one runs on time", kind="flag")),
+        extra_args=frozenset({"key"}), wakes=True, change="resumed"),
     Command("run", "run one occurrence now without moving the schedule", (KEY,),
             required=frozenset({"key"}), wakes=True, change="run"),
     Command("modify", "change a schedule (new cron/timezone recompute its next time)", (

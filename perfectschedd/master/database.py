@@ -90,6 +90,8 @@ class Snapshot:
     oldest_overdue: float = 0.0        # seconds; 0: nothing overdue
     beyond_period: list[dict[str, Any]] = field(default_factory=list)
     beyond_period_total: int = 0
+    # While everything is paused (pause --all): since, by, and the schedules it holds.
+    paused_all: dict[str, Any] | None = None
     read_at: float | None = None       # Unix time of `counts`/`running`
     ok: bool | None = None             # None: not asked yet
     unreachable_since: float | None = None
@@ -438,10 +440,13 @@ class MasterDatabase:
         self._publish(replace(self.snapshot, rename=rename))
 
     def _read_status(self) -> None:
-        store = self.store
-        assert store is not None
+        store, sc = self.store, self.sc
+        assert store is not None and sc is not None
         now = time.time()
         with self._gate():
+            paused_all = sc.paused_all()
+            if paused_all is not None:
+                paused_all = {**paused_all, "schedules": store.count_paused(with_all=True)}
             counts = store.counts(int(now))
             summary = store.state_summary(int(now))
             rows = store.running()
@@ -466,7 +471,7 @@ class MasterDatabase:
                               failing_total=len(failing), oldest_overdue=oldest,
                               beyond_period=beyond[:FAILING_SHOWN],
                               beyond_period_total=len(beyond),
-                              unclaimed=unclaimed, hosts=hosts,
+                              unclaimed=unclaimed, hosts=hosts, paused_all=paused_all,
                               unrecorded_nodes=sorted(at_work - recorded),
                               read_at=now, ok=True,
                               unreachable_since=None, error=None))

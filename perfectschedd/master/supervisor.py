@@ -418,6 +418,8 @@ class Supervisor:
             "database_ok": reachable, "database": database,
             "hosts": self._hosts(snap, now),
             # Schedules by state; those retrying or failed; overdue (docs/metrics.md).
+            # pause --all in force (on every host): since, by, schedules held; else None.
+            "paused_all": snap.paused_all,
             "states": dict(snap.states), "failing": list(snap.failing),
             "failing_total": snap.failing_total,
             "oldest_overdue": snap.oldest_overdue,
@@ -473,6 +475,8 @@ class Supervisor:
             line += f"; {draining} worker(s) draining"
         if not db_ok:
             line += "; database unreachable"
+        if self.db.snapshot.paused_all is not None:
+            line += "; everything paused"  # pause --all, on every host
         metrics.set_workers(self.config.workers, len(alive))
         if line != self.status_line:
             self.status_line = line

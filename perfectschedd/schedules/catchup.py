@@ -16,10 +16,9 @@ from dataclasses import dataclass
 from perfectschedd.schedules import cron
 from perfectschedd.schedules.collection import Task
 
-# Skipped occurrences counted (log, metric) at most per catch-up; the history keeps the
-# newest of them.  Counting costs about 150 us each (a croniter step and the zone's
-# offsets), so a bigger cap would cost a catch-up more than its 1 s budget.
-COUNT_CAP = 1_000
+# Skipped occurrences counted (log, metric) at most per catch-up, the history keeping the
+# newest of them: the cap resume --skip-missed uses too (missed.py says why it is 1,000).
+from perfectschedd.schedules.missed import COUNT_CAP
 
 
 @dataclass(frozen=True)

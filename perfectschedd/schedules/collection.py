@@ -24,12 +24,13 @@ from perfectschedd.errors import (
     NotSupportedError,
     PreemptedError,
 )
-from perfectschedd.schedules import cron
+from perfectschedd.schedules import cron, missed
 from perfectschedd.schedules import cron as cron_mod
 from perfectschedd.schedules import policy as policy_mod
 from perfectschedd.schedules.fields import (
     INFO_FIELDS,
     KEY_MAX,
+    PAUSED_ALL_REASON,
     RUN_NOW_MARK,
     SCHEDULE_FIELDS,
     SOURCE_API,
@@ -346,19 +347,14 @@ class Schedule:
         if not self._collection.store.update(self.key, values, take_lease=True):
             raise NotFoundError(f"schedule {self.key!r} not found")
 
-    def pause(self, *, source: str | None = _UNSET) -> None:
-        """`source`: its new source, in the same write (as modify's)."""
-        values = {"paused": 1, "paused_reason": None}
-        if source is not _UNSET:
-            values["source"] = source
-        if not self._collection.store.update(self.key, values, take_lease=False):
+    def pause(self) -> None:
+        if not self._collection.store.update(self.key, {"paused": 1, "paused_reason": None},
+                                             take_lease=False):
             raise NotFoundError(f"schedule {self.key!r} not found")
 
-    def resume(self, *, source: str | None = _UNSET) -> None:
-        values = {"paused": 0, "paused_reason": None}
-        if source is not _UNSET:
-            values["source"] = source
-        if not self._collection.store.update(self.key, values, take_lease=False):
+    def resume(self) -> None:
+        if not self._collection.store.update(self.key, {"paused": 0, "paused_reason": None},
+                                             take_lease=False):
             raise NotFoundError(f"schedule {self.key!r} not found")
 
     def run_now(self, now: float | None = None, *, creator: int | None = None) -> str:
@@ -371,11 +367,11 @@ class Schedule:
             raise InvalidInputError("key", f"too long to add a run marker (max {KEY_MAX - 30})")
         if not self._collection.store.mark_extra(self.key):
             raise NotFoundError(f"schedule {self.key!r} not found")
-        self._collection.store.insert(Row(
+        self._collection.insert_rows([Row(
             key=run_key, type=info.type, cron=None, delay=0, timezone=info.timezone,
             data=dumps_data(info.data), next_time=now_s, next_run_time=now_s, paused=False,
             fence=0, attempt=0, owner=None, claimed_at=None,
-            creator=os.geteuid() if creator is None else creator))
+            creator=os.geteuid() if creator is None else creator)])
         return run_key
 
 
@@ -455,9 +451,29 @@ class ScheduleCollection:
         """Register a schedule (SPEC `add`); AlreadyExistsError if the key is taken."""
         row = self.build_row(key, type, cron, **options)
         self._refuse_intervals_on_older_hosts([row], options.get("now"))
-        if not self.store.insert(row):
+        if not self.insert_rows([row]):
             raise AlreadyExistsError(f"schedule {key!r} already exists")
         return Schedule(self, key)
+
+    def insert_rows(self, rows: Sequence[Row]) -> bool:
+        """Store new schedules (several: all or nothing, IntegrityError if a key exists;
+        one: False if its key exists).  While everything is paused (pause --all) they are
+        stored paused with it, and start at resume --all.  A pause --all recorded while
+        they were being stored pauses them too: the pause is looked for again once they
+        are (a pause that committed before this second look, and whose update did not
+        see them, is seen by it)."""
+        paused_all = self.store.paused_all() is not None
+        if paused_all:
+            rows = [dataclasses.replace(r, paused=True, paused_reason=PAUSED_ALL_REASON)
+                    for r in rows]
+        if len(rows) == 1:
+            if not self.store.insert(rows[0]):
+                return False
+        else:
+            self.store.insert_many(rows)
+        if not paused_all and self.store.paused_all() is not None:
+            self.store.join_pause_all([r.key for r in rows])
+        return True
 
     def add_many(self, requests: list[dict[str, Any]]) -> int:
         """Register many schedules in one transaction; all or nothing."""
@@ -471,7 +487,7 @@ class ScheduleCollection:
             raise InvalidInputError("key", "duplicate keys in one request")
         self._refuse_intervals_on_older_hosts(rows, requests[0].get("now"))
         try:
-            self.store.insert_many(rows)
+            self.insert_rows(rows)
         except IntegrityError:
             raise AlreadyExistsError("one of the keys already exists; nothing added") from None
         return len(rows)
@@ -570,6 +586,84 @@ class ScheduleCollection:
             raise NotSupportedError(
                 f"{feature} needs PerfectSched {__version__} or newer on every host; "
                 f"older hosts use this database: {', '.join(older)} (upgrade them first)")
+
+    # -- pausing many: keys, and everything (pause --all) ----------------------------------
+
+    def paused_all(self) -> dict[str, Any] | None:
+        """{"since": Unix time, "by": user name} while everything is paused, else None."""
+        text = self.store.paused_all()
+        if text is None:
+            return None
+        try:
+            state = json.loads(text)
+        except ValueError:
+            state = None
+        return state if isinstance(state, dict) else {"since": None, "by": None}
+
+    def pause_all(self, by: str, now: float | None = None) -> int:
+        """Pause everything, on every host, until resume_all (stored in each row's own
+        `paused`, so that every release obeys it): how many schedules it paused."""
+        now = time.time() if now is None else now
+        return self.store.pause_all(json.dumps({"since": int(now), "by": by}))
+
+    def resume_all(self, *, skip_missed: bool = False, now: float | None = None
+                   ) -> tuple[int, int]:
+        """End pause_all: what it paused runs again (its missed occurrences as its misfire
+        policy says; `skip_missed`: none of them), schedules paused on their own stay
+        paused.  Returns (schedules resumed, occurrences skipped)."""
+        now = time.time() if now is None else now
+        moves, runs = self._skips(self.store.paused_with_all(), now) if skip_missed \
+            else ({}, {})
+        resumed, moved = self.store.resume_all(moves)
+        return resumed, self._record_skips(runs, moved)
+
+    def count_paused(self, *, with_all: bool) -> int:
+        """How many schedules pause_all paused (`with_all`), or are paused on their own."""
+        return self.store.count_paused(with_all)
+
+    def pause_keys(self, keys: Sequence[str], *,
+                   sources: Mapping[str, str] | None = None) -> None:
+        """Pause these schedules, each on its own (resume_all leaves them paused);
+        `sources`: new sources of some of them (detached by --force), in the same write."""
+        self.store.set_paused(keys, True, sources=sources)
+
+    def resume_keys(self, keys: Sequence[str], *, skip_missed: bool = False,
+                    now: float | None = None,
+                    sources: Mapping[str, str] | None = None) -> int:
+        """Resume these schedules; `skip_missed`: without running what they missed.
+        Returns the occurrences skipped."""
+        now = time.time() if now is None else now
+        moves, runs = self._skips([r for r in self.store.rows_of(keys=keys) if r.paused],
+                                  now) if skip_missed else ({}, {})
+        return self._record_skips(runs, self.store.set_paused(keys, False, moves,
+                                                              sources=sources))
+
+    def _skips(self, rows: Sequence[Row], now: float) -> tuple[
+            dict[str, tuple[int, dict[str, Any]]], dict[str, tuple[int, list[dict[str, Any]]]]]:
+        """Where each row moves on to without catching up (key -> (next_time read, new
+        times)), and the occurrences it skips (key -> (how many, up to missed.COUNT_CAP;
+        the history rows of the newest history_limit of them)."""
+        moves: dict[str, tuple[int, dict[str, Any]]] = {}
+        runs: dict[str, tuple[int, list[dict[str, Any]]]] = {}
+        for row in rows:
+            plan = missed.skip(row, now)
+            if plan is None:
+                continue
+            moves[row.key] = (row.next_time, {"next_time": plan.next_time,
+                                              "next_run_time": plan.next_run_time,
+                                              "attempt": 0})
+            runs[row.key] = (len(plan.skipped), [
+                {"key": row.key, "type": row.type, "scheduled_time": t, "attempt": 0,
+                 "started_at": now, "finished_at": now, "outcome": "skipped",
+                 "worker": self.owner, "error": missed.SKIPPED_WHY}
+                for t in reversed(plan.skipped[:self.config.history_limit])])
+        return moves, runs
+
+    def _record_skips(self, runs: Mapping[str, tuple[int, list[dict[str, Any]]]],
+                      moved: set[str]) -> int:
+        """Record the skipped occurrences of the schedules moved on; how many they were."""
+        self.store.record_runs([r for key in sorted(moved) for r in runs[key][1]])
+        return sum(runs[key][0] for key in moved)
 
     def rows_of(self, keys: Sequence[str] = (), sources: Sequence[str] = ()) -> list[Row]:
         """The stored rows of these keys and of these sources (file:NAME)."""

@@ -26,6 +26,14 @@ CRON_MAX = 256
 TZ_MAX = 64
 DATA_MAX = 65536
 PAUSED_REASON_MAX = 400
+# The paused_reason of a schedule paused by `pause --all` (a cluster-wide pause): stored in
+# each row's own `paused` column, so that every host, 0.1.0 included, obeys it; the reason
+# tells it from a schedule paused on its own (NULL: by a user; "paused by perfectschedd:
+# ...": no next occurrence), which `resume --all` leaves paused.
+PAUSED_ALL_REASON = "paused with every schedule (perfectschedctl pause --all)"
+# The name of the meta table's row (store/schema.meta_table) that says everything is
+# paused: JSON {"since": Unix time, "by": user name}.  Absent: nothing is.
+PAUSED_ALL_META = "paused_all"
 POLICY_MAX = 400
 SOURCE_MAX = 300
 

@@ -23,6 +23,8 @@ from perfectschedd.schedules.fields import (  # noqa: F401 - the store's names t
     ERROR_MAX,
     EXEC_TYPE,
     KEY_MAX,
+    PAUSED_ALL_META,
+    PAUSED_ALL_REASON,
     PAUSED_REASON_MAX,
     POLICY_MAX,
     ROW_FIELDS,

@@ -425,3 +425,41 @@ def test_a_recycled_pid_lends_no_groups() -> None:
     assert os.getegid() in process_groups(me, os.geteuid())
     assert process_groups(me, 65534) == set()  # "nobody" asked, root's process found
     assert process_groups(2**22 + 7, os.geteuid()) == set()  # gone
+
+
+def test_pause_and_resume_many_over_dbus(daemon_factory: Any, open_bus: Bus) -> None:
+    """Call reaches pause/resume of several keys, a prefix and everything through the
+    one registry: the same answers, refusals and signals as the socket's."""
+    d: Daemon = daemon_factory({"dbus": True, "dbus_address": open_bus.address}).start()
+    for key in ("a", "b", "app.x"):
+        d.ctl("add", key, "t", "@daily")
+
+    async def scenario() -> None:
+        bus, m = await manager(open_bus.address)
+        changes: list[tuple[str, str]] = []
+        m.on_schedule_changed(lambda key, change: changes.append((key, change)))
+        got = json.loads(await m.call_call("pause", '{"keys": ["a", "b"]}'))
+        assert got == {"paused": ["a", "b"], "count": 2}
+        await refused(m.call_call("resume", '{"keys": ["a", "nope"]}'), "NotFoundError",
+                      "nope; nothing changed")
+        await refused(m.call_call("pause", '{"prefix": "app.", "all": true}'),
+                      "InvalidInputError", "not --prefix and --all")
+        await refused(m.call_call("pause", "{}"), "InvalidInputError", "pause what?")
+        assert json.loads(await m.call_call("pause", '{"all": true}'))["paused"] == 1
+        status = json.loads(await m.call_status())
+        assert status["paused_all"]["schedules"] == 1
+        done = json.loads(await m.call_call("resume", '{"all": true}'))
+        assert (done["resumed"], done["paused_on_their_own"]) == (1, 2)
+        assert json.loads(await m.call_resume("a"))["paused"] is False  # Resume(key)
+        want = [("a", "paused"), ("b", "paused"), ("*", "paused"), ("*", "resumed"),
+                ("a", "resumed")]
+        for _ in range(100):
+            if len(changes) >= len(want):
+                break
+            await asyncio.sleep(0.05)
+        assert changes == want
+        bus.disconnect()
+
+    run(scenario())
+    paused = {s["key"]: s["paused"] for s in d.ctl_json("list")}
+    assert paused == {"a": False, "b": True, "app.x": False} and d.alive()
