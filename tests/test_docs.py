@@ -161,14 +161,7 @@ def test_the_examples_are_found() -> None:
 
 @pytest.mark.parametrize("argv", examples(), ids=lambda a: " ".join(a[:2]))
 def test_each_example_parses_as_shown(argv: list[str]) -> None:
-    try:
-        cli.request_of(cli.build_parser().parse_args(argv))
-    except SystemExit:
-        if "Asia/Tokyo" in argv:
-            # DATA after the options parses once the CLI reads arguments intermixed (#28,
-            # on another branch); until that is merged, this one example cannot.
-            pytest.xfail("DATA after options needs the intermixed-arguments parser")
-        raise
+    cli.request_of(cli.build_parser().parse_args(argv))
 
 
 @pytest.mark.parametrize("page", [CTL_PAGE, DAEMON_PAGE, MAN / "perfectsched-grant.8"],
