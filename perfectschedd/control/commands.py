@@ -150,8 +150,10 @@ def _detaching(info: ScheduleInfo) -> dict[str, Any]:
     return {} if source is None else {"source": source}
 
 
-def _detaching_source(source: str) -> str | None:
-    return detached_source(source) if source.startswith(SOURCE_FILE) else None
+def _detaching_source(source: str | None) -> str | None:
+    """None for a schedule that is no schedules file's (a stored source may be NULL:
+    schedules made before sources were recorded)."""
+    return detached_source(source) if source and source.startswith(SOURCE_FILE) else None
 
 
 def _delete(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
@@ -260,7 +262,7 @@ def _pausing(sc: ScheduleCollection, a: Args, which: str, access: Access
                             f"{' ...' if len(missing) > 20 else ''}; nothing changed")
     detached: dict[str, str] = {}
     for key in keys:
-        access.check_change(key, rows[key].source, force)
+        access.check_change(key, rows[key].source, force, sc.config.schedules_dir)
         source = _detaching_source(rows[key].source)
         if source is not None:
             detached[key] = source

@@ -104,13 +104,17 @@ def test_a_file_managed_key_among_several_refuses_them_all(sc: ScheduleCollectio
     add(sc, "app.f", source="file:app.yml")
     before = stored(sc)
     for args in ({"keys": ["app.a", "app.f"]}, {"prefix": "app."}):
-        with pytest.raises(PermissionDeniedError, match="app.f: comes from schedules file"):
+        with pytest.raises(PermissionDeniedError,
+                           match="app.f is managed by .*/app.yml: edit it and reload"):
             run(sc, "pause", **args)
         assert stored(sc) == before
         with pytest.raises(PermissionDeniedError, match="only root may force"):
             run(sc, "pause", MEMBER, force=True, **args)
         assert stored(sc) == before
     assert run(sc, "pause", prefix="app.", force=True)["count"] == 3
+    # Forced, the file's schedule is detached from it in the same write.
+    assert {r.key: r.source for r in sc.rows_of(keys=["app.a", "app.f"])}["app.f"] \
+        == "forced:file:app.yml"
 
 
 def test_pause_all_marks_rows_and_resume_all_leaves_their_own(
