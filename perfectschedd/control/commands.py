@@ -18,6 +18,7 @@ from perfectschedd.control.auth import Access, Caller, check_force
 from perfectschedd.control.protocol import ATTEMPT_MAX, HISTORY_MAX, HISTORY_OUTPUT_BYTES
 from perfectschedd.errors import InvalidInputError
 from perfectschedd.notify import spec as notify_spec
+from perfectschedd.schedules import policy as policy_mod
 from perfectschedd.schedules.collection import ScheduleCollection, ScheduleInfo
 from perfectschedd.schedules.ownership import known_user_name
 from perfectschedd.schedules.policy import OPTIONS as POLICY_OPTIONS
@@ -64,11 +65,23 @@ def _check_notify(sc: ScheduleCollection, name: Any) -> None:
                                 f"notifiers: ({known})")
 
 
+def _check_concurrency(sc: ScheduleCollection, value: Any, now: float,
+                       what: str = "--concurrency") -> None:
+    """allow and replace put an occurrence on a row of its own, which a host of an older
+    release would run in turn with the others, or not stop: refused while one uses the
+    database (SPEC "Upgrades"), once the value itself is valid."""
+    chosen = policy_mod.check({"concurrency": value})["concurrency"] if value is not None \
+        else None
+    if chosen in ("allow", "replace"):
+        sc.refuse_on_older_hosts(f"{what} {chosen}", now)
+
+
 def _add(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
     options = {k: a[k] for k in ("delay", "timezone", "start", "at", "data", *POLICY_OPTIONS)
                if a.get(k) is not None}
     _may_schedule(access, _arg(a, "key"), _arg(a, "type"))
     _check_notify(sc, a.get("notify"))
+    _check_concurrency(sc, a.get("concurrency"), now)
     sc.add(a["key"], a["type"], _arg(a, "cron"), now=now, creator=access.creator, **options)
     return _info(sc[a["key"]].info(), LIST_FIELDS)
 
@@ -85,6 +98,7 @@ def _add_many(sc: ScheduleCollection, a: Args, now: float, access: Access) -> di
             raise InvalidInputError("schedules", f"unknown field(s) {', '.join(sorted(unknown))}")
         _may_schedule(access, item.get("key"), item.get("type"))
         _check_notify(sc, item.get("notify"))
+        _check_concurrency(sc, item.get("concurrency"), now)
     return {"added": sc.add_many([{**i, "now": now, "creator": access.creator}
                                   for i in items])}
 
@@ -154,6 +168,7 @@ def _modify(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict
     info = _changing(sc, a, access)
     access.check_route(info.key, info.type)  # what runs as its route's user changes
     _check_notify(sc, a.get("notify"))
+    _check_concurrency(sc, a.get("concurrency"), now)
     if "type" in changes:
         access.check_route(info.key, check_type(changes["type"]))
     sc[a["key"]].modify(now=now, **changes)
@@ -180,10 +195,14 @@ def _run(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[st
     info = schedule.info()
     access.check_route(info.key, info.type)
     run_key = schedule.run_now(now=now, creator=access.creator)
-    busy = sc.group_busy(run_key, a["key"], int(now))
+    # allow: it runs beside a running occurrence; replace: it stops it.
+    busy = info.concurrency != "allow" and sc.group_busy(run_key, a["key"], int(now))
+    replaces = busy and info.concurrency == "replace"
     return {"key": a["key"], "run_key": run_key, "run_at": int(now),
-            "after_running": busy,
-            "note": ("starts once the running occurrence of this schedule has ended"
+            "after_running": busy and not replaces, "replaces": replaces,
+            "note": ("starts now and stops the running occurrence of this schedule"
+                     if replaces else
+                     "starts once the running occurrence of this schedule has ended"
                      if busy else "starts now")}
 
 
@@ -228,6 +247,7 @@ def _apply(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[
     for entry in entries.values():
         access.check_apply_type(entry.key, entry.type)
         _check_notify(sc, entry.policy.notify)
+        _check_concurrency(sc, entry.policy.concurrency, now, f"{entry.key}: concurrency:")
     prune, dry_run = a.get("prune", False), a.get("dry_run", False)
     if not isinstance(prune, bool) or not isinstance(dry_run, bool):
         raise InvalidInputError("prune", "prune and dry_run must be true or false")
