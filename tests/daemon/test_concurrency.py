@@ -123,6 +123,7 @@ def test_allow_runs_occurrences_side_by_side_and_forbid_in_turn(
                                             if k not in both})) >= 1,
                    what="two extra runs at once")
     assert d.stop() == 0
+    assert "Traceback" not in d.log(), d.log()[-3000:]
 
 
 def test_replace_stops_the_running_occurrence(daemon_factory: Any, url: str,
@@ -161,6 +162,7 @@ def test_replace_stops_the_running_occurrence(daemon_factory: Any, url: str,
     wait_until(lambda: sum(r["outcome"] == "preempted" for r in history(d, "k")) == 3,
                what="the third preempted")
     assert d.stop() == 0
+    assert "Traceback" not in d.log(), d.log()[-3000:]
 
 
 def test_run_key_behind_a_running_occurrence_goes_next(daemon_factory: Any, url: str,
@@ -190,6 +192,7 @@ def test_run_key_behind_a_running_occurrence_goes_next(daemon_factory: Any, url:
     assert len(about) == 2, about
     assert "queued" in about[0] and "start key=" in about[1], about
     assert d.stop() == 0
+    assert "Traceback" not in d.log(), d.log()[-3000:]
 
 
 def test_concurrency_allow_is_refused_while_a_0_1_0_host_works(
@@ -232,4 +235,5 @@ def test_concurrency_allow_is_refused_while_a_0_1_0_host_works(
     d.ctl("modify", "k", "--concurrency", "forbid")
     assert d.ctl_json("show", "k")["concurrency"] == "forbid"
     assert d.stop() == 0
+    assert "Traceback" not in d.log(), d.log()[-3000:]
     assert d_old.stop() == 0
