@@ -195,6 +195,27 @@ def test_run_key_behind_a_running_occurrence_goes_next(daemon_factory: Any, url:
     assert "Traceback" not in d.log(), d.log()[-3000:]
 
 
+def test_a_queued_run_is_given_back_when_the_daemon_stops(daemon_factory: Any,
+                                                         sqlite_url: str,
+                                                         tmp_path: Path) -> None:
+    """A run queued behind a running occurrence is held (no task thread): a stop gives
+    it back untried, to run after a start, and nothing of it ran."""
+    out = tmp_path / "runs"
+    d = job_daemon(daemon_factory, sqlite_url, out, seconds=120)
+    d.ctl("add", "k", "t", YEARLY, "--at", "0")
+    wait_until(lambda: stamps(out), what="the occurrence running")
+    run_key = d.ctl_json("run", "k")["run_key"]
+    d.wait_log(f"key={run_key}: queued")
+    with perfectschedd.open(str(d.config_path)) as sc:
+        assert [r.key for r in sc.extra_runs("k") if r.owner is not None] == [run_key]
+    assert d.stop() == 0
+    with perfectschedd.open(str(d.config_path)) as sc:
+        rows = sc.extra_runs("k")
+        assert [(r.key, r.owner, r.attempt) for r in rows] == [(run_key, None, 0)]
+    assert not [k for w, k, *_ in stamps(out) if k == run_key]
+    assert "Traceback" not in d.log(), d.log()[-3000:]
+
+
 def test_concurrency_allow_is_refused_while_a_0_1_0_host_works(
         daemon_factory: Any, sqlite_url: str, old_release: OldRelease,
         tmp_path: Path) -> None:
