@@ -139,11 +139,18 @@ def _show(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[s
     info = sc[_arg(a, "key")].info()
     shown = _info(info, SHOW_FIELDS)
     shown["creator_name"] = known_user_name(info.creator)
-    # Extra runs (`run KEY`) not ended yet; each starts only once no other run of the
-    # schedule is running.
-    shown["extra_runs"] = [{"run_key": r.key, "run_at": r.next_run_time,
-                            "running": r.owner is not None and r.next_run_time > now}
-                           for r in sc.extra_runs(a["key"])]
+    # Extra runs (`run KEY`) and occurrences on rows of their own (allow, replace) not
+    # ended yet.  Unless allowed to overlap, a held one runs only as its group's holder;
+    # the others are queued for their turn.
+    extra = sc.extra_runs(a["key"])
+    holder = sc.group_holder(info.key) if extra else None
+    shown["extra_runs"] = []
+    for r in extra:
+        held = r.owner is not None and r.next_run_time > now
+        running = held and (r.key == holder or policy_mod.from_text(r.policy).concurrency
+                            == "allow")
+        shown["extra_runs"].append({"run_key": r.key, "run_at": r.next_run_time,
+                                    "running": running, "queued": held and not running})
     return shown
 
 

@@ -578,6 +578,11 @@ class ScheduleCollection:
         if due <= now_s:
             self.store.wake(key, row.fence, now_s)
 
+    def group_holder(self, key: str) -> str | None:
+        """The run of `key`'s group (itself or a row KEY@run-...) that runs now, or ran
+        last: of its held rows the others wait for their turn."""
+        return self.store.group_holder(key)
+
     def group_busy(self, run_key: str, key: str, now: int) -> bool:
         """Whether another member of `key`'s group holds a live lease: `run_key` then
         starts once it has ended."""

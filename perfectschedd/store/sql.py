@@ -649,6 +649,13 @@ class Store:
             return TURN_START
 
     @_retried
+    def group_holder(self, base: str) -> str | None:
+        """The member of `base`'s group that runs now, or ran last (group_turn)."""
+        t = self.t
+        with self._tx(readonly=True) as conn:
+            return conn.execute(sa.select(t.c.group_holder).where(t.c.key == base)).scalar()
+
+    @_retried
     def split_occurrence(self, advance: Advance, run: Row, due_time: int) -> bool:
         """An occurrence of an allow or replace schedule moves to a row of its own: in
         one transaction, the schedule's row (fenced: `advance` names the claim's fence)

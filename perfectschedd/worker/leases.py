@@ -299,15 +299,20 @@ class LeasePipeline:
         if not self.waiting or time.monotonic() - self.turns_asked < GROUP_RECHECK:
             return
         self.turns_asked = time.monotonic()
+        waits: set[str | None] = set()  # groups told to wait this round
         for key, task in list(self.waiting.items()):
             with self.lock:
                 control = self.controls.get(key)
+            if control is not None and not control.is_set() and task.group in waits:
+                continue  # one turn at a time: the others of its group ask next round
             turn = TURN_LOST if control is None or control.is_set() else task.group_turn()
             if turn == TURN_START:
                 with self.lock:
                     del self.waiting[key]
                 submit(task)
-            elif turn == TURN_LOST:
+            elif turn != TURN_LOST:
+                waits.add(task.group)
+            else:
                 log.warning("key=%s: lease lost while queued; it did not run", key)
                 with self.lock:
                     del self.waiting[key]

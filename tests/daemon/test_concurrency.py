@@ -179,6 +179,11 @@ def test_run_key_behind_a_running_occurrence_goes_next(daemon_factory: Any, url:
     reply = d.ctl_json("run", "k")
     run_key = reply["run_key"]
     assert reply["after_running"] is True
+    d.wait_log(f"key={run_key}: queued")
+    entry = next(r for r in d.ctl_json("show", "k")["extra_runs"] if r["run_key"] == run_key)
+    assert entry["queued"] != entry["running"], entry
+    if not any(w == "end" for w, *_ in stamps(out)):  # the first had not ended at `show`
+        assert entry["queued"], entry
     wait_until(lambda: sum(w == "end" for w, *_ in stamps(out)) >= 3, timeout=40,
                what="three runs")
     log = stamps(out)

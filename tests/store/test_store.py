@@ -310,6 +310,7 @@ def test_group_members_take_turns(sc: ScheduleCollection) -> None:
     winners = [k for k, turn in results.items() if turn == TURN_START]
     assert len(winners) == 1 and set(results.values()) == {TURN_START, TURN_WAIT}, results
     assert store.group_turn(winners[0], "k", T0) == TURN_START  # the holder may ask again
+    assert store.group_holder("k") == winners[0] and store.group_holder("none") is None
     waiting = next(k for k in extra if k != winners[0])
     for task in claimed:
         if task.key not in (winners[0], waiting):
