@@ -81,8 +81,18 @@ def converge(sc: ScheduleCollection, entries: Mapping[str, Entry],
     tz = sc.config.timezone
     rows = {r.key: r for r in sc.rows_of(keys=list(entries), sources=list(remove_from))}
     changes: list[Change] = []
+    older: list[str] | None = None  # hosts of an older release, asked once if need be
     for key, entry in entries.items():
         row = rows.get(key)
+        if entry.policy.overlaps:
+            # An older host would run its occurrences in turn, or not stop them (SPEC
+            # "Upgrades"): refused alone, and what the database holds stays.
+            older = sc.older_hosts(now) if older is None else older
+            if older:
+                changes.append(Change(REFUSED, key, f"concurrency: {entry.policy.concurrency}"
+                                      " needs every host upgraded; older hosts use this "
+                                      f"database: {', '.join(older)}"))
+                continue
         mine_unchanged = previous is not None and previous.get(key) == entry
         if row is None:
             if mine_unchanged:
