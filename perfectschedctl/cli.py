@@ -31,6 +31,27 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
+class _CommandParser(_Parser):
+    """One command's parser: its positionals and options in any order, as people type
+    them (`add KEY TYPE CRON -t ZONE '{"full": true}'`, DATA after the options).
+
+    The subcommand action calls parse_known_args; argparse's intermixed parsing calls it
+    again, itself, for each of its two passes (options, then positionals)."""
+
+    _intermixing = False
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        if self._intermixing or (args is not None and "--" in args):
+            # After `--` everything is positional (`add -- -key ...`), which the
+            # intermixed passes lose: the second one reads `-key` as an option again.
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
+
+
 def _unix_time(text: str) -> int:
     try:
         return int(text)
@@ -125,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-e", "--environment", metavar="ENV", help="section of a multi-env config")
     p.add_argument("--json", action="store_true", help="print JSON for programs")
     p.add_argument("--version", action="version", version=f"perfectschedctl {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_CommandParser)
     sub.required = True
     for command in registry.COMMANDS.values():
         if not command.in_cli:
@@ -138,10 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def request_of(ns: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+def request_of(ns: argparse.Namespace, daemon_status: dict[str, Any] | None = None
+               ) -> tuple[str, dict[str, Any]]:
+    """The request of the command line; `daemon_status`: apply's (_apply_request)."""
     command = registry.COMMANDS[ns.command]
     if command.name == "apply":
-        return command.name, _apply_request(ns)
+        return command.name, _apply_request(ns, daemon_status)
     args: dict[str, Any] = {}
     for arg in command.cli:
         value = getattr(ns, arg.dest, None)
@@ -153,18 +176,29 @@ def request_of(ns: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     return command.name, args
 
 
-def _apply_request(ns: argparse.Namespace) -> dict[str, Any]:
+def _apply_request(ns: argparse.Namespace, daemon_status: dict[str, Any] | None
+                   ) -> dict[str, Any]:
     """Read and check the files here; only what is stored travels (no command, env or
-    user).  Every problem is a line on stderr, and nothing is sent."""
+    user).  Every problem is a line on stderr, and nothing is sent.
+
+    Through the daemon (`daemon_status`: its status answer), the files are checked as
+    that daemon checks its schedules_dir, by the same function (files.check): a file it
+    would reject on reload fails here for the same reason.  With -c (no daemon asked),
+    or a daemon that does not say how it checks (older than 0.2.0), only what the
+    database stores is checked."""
     from perfectschedd.schedules import converge
     from perfectschedd.schedules import files as schedfiles
 
     missing = [p for p in ns.paths if not os.path.exists(p)]
     if missing:
         raise _BadArgument(f"{missing[0]}: no such file or directory")
-    loaded = schedfiles.load(ns.paths, need_user_support=False)
-    if loaded.errors:
-        raise _BadArgument("\n".join(f"perfectschedctl: {e}" for e in loaded.errors)
+    host = None if daemon_status is None else \
+        schedfiles.HostChecks.of_status(daemon_status, os.geteuid())
+    loaded = schedfiles.check(ns.paths, host) if host is not None else \
+        schedfiles.load(ns.paths, need_user_support=False)
+    problems = loaded.problems()
+    if problems:
+        raise _BadArgument("\n".join(f"perfectschedctl: {e}" for e in problems)
                            .removeprefix("perfectschedctl: "))
     return {"entries": converge.to_wire(loaded.entries), "prune": ns.prune,
             "dry_run": ns.dry_run}
@@ -310,7 +344,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if ns.command == "import-crontab":
             return _import_crontab(ns)
-        cmd, args = request_of(ns)
+        cmd = ns.command
+        args: dict[str, Any] = {}
         local = registry.LOCAL in registry.COMMANDS[cmd].where  # import-legacy, logs
         if ns.config:
             if not local:
@@ -325,6 +360,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise _BadArgument("-e needs -c CONFIG")
             path = ns.socket or os.environ.get("PERFECTSCHED_SOCKET") or DEFAULT_SOCKET
             send = SocketClient(path).call
+        # apply checks its files as the daemon will (_apply_request): asked first.
+        cmd, args = request_of(ns, send("status", {}) if cmd == "apply" and not ns.config
+                               else None)
         if cmd == "import-legacy":
             return _import_legacy(ns, send)
         if cmd == "logs":
@@ -353,11 +391,17 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return EXIT_REFUSED
     print_result(cmd, result, as_json=ns.json)
-    if cmd == "reload" and isinstance(result, dict) and result.get("refused"):
-        # The rest of the configuration runs; what this host refuses is an error still.
-        for why in result["refused"]:
-            print(f"perfectschedctl: refused: {why}", file=sys.stderr)
-        return EXIT_REFUSED
+    if cmd == "reload" and isinstance(result, dict):
+        if result.get("files_applied") is False:
+            print("perfectschedctl: note: the schedules files are not applied yet (the "
+                  "database is slow); `perfectschedctl status` will show any refusal",
+                  file=sys.stderr)
+        if result.get("refused"):
+            # The rest of the configuration runs; what this host refused is an error still
+            # (systemctl reload fails with these lines), until a reload takes everything.
+            for why in result["refused"]:
+                print(f"perfectschedctl: refused: {why}", file=sys.stderr)
+            return EXIT_REFUSED
     return EXIT_OK
 
 

@@ -11,7 +11,7 @@ from typing import Any
 from zoneinfo import ZoneInfo
 
 LIST_COLUMNS = ("key", "type", "cron", "delay", "timezone", "next_time", "next_run_time", "data",
-                "state")
+                "state", "source")
 HISTORY_COLUMNS = ("scheduled_time", "started_at", "outcome", "attempt", "exit", "duration",
                    "worker", "unit", "error")
 
@@ -102,12 +102,17 @@ def _status(result: dict[str, Any]) -> str:
                      "figures below are from before")
     elif database.get("ok") is False:
         lines.append("database: a worker cannot reach it")
-    if result.get("last_error"):
-        lines.append(f"last error: {result['last_error']}")
+    refused = result.get("refused") or []
+    if result.get("last_error") and not (refused and result["last_error"] ==
+                                         "; ".join(refused)[:len(result["last_error"])]):
+        lines.append(f"last error: {result['last_error']}")  # else: the lines below
     if result.get("unit_grant") and result.get("host"):
         lines.append("polkit grant to start units: held (no job runs as the daemon's user)")
     for why in result.get("refused_routes") or []:
         lines.append(f"refused route (the others run): {why}")
+    for why in refused:
+        if why not in (result.get("refused_routes") or []):
+            lines.append(f"refused (the rest runs): {why}")
     hosts = result.get("hosts") or []
     if hosts:
         lines.append(table([_host_row(h) for h in hosts],
@@ -115,7 +120,13 @@ def _status(result: dict[str, Any]) -> str:
     workers = result.get("workers") or []
     if workers:
         lines.append(table(workers, ("pid", "index", "generation", "age", "running",
-                                     "retiring", "db_ok")))
+                                     "draining", "db_ok")))
+    if result.get("reload_pending"):
+        lines.append("reload pending: the new configuration's workers start once drains end")
+    for w in result.get("draining") or []:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(w["since"])))
+        lines.append(f"draining since {since}: worker pid {w.get('pid')} (generation "
+                     f"{w.get('generation')}), running: {' '.join(w.get('keys') or []) or '-'}")
     for bad in result.get("keys_to_rename") or []:
         lines.append(f"key to rename: {bad.get('key')!r}: {bad.get('why')}")
     for u in result.get("unclaimed") or []:
@@ -199,8 +210,19 @@ def print_result(cmd: str, result: Any, *, as_json: bool) -> None:
     elif cmd == "reload":
         if result.get("reload") == "done":
             print(f"reloaded: the new configuration runs, {result.get('workers')} new "
-                  "worker(s) starting")
+                  "worker(s) starting" + _drain_note(result))
+        elif result.get("reload") == "partial":
+            # The refusals themselves go to stderr, one line each (cli.main).
+            print(f"reloaded with refusals: the rest of the new configuration runs, "
+                  f"{result.get('workers')} new worker(s) starting" + _drain_note(result))
         else:
             print("reload requested (the daemon is busy; its log will say how it went)")
     else:
         print(json.dumps(result, indent=2))
+
+
+def _drain_note(result: dict[str, Any]) -> str:
+    """What a reload's answer adds when its workers wait for drains to end."""
+    if not result.get("pending"):
+        return ""
+    return f" once fewer workers drain ({result.get('draining')} now)"

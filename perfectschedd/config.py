@@ -19,7 +19,6 @@ from perfectschedd.executors import runas
 from perfectschedd.executors.systemd import props as unitprops
 from perfectschedd.notify import spec as notify_spec
 from perfectschedd.notify.spec import Notifier
-from perfectschedd.schedules.fields import EXEC_TYPE
 
 DEFAULT_CONFIG_PATH = "/etc/perfectsched/perfectsched.yml"
 DEFAULT_SOCKET = "/run/perfectsched/perfectschedd.sock"
@@ -445,11 +444,15 @@ def route_refusal(route: RouteConfig, grant: bool) -> str | None:
     return privilege_refusal(route.executor, route.user, grant)
 
 
-def privilege_refusal(executor: str, user: str | None, grant: bool) -> str | None:
+def privilege_refusal(executor: str, user: str | None, grant: bool,
+                      daemon_uid: int | None = None) -> str | None:
     """The privilege model's rule for one route or entry ("field: reason"), or None: no
     job runs as root unless its `user: root` was written by root, and none under a uid
-    that may start units (with the grant, the daemon's own)."""
-    root = os.geteuid() == 0
+    that may start units (with the grant, the daemon's own).  `daemon_uid`: the daemon's
+    user (default: this process's, the daemon itself)."""
+    uid = os.geteuid() if daemon_uid is None else daemon_uid
+    root = uid == 0
+    daemon_user = runas.daemon_user(uid)
     if executor == "systemd":
         if root:
             if user is None:
@@ -459,35 +462,17 @@ def privilege_refusal(executor: str, user: str | None, grant: bool) -> str | Non
         if not grant:
             return ("executor: systemd needs the polkit grant, which is off on this host: "
                     f"enable it with `{GRANT_COMMAND}`, then reload")
-        if user is None or user == runas.daemon_user():
-            return (f"user: the unit would run as {runas.daemon_user()}, the daemon's user, "
+        if user is None or user == daemon_user:
+            return (f"user: the unit would run as {daemon_user}, the daemon's user, "
                     "which holds the polkit grant to start units (it could become root): "
                     "name another user")
         return None
-    if grant and not root and (user is None or user == runas.daemon_user()):
-        return (f"executor: an exec job runs as {runas.daemon_user()}, the daemon's user, "
+    if grant and not root and (user is None or user == daemon_user):
+        return (f"executor: an exec job runs as {daemon_user}, the daemon's user, "
                 "which holds the polkit grant to start units (it could become root): use "
                 "executor: systemd with a user:, or turn the grant off "
                 "(perfectsched-grant disable)")
     return None
-
-
-def refuse_entry_routes(config: Config, grant: bool) -> tuple[Config, list[str]]:
-    """The routes of schedules files' exec entries (type exec:KEY, put first by
-    converge.FileSchedules.load) under the privilege rule, each entry refused alone.
-    The rest of an entry (its user exists, its executor is known) was checked when its
-    file was read."""
-    routes = list(config.routes)
-    refused = []
-    for i, route in enumerate(routes):
-        if not route.pattern.startswith(EXEC_TYPE) or route.refused is not None:
-            continue
-        why = privilege_refusal(route.executor, route.user, grant)
-        if why is not None:
-            line = f"schedules file entry {route.pattern[len(EXEC_TYPE):]}: {why}"
-            routes[i] = replace(route, refused=line)
-            refused.append(line)
-    return (replace(config, routes=tuple(routes)) if refused else config), refused
 
 
 # The one command that turns the polkit grant on (packaging/perfectsched-grant).

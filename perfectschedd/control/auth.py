@@ -142,14 +142,22 @@ class Access:
                 "file in schedules_dir, or apply it as root")
         self.check_route(key, task_type)
 
-    def check_change(self, key: str, source: str | None, force: bool) -> None:
+    def check_change(self, key: str, source: str | None, force: bool,
+                     schedules_dir: str | None = None) -> bool:
         """Refuse to change (modify, pause, resume, delete) a schedules file's schedule:
-        its file says what it is.  Root may force it (check_force), until the file
-        changes."""
-        if source is None or not source.startswith(SOURCE_FILE) or force:
-            return
-        raise PermissionDeniedError(f"{key}: comes from schedules file {source}; change the "
-                                    "file (or, as root, --force)")
+        its file says what it is (`schedules_dir`: where the files are, to name it).
+        Root may force it (check_force), which detaches it from the file.  Whether the
+        change is one of those: the schedule must then record its new source
+        (fields.detached_source)."""
+        if source is None or not source.startswith(SOURCE_FILE):
+            return False
+        if force:
+            return True
+        name = source[len(SOURCE_FILE):]
+        path = f"{schedules_dir.rstrip('/')}/{name}" if schedules_dir else name
+        raise PermissionDeniedError(f"{key} is managed by {path}: edit it and reload (root "
+                                    "may --force the change, which detaches it from the "
+                                    "file)")
 
     def owns(self, creator: int | None) -> bool:
         """Whether this caller's `apply` may change or prune a schedules file's schedule

@@ -20,6 +20,7 @@ from perfectschedd.errors import InvalidInputError
 from perfectschedd.notify import spec as notify_spec
 from perfectschedd.schedules import policy as policy_mod
 from perfectschedd.schedules.collection import ScheduleCollection, ScheduleInfo
+from perfectschedd.schedules.fields import SOURCE_FILE, detached_source
 from perfectschedd.schedules.ownership import known_user_name
 from perfectschedd.schedules.policy import OPTIONS as POLICY_OPTIONS
 from perfectschedd.schedules.validate import check_key, check_type, lookup_key
@@ -156,14 +157,24 @@ def _show(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[s
 
 def _changing(sc: ScheduleCollection, a: Args, access: Access) -> ScheduleInfo:
     """The schedule a change (modify, pause, resume, delete) is about, once the caller may
-    change it: a schedules file's only with root's `force` (callers.py)."""
+    change it: a schedules file's only with root's `force` (auth.py)."""
     force = check_force(access.caller, a.get("force"))
     info = sc[_arg(a, "key")].info()
-    access.check_change(info.key, info.source, force)
+    access.check_change(info.key, info.source, force, sc.config.schedules_dir)
     return info
 
 
+def _detaching(info: ScheduleInfo) -> dict[str, Any]:
+    """The new source of a schedules file's schedule changed with --force (as the change
+    itself writes it): forced:file:NAME, which no convergence of files touches."""
+    if info.source.startswith(SOURCE_FILE):
+        return {"source": detached_source(info.source)}
+    return {}
+
+
 def _delete(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
+    # Deleted, a schedule has no source left to record: the daemon that applied the
+    # file does not add it back while the entry stays as it was (converge: previous).
     _changing(sc, a, access)
     extra = sc[a["key"]].delete()
     return {"key": a["key"], "deleted": True, "extra_runs": extra}
@@ -178,19 +189,19 @@ def _modify(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict
     _check_concurrency(sc, a.get("concurrency"), now)
     if "type" in changes:
         access.check_route(info.key, check_type(changes["type"]))
-    sc[a["key"]].modify(now=now, **changes)
+    sc[a["key"]].modify(now=now, **changes, **_detaching(info))
     return _info(sc[a["key"]].info(), SHOW_FIELDS)
 
 
 def _pause(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
-    _changing(sc, a, access)
-    sc[a["key"]].pause()
+    info = _changing(sc, a, access)
+    sc[a["key"]].pause(**_detaching(info))
     return _info(sc[a["key"]].info(), SHOW_FIELDS)
 
 
 def _resume(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
-    _changing(sc, a, access)
-    sc[a["key"]].resume()
+    info = _changing(sc, a, access)
+    sc[a["key"]].resume(**_detaching(info))
     return _info(sc[a["key"]].info(), SHOW_FIELDS)
 
 

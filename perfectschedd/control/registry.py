@@ -105,8 +105,9 @@ def _policy_args() -> tuple[Arg, ...]:
 POLICIES = _policy_args()
 KEY = Arg(("key",), "key")
 # A schedule from a schedules file changes through its file; root may force it.
-FORCE = Arg(("--force",), "force", "change a schedule from a schedules file (root only; "
-            "until the file changes)", kind="flag")
+FORCE = Arg(("--force",), "force", "change a schedule from a schedules file (root only): "
+            "it is detached from the file (source forced:file:NAME), whose entry no "
+            "reload or apply writes back", kind="flag")
 _EVERYWHERE = frozenset({DAEMON, DIRECT})
 
 COMMANDS: dict[str, Command] = {c.name: c for c in (

@@ -32,10 +32,13 @@ def check_env(value: Any) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-def check_user(value: Any, need_user_support: bool, needs_root: bool = True) -> str:
+def check_user(value: Any, need_user_support: bool, needs_root: bool = True,
+               runner: int | None = None) -> str:
     """`need_user_support`: the caller runs the jobs (the daemon), so the user must exist
-    here and, unless systemd sets it (`needs_root` False: executor systemd), this process
-    must be root or that user.  A client (apply, perfectschedctl -c) checks the form only."""
+    here and, unless systemd sets it (`needs_root` False: executor systemd), the process
+    that runs them (`runner`, a uid; default this process) must be root or that user.  A
+    client (apply, perfectschedctl -c) checks the form only, or the daemon's way with
+    the daemon's uid as `runner`."""
     if not isinstance(value, str) or not value:
         raise InvalidInputError("user", "must be a user name")
     if not need_user_support:
@@ -44,15 +47,17 @@ def check_user(value: Any, need_user_support: bool, needs_root: bool = True) -> 
         uid = pwd.getpwnam(value).pw_uid
     except KeyError:
         raise InvalidInputError("user", f"no such user {value!r} on this host") from None
-    if needs_root and os.geteuid() not in (0, uid):
+    if needs_root and (os.geteuid() if runner is None else runner) not in (0, uid):
         raise InvalidInputError("user", f"running as {value!r} needs the daemon to run as "
                                 "root (this one does not)")
     return value
 
 
-def daemon_user() -> str:
-    """The name of the user this process runs as (its uid when it has no name)."""
+def daemon_user(uid: int | None = None) -> str:
+    """The name of the user this process (or the daemon `uid`) runs as (its uid when it
+    has no name)."""
+    uid = os.geteuid() if uid is None else uid
     try:
-        return pwd.getpwuid(os.geteuid()).pw_name
+        return pwd.getpwuid(uid).pw_name
     except KeyError:
-        return str(os.geteuid())
+        return str(uid)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+from perfectschedd.worker import pipe
+
 
 class Processes:
     def fork(self, child: Callable[[int, int], int]) -> tuple[int, int, int]:
@@ -74,9 +76,21 @@ class Processes:
     @staticmethod
     def poke(fd: int) -> None:
         try:
-            os.write(fd, b"w")
+            os.write(fd, pipe.WAKE)
         except OSError:
             pass  # full (it will look anyway) or gone (reaped soon)
+
+    @staticmethod
+    def drain(pid: int, fd: int) -> bool:
+        """Tell worker `pid` to drain (pipe.DRAIN); False when its pipe is full (try
+        again: it reads the pipe within a second)."""
+        try:
+            os.write(fd, pipe.DRAIN)
+        except BlockingIOError:
+            return False
+        except OSError:
+            pass  # gone: reaped soon
+        return True
 
     @staticmethod
     def close(*fds: int) -> None:

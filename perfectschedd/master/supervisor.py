@@ -41,9 +41,10 @@ from perfectschedd.master.cleanup import RunCleanup, UnitStopper, stop_units_ove
 from perfectschedd.master.database import HOST_EVERY, MasterDatabase
 from perfectschedd.master.listeners import Listeners
 from perfectschedd.master.processes import Processes
-from perfectschedd.master.workertable import WorkerProc, WorkerTable
+from perfectschedd.master.workertable import DRAIN_ROOM, WorkerProc, WorkerTable
 from perfectschedd.metrics import counters as metrics
 from perfectschedd.schedules.converge import FileSchedules
+from perfectschedd.schedules.files import HostChecks
 from perfectschedd.store.sql import check_url, engine_url
 from perfectschedd.worker import pipe
 
@@ -55,6 +56,7 @@ STATUS_EVERY = 2.0
 # last ones it has (and their age): it answers within a second whatever the database does.
 STATUS_FRESH_WAIT = 0.5
 RELOAD_ANSWER_WAIT = 10.0
+LAST_ERROR_MAX = 2000  # characters of status' last_error when it lists several problems
 SPAWN_RETRY = 2.0  # after a fork or pipe failed
 TURN_MIN = 0.05  # the loop's duties at most this often when only run reports arrive
 REPORT_GATHER = 0.01  # after a turn woken only by run reports, the next one waits this
@@ -262,8 +264,8 @@ class Supervisor:
             if not started:
                 self.spawn_postponed = True  # a database call is in flight: next turn
                 break
-        for proc in self.table.surplus():  # a reload lowered `workers`
-            self.procs.kill(proc.pid, signal.SIGTERM)
+        if self.table.surplus(now):  # beyond `workers`: they drain
+            self._send_drains()
 
     def _give_back(self, owner: str, why: str) -> None:
         """A dead worker's leases back now (its runs were killed, `why` says how): the
@@ -292,6 +294,9 @@ class Supervisor:
         now = time.monotonic()
         for line in lines:
             proc.report(line, now)
+        if proc.wake_others:  # a draining worker gave back what it had not started
+            proc.wake_others = False
+            self.wake_pending = True
 
     def wake_workers(self) -> None:
         """A schedule changed: every worker looks for due work now.
@@ -345,23 +350,42 @@ class Supervisor:
         done = threading.Event()
         self.reload_waiters.append((done, answer))
         self._on_signal(signal.SIGHUP, None)
+        deadline = time.monotonic() + RELOAD_ANSWER_WAIT
         if not done.wait(RELOAD_ANSWER_WAIT):
             return {"reload": "requested"}  # the loop is busy: the log will say
         if answer[0] is not None:
             raise ConfigError(f"reload rejected, the running configuration stays: {answer[0]}")
-        return {"reload": "done", "workers": self.config.workers,
-                "refused": list(self.refused_routes)}
+        # What the new files hold is known once the database has been converged to them
+        # (an entry whose key is another's is refused there): wait for it, bounded.
+        converged = self.files.wait_converged(max(0.0, deadline - time.monotonic()))
+        problems = self.load_problems()
+        # Partly refused: what was refused stays as it was (a rejected file's schedules)
+        # or does not run here (a refused route or entry); the rest runs.
+        return {"reload": "partial" if problems else "done", "workers": self.config.workers,
+                "refused": problems, "files_applied": converged,
+                # Its workers wait for drains to end (workertable.DRAIN_ROOM).
+                "pending": self.table.reload_pending is not None,
+                "draining": len(self.table.draining())}
+
+    def load_problems(self) -> list[str]:
+        """What the running configuration refused (routes and entries this host cannot
+        run, schedules files rejected, entries whose key is another's), one line each;
+        empty once a load took everything."""
+        return [*self.refused_routes, *self.files.problems()]
 
     def status(self) -> dict[str, Any]:
         """Called from the control threads; never waits on the database for more than
         STATUS_FRESH_WAIT: the figures are the housekeeping thread's snapshot."""
         procs = list(self.table)  # a copy: never iterate the live table
         snap = self.db.fresh_snapshot(STATUS_FRESH_WAIT)
+        problems = self.load_problems()
         now = time.time()
         mono = time.monotonic()
         workers = [{"pid": p.pid, "index": p.index, "generation": p.generation,
                     "age": round(mono - p.started, 1), "last_seen": round(mono - p.last_seen, 1),
-                    "running": p.running, "retiring": p.retiring, "db_ok": p.db_ok,
+                    "running": p.running, "draining": p.draining_since is not None,
+                    # The name before 0.2.0 (a retiring worker was stopped, not drained).
+                    "retiring": p.draining_since is not None, "db_ok": p.db_ok,
                     "in_db_call": p.in_db}
                    for p in sorted(procs, key=lambda p: (p.generation, p.index))]
         ok, since, why = self.db.health()
@@ -376,15 +400,21 @@ class Supervisor:
             "version": __version__, "host": self.config.node, "pid": os.getpid(),
             "uptime": round(now - self.started, 1), "state": self.state,
             "workers_configured": self.config.workers,
-            "workers_alive": sum(1 for p in procs if not p.retiring),
+            "workers_alive": sum(1 for p in procs if p.draining_since is None),
             "workers": workers, "running": list(snap.running),
+            "draining": self._draining(procs, snap.running, now, mono),
+            "reload_pending": self.table.reload_pending is not None,
             "unclaimed": [{"type": t, "occurrences": n,
                            "routed_here": self._routed_here(t)}
                           for t, n in snap.unclaimed.items()],
             "keys_to_rename": [{"key": k, "why": why} for k, why in snap.rename.items()],
             "last_error": self.last_error or (f"database: {why}" if why else None) or (
-                f"route refused: {self.refused_routes[0]}" if self.refused_routes else None),
-            "refused_routes": list(self.refused_routes), "unit_grant": self.unit_grant,
+                "; ".join(problems)[:LAST_ERROR_MAX] if problems else None),
+            "refused_routes": list(self.refused_routes), "refused": problems,
+            "unit_grant": self.unit_grant,
+            # What `perfectschedctl apply` needs to check files as this daemon does
+            # (files.HostChecks.of_status).
+            "daemon_uid": os.geteuid(), "sendmail": self.config.sendmail,
             "database_ok": reachable, "database": database,
             "hosts": self._hosts(snap, now),
             # Schedules by state; those retrying or failed; overdue (docs/metrics.md).
@@ -395,6 +425,18 @@ class Supervisor:
             "overdue_beyond_period_total": snap.beyond_period_total,
             **{k: snap.counts.get(k, 0) for k in ("schedules", "paused", "due")},
         }
+
+    def _draining(self, procs: list[WorkerProc], running: list[dict[str, Any]], now: float,
+                  mono: float) -> list[dict[str, Any]]:
+        """The draining workers, since when (Unix time), and the keys of the jobs each
+        still runs: the rows whose lease it holds (owner NODE:PID, as the database said
+        at `figures_age`), whatever the executor."""
+        node = self.config.node
+        return [{"pid": p.pid, "index": p.index, "generation": p.generation,
+                 "since": round(now - (mono - p.draining_since), 3), "running": p.running,
+                 "keys": [r["key"] for r in running if r.get("owner") == f"{node}:{p.pid}"]}
+                for p in sorted(procs, key=lambda p: (p.generation, p.index))
+                if p.draining_since is not None]
 
     def _routed_here(self, task_type: str) -> bool:
         route = next((r for r in self.config.routes if r.matches(task_type)), None)
@@ -422,10 +464,13 @@ class Supervisor:
         self.last_status = now
         alive = self.table.active()
         running = sum(p.running for p in self.table)
+        draining = len(self.table.draining())
         db_ok = self.db.health()[0] is not False and all(p.db_ok for p in self.table)
         counts = self.db.snapshot.counts
         line = (f"{len(alive)} workers, {running} running, "
                 f"{counts.get('due', 0)} due, {counts.get('schedules', 0)} schedules")
+        if draining:
+            line += f"; {draining} worker(s) draining"
         if not db_ok:
             line += "; database unreachable"
         metrics.set_workers(self.config.workers, len(alive))
@@ -452,9 +497,9 @@ class Supervisor:
         and every route or entry it cannot run marked refused (reported once)."""
         grant = self.unit_grant = host_grant()
         config, refused = config_mod.refuse_routes(config, grant)
-        config = self.files.load(config)
-        config, refused_entries = config_mod.refuse_entry_routes(config, grant)
-        self.report_refused_routes(refused + refused_entries)
+        # The checks `perfectschedctl apply` runs too, with this daemon's facts.
+        config = self.files.load(config, HostChecks(os.geteuid(), config.sendmail, grant))
+        self.report_refused_routes(refused + list(self.files.loaded.refused.values()))
         return config
 
     def report_refused_routes(self, refused: list[str]) -> None:
@@ -496,20 +541,44 @@ class Supervisor:
             self.db = MasterDatabase(new)
             self.db.start()
         self.listeners.swap_dbus(old, new)
-        # The old generation retires once the new one is up.
-        self.table.begin_reload(new.workers, new.worker_timeout, time.monotonic())
-        log.info("reloading: starting %d new worker(s)", new.workers)
+        # The old generation drains once the new one is up.
+        if self.table.begin_reload(new.workers, new.worker_timeout, time.monotonic()):
+            log.info("reloading: starting %d new worker(s)", new.workers)
+        else:
+            self._say_reload_pending()
         return None
+
+    def _say_reload_pending(self) -> None:
+        """The new generation waits for drains to end (workertable.DRAIN_ROOM): the
+        master runs the new configuration already; systemd is not kept waiting."""
+        n = len(self.table.draining())
+        log.warning("reload: the new configuration's workers start once fewer workers run "
+                    "(%d now, %d of them draining; at most %d before a new generation)",
+                    len(self.table), n, DRAIN_ROOM * self.config.workers)
+        self.notify("READY=1", f"STATUS=reload pending: {n} worker(s) draining")
+
+    def _start_pending_reload(self) -> None:
+        if self.table.start_pending(time.monotonic()):
+            log.info("reloading: starting %d new worker(s) (drains made room)",
+                     self.table.size)
 
     def _finish_reload(self) -> None:
         old = self.table.finish_reload(time.monotonic())
-        if old is None:
-            return
-        for proc in old:
-            self.procs.kill(proc.pid, signal.SIGTERM)
-        self.last_status = 0.0
-        log.info("reloaded")
-        self.notify("READY=1")
+        if old is not None:
+            self._send_drains()
+            self.last_status = 0.0
+            log.info("reloaded; %d old worker(s) drain", len(old))
+            self.notify("READY=1")
+        elif self.table.drains_to_send():
+            self._send_drains()
+
+    def _send_drains(self) -> None:
+        """Tell each worker marked draining, once; a full pipe is tried again next turn."""
+        for proc in self.table.drains_to_send():
+            if self.procs.drain(proc.pid, proc.wake_w):
+                proc.drain_sent = True
+                log.info("worker %d (pid %d, generation %d) drains: %d running", proc.index,
+                         proc.pid, proc.generation, proc.running)
 
     def stop(self) -> None:
         self.state = "stopping"
@@ -638,6 +707,7 @@ class Supervisor:
                 self.reap()
         self.reap()
         self.sweep_orphans()
+        self._start_pending_reload()
         self.manage_workers()
         if self.db.sc is not None and self.files.take_pending():
             self.db.in_background("applying schedules files", self.files.apply)

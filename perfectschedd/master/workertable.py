@@ -1,5 +1,11 @@
 """The master's worker table and its decisions: which workers to start, which to kill as
-unresponsive, which to retire after a reload, how long to back off when they keep dying.
+unresponsive, which to drain after a reload, how long to back off when they keep dying.
+
+A reload never stops a job: the old generation drains (stops claiming, runs its jobs to
+their end, then exits), side by side with earlier drains.  Bound: a new generation
+starts only while the workers already there number at most DRAIN_ROOM x `workers`, so
+at most (1 + DRAIN_ROOM) x `workers` worker processes ever exist; a reload beyond that
+waits (`reload_pending`) until drains end.
 
 No processes and no clock here: the supervisor passes `now` (monotonic seconds) and acts
 on the answers through its process layer (workerprocs.py), so every decision is tested
@@ -17,6 +23,8 @@ log = logging.getLogger("perfectschedd")
 
 QUICK_DEATH = 10.0  # a worker that dies sooner than this counts towards the back-off
 BACKOFF_MAX = 30.0
+# Workers (draining or not) a new generation may start beside, in units of `workers`.
+DRAIN_ROOM = 2
 
 
 @dataclass
@@ -29,7 +37,11 @@ class WorkerProc:
     started: float
     last_seen: float
     pinged: bool = False
-    retiring: bool = False
+    # Monotonic time it was told to drain (a reload): it claims nothing more, runs its
+    # jobs to their end and exits; it is not replaced.
+    draining_since: float | None = None
+    drain_sent: bool = False  # the drain byte is in its wake pipe
+    wake_others: bool = False  # it gave back queued occurrences: the others look now
     running: int = 0
     db_ok: bool = True
     loop_age: float = 0.0  # seconds since its main loop turned, as of its last ping
@@ -64,6 +76,8 @@ class WorkerProc:
             self.runs[msg.run] = msg.pgid
         elif isinstance(msg, pipe.UnitStarting):
             self.units[msg.run] = msg.unit
+        elif isinstance(msg, pipe.GaveBack):
+            self.wake_others = True
         else:
             self.runs.pop(msg.run, None)
             self.units.pop(msg.run, None)
@@ -75,7 +89,7 @@ class Exit:
 
     proc: WorkerProc
     lived: float
-    unexpected: bool             # not retiring, not stopping: it died and is replaced
+    unexpected: bool             # not draining, not stopping: it died and is replaced
     backoff: float | None = None  # set when it died young: the next start waits this long
 
 
@@ -89,6 +103,8 @@ class WorkerTable:
         self.next_spawn = 0.0
         self.restarts = 0
         self.reload_since: float | None = None
+        # A reload whose generation waits for room (DRAIN_ROOM): its (size, worker_timeout).
+        self.reload_pending: tuple[int, float] | None = None
 
     def __iter__(self):  # type: ignore[no-untyped-def]
         return iter(list(self.procs.values()))
@@ -110,7 +126,7 @@ class WorkerTable:
         if proc is None:
             return None
         lived = now - proc.started
-        if proc.retiring or stopping:
+        if proc.draining_since is not None or stopping:
             return Exit(proc, lived, unexpected=False)
         self.restarts += 1
         if lived >= QUICK_DEATH:
@@ -145,32 +161,45 @@ class WorkerTable:
         """Indexes of the current generation that have no worker and may start now."""
         if now < self.next_spawn:
             return []
-        current = {p.index for p in self
-                   if p.generation == self.generation and not p.retiring}
+        current = {p.index for p in self.active() if p.generation == self.generation}
         return [i for i in range(self.size) if i not in current]
 
-    def surplus(self) -> list[WorkerProc]:
-        """Workers of the current generation beyond `size` (a reload lowered it); marked
-        retiring."""
-        extra = [p for p in self if p.generation == self.generation
-                 and p.index >= self.size and not p.retiring]
+    def surplus(self, now: float) -> list[WorkerProc]:
+        """Workers of the current generation beyond `size`; marked draining (their jobs
+        run to their end)."""
+        extra = [p for p in self.active() if p.generation == self.generation
+                 and p.index >= self.size]
         for p in extra:
-            p.retiring = True
+            p.draining_since = now
         return extra
 
     # -- reload by generation -----------------------------------------------------------------
 
-    def begin_reload(self, size: int, worker_timeout: float, now: float) -> None:
-        """New workers of a new generation start; the old ones run until they are up."""
-        self.size = size
-        self.worker_timeout = worker_timeout
+    def begin_reload(self, size: int, worker_timeout: float, now: float) -> bool:
+        """A reload: a new generation of `size` workers starts, now if there is room
+        (start_pending), else once drains have ended.  False when it waits."""
+        self.reload_pending = (size, worker_timeout)
+        return self.start_pending(now)
+
+    def room(self, size: int) -> bool:
+        """Whether a generation of `size` may start: the workers there now (all to be
+        drained) are at most DRAIN_ROOM x size."""
+        return len(self.procs) <= DRAIN_ROOM * size
+
+    def start_pending(self, now: float) -> bool:
+        """Start the pending reload's generation if there is room; True when it started."""
+        if self.reload_pending is None or not self.room(self.reload_pending[0]):
+            return False
+        self.size, self.worker_timeout = self.reload_pending
+        self.reload_pending = None
         self.generation += 1
         self.reload_since = now
         self.next_spawn = 0.0
+        return True
 
     def finish_reload(self, now: float) -> list[WorkerProc] | None:
         """Once the new generation is up (or did not come up within worker_timeout), the
-        old workers to retire (marked retiring); None while the reload goes on."""
+        old workers to drain (marked draining); None while the reload goes on."""
         if self.reload_since is None:
             return None
         new = [p for p in self if p.generation == self.generation]
@@ -178,10 +207,17 @@ class WorkerTable:
         if not up and now - self.reload_since <= self.worker_timeout:
             return None
         self.reload_since = None
-        old = [p for p in self if p.generation < self.generation and not p.retiring]
+        old = [p for p in self.active() if p.generation < self.generation]
         for p in old:
-            p.retiring = True
+            p.draining_since = now
         return old
+
+    def drains_to_send(self) -> list[WorkerProc]:
+        """Draining workers whose drain byte is not in their wake pipe yet (it was full)."""
+        return [p for p in self if p.draining_since is not None and not p.drain_sent]
+
+    def draining(self) -> list[WorkerProc]:
+        return [p for p in self if p.draining_since is not None]
 
     # -- health -------------------------------------------------------------------------------
 
@@ -192,4 +228,5 @@ class WorkerTable:
         return any(now - p.last_seen < self.worker_timeout for p in self)
 
     def active(self) -> list[WorkerProc]:
-        return [p for p in self if not p.retiring]
+        """Workers that take new work (not draining)."""
+        return [p for p in self if p.draining_since is None]

@@ -338,10 +338,12 @@ class Schedule:
 
     def modify(self, *, type: str = _UNSET, cron: str = _UNSET, delay: int = _UNSET,
                timezone: str = _UNSET, data: Any = _UNSET, now: float | None = None,
-               file_entry: bool = False, **policies: Any) -> None:
+               file_entry: bool = False, source: str | None = _UNSET,
+               **policies: Any) -> None:
         """Change fields; new cron/timezone/delay/jitter recompute next_time and
         next_run_time.  `policies`: policy options to change (None: back to the default).
         `file_entry`: the schedules files' convergence writes its entry (check_type).
+        `source`: its new source, in the same write (a schedule detached from its file).
 
         A task of this schedule running now loses its lease (PreemptedError on finish).
         """
@@ -376,17 +378,24 @@ class Schedule:
         values.update(next_time=next_time,
                       next_run_time=next_time + new_delay + new_policy.offset(self.key),
                       attempt=0)
+        if source is not _UNSET:
+            values["source"] = source
         if not self._collection.store.update(self.key, values, take_lease=True):
             raise NotFoundError(f"schedule {self.key!r} not found")
 
-    def pause(self) -> None:
-        if not self._collection.store.update(self.key, {"paused": 1, "paused_reason": None},
-                                             take_lease=False):
+    def pause(self, *, source: str | None = _UNSET) -> None:
+        """`source`: its new source, in the same write (as modify's)."""
+        values = {"paused": 1, "paused_reason": None}
+        if source is not _UNSET:
+            values["source"] = source
+        if not self._collection.store.update(self.key, values, take_lease=False):
             raise NotFoundError(f"schedule {self.key!r} not found")
 
-    def resume(self) -> None:
-        if not self._collection.store.update(self.key, {"paused": 0, "paused_reason": None},
-                                             take_lease=False):
+    def resume(self, *, source: str | None = _UNSET) -> None:
+        values = {"paused": 0, "paused_reason": None}
+        if source is not _UNSET:
+            values["source"] = source
+        if not self._collection.store.update(self.key, values, take_lease=False):
             raise NotFoundError(f"schedule {self.key!r} not found")
 
     def run_now(self, now: float | None = None, *, creator: int | None = None) -> str:

@@ -30,13 +30,14 @@ from typing import Any
 from perfectschedd.config import Config
 from perfectschedd.errors import AlreadyExistsError, InvalidInputError, NotFoundError
 from perfectschedd.schedules.collection import ScheduleCollection, ScheduleInfo
-from perfectschedd.schedules.fields import SOURCE_API, SOURCE_MAX
+from perfectschedd.schedules.fields import SOURCE_API, SOURCE_MAX, detached_source
 from perfectschedd.schedules.files import (
     SOURCE_FILE,
     Entry,
+    HostChecks,
     Loaded,
+    check,
     check_entry,
-    load,
 )
 from perfectschedd.schedules.ownership import made_by, owns
 
@@ -48,6 +49,7 @@ RETRY_AFTER = 30.0  # a convergence the database refused is tried again after th
 ADDED, CHANGED, REMOVED, UNCHANGED = "added", "changed", "removed", "unchanged"
 DIFFERS = "differs"    # the database holds another host's version; not written
 REFUSED = "refused"    # the key belongs to `add` or to another file
+DETACHED = "detached"  # root changed it with --force: the file's entry is not applied
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,10 @@ def converge(sc: ScheduleCollection, entries: Mapping[str, Entry],
             changes.append(Change(ADDED, key))
             continue
         owner = row.source or SOURCE_API
+        if owner == detached_source(entry.source):
+            changes.append(Change(DETACHED, key, f"source {owner}, changed with --force: "
+                                  "the file's entry is not applied"))
+            continue
         if owner != entry.source:
             changes.append(Change(REFUSED, key, f"the key belongs to {owner}"
                                   + (" (made with add)" if owner == SOURCE_API else "")))
@@ -159,11 +165,20 @@ class FileSchedules:
     applied_sources: set[str] = field(default_factory=set)
     due_at: float | None = None  # monotonic time of the next apply; None: none pending
     reported: set[tuple[str, str, str]] = field(default_factory=set)
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    lock: threading.Condition = field(default_factory=threading.Condition)
+    # The entries the last convergence refused (their key is another's), one line each.
+    refusals: list[str] = field(default_factory=list)
+    # Counts loads and convergences: a reload waits for the convergence of its load.
+    loads: int = 0
+    converged: int = 0
 
-    def load(self, config: Config) -> Config:
-        """Read config.schedules_dir; the configuration with the entries' routes first.
-        A file with an error keeps what it held before (logged, one line per problem)."""
+    def load(self, config: Config, host: HostChecks | None = None) -> Config:
+        """Read config.schedules_dir with the daemon's checks (files.check; `host`:
+        default this process, without the polkit grant); the configuration with the
+        entries' routes first.  A file with an error keeps what it held before (logged,
+        one line per problem: problems())."""
+        if host is None:
+            host = HostChecks(os.geteuid(), config.sendmail)
         directory = config.schedules_dir
         if directory is None or not Path(directory).is_dir():
             if directory is not None and directory != self.directory:
@@ -171,8 +186,7 @@ class FileSchedules:
             loaded = Loaded()
         else:
             # As cron: the files, and the directory, are root's or the daemon's own.
-            loaded = load([directory], daemon_uid=os.geteuid())
-        self._refuse_mail_without_sendmail(loaded, config.sendmail)
+            loaded = check([directory], host)
         for line in loaded.errors:
             log.error("schedules file rejected, its schedules stay as they were: %s", line)
         with self.lock:
@@ -183,36 +197,34 @@ class FileSchedules:
             for key, entry in self.loaded.entries.items():
                 if entry.source in loaded.broken and key not in loaded.entries:
                     loaded.entries[key] = entry
+                    if key in self.loaded.refused:
+                        loaded.refused[key] = self.loaded.refused[key]
                     if entry.source in self.loaded.owners:
                         loaded.owners[entry.source] = self.loaded.owners[entry.source]
             self.directory = directory
             self.loaded = loaded
             self.due_at = time.monotonic()
+            self.loads += 1
         return replace(config, routes=loaded.routes() + config.routes,
                        entry_notify=loaded.notifiers())
 
-    @staticmethod
-    def _refuse_mail_without_sendmail(loaded: Loaded, sendmail: str) -> None:
-        """A file whose entry mails (an inline `notify: {mail: ...}`) on a host without
-        the sendmail program is rejected whole, as any file with an error: what it
-        promises could not be kept here (config.notify_refusal says the same of the
-        configuration's notifiers)."""
-        if os.access(sendmail, os.X_OK):
-            return
-        for key, entry in list(loaded.entries.items()):
-            if entry.notify is not None and entry.notify.kind == "mail":
-                if entry.source not in loaded.broken:
-                    loaded.errors.append(
-                        f"{entry.source}: entry {key}: notify: mail needs sendmail, and "
-                        f"{sendmail} is not an executable program on this host (install a "
-                        "mail transfer agent, or set sendmail: in the configuration)")
-                loaded.broken.add(entry.source)
-        for key, entry in list(loaded.entries.items()):
-            if entry.source in loaded.broken:
-                del loaded.entries[key]
-        loaded.sources -= loaded.broken
-        for source in loaded.broken:
-            loaded.owners.pop(source, None)
+    def problems(self) -> list[str]:
+        """What the files' last load and convergence rejected or refused, one line each:
+        files rejected whole, entries refused (privilege rule, a key that is another's)."""
+        with self.lock:
+            return [*self.loaded.errors, *self.refusals]
+
+    def wait_converged(self, timeout: float) -> bool:
+        """Whether the convergence of the latest load has run, waiting at most
+        `timeout` seconds for it (the database thread runs it)."""
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            while self.converged < self.loads:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.lock.wait(left)
+            return True
 
     def take_pending(self) -> bool:
         """Whether an apply is due now; if so it is no longer pending (apply() makes it
@@ -226,7 +238,7 @@ class FileSchedules:
     def apply(self, sc: ScheduleCollection) -> None:
         """Converge (run by the master's database thread)."""
         with self.lock:
-            loaded, previous = self.loaded, self.applied
+            loaded, previous, loads = self.loaded, self.applied, self.loads
         remove_from = (loaded.sources | self.applied_sources) - loaded.broken
         try:
             changes = converge(sc, loaded.entries, remove_from, previous=previous,
@@ -240,11 +252,12 @@ class FileSchedules:
         for c in changes:
             if c.action in (ADDED, CHANGED, REMOVED):
                 log.info("schedules files: %s", c.line())
-            elif c.action in (DIFFERS, REFUSED):
+            elif c.action in (DIFFERS, REFUSED, DETACHED):
                 seen = (c.action, c.key, c.detail)
                 if seen not in self.reported:
                     self.reported.add(seen)
-                    log.warning("schedules files: %s", c.line())
+                    (log.info if c.action == DETACHED else log.warning)(
+                        "schedules files: %s", c.line())
         log.info("schedules files: applied %d entries from %d file(s): %d added, "
                  "%d changed, %d removed", len(loaded.entries), len(loaded.sources),
                  counts[ADDED], counts[CHANGED], counts[REMOVED])
@@ -252,6 +265,10 @@ class FileSchedules:
             self.applied = dict(loaded.entries)
             self.applied_sources = set(loaded.sources) | (
                 self.applied_sources & loaded.broken)
+            self.refusals = [f"schedules file entry {c.line()}" for c in changes
+                             if c.action == REFUSED]
+            self.converged = max(self.converged, loads)
+            self.lock.notify_all()
 
 
 def summary(changes: list[Change]) -> dict[str, Any]:

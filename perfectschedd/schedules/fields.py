@@ -13,6 +13,10 @@ RUN_NOW_MARK = "@run-"
 SOURCE_FILE = "file:"
 # The source shown for a schedule made with `add` (stored as NULL).
 SOURCE_API = "api"
+# The source of a schedule root took from its file with --force: forced:file:NAME.  Not
+# file:NAME, so that no convergence (a reload, apply, apply --prune, an older host's)
+# writes the file's version back or removes it.
+SOURCE_FORCED = "forced:"
 # The type of a schedules file's exec entry: exec:KEY (schedules.check_type keeps it for
 # them), routed to the command of that entry on the hosts whose files hold it.
 EXEC_TYPE = "exec:"
@@ -24,6 +28,11 @@ DATA_MAX = 65536
 PAUSED_REASON_MAX = 400
 POLICY_MAX = 400
 SOURCE_MAX = 300
+
+
+def detached_source(source: str) -> str:
+    """The source recorded for a schedule of `source` (file:NAME) changed with --force."""
+    return f"{SOURCE_FORCED}{source}"[:SOURCE_MAX]
 UNIT_MAX = 255  # systemd's longest unit name
 ERROR_MAX = 400  # a history row's error: one line
 # The last second of year 9999: the calendar ends here (datetime, and so croniter, knows

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from perfectschedd.config import RouteConfig
+from perfectschedd.config import RouteConfig, privilege_refusal
 from perfectschedd.errors import InvalidInputError, describe
 from perfectschedd.executors import runas
 from perfectschedd.executors.systemd import props as unitprops
@@ -71,13 +71,14 @@ class Entry:
                 "timezone": self.timezone or default_timezone, "delay": self.delay,
                 "data": json.loads(self.data), **self.policy.as_fields()}
 
-    def route(self) -> RouteConfig | None:
-        """The route of an exec entry: its own type, on this host only."""
+    def route(self, refused: str | None = None) -> RouteConfig | None:
+        """The route of an exec entry: its own type, on this host only (`refused`: why
+        this host does not run it)."""
         if self.exec is None:
             return None
         return RouteConfig(pattern=self.type, exec=self.exec, timeout=self.policy.timeout,
                            env=self.env, user=self.user, append_key=False,
-                           executor=self.executor, unit=self.unit)
+                           executor=self.executor, unit=self.unit, refused=refused)
 
 
 @dataclass
@@ -90,9 +91,17 @@ class Loaded:
     refused_dirs: set[str] = field(default_factory=set)      # directories not read at all
     owners: dict[str, int] = field(default_factory=dict)     # uid of each file read whole
     errors: list[str] = field(default_factory=list)          # one line per problem
+    # Exec entries stored but not run on this host (the privilege rule), by key: one line
+    # each.  Refused alone: the rest of their file runs.
+    refused: dict[str, str] = field(default_factory=dict)
 
     def routes(self) -> tuple[RouteConfig, ...]:
-        return tuple(r for e in self.entries.values() if (r := e.route()) is not None)
+        return tuple(r for k, e in self.entries.items()
+                     if (r := e.route(self.refused.get(k))) is not None)
+
+    def problems(self) -> list[str]:
+        """Every line of what was rejected or refused (files, then entries)."""
+        return [*self.errors, *self.refused.values()]
 
     def notifiers(self) -> tuple[tuple[str, Notifier], ...]:
         """The entries' own inline notifiers (or none), by key."""
@@ -103,8 +112,71 @@ def source_of(path: Path) -> str:
     return f"{SOURCE_FILE}{path.name}"
 
 
+@dataclass(frozen=True)
+class HostChecks:
+    """What only a daemon's host can say of schedules files: who the daemon runs as (the
+    files' trust rule, `user:`, the privilege rule), its sendmail (an entry that mails),
+    and whether it holds the polkit grant (executor: systemd).  `also_trusted`: further
+    owners whose files are read (apply: the caller, whose own files stay theirs)."""
+
+    daemon_uid: int
+    sendmail: str
+    grant: bool = False
+    also_trusted: frozenset[int] = frozenset()
+
+    @classmethod
+    def of_status(cls, status: Mapping[str, Any], caller: int) -> HostChecks | None:
+        """A daemon's checks as its `status` answer gives them (None: a daemon that does
+        not say, older than 0.2.0)."""
+        uid, sendmail = status.get("daemon_uid"), status.get("sendmail")
+        if not isinstance(uid, int) or not isinstance(sendmail, str):
+            return None
+        return cls(uid, sendmail, bool(status.get("unit_grant")), frozenset({caller}))
+
+
+def check(paths: Iterable[str | os.PathLike[str]], host: HostChecks) -> Loaded:
+    """The daemon's checks of schedules files, all of them: the daemon runs this on its
+    schedules_dir (at start and on reload) and `perfectschedctl apply` on the files it is
+    given, with the daemon's HostChecks, so that both reject a file for the same reason,
+    in the same words.  Files with an error are rejected whole (`errors`, `broken`); an
+    exec entry that the privilege rule forbids here is refused alone (`refused`)."""
+    loaded = load(paths, daemon_uid=host.daemon_uid, also_trusted=host.also_trusted)
+    _refuse_mail_without_sendmail(loaded, host.sendmail)
+    for key, entry in loaded.entries.items():
+        if entry.exec is None:
+            continue
+        why = privilege_refusal(entry.executor, entry.user, host.grant, host.daemon_uid)
+        if why is not None:
+            loaded.refused[key] = f"schedules file entry {key}: {why}"
+    return loaded
+
+
+def _refuse_mail_without_sendmail(loaded: Loaded, sendmail: str) -> None:
+    """A file whose entry mails (an inline `notify: {mail: ...}`) on a host without the
+    sendmail program is rejected whole, as any file with an error: what it promises could
+    not be kept here (config.notify_refusal says the same of the configuration's
+    notifiers)."""
+    if os.access(sendmail, os.X_OK):
+        return
+    for key, entry in list(loaded.entries.items()):
+        if entry.notify is not None and entry.notify.kind == "mail":
+            if entry.source not in loaded.broken:
+                loaded.errors.append(
+                    f"{entry.source}: entry {key}: notify: mail needs sendmail, and "
+                    f"{sendmail} is not an executable program on this host (install a "
+                    "mail transfer agent, or set sendmail: in the configuration)")
+            loaded.broken.add(entry.source)
+    for key, entry in list(loaded.entries.items()):
+        if entry.source in loaded.broken:
+            del loaded.entries[key]
+    loaded.sources -= loaded.broken
+    for source in loaded.broken:
+        loaded.owners.pop(source, None)
+
+
 def load(paths: Iterable[str | os.PathLike[str]], *, need_user_support: bool = True,
-         daemon_uid: int | None = None) -> Loaded:
+         daemon_uid: int | None = None, also_trusted: frozenset[int] = frozenset()
+         ) -> Loaded:
     """Read and check files and directories.  `need_user_support`: refuse `user` unless
     this process could run a job as another user (root), as the daemon must; `apply`
     from a workstation only stores what is stored and does not ask.
@@ -115,11 +187,13 @@ def load(paths: Iterable[str | os.PathLike[str]], *, need_user_support: bool = T
     root decides who a job runs as.  None (perfectschedctl apply): any file the caller can
     read, since what apply sends of it is only what the database stores (to_wire), never
     a command, an environment or a user."""
-    owners = None if daemon_uid is None else filetrust.owners_of(daemon_uid)
+    owners = None if daemon_uid is None else \
+        filetrust.owners_of(daemon_uid) | also_trusted
     loaded = Loaded()
     for path, dir_not_root in _files(paths, owners, loaded):
         source = source_of(path)
-        entries, errors = _load_file(path, need_user_support, owners, dir_not_root)
+        entries, errors = _load_file(path, need_user_support, owners, dir_not_root,
+                                     daemon_uid)
         taken = [e.key for e in entries if e.key in loaded.entries]
         errors += [f"{path}: key {k!r} is also in "
                    f"{loaded.entries[k].source[len(SOURCE_FILE):]}" for k in taken]
@@ -167,7 +241,8 @@ def _read(path: Path, owners: frozenset[int] | None) -> filetrust.Trusted:
 
 
 def _load_file(path: Path, need_user_support: bool, owners: frozenset[int] | None,
-               dir_not_root: str | None) -> tuple[list[Entry], list[str]]:
+               dir_not_root: str | None, runner: int | None
+               ) -> tuple[list[Entry], list[str]]:
     try:
         read = _read(path, owners)
     except filetrust.NotTrusted as exc:
@@ -205,7 +280,7 @@ def _load_file(path: Path, need_user_support: bool, owners: frozenset[int] | Non
         if isinstance(raw_entry, Mapping) and isinstance(raw_entry.get("key"), str):
             where += f" ({raw_entry['key'][:80]})"
         try:
-            entry = check_entry(raw_entry, source, need_user_support)
+            entry = check_entry(raw_entry, source, need_user_support, runner=runner)
         except InvalidInputError as exc:
             errors.append(f"{where}: {exc}")
             continue
@@ -254,10 +329,11 @@ def _names_a_user(data: list[Any]) -> str | None:
 
 
 def check_entry(raw: Any, source: str, need_user_support: bool = True,
-                stored_only: bool = False) -> Entry:
+                stored_only: bool = False, runner: int | None = None) -> Entry:
     """One entry, checked as `add` checks its arguments; InvalidInputError names the
     field.  `stored_only`: an entry as `apply` sends it to the daemon, whose exec entries
-    come as their type (exec:KEY) without the command."""
+    come as their type (exec:KEY) without the command.  `runner`: the uid of the daemon
+    that runs it (default: this process)."""
     if not isinstance(raw, Mapping):
         raise InvalidInputError("entry", f"must be a mapping, got {describe(raw)}")
     unknown = sorted(str(k) for k in raw if k not in ENTRY_KEYS)
@@ -323,7 +399,8 @@ def check_entry(raw: Any, source: str, need_user_support: bool = True,
         if argv is None:
             raise InvalidInputError("user", "only for exec entries")
         # systemd sets a unit's User=: the daemon need not be root for that.
-        user = runas.check_user(user, need_user_support, needs_root=executor == "exec")
+        user = runas.check_user(user, need_user_support, needs_root=executor == "exec",
+                                runner=runner)
     return Entry(key=key, source=source, cron=expr, type=task_type, timezone=tz, delay=delay,
                  data=data, policy=chosen, exec=argv, env=env, user=user, executor=executor,
                  unit=unit, notify=local_notify)

@@ -36,6 +36,7 @@ import os
 import pwd
 import re
 import shlex
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,7 @@ class Imported:
     text: str                                       # the schedules file
     warnings: list[str] = field(default_factory=list)
     entries: int = 0
+    user_column_warned: bool = False  # said once per file (_user_column)
 
 
 def system_timezone() -> str | None:
@@ -248,6 +250,15 @@ def convert(text: str, *, name: str, system: bool, user: str | None = None,
             command_text = _after_fields(line, 1 if expr.startswith("@") else 5, 1)
         else:
             command_text = _after_fields(line, 1 if expr.startswith("@") else 5, 0)
+            column = _user_column(rest)
+            if column is not None and not result.user_column_warned:
+                # A copy of /etc/crontab under another name: without --system its user
+                # column would silently become the start of each command.
+                result.user_column_warned = True
+                result.warnings.append(
+                    f"{where}: {column!r} is a user of this host, not a command: this "
+                    "looks like a system crontab (a user column); give --system, or the "
+                    "user names stay part of the commands")
         command, stdin = split_command(command_text)
         entry: dict[str, Any] = {"key": _key(prefix, line_user, command, seen),
                                  "cron": expr.lower() if expr.startswith("@") else expr}
@@ -293,6 +304,19 @@ def _notify(mailto: str | None, owner: str | None) -> tuple[Any, bool]:
     if not mailto:
         return "none", False
     return {"mail": mailto, "when": "output"}, False
+
+
+def _user_column(rest: list[str]) -> str | None:
+    """The first word of a user crontab line's command when it reads as a system
+    crontab's user column: a user of this host that is no program on the PATH, followed
+    by a command; else None."""
+    if len(rest) < 2 or not re.fullmatch(r"[a-z_][a-z0-9_.-]*\$?", rest[0]):
+        return None
+    try:
+        pwd.getpwnam(rest[0])
+    except KeyError:
+        return None
+    return None if shutil.which(rest[0]) else rest[0]
 
 
 def _looks_like_job(fields: list[str], system: bool) -> bool:

@@ -632,6 +632,40 @@ class LeasePipeline:
         for control in controls:
             control.stop(reason)
 
+    def give_back_queued(self, tasks: list[Task]) -> int:
+        """A draining worker's claimed occurrences that no thread started: back now, to
+        run on another worker; how many went back."""
+        with self.lock:
+            for task in tasks:
+                if self.running.get(task.key) is task:
+                    del self.running[task.key]
+                    self.controls.pop(task.key, None)
+        given = 0
+        for task in tasks:
+            try:
+                task.give_back()
+                given += 1
+            except PreemptedError:
+                log.warning("key=%s: lease lost before it could be given back", task.key)
+            except SQLAlchemyError as exc:
+                self._set_db(False, exc)
+                log.warning("key=%s: could not give it back (database error); it runs "
+                            "again when its lease expires", task.key)
+        return given
+
+    def drain_step(self) -> None:
+        """A draining worker's turn: write the finishes and history of the runs that
+        ended; claim nothing."""
+        self.flush_history()
+        batch = self._take_finished()
+        if not batch or self.sc is None:
+            return
+        try:
+            self._finish_and_claim(batch, 0)
+            self._set_db(True)
+        except DBAPIError as exc:
+            self._set_db(False, exc)  # the batch is queued again; its leases hold it
+
     def give_back_leftovers(self) -> None:
         """Runs that did not end (python handlers stuck in C code): their occurrences go
         back to run again elsewhere."""

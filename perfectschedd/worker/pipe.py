@@ -11,9 +11,21 @@ written with one os.write, shorter than PIPE_BUF, so lines of different threads 
     g RUN PGID                     it spawned as process group PGID
     u RUN UNIT                     it is about to start systemd unit UNIT
     e RUN                          it ended
+    b                              it drains and gave back occurrences it had claimed
+                                   but not started: the other workers should look now
 
 A line that is none of these is refused (PipeError): it is not a ping, and the master
 says so once per worker.
+
+The other way, the master writes single bytes to a worker's `wake` pipe:
+
+    WAKE  (w)   look for due work now
+    DRAIN (d)   a reload: claim nothing more, give back what waits, run the running
+                jobs to their end, then exit
+
+A byte, not a signal: INT, HUP and USR1 may reach the whole process group (a Ctrl-C, a
+`kill -HUP -PGID`), so workers ignore them; a byte in its own pipe reaches one worker
+and only from its master.
 """
 
 from __future__ import annotations
@@ -75,7 +87,16 @@ class Ended:
         return f"e {self.run}"
 
 
-Message = Ping | Spawning | Spawned | UnitStarting | Ended
+@dataclass(frozen=True)
+class GaveBack:
+    def line(self) -> str:
+        return "b"
+
+
+Message = Ping | Spawning | Spawned | UnitStarting | Ended | GaveBack
+
+WAKE = b"w"
+DRAIN = b"d"
 
 
 def encode(line: str) -> bytes:
@@ -112,6 +133,8 @@ def parse(line: bytes) -> Message:
             return UnitStarting(_word(args[0]), _word(args[1]))
         if kind == b"e" and len(args) == 1:
             return Ended(_word(args[0]))
+        if kind == b"b" and not args:
+            return GaveBack()
         if kind.isdigit() and len(args) == 1:
             return Ping(int(kind), _flag(args[0]))
         if kind.isdigit() and len(args) == 3:

@@ -1,11 +1,12 @@
 """One forked worker: the process shell around its lease pipeline (leases.py).
 
-The worker talks to its master through two pipes: it reads `wake` (a byte means "look
-for due work now"; EOF means the master died) and writes `alive`: a pinger thread's line
-every PING_INTERVAL (running count, database state, how long ago the main loop last
-turned and whether it is inside a database call: so a worker waiting on a slow database
-is not mistaken for a wedged one), and for each exec run its id and process group, so
-that the master can kill what is left of it if this worker dies.
+The worker talks to its master through two pipes: it reads `wake` (pipe.WAKE means
+"look for due work now", pipe.DRAIN "drain": a reload; EOF means the master died) and
+writes `alive`: a pinger thread's line every PING_INTERVAL (running count, database
+state, how long ago the main loop last turned and whether it is inside a database call:
+so a worker waiting on a slow database is not mistaken for a wedged one), and for each
+exec run its id and process group, so that the master can kill what is left of it if
+this worker dies.
 It sleeps until the earliest `next_run_time` in the table, bounded by `poll_interval`,
 so a due occurrence starts within milliseconds.
 
@@ -13,6 +14,11 @@ A run lives only as long as its lease: a heartbeat that finds the lease lost sto
 run (TERM, then KILL after kill_grace) and writes nothing; a run whose lease could not
 be renewed stops itself before the lease can expire for the others (self-fencing, see
 `fence_lead`); when the master dies, runs stop at once.
+
+Draining (a reload) is not stopping: the worker claims nothing more, gives back at once
+the occurrences it claimed but did not start, and keeps renewing, finishing and recording
+its running jobs until the last one ends by itself; then it exits.  Only TERM/QUIT (or
+the master's death) stop its jobs, as they would any worker's.
 """
 
 from __future__ import annotations
@@ -66,6 +72,17 @@ class TaskThreads:
     def submit(self, task: Task) -> None:
         self._queue.put(task)
 
+    def take_queued(self) -> list[Task]:
+        """The tasks no thread has started yet, taken off the queue."""
+        taken = []
+        while True:
+            try:
+                task = self._queue.get_nowait()
+            except queue.Empty:
+                return taken
+            if task is not None:
+                taken.append(task)
+
     def _loop(self) -> None:
         while True:
             task = self._queue.get()
@@ -93,7 +110,8 @@ class Worker:
         self.wake_fd = wake_fd
         self.alive_fd = alive_fd
         self.master_pid = master_pid
-        self.stopping = threading.Event()  # no new claims
+        self.stopping = threading.Event()  # no new claims; runs stop (bounded)
+        self.draining = False  # no new claims; runs go on to their end (main loop only)
         # Notifications only where some notifier is configured: without one, the
         # pipeline's history path is exactly as before.
         self.notices: Dispatcher | None = None
@@ -209,7 +227,7 @@ class Worker:
         beat.start()
         threading.Thread(target=self._pinger, name="pinger", daemon=True).start()
         try:
-            while not self.stopping.is_set():
+            while not self.stopping.is_set() and not self.draining:
                 self.loop_at = time.monotonic()
                 self._ping()
                 self.in_db = True
@@ -221,6 +239,8 @@ class Worker:
                 while not self._sleep(sel, deadline):
                     self.loop_at = time.monotonic()
                     self._ping()
+            if self.draining and not self.stopping.is_set():
+                self._drain(pool, sel)
         finally:
             self._shutdown(pool)
         return 0
@@ -233,6 +253,8 @@ class Worker:
             data = os.read(key.fd, 4096)
             if key.fd == self.wake_fd and not data:
                 self._master_gone()
+            elif key.fd == self.wake_fd and pipe.DRAIN in data:
+                self.draining = True
         if os.getppid() != self.master_pid:
             self._master_gone()
         return bool(events) or self.stopping.is_set() or time.monotonic() >= deadline
@@ -242,6 +264,33 @@ class Worker:
             log.warning("master process gone; worker stops its runs and exits")
         self.master_gone = True
         self.stopping.set()
+
+    # -- drain (a reload) -------------------------------------------------------------------
+
+    def _drain(self, pool: TaskThreads, sel: selectors.BaseSelector) -> None:
+        """Give back what waits, then write the running jobs' finishes and history as
+        they end (the heartbeat thread renews their leases meanwhile) until none runs."""
+        queued = pool.take_queued()
+        self.in_db = True
+        try:
+            gave = self.pipeline.give_back_queued(queued)
+        finally:
+            self.in_db = False
+        if gave:
+            self._report(pipe.GaveBack().line())  # the master wakes the other workers
+        log.info("worker %d drains (a reload): %d running task(s) go on to their end, "
+                 "%d queued given back", self.index, self.pipeline.running_count(), gave)
+        while self.pipeline.running_count() and not self.stopping.is_set():
+            self.loop_at = time.monotonic()
+            self._ping()
+            self.in_db = True
+            try:
+                self.pipeline.drain_step()
+            finally:
+                self.in_db = False
+            self._sleep(sel, time.monotonic() + PING_INTERVAL)  # a run's end wakes it
+        if not self.stopping.is_set():
+            log.info("worker %d drained", self.index)
 
     # -- stop -----------------------------------------------------------------------------
 

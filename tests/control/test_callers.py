@@ -273,8 +273,9 @@ def test_the_exec_prefix_is_refused_outside_schedules_files(open_dir: Path, bus:
 
 # -- a schedules file's schedules change through the file -----------------------------------
 
-FROM_FILE = ("nightly: comes from schedules file file:backup.yml; change the file (or, as "
-             "root, --force)")
+def from_file(path: Path) -> str:
+    return (f"nightly is managed by {path}: edit it and reload (root may --force the "
+            "change, which detaches it from the file)")
 NOT_ROOT_FORCE = "force: only root may force a change of a schedules file's schedule"
 
 
@@ -299,6 +300,7 @@ def test_a_schedules_file_s_schedules_change_through_the_file(open_dir: Path,
         os.chmod(d.dir, 0o755)
         ok(ctl_as(d, AS_NOBODY, "add", "mine", "t", "@daily"))
         before = fingerprint(d)
+        FROM_FILE = from_file(files / "backup.yml")
 
         for args in (["modify", "nightly", "--cron", "@hourly"], ["pause", "nightly"],
                      ["resume", "nightly"], ["delete", "nightly"]):

@@ -28,7 +28,7 @@ from perfectschedctl import cli
 # The table's columns (SPEC `list`, then the state); --json adds the schedule policies,
 # source and creator, and the state's parts (SPEC "Failures and notifications").
 SPEC_KEYS = ["key", "type", "cron", "delay", "timezone", "next_time", "next_run_time", "data"]
-TABLE_KEYS = [*SPEC_KEYS, "state"]
+TABLE_KEYS = [*SPEC_KEYS, "state", "source"]
 ADD_KEYS = [*SPEC_KEYS, "misfire", "grace", "max_attempts", "retry_wait", "jitter", "timeout",
             "notify", "concurrency", "source", "creator"]
 LIST_KEYS = [*ADD_KEYS, "paused", "last_outcome", "attempt", "state"]

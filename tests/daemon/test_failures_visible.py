@@ -73,7 +73,7 @@ def test_imported_cron_idiom_runs_every_occurrence_once_and_moves_on(
     # ... and none of it is invisible: failed in list and status, given up each time.
     assert (row["state"], row["last_outcome"], row["attempt"]) == ("failed", "failed", 0)
     out = d.ctl("list").stdout.splitlines()
-    assert out[0].split()[-1] == "state" and out[1].split()[-1] == "failed"
+    assert out[0].split()[-2:] == ["state", "source"] and out[1].split()[-2] == "failed"
     status = d.status()
     assert status["states"]["failed"] == 1
     assert [(f["key"], f["state"]) for f in status["failing"]] == [(key, "failed")]

@@ -46,6 +46,10 @@ class RecordingProcesses(Processes):
     def kill(self, pid: int, sig: int) -> None:
         self.events.append(("kill", pid, sig))
 
+    def drain(self, pid: int, fd: int) -> bool:
+        self.events.append(("drain", pid, 0))
+        return True
+
     def reap(self) -> list[tuple[int, int]]:
         done, self.exits = self.exits, []
         return done
@@ -124,7 +128,7 @@ def test_a_silent_worker_is_killed_and_a_database_wait_is_not(
     assert not any(e[0] == "kill" and e[1] == waiting for e in procs.events)
 
 
-def test_reload_starts_a_generation_then_retires_the_old_one(
+def test_reload_starts_a_generation_then_drains_the_old_one(
         sup: tuple[Supervisor, RecordingProcesses]) -> None:
     s, procs = sup
     s.manage_workers()
@@ -134,13 +138,26 @@ def test_reload_starts_a_generation_then_retires_the_old_one(
     new = procs.forks()[2:]
     assert len(new) == 2
     s._finish_reload()
-    assert not any(e[0] == "kill" for e in procs.events)  # new ones not up yet
+    assert not any(e[0] in ("kill", "drain") for e in procs.events)  # new ones not up yet
     for pid in new:
         procs.say(pid, "0 1")
         s.read_alive(pid)
     s._finish_reload()
-    assert sorted(pid for what, pid, sig in procs.events
-                  if what == "kill" and sig == signal.SIGTERM) == sorted(old)
+    # Told to drain, never signalled: their jobs run on.
+    assert sorted(pid for what, pid, _ in procs.events if what == "drain") == sorted(old)
+    assert not any(e[0] == "kill" for e in procs.events)
+    s._finish_reload()
+    assert len([e for e in procs.events if e[0] == "drain"]) == 2  # once each
+    # A draining worker that gives back queued work wakes the others at once.
+    procs.say(old[0], "b")
+    s.read_alive(old[0])
+    assert s.wake_pending
+    # Its exit is no death: nothing replaces it.
+    procs.die(old[0], 0)
+    s.reap()
+    s.table.next_spawn = 0.0
+    s.manage_workers()
+    assert len(procs.forks()) == 4 and s.table.restarts == 0
 
 
 def test_no_fork_while_a_master_database_call_is_in_flight(

@@ -38,11 +38,15 @@ def applies(d: Daemon) -> int:
     return d.log().count("schedules files: applied")
 
 
-def reload(d: Daemon) -> None:
-    """Reload, and wait for the apply that follows it (run once the store answers)."""
+def reload(d: Daemon, refused: bool = False) -> str:
+    """Reload, and wait for the apply that follows it (run once the store answers).
+    `refused`: something of the files is refused, so the reload exits 1 saying what
+    (returned: its stderr)."""
     before = applies(d)
-    d.ctl("reload")
+    res = d.ctl("reload", check=False)
+    assert res.returncode == (1 if refused else 0), res.stdout + res.stderr
     wait_until(lambda: applies(d) > before, what="the reload's apply")
+    return res.stderr
 
 
 ENTRIES = [
@@ -95,7 +99,7 @@ def test_files_converge_at_start_and_on_reload(daemon_factory: Any, db_url: str,
     # A broken file: rejected whole, logged, its schedules as they were; the daemon runs.
     write(sdir / "other.yml", [{"key": "weekly", "cron": "@weekly", "type": "t"},
                                {"key": "bad", "cron": "61 * * * *", "type": "t"}])
-    reload(d)
+    assert "other.yml: entry 2 (bad): cron" in reload(d, refused=True)
     assert "schedules file rejected" in d.log()
     assert "other.yml: entry 2 (bad): cron" in d.log()
     assert set(listed(d)) == {"nightly", "report", "fresh", "weekly", "manual"}
@@ -281,16 +285,16 @@ def test_files_follow_cron_s_ownership_rules(daemon_factory: Any, tmp_path: Path
     # A file that stops being root's keeps its schedules as they were, though it changed.
     write(sdir / "good.yml", entry("sneaked-in"))
     os.chown(sdir / "good.yml", NOBODY, NOBODY)
-    reload(d)
+    reload(d, refused=True)
     assert set(listed(d)) == {"good", "via-root-link"}
     # A schedules_dir others may write: nothing in it is read, everything stays.
     os.chown(sdir / "good.yml", 0, 0)
     (sdir / "linked.yml").unlink()
     sdir.chmod(0o775)
-    reload(d)
+    reload(d, refused=True)
     assert set(listed(d)) == {"good", "via-root-link"}
     assert rejected(d, f"{sdir}: group-writable (mode 0775): none of its files are read")
     sdir.chmod(0o755)
-    reload(d)
+    reload(d, refused=True)
     assert set(listed(d)) == {"sneaked-in"}
     assert d.stop() == 0

@@ -51,7 +51,7 @@ ESCAPE = ('if out=$(systemd-run --wait --pipe --quiet -p User=root /usr/bin/id -
 
 KEYS = {name: f"unit-{name}-{TOKEN}" for name in
         ("whoami", "oom", "timeout", "later", "sleeper", "leftover", "busrestart",
-          "frozenbus", "asdaemon")}
+          "frozenbus", "asdaemon", "drained")}
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +87,7 @@ def units(ns: Namespace, installed) -> dict[str, Any]:
                                'exec sleep 300'),
         entry(KEYS["leftover"], 'echo "leftover start"; exec sleep 300'),
         entry(KEYS["busrestart"], 'sleep 6; echo "busrestart done"'),
+        entry(KEYS["drained"], 'echo "drained start"; sleep 40; echo "drained end"'),
         entry(KEYS["frozenbus"], 'echo "frozenbus start attempt=$PERFECTSCHED_ATTEMPT"; '
                                  'exec sleep 300'),
     ]
@@ -552,7 +553,7 @@ def test_u13_a_group_member_cannot_become_root(ns: Namespace, units) -> None:
     refused(as_("alice", "modify", f"x-{TOKEN}", "--type", f"exec:{KEYS['whoami']}"), "")
     for cmd in (["pause", KEYS["whoami"]], ["delete", KEYS["whoami"]],
                 ["modify", KEYS["whoami"], "--cron", "* * * * *"]):
-        refused(as_("alice", *cmd), "comes from schedules file")
+        refused(as_("alice", *cmd), "is managed by ")
     refused(as_("alice", "add", f"m2-{TOKEN}", f"asroot-{TOKEN}", "17 3 * * *"),
             "runs as user root: only root may schedule it")
     refused(as_("alice", "add", f"m3-{TOKEN}", f"asnobody-{TOKEN}", "17 3 * * *"),
@@ -569,3 +570,31 @@ def test_u13_a_group_member_cannot_become_root(ns: Namespace, units) -> None:
     ns.ctl("resume", KEYS["whoami"], "--force")
     for key in (f"m4-{TOKEN}", f"m5-{TOKEN}"):
         ns.ctl("delete", key)
+
+
+def test_u14_a_reload_drains_a_running_unit_to_its_end(ns: Namespace, units) -> None:
+    """A reload never stops a job (issue #28): the unit a worker of the old generation
+    started runs to its end while that worker drains; status names the worker and the
+    run's key meanwhile; one run, a success, in the same unit.  The job outlasts
+    shutdown_timeout (30 s): a reload that stopped the old workers would have stopped it."""
+    key = KEYS["drained"]
+    ns.ctl("run", key)
+    unit = wait_for(lambda: active_units(ns, key), 30, "the unit running",
+                    lambda: journal(ns))[0]
+    worker = _worker_of(ns, unit)
+    ns.run("systemctl", "reload", UNIT, timeout=60)
+
+    def drain_of_worker() -> list[dict[str, Any]]:
+        status = json.loads(ns.ctl("--json", "status").stdout)
+        return [w for w in status.get("draining", []) if w["pid"] == worker and w["keys"]]
+
+    (entry_,) = wait_for(drain_of_worker, 30, "the draining worker in status",
+                         lambda: journal(ns))
+    assert entry_["keys"][0].startswith(key), entry_
+    assert active_units(ns, key) == [unit]  # the reload did not stop it
+    runs = runs_until(ns, key, bool, 90, "its end")
+    assert [(r["outcome"], r["unit"]) for r in runs] == [("success", unit)], runs
+    assert "drained end" in journal(ns, unit)
+    wait_for(lambda: not drain_of_worker() and
+             ns.run("kill", "-0", str(worker), check=False).returncode != 0, 30,
+             "the drained worker's exit", lambda: journal(ns))

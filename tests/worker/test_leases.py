@@ -259,3 +259,30 @@ def test_on_recorded_sees_nothing_that_was_not_written_and_its_errors_never_stop
     assert [r.getMessage() for r in caplog.records if "on_recorded" in r.getMessage()] == [
         "on_recorded failed (logged once; the history is written)"]
     p.close()
+
+
+def test_a_drain_gives_back_what_did_not_start_and_writes_what_ran(tmp_path: Path) -> None:
+    """A reload's drain: claimed occurrences no thread started go back due now (untried,
+    no history, attempt not counted); the running one's finish and history are written
+    without any claim."""
+    p, _ = pipeline(tmp_path)
+    for key in ("a", "b", "c"):
+        add(p, key)
+    submitted: list[Task] = []
+    p.step(submitted.append)
+    started, *queued = sorted(submitted, key=lambda t: t.key)
+    assert p.give_back_queued(queued) == 2
+    assert set(p.running) == {"a"} and set(p.controls) == {"a"}
+    for task in queued:
+        r = row(p, task.key)
+        assert r.owner is None and r.next_run_time <= time.time() and r.attempt == 0
+    add(p, "d")  # due, but a draining worker claims nothing
+    p.run_one(started)
+    p.drain_step()
+    assert row(p, "a").owner is None and row(p, "a").next_time > time.time()
+    assert row(p, "d").owner is None
+    p.flush_history(force=True)
+    store = p.sc.store  # type: ignore[union-attr]
+    assert [r["outcome"] for r in store.history("a", 10)] == ["success"]
+    assert store.history("b", 10) == [] and store.history("c", 10) == []
+    p.close()

@@ -18,6 +18,7 @@ MESSAGES = [
     pipe.Spawned("4242.123456789.1", 4243),
     pipe.UnitStarting("4242.123456789.2", "perfectsched-k-1.service"),
     pipe.Ended("4242.123456789.1"),
+    pipe.GaveBack(),
 ]
 
 
@@ -38,6 +39,7 @@ def test_lines_are_split_where_they_end() -> None:
 @pytest.mark.parametrize("line", [
     b"", b"x 1.2.3", b"hello", b"g 1.2", b"g 1.2.3 pid", b"s", b"s 1 2", b"e",
     b"3", b"3 2", b"3 1 0.5", b"3 1 fast 0", b"-1 1", b"\xff\xfe 1", b"s \xff",
+    b"b 1", b"bb",
 ])
 def test_a_line_that_is_no_message_is_refused(line: bytes) -> None:
     with pytest.raises(pipe.PipeError):
@@ -62,3 +64,15 @@ def test_an_unknown_line_is_no_ping_and_is_logged_once_per_worker(
     ]
     first.report(pipe.Ping(1, True, 0.2, False).line().encode(), now=8)
     assert (first.pinged, first.last_seen, first.running) == (True, 8, 1)
+
+
+def test_the_master_to_worker_bytes_cannot_be_taken_for_each_other() -> None:
+    """The wake pipe carries single bytes: a drain is its own byte, never a wake-up."""
+    assert len(pipe.WAKE) == len(pipe.DRAIN) == 1 and pipe.WAKE != pipe.DRAIN
+    assert pipe.DRAIN not in pipe.WAKE * 4096
+
+
+def test_a_gave_back_line_asks_the_master_to_wake_the_others() -> None:
+    p = WorkerProc(101, 0, 0, -1, -1, started=0.0, last_seen=0.0)
+    p.report(pipe.GaveBack().line().encode(), now=3)
+    assert p.wake_others and p.last_seen == 3
