@@ -633,9 +633,12 @@ class LeasePipeline:
             control.stop(reason)
 
     def give_back_queued(self, tasks: list[Task]) -> int:
-        """A draining worker's claimed occurrences that no thread started: back now, to
-        run on another worker; how many went back."""
+        """A draining worker's claimed occurrences that no thread started (`tasks`, and
+        the runs queued for their turn in a group): back now, to run on another worker;
+        how many went back."""
         with self.lock:
+            tasks = [*tasks, *self.waiting.values()]
+            self.waiting.clear()
             for task in tasks:
                 if self.running.get(task.key) is task:
                     del self.running[task.key]

@@ -221,6 +221,29 @@ def test_a_queued_run_is_given_back_when_the_daemon_stops(daemon_factory: Any,
     assert "Traceback" not in d.log(), d.log()[-3000:]
 
 
+def test_a_queued_run_goes_to_the_new_workers_at_a_reload(daemon_factory: Any, url: str,
+                                                          tmp_path: Path) -> None:
+    """A reload drains: the running occurrence goes on in an old worker, the run queued
+    behind it is given back to the new ones, and still starts next, once it has ended."""
+    out = tmp_path / "runs"
+    d = job_daemon(daemon_factory, url, out, seconds=6)
+    d.ctl("add", "k", "t", YEARLY, "--at", "0")
+    wait_until(lambda: stamps(out), what="the occurrence running")
+    run_key = d.ctl_json("run", "k")["run_key"]
+    d.wait_log(f"key={run_key}: queued")
+    d.ctl("reload")
+    wait_until(lambda: sum(w == "end" for w, *_ in stamps(out)) == 2, timeout=40,
+               what="both runs")
+    log = stamps(out)
+    assert [(w, k) for w, k, *_ in log] == [("start", "k"), ("end", "k"),
+                                            ("start", run_key), ("end", run_key)], log
+    assert log[2][3] - log[1][3] <= POLL + 3.0, log
+    wait_until(lambda: [r["outcome"] for r in history(d, "k")] == ["success", "success"],
+               what="both recorded once")
+    assert d.stop() == 0
+    assert "Traceback" not in d.log(), d.log()[-3000:]
+
+
 def test_concurrency_allow_is_refused_while_a_0_1_0_host_works(
         daemon_factory: Any, sqlite_url: str, old_release: OldRelease,
         tmp_path: Path) -> None:
