@@ -247,6 +247,7 @@ def print_result(cmd: str, result: Any, *, as_json: bool) -> None:
         print(f"deleted {result['key']}" + (f" and {extra} extra run(s) of it" if extra else ""))
     elif cmd == "run":
         when = ("once its running occurrence has ended" if result.get("after_running")
+                else "now, stopping its running occurrence" if result.get("replaces")
                 else "now")
         print(f"queued a run of {result['key']} {when} (as {result['run_key']})")
     elif cmd == "init":

@@ -18,6 +18,7 @@ from perfectschedd.control.auth import Access, Caller, check_force
 from perfectschedd.control.protocol import ATTEMPT_MAX, HISTORY_MAX, HISTORY_OUTPUT_BYTES
 from perfectschedd.errors import InvalidInputError, NotFoundError
 from perfectschedd.notify import spec as notify_spec
+from perfectschedd.schedules import policy as policy_mod
 from perfectschedd.schedules.collection import ScheduleCollection, ScheduleInfo
 from perfectschedd.schedules.fields import RUN_NOW_MARK, SOURCE_FILE, detached_source
 from perfectschedd.schedules.ownership import known_user_name
@@ -65,11 +66,23 @@ def _check_notify(sc: ScheduleCollection, name: Any) -> None:
                                 f"notifiers: ({known})")
 
 
+def _check_concurrency(sc: ScheduleCollection, value: Any, now: float,
+                       what: str = "--concurrency") -> None:
+    """allow and replace put an occurrence on a row of its own, which a host of an older
+    release would run in turn with the others, or not stop: refused while one uses the
+    database (SPEC "Upgrades"), once the value itself is valid."""
+    chosen = policy_mod.check({"concurrency": value})["concurrency"] if value is not None \
+        else None
+    if chosen in ("allow", "replace"):
+        sc.refuse_on_older_hosts(f"{what} {chosen}", now)
+
+
 def _add(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
     options = {k: a[k] for k in ("delay", "timezone", "start", "at", "data", *POLICY_OPTIONS)
                if a.get(k) is not None}
     _may_schedule(access, _arg(a, "key"), _arg(a, "type"))
     _check_notify(sc, a.get("notify"))
+    _check_concurrency(sc, a.get("concurrency"), now)
     sc.add(a["key"], a["type"], _arg(a, "cron"), now=now, creator=access.creator, **options)
     return _info(sc[a["key"]].info(), LIST_FIELDS)
 
@@ -86,6 +99,7 @@ def _add_many(sc: ScheduleCollection, a: Args, now: float, access: Access) -> di
             raise InvalidInputError("schedules", f"unknown field(s) {', '.join(sorted(unknown))}")
         _may_schedule(access, item.get("key"), item.get("type"))
         _check_notify(sc, item.get("notify"))
+        _check_concurrency(sc, item.get("concurrency"), now)
     return {"added": sc.add_many([{**i, "now": now, "creator": access.creator}
                                   for i in items])}
 
@@ -126,11 +140,18 @@ def _show(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[s
     info = sc[_arg(a, "key")].info()
     shown = _info(info, SHOW_FIELDS)
     shown["creator_name"] = known_user_name(info.creator)
-    # Extra runs (`run KEY`) not ended yet; each starts only once no other run of the
-    # schedule is running.
-    shown["extra_runs"] = [{"run_key": r.key, "run_at": r.next_run_time,
-                            "running": r.owner is not None and r.next_run_time > now}
-                           for r in sc.extra_runs(a["key"])]
+    # Extra runs (`run KEY`) and occurrences on rows of their own (allow, replace) not
+    # ended yet.  Unless allowed to overlap, a held one runs only as its group's holder;
+    # the others are queued for their turn.
+    extra = sc.extra_runs(a["key"])
+    holder = sc.group_holder(info.key) if extra else None
+    shown["extra_runs"] = []
+    for r in extra:
+        held = r.owner is not None and r.next_run_time > now
+        running = held and (r.key == holder or policy_mod.from_text(r.policy).concurrency
+                            == "allow")
+        shown["extra_runs"].append({"run_key": r.key, "run_at": r.next_run_time,
+                                    "running": running, "queued": held and not running})
     return shown
 
 
@@ -170,6 +191,7 @@ def _modify(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict
     info = _changing(sc, a, access)
     access.check_route(info.key, info.type)  # what runs as its route's user changes
     _check_notify(sc, a.get("notify"))
+    _check_concurrency(sc, a.get("concurrency"), now)
     if "type" in changes:
         access.check_route(info.key, check_type(changes["type"]))
     sc[a["key"]].modify(now=now, **changes, **_detaching(info))
@@ -284,10 +306,14 @@ def _run(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[st
     info = schedule.info()
     access.check_route(info.key, info.type)
     run_key = schedule.run_now(now=now, creator=access.creator)
-    busy = sc.group_busy(run_key, a["key"], int(now))
+    # allow: it runs beside a running occurrence; replace: it stops it.
+    busy = info.concurrency != "allow" and sc.group_busy(run_key, a["key"], int(now))
+    replaces = busy and info.concurrency == "replace"
     return {"key": a["key"], "run_key": run_key, "run_at": int(now),
-            "after_running": busy,
-            "note": ("starts once the running occurrence of this schedule has ended"
+            "after_running": busy and not replaces, "replaces": replaces,
+            "note": ("starts now and stops the running occurrence of this schedule"
+                     if replaces else
+                     "starts once the running occurrence of this schedule has ended"
                      if busy else "starts now")}
 
 
@@ -332,6 +358,7 @@ def _apply(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[
     for entry in entries.values():
         access.check_apply_type(entry.key, entry.type)
         _check_notify(sc, entry.policy.notify)
+        _check_concurrency(sc, entry.policy.concurrency, now, f"{entry.key}: concurrency:")
     prune, dry_run = a.get("prune", False), a.get("dry_run", False)
     if not isinstance(prune, bool) or not isinstance(dry_run, bool):
         raise InvalidInputError("prune", "prune and dry_run must be true or false")

@@ -101,6 +101,9 @@ def _policy_args() -> tuple[Arg, ...]:
         "timeout": ("--timeout", "stop a run after SEC (default: the route's)"),
         "notify": ("--notify", "NAME of the daemon's notifiers: told of failures and "
                    "recoveries ('' or none: the route's, else the config's)"),
+        "concurrency": ("--concurrency", "a due occurrence while one runs: forbid "
+                        "(default: it waits), allow (it runs beside it) or replace (the "
+                        "running one is stopped)"),
     }
     assert set(texts) == set(POLICY_OPTIONS)
     return tuple(Arg((flag,), dest, text, kind="policy") for dest, (flag, text) in

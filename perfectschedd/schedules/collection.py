@@ -151,10 +151,51 @@ class Task:
     @property
     def group(self) -> str | None:
         """The schedule whose runs must not overlap this one's, when that may happen: its
-        own key if it has had extra runs, the schedule's key for an extra run."""
+        own key if it has had extra runs, the schedule's key for an extra run (or an
+        occurrence on a row of its own); None under `concurrency: allow`."""
+        if self.policy.concurrency == "allow":
+            return None
         if RUN_NOW_MARK in self.key:
             return self.key.split(RUN_NOW_MARK, 1)[0]
         return self.key if self.has_extra else None
+
+    def group_turn(self, now: float | None = None) -> str:
+        """Whether this run may start now in its group (store.group_turn: TURN_START,
+        TURN_WAIT, TURN_LOST); under `replace`, the group's other running rows are stopped
+        first.  Only for a task with a group."""
+        group = self.group
+        assert group is not None
+        now_s = int(time.time() if now is None else now)
+        return self._collection.store.group_turn(
+            self.key, group, now_s, fence=self.fence,
+            replace=self.policy.concurrency == "replace")
+
+    def split_off(self, owner: str, alive_time: int) -> bool:
+        """An occurrence of an allow or replace schedule, just claimed, moves to a row of
+        its own (KEY@run-TIME-HEX, a one-off holding this lease), and the schedule's row
+        moves on to its next occurrence at once, so that the next one can come due while
+        this one runs.  This task then stands for the new row.  False when the lease was
+        lost (nothing to run); True when split, or when nothing is to split (an extra run,
+        a one-shot, a schedule with no next occurrence, a key too long to mark)."""
+        if not self.policy.overlaps or self.cron is None or cron.is_once(self.cron) \
+                or RUN_NOW_MARK in self.key:
+            return True
+        run_key = f"{self.key}{RUN_NOW_MARK}{self.scheduled_time}-{os.urandom(4).hex()}"
+        advance = self.next_advance()
+        if advance.pause_reason is not None or len(run_key) > KEY_MAX:
+            self._advance = None
+            return True
+        self._advance = None  # computed for the schedule's row; the run's is its own
+        run = Row(key=run_key, type=self.type, cron=None, delay=self.delay,
+                  timezone=self.timezone, data=self._data_text,
+                  next_time=self.scheduled_time,
+                  next_run_time=lease_until(self.claimed_at, alive_time), paused=False,
+                  fence=1, attempt=self.attempt, owner=owner, claimed_at=self.claimed_at,
+                  policy=self.policy.to_text())
+        if not self._collection.store.split_occurrence(advance, run, self.due_time):
+            return False
+        self.key, self.cron, self.fence, self.has_extra = run_key, None, 1, False
+        return True
 
     @property
     def data(self) -> dict[str, Any]:
@@ -367,10 +408,13 @@ class Schedule:
             raise InvalidInputError("key", f"too long to add a run marker (max {KEY_MAX - 30})")
         if not self._collection.store.mark_extra(self.key):
             raise NotFoundError(f"schedule {self.key!r} not found")
+        # The schedule's concurrency goes with it: under allow it runs beside a running
+        # occurrence, under replace it stops it.
         self._collection.insert_rows([Row(
             key=run_key, type=info.type, cron=None, delay=0, timezone=info.timezone,
             data=dumps_data(info.data), next_time=now_s, next_run_time=now_s, paused=False,
             fence=0, attempt=0, owner=None, claimed_at=None,
+            policy=policy_mod.Policy(concurrency=info.concurrency).to_text(),
             creator=os.geteuid() if creator is None else creator)])
         return run_key
 
@@ -558,6 +602,24 @@ class ScheduleCollection:
     def extra_runs(self, key: str) -> list[Row]:
         """The pending extra runs (`run KEY`) of `key`."""
         return self.store.extra_runs(key)
+
+    def wake_group(self, key: str, now: float | None = None) -> None:
+        """A run of `key`'s group ended: the schedule's own occurrence, if it waits for
+        its turn (given back until later although it is due), becomes due now.  One that
+        waits after a failed attempt (attempt > 0: its retry wait) is left alone."""
+        now_s = int(time.time() if now is None else now)
+        row = self.store.get(key)
+        if row is None or row.owner is not None or row.paused or row.attempt \
+                or row.next_run_time <= now_s:
+            return
+        due = row.next_time + row.delay + policy_mod.from_text(row.policy).offset(key)
+        if due <= now_s:
+            self.store.wake(key, row.fence, now_s)
+
+    def group_holder(self, key: str) -> str | None:
+        """The run of `key`'s group (itself or a row KEY@run-...) that runs now, or ran
+        last: of its held rows the others wait for their turn."""
+        return self.store.group_holder(key)
 
     def group_busy(self, run_key: str, key: str, now: int) -> bool:
         """Whether another member of `key`'s group holds a live lease: `run_key` then

@@ -110,13 +110,24 @@ def converge(sc: ScheduleCollection, entries: Mapping[str, Entry],
     now = time.time() if now is None else now
     tz = sc.config.timezone
     rows = {r.key: r for r in sc.rows_of(keys=list(entries), sources=list(remove_from))}
-    older = _interval_refusal(sc, entries, rows, now, whole=applier is not None)
+    intervals_refused = _interval_refusal(sc, entries, rows, now, whole=applier is not None)
     changes: list[Change] = []
+    older: list[str] | None = None  # hosts of an older release, asked once if need be
     for key, entry in entries.items():
         row = rows.get(key)
-        if key in older:
-            changes.append(Change(REFUSED, key, older[key], again=True))
+        if key in intervals_refused:
+            changes.append(Change(REFUSED, key, intervals_refused[key], again=True))
             continue
+        if entry.policy.overlaps:
+            # An older host would run its occurrences in turn, or not stop them (SPEC
+            # "Upgrades"): refused alone, and what the database holds stays; tried again
+            # once those hosts are gone.
+            older = sc.older_hosts(now) if older is None else older
+            if older:
+                changes.append(Change(REFUSED, key, f"concurrency: {entry.policy.concurrency}"
+                                      " needs every host upgraded; older hosts use this "
+                                      f"database: {', '.join(older)}", again=True))
+                continue
         mine_unchanged = previous is not None and previous.get(key) == entry
         if row is None:
             if mine_unchanged:

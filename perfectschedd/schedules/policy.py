@@ -20,6 +20,9 @@ from perfectschedd.errors import InvalidInputError, describe
 from perfectschedd.notify import spec as notify_spec
 
 MISFIRES = ("all", "latest", "skip")
+# A due occurrence while another of the schedule runs: waits (forbid), runs beside it
+# (allow), or stops it and starts (replace).
+CONCURRENCIES = ("forbid", "allow", "replace")
 # `misfire: skip` without a grace: an occurrence that has not started this long after its
 # due time is a missed one.  (A claim normally starts within poll_interval.)
 SKIP_GRACE = 10
@@ -42,6 +45,7 @@ class Policy:
     # A name of the handling host's `notifiers:` (never a command or a destination: those
     # stay in the files root writes); None: the file entry's, the route's, the config's.
     notify: str | None = None
+    concurrency: str = "forbid"
 
     # -- stored form ----------------------------------------------------------------------
 
@@ -63,6 +67,12 @@ class Policy:
                                 for k, v in check(options).items()})
 
     # -- arithmetic -----------------------------------------------------------------------
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether an occurrence runs beside the others of its schedule, each on a row
+        of its own (allow, replace), rather than in turn on the schedule's row."""
+        return self.concurrency != "forbid"
 
     def offset(self, key: str) -> int:
         """The key's jitter: the same on every host, every occurrence, every restart."""
@@ -131,6 +141,11 @@ def check(options: Mapping[str, Any]) -> dict[str, Any]:
             if value not in MISFIRES:
                 raise InvalidInputError("misfire", f"must be one of {', '.join(MISFIRES)}, "
                                         f"got {describe(value)}")
+            out[name] = value
+        elif name == "concurrency":
+            if value not in CONCURRENCIES:
+                raise InvalidInputError("concurrency", f"must be one of "
+                                        f"{', '.join(CONCURRENCIES)}, got {describe(value)}")
             out[name] = value
         elif name == "notify":
             # '' or none: the schedule's own notifier is cleared (it inherits again).

@@ -43,11 +43,14 @@ from perfectschedd.store.schema import (
     Row,
 )
 
-__all__ = ["CRON_MAX", "DATA_MAX", "KEY_MAX", "POLICY_MAX", "RUN_NOW_MARK", "TYPE_MAX",
-           "TZ_MAX", "Advance", "Claimed", "Row", "Store", "check_url", "dumps_data",
-           "engine_url"]
+__all__ = ["CRON_MAX", "DATA_MAX", "KEY_MAX", "POLICY_MAX", "RUN_NOW_MARK", "TURN_LOST",
+           "TURN_START", "TURN_WAIT", "TYPE_MAX", "TZ_MAX", "Advance", "Claimed", "Row",
+           "Store", "check_url", "dumps_data", "engine_url"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+# Store.group_turn's answers: the member starts (it is the group's holder now), waits, or
+# no longer holds its row.
+TURN_START, TURN_WAIT, TURN_LOST = "start", "wait", "lost"
 SA_MAJOR = int(sa.__version__.split(".")[0])
 
 
@@ -696,33 +699,100 @@ class Store:
         with self._tx(readonly=True) as conn:
             return conn.execute(q).first() is not None
 
+    def _group_members(self, conn: Connection, base: str, *conds: Any) -> list[str]:
+        """The extra-run rows of `base` (base@run-...) matching `conds`.  LIKE ignores case
+        on SQLite and MySQL: the exact prefix is checked here."""
+        t = self.t
+        prefix = f"{base}{RUN_NOW_MARK}"
+        return [k for (k,) in conn.execute(sa.select(t.c.key).where(
+            t.c.key.startswith(prefix, autoescape=True), *conds)) if k.startswith(prefix)]
+
     @_retried
-    def group_acquire(self, key: str, base: str, now: int) -> bool:
-        """Whether `key`, a member of `base`'s group (the schedule and its extra runs
-        `base@run-...`), may start now; if so it becomes the group's holder.  Decided under
-        the base row's lock (one transaction), so of members claimed at the same time
-        exactly one starts and the others wait: no overlap and no livelock, as there would
-        be if each gave way to every other's lease.  A running base claimed before `run`
-        marked it (so it did not ask) blocks the extra runs through its own lease."""
+    def group_turn(self, key: str, base: str, now: int, *, fence: int | None = None,
+                   replace: bool = False) -> str:
+        """Whether `key`, a member of `base`'s group (the schedule and its rows
+        `base@run-...`: extra runs, and occurrences of an allow or replace schedule),
+        may start now: TURN_START (it becomes the group's holder), TURN_WAIT, or
+        TURN_LOST (`fence` given: the caller's row no longer holds it).
+
+        Decided under the base row's lock (one transaction), so of members claimed at the
+        same time exactly one starts and the others wait: no overlap and no livelock.  A
+        member waits while the holder's lease lives, and one of the extra runs waits
+        while the base row is held (a base claimed before `run` marked it runs without
+        asking).  The base's own occurrence also waits while an extra run is held or due:
+        an extra run queued behind a running occurrence goes first.  `replace`: the held
+        extra-run rows of the group are deleted first, so that their heartbeats find the
+        leases gone and stop their runs (`preempted`)."""
         t = self.t
         with self._tx() as conn:
             row = conn.execute(
                 sa.select(t.c.group_holder, t.c.owner, t.c.next_run_time)
                 .where(t.c.key == base).with_for_update()).first()
+            if fence is not None:
+                own = conn.execute(sa.select(t.c.fence).where(t.c.key == key)).scalar()
+                if own is None or int(own) != fence:
+                    return TURN_LOST
             if row is None:
-                return True  # the schedule is gone (delete took its extra runs with it)
+                return TURN_START  # the schedule is gone (delete took its extra runs)
             holder, base_owner, base_lease = row
+            if replace:
+                stopped = [k for k in self._group_members(conn, base, t.c.owner.isnot(None))
+                           if k != key]
+                for i in range(0, len(stopped), 500):
+                    conn.execute(t.delete().where(t.c.key.in_(stopped[i:i + 500])))
             if key != base and base_owner is not None and base_lease > now:
-                return False
+                return TURN_WAIT
             if holder is not None and holder != key:
                 live = conn.execute(sa.select(t.c.key).where(
                     t.c.key == holder, t.c.owner.isnot(None),
                     t.c.next_run_time > now)).first()
                 if live is not None:
-                    return False
+                    return TURN_WAIT
+            if key == base and self._group_members(conn, base, t.c.paused == 0, sa.or_(
+                    sa.and_(t.c.owner.isnot(None), t.c.next_run_time > now),
+                    sa.and_(t.c.owner.is_(None), t.c.next_run_time <= now))):
+                return TURN_WAIT
             if holder != key:
                 conn.execute(t.update().where(t.c.key == base).values(group_holder=key))
-            return True
+            return TURN_START
+
+    @_retried
+    def group_holder(self, base: str) -> str | None:
+        """The member of `base`'s group that runs now, or ran last (group_turn)."""
+        t = self.t
+        with self._tx(readonly=True) as conn:
+            return conn.execute(sa.select(t.c.group_holder).where(t.c.key == base)).scalar()
+
+    @_retried
+    def split_occurrence(self, advance: Advance, run: Row, due_time: int) -> bool:
+        """An occurrence of an allow or replace schedule moves to a row of its own: in
+        one transaction, the schedule's row (fenced: `advance` names the claim's fence)
+        moves on to its next occurrence, and `run`, a one-off row held by the caller,
+        takes the occurrence over with its lease.  False, and nothing written, when the
+        lease was lost."""
+        t = self.t
+        values = {n: getattr(run, n) for n in ROW_FIELDS}
+        values.update(paused=int(run.paused), due_time=due_time)
+        with self._tx() as conn:
+            moved = conn.execute(t.update().where(
+                t.c.key == advance.key, t.c.fence == advance.fence).values(
+                next_time=advance.next_time, next_run_time=advance.next_run_time, attempt=0,
+                owner=None, claimed_at=None, fence=t.c.fence + 1, has_extra=1))
+            if moved.rowcount != 1:
+                return False
+            conn.execute(t.insert().values(**values))
+        return True
+
+    @_retried
+    def wake(self, key: str, fence: int, now: int) -> bool:
+        """Make an unheld row that waits (given back to wait for its group) due at
+        `now`; fenced on the fence the caller read, so a row claimed or changed meanwhile
+        is left alone.  Whether it was woken."""
+        t = self.t
+        with self._tx() as conn:
+            return conn.execute(t.update().where(
+                t.c.key == key, t.c.fence == fence, t.c.owner.is_(None),
+                t.c.next_run_time > now).values(next_run_time=now)).rowcount == 1
 
     @_retried
     def reschedule(self, key: str, fence: int, run_at: int, *, count_attempt: bool) -> bool:

@@ -18,7 +18,6 @@ import dataclasses
 import itertools
 import logging
 import os
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -35,8 +34,8 @@ from perfectschedd.executors.systemd import props as unitprops
 from perfectschedd.metrics import counters as metrics
 from perfectschedd.schedules import catchup
 from perfectschedd.schedules.collection import ScheduleCollection, Task
-from perfectschedd.store.schema import lease_until
-from perfectschedd.store.sql import Store
+from perfectschedd.store.schema import RUN_NOW_MARK, lease_until
+from perfectschedd.store.sql import TURN_LOST, TURN_START, Store
 from perfectschedd.worker import pipe
 
 log = logging.getLogger("perfectschedd.worker")
@@ -60,9 +59,9 @@ HISTORY_FLUSH = 0.5
 # (history_kept): with output_limit at its maximum, 10,000 rows would be 10 GiB.
 HISTORY_KEPT_BYTES = 64 << 20
 DB_BACKOFF_MAX = 2.0  # a cron must resume soon after its database does
-# An occurrence whose schedule runs another one looks again after this (plus up to 1 s,
-# so that two that gave way to each other do not meet again).
-GROUP_WAIT = 1.0
+# A run queued for its turn in its group (`run KEY` behind a running occurrence) asks
+# again this often at most, and at least once per poll_interval.
+GROUP_RECHECK = 0.25
 
 
 class BatchedTask:
@@ -119,6 +118,10 @@ class LeasePipeline:
         self.router = Router(config.routes, log=log)
         self.unit_tag = unitprops.daemon_tag(config.control_socket)  # units' Description
         self.running: dict[str, Task] = {}
+        # Of `running`, the runs queued for their turn in their group (held, heartbeated,
+        # on no thread); the claim loop asks for their turn again (_take_turns).
+        self.waiting: dict[str, Task] = {}
+        self.turns_asked = 0.0
         # Per running key: what stops its run (shutdown, lease lost, self-fencing).
         self.controls: dict[str, RunControl] = {}
         # Self-fencing: a run stops this long before its lease expires unless a heartbeat
@@ -153,8 +156,10 @@ class LeasePipeline:
         return self.sc.store
 
     def running_count(self) -> int:
+        """Runs this worker has started or will start (queued for their turn in a group
+        not counted: a stop gives them back at once)."""
         with self.lock:
-            return len(self.running)
+            return len(self.running) - len(self.waiting)
 
     def _set_db(self, ok: bool, exc: BaseException | None = None) -> None:
         if ok and not self.db_ok:
@@ -201,7 +206,7 @@ class LeasePipeline:
         capacity = threads * (1 + queue_depth)
         with self.lock:
             free = capacity - len(self.running)
-            queued = len(self.running) - self.active
+            queued = len(self.running) - self.active - len(self.waiting)
         if self.finished and queued >= threads:
             # Every thread has work waiting: let finishes gather (not long).
             age = time.monotonic() - self.first_finish
@@ -212,6 +217,7 @@ class LeasePipeline:
         batch = self._take_finished()
         earliest: int | None = None
         try:
+            self._take_turns(submit)
             if not batch and want > 0:
                 # Nothing to write: look (a read, no lock) before taking the write lock,
                 # which on SQLite every other worker would wait for.
@@ -220,14 +226,9 @@ class LeasePipeline:
                     want = 0
             if batch or want > 0:
                 claimed = self._finish_and_claim(batch, want)
-                claimed = [t for t in claimed if self._catch_up(t)]
+                claimed = [t for t in claimed if self._catch_up(t) and self._split(t)]
                 for task in claimed:
-                    control = RunControl(lease_until(task.claimed_at, self.config.alive_time)
-                                         - self.fence_lead, self.fence_grace)
-                    with self.lock:
-                        self.running[task.key] = task
-                        self.controls[task.key] = control
-                    submit(task)
+                    self._admit(task, submit)
                 if want > 0 and len(claimed) == want:
                     self._set_db(True)
                     return 0.0  # there may be more due right now
@@ -237,12 +238,94 @@ class LeasePipeline:
         except DBAPIError as exc:
             self._set_db(False, exc)
             return self._backoff()
+        longest = min(self.config.poll_interval, GROUP_RECHECK) if self.waiting \
+            else self.config.poll_interval
         if free <= 0 or earliest is None:
-            return self.config.poll_interval
+            return longest
         wait = earliest - time.time()
         if wait <= 0 and not claimed:
             wait = 0.005  # due rows held by another claimer this instant
-        return max(0.0, min(wait, self.config.poll_interval))
+        return max(0.0, min(wait, longest))
+
+    # -- concurrency: rows of their own, turns in a group ----------------------------------
+
+    def _split(self, task: Task) -> bool:
+        """An occurrence of an allow or replace schedule takes a row of its own, and the
+        schedule moves on at once (Task.split_off); False when the lease was lost."""
+        if not task.policy.overlaps:
+            return True
+        assert self.sc is not None
+        if task.split_off(self.sc.owner, self.config.alive_time):
+            return True
+        log.warning("key=%s: lease lost before the occurrence of %d could start",
+                    task.key, task.scheduled_time)
+        return False
+
+    def _admit(self, task: Task, submit: Callable[[Task], None]) -> None:
+        """A claimed occurrence is held from now on (heartbeats, self-fencing) and
+        starts, unless another run of its schedule runs (its group, `run KEY`): an extra
+        run then waits here, queued, and starts once it ends; the schedule's own
+        occurrence is given back until then (the end of that run wakes it)."""
+        turn = TURN_START if task.group is None else task.group_turn()
+        if turn == TURN_LOST:
+            log.warning("key=%s: lease lost before the occurrence of %d could start",
+                        task.key, task.scheduled_time)
+            return
+        if turn != TURN_START and RUN_NOW_MARK not in task.key:
+            log.info("key=%s: the occurrence of %d waits: another run of the schedule "
+                     "goes first", task.key, task.scheduled_time)
+            try:
+                task.give_back(wait=self.config.alive_time)
+            except PreemptedError:
+                pass  # changed meanwhile: whoever changed it decides
+            return
+        control = RunControl(lease_until(task.claimed_at, self.config.alive_time)
+                             - self.fence_lead, self.fence_grace)
+        with self.lock:
+            self.running[task.key] = task
+            self.controls[task.key] = control
+            if turn != TURN_START:
+                self.waiting[task.key] = task
+        if turn == TURN_START:
+            submit(task)
+        else:
+            log.info("key=%s: queued: starts once the running occurrence of %s has ended",
+                     task.key, task.group)
+
+    def _take_turns(self, submit: Callable[[Task], None]) -> None:
+        """Ask again for the turn of each run queued here (at most every GROUP_RECHECK):
+        those whose turn came start; those whose lease was lost (deleted, replaced,
+        not renewed) are let go, never having run."""
+        if not self.waiting or time.monotonic() - self.turns_asked < GROUP_RECHECK:
+            return
+        self.turns_asked = time.monotonic()
+        waits: set[str | None] = set()  # groups told to wait this round
+        for key, task in list(self.waiting.items()):
+            with self.lock:
+                control = self.controls.get(key)
+            if control is not None and not control.is_set() and task.group in waits:
+                continue  # one turn at a time: the others of its group ask next round
+            turn = TURN_LOST if control is None or control.is_set() else task.group_turn()
+            if turn == TURN_START:
+                with self.lock:
+                    del self.waiting[key]
+                submit(task)
+            elif turn != TURN_LOST:
+                waits.add(task.group)
+            else:
+                log.warning("key=%s: lease lost while queued; it did not run", key)
+                with self.lock:
+                    del self.waiting[key]
+                    self.running.pop(key, None)
+                    self.controls.pop(key, None)
+
+    def _group_ended(self, batch: list[Task], lost: set[str]) -> None:
+        """Runs of a group whose finish was just written: a schedule's occurrence that
+        gave way to them may run now (ScheduleCollection.wake_group)."""
+        for task in batch:
+            group = task.group
+            if group is not None and task.key not in lost:
+                self._wake_group(group)
 
     def _catch_up(self, task: Task) -> bool:
         """Apply the schedule's misfire and grace policy to an occurrence just claimed;
@@ -328,16 +411,6 @@ class LeasePipeline:
                 error = error_line(f"no route for type {task.type!r} on this host; given "
                                    "back untried")
                 return
-            group = task.group
-            if group is not None and self.sc is not None and \
-                    not self.store.group_acquire(task.key, group, int(time.time())):
-                # One schedule never runs two occurrences at once (`run KEY` while KEY
-                # runs): this one waits for the other to end.
-                log.info("key=%s: waiting for the running occurrence of %s to end",
-                         task.key, group)
-                task.give_back(wait=GROUP_WAIT + random.random())
-                outcome = "waiting"
-                return
             metrics.task_started(task.type, max(0.0, started - due))
             log.info("start key=%s type=%s scheduled=%d attempt=%d late=%.3fs",
                      task.key, task.type, task.scheduled_time, task.attempt, started - due)
@@ -396,14 +469,16 @@ class LeasePipeline:
             error = error_line(f"internal error: {type(exc).__name__}: {exc}")
             log.exception("key=%s: internal error while running the task", task.key)
         finally:
-            ran = outcome != "waiting"  # gave way untried: not a run
-            if ran:
-                metrics.task_finished(task.type, outcome, duration)
+            metrics.task_finished(task.type, outcome, duration)
             with self.lock:
                 self.running.pop(task.key, None)
                 self.controls.pop(task.key, None)
-            if ran:
-                self._record(task, started, duration, outcome, unit, result, error)
+            self._record(task, started, duration, outcome, unit, result, error)
+            if task.group is not None and task not in self.finished:
+                # Ended otherwise than by a finish (retry, release, stopped), or finished
+                # and already written: the group's next run may start (a finish still
+                # queued wakes it once written).
+                self._wake_group(task.group)
             self.nudge()
 
     def _record(self, task: Task, started: float, duration: float, outcome: str,
@@ -443,7 +518,17 @@ class LeasePipeline:
             self.finished[:0] = batch  # the leases still protect them; try again
             raise
         self._report_lost(batch, lost)
+        if batch:
+            self._group_ended(batch, lost)
         return claimed
+
+    def _wake_group(self, group: str) -> None:
+        if self.sc is None:
+            return
+        try:
+            self.sc.wake_group(group)
+        except SQLAlchemyError:
+            pass  # the waiting occurrence runs when its give-back ends (alive_time)
 
     def _report_lost(self, batch: list[Task], lost: set[str]) -> None:
         for task in batch:
@@ -548,9 +633,12 @@ class LeasePipeline:
             control.stop(reason)
 
     def give_back_queued(self, tasks: list[Task]) -> int:
-        """A draining worker's claimed occurrences that no thread started: back now, to
-        run on another worker; how many went back."""
+        """A draining worker's claimed occurrences that no thread started (`tasks`, and
+        the runs queued for their turn in a group): back now, to run on another worker;
+        how many went back."""
         with self.lock:
+            tasks = [*tasks, *self.waiting.values()]
+            self.waiting.clear()
             for task in tasks:
                 if self.running.get(task.key) is task:
                     del self.running[task.key]

@@ -184,6 +184,8 @@ def test_once_runs_once_then_is_gone(daemon_factory: Any, db_url: str, tmp_path:
     (["--retry-wait", "nan"], "retry_wait"),
     (["--jitter", "1e9"], "jitter"),
     (["--timeout", "0"], "timeout"),
+    (["--concurrency", "parallel"], "concurrency"),
+    (["--concurrency", "ALLOW"], "concurrency"),
 ])
 def test_bad_policy_values_are_refused_by_name(daemon_factory: Any, args: list[str],
                                                field: str) -> None:

@@ -177,6 +177,25 @@ def test_with_what_was_applied_before_another_hosts_version_is_not_written_back(
     assert sc["a"].info().cron == "7 7 * * *"
 
 
+def test_allow_and_replace_are_refused_alone_while_an_older_host_works(
+        sc: ScheduleCollection) -> None:
+    """SPEC "Upgrades": an entry an older live host could not honour is refused alone,
+    naming the host, and its stored schedule stays; once no older host is live, it is
+    written."""
+    sc.store.record_host("old", "0.1.9", 1, T0 - 60, T0 - 1)
+    sc.add("b", "t", "0 3 * * *", source=JOBS, now=T0)
+    wanted = entries(entry("a", concurrency="allow"), entry("b", concurrency="replace"),
+                     entry("c"))
+    changes = converge(sc, wanted, [JOBS], now=T0)
+    assert actions(changes) == [(REFUSED, "a"), (REFUSED, "b"), (ADDED, "c")]
+    assert "concurrency: allow" in changes[0].detail and "old (0.1.9)" in changes[0].detail
+    assert not sc["a"].exists() and sc["b"].info().concurrency == "forbid"
+    later = T0 + 3600  # the old host is no longer live
+    assert actions(converge(sc, wanted, [JOBS], now=later)) == [
+        (ADDED, "a"), (CHANGED, "b"), (UNCHANGED, "c")]
+    assert sc["b"].info().concurrency == "replace"
+
+
 def test_summary_counts_by_action() -> None:
     changes = [Change(ADDED, "a"), Change(ADDED, "b"), Change(REFUSED, "c", "why"),
                Change(REMOVED, "d")]

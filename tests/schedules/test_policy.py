@@ -20,7 +20,7 @@ def test_defaults_store_as_null_and_read_back_as_defaults() -> None:
     assert from_text(None) is DEFAULT
     assert from_text("") is DEFAULT
     assert set(OPTIONS) == {"misfire", "grace", "max_attempts", "retry_wait", "jitter",
-                            "timeout", "notify"}
+                            "timeout", "notify", "concurrency"}
 
 
 ROUND_TRIPS = [
@@ -30,6 +30,9 @@ ROUND_TRIPS = [
     {"jitter": 600, "timeout": 2.5},
     {"misfire": "all", "grace": 315_360_000, "max_attempts": 1_000_000,
      "retry_wait": 0, "jitter": 7 * 86400, "timeout": 0.001},
+    {"concurrency": "allow"},
+    {"concurrency": "replace", "timeout": 60.5},
+    {"concurrency": "forbid"},
 ]
 
 
@@ -52,6 +55,12 @@ def test_to_text_from_text_round_trip(options: dict[str, Any]) -> None:
                                   '{"misfire": "sometimes"}', '{"grace": -1}'])
 def test_unreadable_stored_text_counts_as_the_defaults(text: str) -> None:
     assert from_text(text) == DEFAULT
+
+
+def test_concurrency_overlaps_only_when_allowed_or_replacing() -> None:
+    assert not DEFAULT.overlaps and DEFAULT.concurrency == "forbid"
+    assert Policy(concurrency="allow").overlaps and Policy(concurrency="replace").overlaps
+    assert DEFAULT.changed({"concurrency": "default"}) == DEFAULT
 
 
 def test_stored_text_ignores_unknown_options_and_keeps_the_known_ones() -> None:
@@ -83,6 +92,9 @@ BAD: list[tuple[str, Any, str]] = [
     ("timeout", -1.0, "must be from 0.001"),
     ("timeout", "fast", "must be a number of seconds"),
     ("timeout", False, "must be a number"),
+    ("concurrency", "parallel", "must be one of forbid, allow, replace"),
+    ("concurrency", "Allow", "must be one of"),
+    ("concurrency", 2, "must be one of"),
     ("colour", "blue", "not a schedule policy option"),
 ]
 

@@ -33,11 +33,12 @@ def test_a_good_file(tmp_path: Path) -> None:
     loaded = load_one(tmp_path, [
         GOOD, {"key": "e", "cron": "0 * * * *", "exec": ["/bin/echo", "hi"],
                "env": {"A": "1", "B": 2}, "timeout": 30, "misfire": "latest",
-               "data": {"x": [1]}}])
+               "concurrency": "allow", "data": {"x": [1]}}])
     assert loaded.errors == [] and loaded.sources == {"file:one.yml"}
     e = loaded.entries["e"]
     assert e.type == "exec:e" and e.exec == ("/bin/echo", "hi")
     assert e.env == (("A", "1"), ("B", "2")) and e.policy.timeout == 30
+    assert e.policy.concurrency == "allow" and loaded.entries["k"].policy.concurrency == "forbid"
     route = e.route()
     assert route is not None and route.pattern == "exec:e" and not route.append_key
     assert loaded.entries["k"].route() is None  # a type entry runs on the config's routes
@@ -71,6 +72,8 @@ def test_each_file_s_owner_is_recorded(tmp_path: Path) -> None:
     ({**GOOD, "timezone": "Mars/Base"}, "timezone: unknown time zone"),
     ({**GOOD, "delay": -1}, "delay: must be a whole number"),
     ({**GOOD, "misfire": "sometimes"}, "misfire: must be one of all, latest, skip"),
+    ({**GOOD, "concurrency": "parallel"},
+     "concurrency: must be one of forbid, allow, replace"),
     ({**GOOD, "max_attempts": "many"}, "max_attempts: must be a whole number"),
     ({**GOOD, "data": [1]}, "data: must be a JSON object"),
     ({**GOOD, "env": {"A": "1"}}, "env: only for exec entries"),

@@ -26,7 +26,7 @@ from perfectschedd import (
     PreemptedError,
     ScheduleCollection,
 )
-from perfectschedd.store.sql import Store
+from perfectschedd.store.sql import TURN_LOST, TURN_START, TURN_WAIT, Store
 
 T0 = 1_700_002_800  # 2023-11-14 23:00:00 UTC, a round hour
 H = 3600
@@ -289,39 +289,126 @@ def test_run_now_is_a_one_off_that_leaves_the_schedule_alone(sc: ScheduleCollect
 
 def test_group_members_take_turns(sc: ScheduleCollection) -> None:
     """A schedule and its extra runs (`run KEY`): of members claimed at the same time
-    exactly one may start; the others may once it no longer holds a live lease."""
+    exactly one may start; the others may once it no longer holds a live lease, the extra
+    runs before the schedule's own occurrence."""
     sc.add("k", "t", cron="* * * * *", next_time=T0 + 60, now=T0)
     extra = [sc["k"].run_now(now=T0) for _ in range(8)]
     claimed = sc.poll_many(limit=20, now=T0)
     assert sorted(t.key for t in claimed) == sorted(extra)
     store = sc.store
-    results: dict[str, bool] = {}
+    results: dict[str, str] = {}
 
-    def acquire(key: str) -> None:
+    def ask(key: str) -> None:
         with open_sc(sc.config.url) as other:
-            results[key] = other.store.group_acquire(key, "k", T0)
+            results[key] = other.store.group_turn(key, "k", T0)
 
-    threads = [threading.Thread(target=acquire, args=(k,)) for k in extra]
+    threads = [threading.Thread(target=ask, args=(k,)) for k in extra]
     for th in threads:
         th.start()
     for th in threads:
         th.join()
-    winners = [k for k, ok in results.items() if ok]
-    assert len(winners) == 1, results
-    assert store.group_acquire(winners[0], "k", T0)  # the holder may ask again
-    for task in claimed:
-        if task.key != winners[0]:
-            task.give_back(now=T0)
-    # The schedule's own occurrence waits for the running extra run, then takes its turn.
-    base = next(t for t in sc.poll_many(limit=20, now=T0 + 60) if t.key == "k")
-    assert not store.group_acquire("k", "k", T0 + 60)
-    next(t for t in claimed if t.key == winners[0]).finish()
-    assert store.group_acquire("k", "k", T0 + 60)
-    # ... and an extra run waits for the schedule's running occurrence.
+    winners = [k for k, turn in results.items() if turn == TURN_START]
+    assert len(winners) == 1 and set(results.values()) == {TURN_START, TURN_WAIT}, results
+    assert store.group_turn(winners[0], "k", T0) == TURN_START  # the holder may ask again
+    assert store.group_holder("k") == winners[0] and store.group_holder("none") is None
     waiting = next(k for k in extra if k != winners[0])
-    assert not store.group_acquire(waiting, "k", T0 + 60)
+    for task in claimed:
+        if task.key not in (winners[0], waiting):
+            task.give_back(now=T0)
+    # The schedule's own occurrence waits for the running extra run ...
+    again = sc.poll_many(limit=20, now=T0 + 60)
+    base = next(t for t in again if t.key == "k")
+    assert store.group_turn("k", "k", T0 + 60) == TURN_WAIT
+    next(t for t in claimed if t.key == winners[0]).finish()
+    # ... and, once it ended, for the extra runs still held or due: they go first.
+    assert store.group_turn("k", "k", T0 + 60) == TURN_WAIT
+    base.give_back(now=T0 + 60, wait=ALIVE)  # as a worker does
+    held = next(t for t in claimed if t.key == waiting)
+    assert store.group_turn(waiting, "k", T0 + 60, fence=held.fence) == TURN_START
+    held.finish()
+    for task in again:
+        if task.key != "k":
+            assert store.group_turn(task.key, "k", T0 + 60) == TURN_START
+            task.finish()
+    sc.wake_group("k", now=T0 + 60)
+    base = sc.poll(now=T0 + 60)
+    assert base is not None and base.key == "k"
+    assert store.group_turn("k", "k", T0 + 60) == TURN_START
+    # An extra run waits for the schedule's running occurrence.
+    late = sc["k"].run_now(now=T0 + 61)
+    assert store.group_turn(late, "k", T0 + 61) == TURN_WAIT
     base.finish()
-    assert store.group_acquire(waiting, "k", T0 + 61)
+    assert store.group_turn(late, "k", T0 + 61) == TURN_START
+
+
+def test_group_turn_of_a_lost_lease_and_replace(sc: ScheduleCollection) -> None:
+    """A member whose row no longer holds its fence is told TURN_LOST; `replace` deletes
+    the group's other held rows (their heartbeats then find their leases gone)."""
+    sc.add("k", "t", cron="0 * * * *", next_time=T0 + H, now=T0, concurrency="replace")
+    first, second = sc["k"].run_now(now=T0), sc["k"].run_now(now=T0)
+    a, b = sc.poll_many(limit=5, now=T0)
+    assert {a.key, b.key} == {first, second}
+    store = sc.store
+    assert store.group_turn(a.key, "k", T0, fence=a.fence + 1) == TURN_LOST
+    assert store.group_turn(a.key, "k", T0, fence=a.fence) == TURN_START
+    assert store.group_turn(b.key, "k", T0, fence=b.fence, replace=True) == TURN_START
+    assert not sc[a.key].exists() and sc[b.key].exists()
+    assert store.heartbeat([(a.key, a.fence), (b.key, b.fence)], T0 + ALIVE) == {a.key}
+    assert store.group_turn(a.key, "k", T0, fence=a.fence) == TURN_LOST
+    assert sc["k"].exists()  # the schedule itself is never deleted
+
+
+def test_split_occurrence_moves_the_schedule_on(sc: ScheduleCollection) -> None:
+    """allow/replace: the claimed occurrence moves to a one-off row holding the lease,
+    the schedule's row to its next occurrence (fenced), in one transaction."""
+    sc.add("k", "t", cron="0 * * * *", next_time=T0, data={"d": 1}, now=T0,
+           concurrency="allow", timeout=5)
+    task = sc.poll(now=T0)
+    assert task is not None and task.group is None
+    fence = task.fence
+    assert task.split_off(sc.owner, ALIVE)
+    assert task.key.startswith("k@run-") and task.fence == 1 and task.cron is None
+    base = sc.store.get("k")
+    assert base is not None and base.owner is None and base.fence == fence + 1
+    assert (base.next_time, base.next_run_time) == (T0 + H, T0 + H)
+    run = sc.store.get(task.key)
+    assert run is not None and run.owner == sc.owner and run.next_time == T0
+    assert run.next_run_time == T0 + ALIVE and run.data == '{"d":1}'
+    assert sc[task.key].info().timeout == 5  # the schedule's policies go with it
+    # The next occurrence is due while this one runs, and is split off in turn.
+    assert sc.store.heartbeat([(task.key, 1)], T0 + H + ALIVE) == set()
+    nxt = sc.poll(now=T0 + H)
+    assert nxt is not None and nxt.key == "k" and nxt.split_off(sc.owner, ALIVE)
+    task.finish()
+    assert not sc[task.key].exists() and sc[nxt.key].exists()
+    assert sc["k"].info().next_time == T0 + 2 * H
+    # Fenced: a holder that lost the schedule's row splits nothing.
+    stale = next(t for t in sc.poll_many(5, now=T0 + 2 * H) if t.key == "k")
+    sc["k"].modify(data={"d": 2}, now=T0 + 2 * H)
+    assert not stale.split_off(sc.owner, ALIVE)
+    assert [r.key for r in sc.extra_runs("k")] == [nxt.key]
+
+
+def test_wake_makes_a_waiting_occurrence_due(sc: ScheduleCollection) -> None:
+    """A schedule's occurrence given back to wait for its group is made due again when
+    a run of the group ends; one in its retry wait, or not due yet, is left alone."""
+    sc.add("k", "t", cron="0 * * * *", next_time=T0, now=T0)
+    task = sc.poll(now=T0)
+    assert task is not None
+    task.give_back(now=T0, wait=ALIVE)
+    assert sc.store.get("k").next_run_time == T0 + ALIVE
+    sc.wake_group("k", now=T0 + 5)
+    assert sc.store.get("k").next_run_time == T0 + 5
+    stale_fence = sc.store.get("k").fence
+    assert not sc.store.wake("k", stale_fence + 1, T0 + 5)
+    task = sc.poll(now=T0 + 5)
+    assert task is not None
+    task.retry(wait=600, now=T0 + 5)  # a failed attempt waits its retry wait
+    sc.wake_group("k", now=T0 + 6)
+    assert sc.store.get("k").next_run_time == T0 + 605
+    sc.add("later", "t", cron="0 * * * *", next_time=T0 + H, now=T0)
+    sc.wake_group("later", now=T0 + 6)
+    assert sc.store.get("later").next_run_time == T0 + H
 
 
 def test_add_many_is_all_or_nothing(sc: ScheduleCollection) -> None:
