@@ -36,7 +36,7 @@ from perfectschedd.schedules import overdue
 from perfectschedd.schedules import policy as policy_mod
 from perfectschedd.schedules.collection import ScheduleCollection
 from perfectschedd.schedules.validate import key_problem
-from perfectschedd.store import states
+from perfectschedd.store import deadline, states
 from perfectschedd.store.sql import RUN_NOW_MARK, Row, Store
 
 log = logging.getLogger("perfectschedd")
@@ -286,7 +286,7 @@ class MasterDatabase:
                                            ) from None
         except DBAPIError as exc:
             if exc.connection_invalidated or isinstance(exc.orig, OSError):
-                self._mark(False, first_line(exc.orig or exc))
+                self._mark(False, deadline.describe(exc))
             raise
 
     def health(self) -> tuple[bool | None, float | None, str | None]:
@@ -399,7 +399,8 @@ class MasterDatabase:
                 self.first_open.set()  # after the outcome is published: waiters read it
                 return
             except Exception as exc:  # noqa: BLE001 - this thread must not die
-                self._mark(False, first_line(getattr(exc, "orig", None) or exc))
+                # Hung (cut at its deadline), read-only, shutting down, or the driver's word.
+                self._mark(False, deadline.describe(exc))
                 self.first_open.set()
                 # A status request (or stop) arriving meanwhile cuts the wait short.
                 self._refresh.clear()

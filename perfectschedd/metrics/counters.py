@@ -97,6 +97,19 @@ class _WorkerMetrics:
             "dropped).", ["kind", "result"], registry=None)
         self.db_errors = Counter(f"{p}_database_errors",
                                  "Failed database operations of the workers.", registry=None)
+        # A database that hangs or fails over (store/deadline.py).
+        self.db_deadlines = Counter(
+            f"{p}_database_deadline_expiries",
+            "Database statements of the workers cut at their client-side deadline (no "
+            "answer: a hung server).", registry=None)
+        self.db_abandoned = Counter(
+            f"{p}_database_connections_abandoned",
+            "Database connections of the workers abandoned (never reused): a deadline, a "
+            "server that is not the primary any more, a broken connection.", registry=None)
+        self.db_reconnects = Counter(
+            f"{p}_database_reconnects",
+            "Times a worker connected again after losing its database connections.",
+            registry=None)
         # livemin: 1 only while every live worker reaches the database.
         self.db_up = Gauge(f"{p}_database_up",
                            "1 if every live worker reached the database on its last try.",
@@ -185,6 +198,21 @@ def lease_lost(task_type: str) -> None:
 def db_error() -> None:
     if _worker is not None:
         _worker.db_errors.inc()
+
+
+def db_deadline_expired() -> None:
+    if _worker is not None:
+        _worker.db_deadlines.inc()
+
+
+def db_connection_abandoned() -> None:
+    if _worker is not None:
+        _worker.db_abandoned.inc()
+
+
+def db_reconnected() -> None:
+    if _worker is not None:
+        _worker.db_reconnects.inc()
 
 
 def set_db_up(ok: bool) -> None:

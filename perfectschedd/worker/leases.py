@@ -60,6 +60,8 @@ HISTORY_FLUSH = 0.5
 # (history_kept): with output_limit at its maximum, 10,000 rows would be 10 GiB.
 HISTORY_KEPT_BYTES = 64 << 20
 DB_BACKOFF_MAX = 2.0  # a cron must resume soon after its database does
+# A heartbeat that failed is tried again this soon (at most alive_time/3 later).
+HEARTBEAT_RETRY = 1.0
 # An occurrence whose schedule runs another one looks again after this (plus up to 1 s,
 # so that two that gave way to each other do not meet again).
 GROUP_WAIT = 1.0
@@ -168,7 +170,8 @@ class LeasePipeline:
                 self.store.reset_connections()
             if self.db_ok:
                 log.error("database unreachable: %s; retrying with back-off",
-                          str(exc).splitlines()[0] if exc else "?")
+                          self.store.describe_error(exc) if exc and self.sc is not None
+                          else str(exc).splitlines()[0] if exc else "?")
             metrics.db_error()
         if ok != self.db_ok:
             metrics.set_db_up(ok)
@@ -494,7 +497,8 @@ class LeasePipeline:
 
     def heartbeat_loop(self) -> None:
         interval = max(0.2, self.config.alive_time / 3)
-        while not self.kill_event.wait(interval):
+        wait = interval
+        while not self.kill_event.wait(wait):
             with self.lock:
                 # Finished tasks whose result is not written yet keep their lease too.  A
                 # key held twice (finished, then claimed again) keeps its newest fence: the
@@ -504,11 +508,17 @@ class LeasePipeline:
                     newest[t.key] = max(t.fence, newest.get(t.key, t.fence))
                 held = list(newest.items())
             if not held or self.sc is None:
+                wait = interval
                 continue
-            self.renew(held)
+            # A renewal that failed (an outage, a hung server cut at its deadline, a
+            # failover) is tried again soon, not a third of alive_time later: the runs
+            # keep going until their fence_at, and are renewed as soon as a primary
+            # answers.
+            wait = interval if self.renew(held) else min(interval, HEARTBEAT_RETRY)
 
-    def renew(self, held: list[tuple[str, int]], now: float | None = None) -> None:
-        """One heartbeat of the leases `held` ((key, fence) pairs)."""
+    def renew(self, held: list[tuple[str, int]], now: float | None = None) -> bool:
+        """One heartbeat of the leases `held` ((key, fence) pairs); False when the
+        database did not answer."""
         assert self.sc is not None
         try:
             lease = lease_until(time.time() if now is None else now, self.config.alive_time)
@@ -516,8 +526,9 @@ class LeasePipeline:
         except SQLAlchemyError as exc:  # not only DBAPIError: this thread must not die
             # No renewal: the runs' fence_at stays, and they stop themselves in time.
             self._set_db(False, exc)
-            return
+            return False
         self._renewed(held, lost, lease)
+        return True
 
     def _renewed(self, held: list[tuple[str, int]], lost: set[str], lease: int) -> None:
         """After a heartbeat: renewed runs move their fence; lost ones are stopped.  Only

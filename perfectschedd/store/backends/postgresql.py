@@ -19,6 +19,12 @@ from sqlalchemy.exc import DBAPIError
 
 from perfectschedd.schedules.fields import CLAIMED_FIELDS
 from perfectschedd.store.backends.base import ServerBackend, in_cron_order
+from perfectschedd.store.deadline import (
+    CONNECT_TIMEOUT,
+    PG_NOT_PRIMARY,
+    StatementWatch,
+    pg_sqlstate,
+)
 from perfectschedd.store.schema import HISTORY_COLUMNS, Advance, Claimed
 
 # A transaction the server rolled back to break a deadlock or a serialization conflict:
@@ -31,8 +37,8 @@ class PostgreSQLBackend(ServerBackend):
     name = "postgresql"
     partial_index_dialect = "postgresql"
 
-    def __init__(self, url: Any, table: str) -> None:
-        super().__init__(url, table)
+    def __init__(self, url: Any, table: str, deadline: float = 10.0) -> None:
+        super().__init__(url, table, deadline)
         # The driver's own SQL ("%" escaped for its paramstyle).
         quote = self.engine.dialect.identifier_preparer
         t = quote.format_table(self.t).replace("%", "%%")
@@ -57,13 +63,21 @@ class PostgreSQLBackend(ServerBackend):
         # No pre-ping: it costs a round trip per transaction; a dead connection is caught
         # by the store's retry instead (the pool is invalidated and the operation re-run).
         # A server that stops answering must surface as an error (and a retry), never as
-        # a worker blocked for good: bounded connects, TCP keepalives, unacknowledged
-        # data timeout (libpq parameters; ignored on Unix sockets).
+        # a worker blocked for good: connects bounded per host of the URL (libpq's
+        # connect_timeout), keepalives and tcp_user_timeout for a peer that is gone (they
+        # do not fire on a frozen server, whose kernel still acknowledges), and the
+        # statement watchdog for that one (deadline.py).  libpq parameters; keepalives
+        # are ignored on Unix sockets.
+        self.watch = StatementWatch(self.deadline, self.socket_of)
         return sa.create_engine(
             self.url, pool_size=4, max_overflow=16, pool_recycle=3600,
-            connect_args={"connect_timeout": 10, "keepalives": 1, "keepalives_idle": 30,
-                          "keepalives_interval": 10, "keepalives_count": 3,
-                          "tcp_user_timeout": 60000})
+            connect_args={"connect_timeout": CONNECT_TIMEOUT, "keepalives": 1,
+                          "keepalives_idle": 30, "keepalives_interval": 10,
+                          "keepalives_count": 3,
+                          "tcp_user_timeout": int(self.deadline * 3000)})
+
+    def not_primary(self, orig: BaseException | None) -> bool:
+        return pg_sqlstate(orig) in PG_NOT_PRIMARY
 
     def should_try_again(self, exc: DBAPIError) -> bool:
         orig = exc.orig
