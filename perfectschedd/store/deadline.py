@@ -164,4 +164,8 @@ def describe(exc: BaseException, deadline: float | None = None) -> str:
         return "shutting down: the server ended the connection"
     if state == "57P03":
         return "starting or in recovery: the server takes no connection yet"
-    return first_line(orig if orig is not None else exc)
+    line = first_line(orig if orig is not None else exc)
+    if state is None and "timeout expired" in line:  # libpq's connect_timeout
+        return (f"hung or unreachable: no answer to a new connection within "
+                f"{CONNECT_TIMEOUT}s ({line})")
+    return line
