@@ -127,6 +127,7 @@ class MasterDatabase:
                                       previous_many=self._previous_outcomes)
         # Set once the first attempt to open the store has ended, whatever its outcome.
         self.first_open = threading.Event()
+        metrics.set_database_health(config.alive_time, None)
         # Why the database can never be used by this version (SchemaError): the daemon
         # stops.  None while it can, or may once it answers.
         self.fatal: str | None = None
@@ -356,6 +357,7 @@ class MasterDatabase:
         with self._refreshed:
             self.snapshot = snap
             self._refreshed.notify_all()
+        metrics.set_database_health(self.config.alive_time, snap.unreachable_since)
 
     # -- housekeeping thread ----------------------------------------------------------------
 

@@ -236,6 +236,8 @@ class _MasterState:
         self.states: dict[str, int] | None = None
         self.oldest_overdue = 0.0
         self.beyond_period = 0
+        self.alive_time = 0.0
+        self.db_unreachable_since: float | None = None  # the master's view, Unix time
 
 
 class _MasterCollector:
@@ -260,6 +262,15 @@ class _MasterCollector:
         yield CounterMetricFamily(f"{p}_worker_restarts",
                                   "Workers that died unexpectedly and were replaced.",
                                   value=s.restarts)
+        yield GaugeMetricFamily(f"{p}_alive_time_seconds",
+                                "alive_time of the running configuration (lease length).",
+                                value=s.alive_time)
+        since = s.db_unreachable_since
+        yield GaugeMetricFamily(
+            f"{p}_database_unreachable_seconds",
+            "How long the master has not reached the database (no answer, an error, "
+            "hung, not the primary); 0 while it does.",
+            value=0.0 if since is None else max(0.0, time.time() - since))
         counts = s.counts
         if counts is None:  # not read from the database yet: absent rather than wrong
             return
@@ -392,6 +403,14 @@ def set_schedule_states(by_state: dict[str, int], oldest_overdue: float,
         _master.states = dict(by_state)
         _master.oldest_overdue = float(oldest_overdue)
         _master.beyond_period = int(beyond_period)
+
+
+def set_database_health(alive_time: float, unreachable_since: float | None) -> None:
+    """The master's view of its database: unreachable since (Unix time; None: it answers),
+    and the lease length the alert rules compare with."""
+    if _master is not None:
+        _master.alive_time = float(alive_time)
+        _master.db_unreachable_since = unreachable_since
 
 
 def set_workers(configured: int, alive: int) -> None:

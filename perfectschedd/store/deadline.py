@@ -48,8 +48,9 @@ log = logging.getLogger("perfectschedd")
 DEADLINE_MIN = 2.0
 DEADLINE_MAX = 10.0
 # Seconds to connect to one host of the URL (libpq's connect_timeout, per host; 2 is the
-# least libpq takes).  A frozen host listed first costs every new connection this long.
-CONNECT_TIMEOUT = 3
+# least libpq takes).  A frozen host tried before the primary costs a new connection this
+# long (backends/postgresql.py tries the last primary first).
+CONNECT_TIMEOUT = 2
 
 
 def statement_deadline(alive_time: float) -> float:

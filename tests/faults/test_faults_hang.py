@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from daemon_harness import Daemon, pid_alive, wait_until
 from dbservers import PostgresServer
-from faultlib import now_boot, workers
+from faultlib import metric, now_boot, workers
 
 import perfectschedd
 from perfectschedctl.client import SocketClient
@@ -135,6 +135,7 @@ def test_hung_server_status_answers_jobs_live_work_resumes(
     private_pg.pause_server()
     slowest = 0.0
     said: dict[str, Any] = {}
+    unreachable_for: float | None = None
     try:
         end = time.monotonic() + 20
         while time.monotonic() < end:
@@ -144,6 +145,7 @@ def test_hung_server_status_answers_jobs_live_work_resumes(
             db = st["database"]
             if db["ok"] is False and db.get("unreachable_since") is not None:
                 said = db
+                unreachable_for = metric(d, "perfectsched_database_unreachable_seconds")
             time.sleep(0.5)
         assert pid_alive(job_pid), "the job died while the database hung"
     finally:
@@ -154,6 +156,7 @@ def test_hung_server_status_answers_jobs_live_work_resumes(
     assert said, "status never said the database is unreachable"
     assert re.search(r"hung|no answer", said.get("error") or ""), said
     assert t0_wall - 1 <= said["unreachable_since"] <= t0_wall + 15, (t0_wall, said)
+    assert unreachable_for is not None and unreachable_for > 0, unreachable_for
 
     wait_until(lambda: _runs(tmp_path, "S", "later"), deadline + 30,
                what="the occurrence due during the hang to start")
@@ -170,3 +173,11 @@ def test_hung_server_status_answers_jobs_live_work_resumes(
     assert d.alive()
     assert sorted(workers(d)) == pids, "a worker was replaced"
     wait_until(lambda: client.call("status")["database"]["ok"], 30, what="database ok")
+    # /metrics: the workers' statements cut at the deadline, their connections abandoned,
+    # and each worker connected again.
+    for name in ("perfectsched_database_deadline_expiries_total",
+                 "perfectsched_database_connections_abandoned_total",
+                 "perfectsched_database_reconnects_total"):
+        assert (metric(d, name) or 0) >= 1, name
+    assert metric(d, "perfectsched_database_unreachable_seconds") == 0
+    assert metric(d, "perfectsched_alive_time_seconds") == alive_time

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy import event
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
@@ -78,6 +79,43 @@ class PostgreSQLBackend(ServerBackend):
 
     def not_primary(self, orig: BaseException | None) -> bool:
         return pg_sqlstate(orig) in PG_NOT_PRIMARY
+
+    def _listen(self) -> None:
+        super()._listen()
+        self._prefer_last_primary()
+
+    def _prefer_last_primary(self) -> None:
+        """A multi-host URL's hosts are tried from the one that was primary last.  libpq
+        tries them in the URL's order, each for up to connect_timeout: with a frozen host
+        listed before the new primary, every new connection (each thread's, each pool
+        slot's) paid that wait again for as long as the host stayed frozen.  The order
+        rotates (every host is still tried), and only a connection that libpq accepted
+        (read-write, with target_session_attrs=read-write) moves the start."""
+        last: list[tuple[str, str]] = []
+
+        def connecting(dialect: Any, record: Any, cargs: Any, cparams: dict[str, Any]
+                       ) -> None:
+            hosts, ports = cparams.get("host"), cparams.get("port")
+            if not last or not isinstance(hosts, str) or "," not in hosts:
+                return
+            hs = hosts.split(",")
+            ps = str(ports).split(",") if ports not in (None, "") else [""] * len(hs)
+            if len(ps) == 1:
+                ps = ps * len(hs)
+            if len(ps) != len(hs) or last[0] not in zip(hs, ps, strict=True):
+                return
+            i = list(zip(hs, ps, strict=True)).index(last[0])
+            cparams["host"] = ",".join(hs[i:] + hs[:i])
+            cparams["port"] = ",".join(ps[i:] + ps[:i])
+
+        def connected(dbapi_conn: Any, record: Any) -> None:
+            info = getattr(dbapi_conn, "info", None)  # psycopg 3, psycopg2 >= 2.8
+            host, port = getattr(info, "host", None), getattr(info, "port", None)
+            if host is not None:
+                last[:] = [(str(host), str(port or ""))]
+
+        event.listen(self.engine, "do_connect", connecting)
+        event.listen(self.engine, "connect", connected)
 
     def should_try_again(self, exc: DBAPIError) -> bool:
         orig = exc.orig
