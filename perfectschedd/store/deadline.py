@@ -35,7 +35,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, OperationalError
 
 from perfectschedd.errors import first_line
 from perfectschedd.metrics import counters as metrics
@@ -148,6 +148,22 @@ PG_NOT_PRIMARY = frozenset({"25006", "57P01", "57P02", "57P03"})
 def pg_sqlstate(orig: BaseException | None) -> str | None:
     """The SQLSTATE of a psycopg (3) or psycopg2 error."""
     return getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+
+
+def unavailable(exc: BaseException) -> bool:
+    """Whether a database error means "no usable server" (hung, unreachable, not the
+    primary, connection lost), rather than a refusal of what was asked."""
+    if not isinstance(exc, DBAPIError):
+        return False
+    if exc.connection_invalidated or getattr(exc, "perfectsched_deadline", None) or \
+            isinstance(exc.orig, OSError):
+        return True
+    state = pg_sqlstate(exc.orig)
+    if state is not None:
+        return state.startswith("08") or state in PG_NOT_PRIMARY
+    # A client-side failure (no SQLSTATE): libpq could not connect, or lost the server.
+    return isinstance(exc, OperationalError) and pg_sqlstate(exc.orig) is None and \
+        type(exc.orig).__module__.startswith(("psycopg", "psycopg2"))
 
 
 def describe(exc: BaseException, deadline: float | None = None) -> str:
