@@ -1,7 +1,8 @@
 """Client-side deadlines on database statements: no call waits on a server for good.
 
-A statement (and a commit or rollback) that has not returned `seconds` after it was sent
-has its connection's socket shut down by a watchdog thread: the thread blocked in the
+A connection checked out of the pool for longer than `seconds` (one transaction: its
+statements, its commit, the pool's rollback; so every statement is bounded) has its
+socket shut down by a watchdog thread: the thread blocked in the
 driver wakes with "server closed the connection", SQLAlchemy takes that for a disconnect
 and invalidates the connection (it never goes back to the pool, and the connections the
 pool opened before it are replaced too: they lead to the same server), and the next try
@@ -54,13 +55,14 @@ CONNECT_TIMEOUT = 2
 
 
 def statement_deadline(alive_time: float) -> float:
-    """The client-side deadline of one statement, from the lease length."""
+    """The client-side deadline of one transaction (each of its statements, its commit),
+    from the lease length."""
     return min(DEADLINE_MAX, max(DEADLINE_MIN, alive_time / 6))
 
 
 class StatementWatch:
-    """The watchdog of one engine's connections.  arm() when a statement (or a commit,
-    a rollback) is sent, disarm() when it returned; a connection armed for longer than
+    """The watchdog of one engine's connections.  arm() when a connection is checked
+    out of the pool, disarm() when it is given back; a connection armed for longer than
     `seconds` has its socket shut down.  Any thread; one watchdog thread per process,
     started at the first arm() (after a fork, again in the child)."""
 
