@@ -197,12 +197,22 @@ def test_patroni_failover_under_load(tmp_path: Path, patroni_cluster: PatroniClu
           + ", ".join(f"{k} {v:.1f}s" for k, v in figures.items()))
     assert not rep.lost and not rep.duplicates and not rep.unexpected \
         and not rep.overlaps, "\n".join([rep.summary(), *rep.details])
-    # The database's own record: one success per due occurrence, nothing else.
-    with c.open() as sc:
-        outcomes: Counter[tuple[str, int, str]] = Counter()
-        for key in first:
-            for h in sc.history(key, 50):
-                outcomes[(key, int(h["scheduled_time"]), str(h["outcome"]))] += 1
+    # The database's own record: one success per due occurrence, nothing else.  History
+    # is written in batches after the finishes (up to HISTORY_FLUSH later).
+    def recorded() -> Counter[tuple[str, int, str]]:
+        found: Counter[tuple[str, int, str]] = Counter()
+        with c.open() as sc:
+            for key in first:
+                for h in sc.history(key, 50):
+                    found[(key, int(h["scheduled_time"]), str(h["outcome"]))] += 1
+        return found
+
+    outcomes = recorded()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not all(
+            outcomes[(k, t, "success")] for k, t in expected):
+        time.sleep(1)
+        outcomes = recorded()
     assert all(outcomes[(k, t, "success")] == 1 for k, t in expected), \
         sorted((k, t) for k, t in expected if outcomes[(k, t, "success")] != 1)[:10]
     others = {o: n for o, n in outcomes.items() if o[2] != "success" and (o[0], o[1])
