@@ -19,6 +19,8 @@ cd "$(dirname "$0")/.."
 PACKAGES=(
   # database servers and system tools used by the tests
   postgresql mariadb-server prometheus dbus util-linux bash-completion strace
+  # the database failover test (tests/faults/test_faults_failover.py): etcd + Patroni
+  patroni etcd-server
   # Debian's Python stack (make test-debian)
   python3-venv python3-wheel python3-sqlalchemy python3-croniter python3-yaml
   python3-prometheus-client python3-sdnotify python3-dbus-next python3-psycopg
@@ -117,7 +119,8 @@ rm -f "$LOG"
 # Sanity: the binaries the tests look for.
 for f in /usr/lib/postgresql/15/bin/initdb /usr/lib/postgresql/15/bin/postgres \
          /usr/sbin/mariadbd /usr/bin/mariadb-install-db /usr/bin/promtool \
-         /usr/bin/dbus-daemon /usr/bin/setpriv /usr/sbin/runuser /usr/bin/mmdebstrap; do
+         /usr/bin/dbus-daemon /usr/bin/setpriv /usr/sbin/runuser /usr/bin/mmdebstrap \
+         /usr/bin/patroni /usr/bin/etcd; do
   [ -x "$f" ] || { echo "install-test-deps: $f is missing after install" >&2; exit 1; }
 done
 echo "install-test-deps: done in $((SECONDS - T0)) s" >&2

@@ -36,7 +36,7 @@ from perfectschedd.schedules import overdue
 from perfectschedd.schedules import policy as policy_mod
 from perfectschedd.schedules.collection import ScheduleCollection
 from perfectschedd.schedules.validate import key_problem
-from perfectschedd.store import states
+from perfectschedd.store import deadline, states
 from perfectschedd.store.sql import RUN_NOW_MARK, Row, Store
 
 log = logging.getLogger("perfectschedd")
@@ -129,6 +129,7 @@ class MasterDatabase:
                                       previous_many=self._previous_outcomes)
         # Set once the first attempt to open the store has ended, whatever its outcome.
         self.first_open = threading.Event()
+        metrics.set_database_health(config.alive_time, None)
         # Why the database can never be used by this version (SchemaError): the daemon
         # stops.  None while it can, or may once it answers.
         self.fatal: str | None = None
@@ -275,6 +276,7 @@ class MasterDatabase:
             with self._gate():
                 return fn(sc)
 
+        asked_at = time.time()
         future: Future[T] = self._pool.submit(run)
         try:
             result = future.result(timeout)
@@ -287,8 +289,12 @@ class MasterDatabase:
             raise DatabaseUnavailableError(self._why(f"no answer within {timeout:g}s")
                                            ) from None
         except DBAPIError as exc:
-            if exc.connection_invalidated or isinstance(exc.orig, OSError):
-                self._mark(False, first_line(exc.orig or exc))
+            if deadline.unavailable(exc):
+                # Hung (cut at the statement deadline), unreachable, not the primary:
+                # the caller is told the database is unreachable, as after a timeout.
+                why = deadline.describe(exc)
+                self._mark(False, why, asked_at)
+                raise DatabaseUnavailableError(self._why(why)) from None
             raise
 
     def health(self) -> tuple[bool | None, float | None, str | None]:
@@ -342,11 +348,14 @@ class MasterDatabase:
             self._refreshed.wait_for(lambda: self.snapshot is not before, timeout=wait)
         return self.snapshot
 
-    def _mark(self, ok: bool, error: str | None = None) -> None:
+    def _mark(self, ok: bool, error: str | None = None, asked_at: float | None = None
+              ) -> None:
+        """`asked_at`: when the call that failed was sent (Unix time): a server that hung
+        has been unreachable since then, not since its deadline cut the call."""
         old = self.snapshot
         if ok == old.ok and (ok or error == old.error):
             return
-        since = None if ok else (old.unreachable_since or time.time())
+        since = None if ok else (old.unreachable_since or asked_at or time.time())
         if not ok and old.ok is not False:
             log.error("database unreachable: %s", error)
         elif ok and old.ok is False:
@@ -358,6 +367,7 @@ class MasterDatabase:
         with self._refreshed:
             self.snapshot = snap
             self._refreshed.notify_all()
+        metrics.set_database_health(self.config.alive_time, snap.unreachable_since)
 
     # -- housekeeping thread ----------------------------------------------------------------
 
@@ -368,6 +378,7 @@ class MasterDatabase:
         next_rename_check = 0.0
         while not self._stop.is_set():
             now = time.monotonic()
+            asked_at = time.time()
             try:
                 if self.sc is None:
                     self._open()
@@ -401,7 +412,8 @@ class MasterDatabase:
                 self.first_open.set()  # after the outcome is published: waiters read it
                 return
             except Exception as exc:  # noqa: BLE001 - this thread must not die
-                self._mark(False, first_line(getattr(exc, "orig", None) or exc))
+                # Hung (cut at its deadline), read-only, shutting down, or the driver's word.
+                self._mark(False, deadline.describe(exc), asked_at)
                 self.first_open.set()
                 # A status request (or stop) arriving meanwhile cuts the wait short.
                 self._refresh.clear()

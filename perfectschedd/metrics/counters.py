@@ -97,6 +97,19 @@ class _WorkerMetrics:
             "dropped).", ["kind", "result"], registry=None)
         self.db_errors = Counter(f"{p}_database_errors",
                                  "Failed database operations of the workers.", registry=None)
+        # A database that hangs or fails over (store/deadline.py).
+        self.db_deadlines = Counter(
+            f"{p}_database_deadline_expiries",
+            "Database statements of the workers cut at their client-side deadline (no "
+            "answer: a hung server).", registry=None)
+        self.db_abandoned = Counter(
+            f"{p}_database_connections_abandoned",
+            "Database connections of the workers abandoned (never reused): a deadline, a "
+            "server that is not the primary any more, a broken connection.", registry=None)
+        self.db_reconnects = Counter(
+            f"{p}_database_reconnects",
+            "Times a worker connected again after losing its database connections.",
+            registry=None)
         # livemin: 1 only while every live worker reaches the database.
         self.db_up = Gauge(f"{p}_database_up",
                            "1 if every live worker reached the database on its last try.",
@@ -187,6 +200,21 @@ def db_error() -> None:
         _worker.db_errors.inc()
 
 
+def db_deadline_expired() -> None:
+    if _worker is not None:
+        _worker.db_deadlines.inc()
+
+
+def db_connection_abandoned() -> None:
+    if _worker is not None:
+        _worker.db_abandoned.inc()
+
+
+def db_reconnected() -> None:
+    if _worker is not None:
+        _worker.db_reconnects.inc()
+
+
 def set_db_up(ok: bool) -> None:
     if _worker is not None:
         _worker.db_up.set(1 if ok else 0)
@@ -208,6 +236,8 @@ class _MasterState:
         self.states: dict[str, int] | None = None
         self.oldest_overdue = 0.0
         self.beyond_period = 0
+        self.alive_time = 0.0
+        self.db_unreachable_since: float | None = None  # the master's view, Unix time
 
 
 class _MasterCollector:
@@ -232,6 +262,15 @@ class _MasterCollector:
         yield CounterMetricFamily(f"{p}_worker_restarts",
                                   "Workers that died unexpectedly and were replaced.",
                                   value=s.restarts)
+        yield GaugeMetricFamily(f"{p}_alive_time_seconds",
+                                "alive_time of the running configuration (lease length).",
+                                value=s.alive_time)
+        since = s.db_unreachable_since
+        yield GaugeMetricFamily(
+            f"{p}_database_unreachable_seconds",
+            "How long the master has not reached the database (no answer, an error, "
+            "hung, not the primary); 0 while it does.",
+            value=0.0 if since is None else max(0.0, time.time() - since))
         counts = s.counts
         if counts is None:  # not read from the database yet: absent rather than wrong
             return
@@ -364,6 +403,14 @@ def set_schedule_states(by_state: dict[str, int], oldest_overdue: float,
         _master.states = dict(by_state)
         _master.oldest_overdue = float(oldest_overdue)
         _master.beyond_period = int(beyond_period)
+
+
+def set_database_health(alive_time: float, unreachable_since: float | None) -> None:
+    """The master's view of its database: unreachable since (Unix time; None: it answers),
+    and the lease length the alert rules compare with."""
+    if _master is not None:
+        _master.alive_time = float(alive_time)
+        _master.db_unreachable_since = unreachable_since
 
 
 def set_workers(configured: int, alive: int) -> None:

@@ -431,7 +431,7 @@ class ScheduleCollection:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.store = Store(config.url, config.table)
+        self.store = Store(config.url, config.table, config.alive_time)
         self.owner = f"{config.node}:{os.getpid()}"
         self.store.ensure_initialized()
 

@@ -23,6 +23,7 @@ from perfectschedd.schedules.fields import ROW_FIELDS, SCHEDULE_FIELDS, dumps_da
 from perfectschedd.store import states
 from perfectschedd.store import version as schemaversion
 from perfectschedd.store.backends.choice import open_backend
+from perfectschedd.store.deadline import DEADLINE_MAX, statement_deadline
 from perfectschedd.store.schema import (
     CRON_MAX,
     DATA_MAX,
@@ -100,6 +101,7 @@ def _retried(method: F) -> F:
         deadline = time.monotonic() + TRY_AGAIN_FOR
         delay = 0.005
         reconnected = False
+        hung: float | None = None
         while True:
             try:
                 return method(self, *args, **kwargs)
@@ -109,8 +111,13 @@ def _retried(method: F) -> F:
                     delay = min(delay * 2, 0.2)
                     continue
                 if exc.connection_invalidated and not reconnected:
+                    # A server that hung (cut at its deadline) or is not the primary any
+                    # more: one try on a new connection, to whichever host is primary now.
                     reconnected = True
+                    hung = getattr(exc, "perfectsched_deadline", None)
                     continue
+                if hung is not None and not getattr(exc, "perfectsched_deadline", None):
+                    exc.perfectsched_deadline = hung  # type: ignore[attr-defined]
                 raise
 
     return wrapper  # type: ignore[return-value]
@@ -122,9 +129,13 @@ class Store:
     Create one per process, after fork (connections must not cross a fork).
     """
 
-    def __init__(self, url: str, table: str = "perfectsched") -> None:
+    def __init__(self, url: str, table: str = "perfectsched",
+                 alive_time: float | None = None) -> None:
         self.url = engine_url(url)
-        self.backend = open_backend(self.url, table)
+        # No statement waits on a server longer than this (deadline.py): a sixth of
+        # alive_time, well inside the leases it renews.
+        self.deadline = statement_deadline(alive_time) if alive_time else DEADLINE_MAX
+        self.backend = open_backend(self.url, table, self.deadline)
         self.dialect = self.backend.name
         self.engine = self.backend.engine
         self.write_lock = self.backend.write_lock
@@ -148,7 +159,14 @@ class Store:
         """Drop pooled connections (after an error): later calls connect afresh.  Those
         in use by other threads are closed when they are given back."""
         self.backend.drop_connections()
+        self.backend.lost = True
         self.engine.dispose()
+
+    def describe_error(self, exc: BaseException) -> str:
+        """One line saying what a database error means: hung (no answer within the
+        deadline), read-only or shutting down (not the primary any more), or the driver's
+        message."""
+        return self.backend.describe_error(exc)
 
     def after_fork(self) -> None:
         """In a process forked from the one that opened this store: forget the parent's

@@ -62,6 +62,8 @@ DB_BACKOFF_MAX = 2.0  # a cron must resume soon after its database does
 # A run queued for its turn in its group (`run KEY` behind a running occurrence) asks
 # again this often at most, and at least once per poll_interval.
 GROUP_RECHECK = 0.25
+# A heartbeat that failed is tried again this soon (at most alive_time/3 later).
+HEARTBEAT_RETRY = 1.0
 
 
 class BatchedTask:
@@ -173,7 +175,8 @@ class LeasePipeline:
                 self.store.reset_connections()
             if self.db_ok:
                 log.error("database unreachable: %s; retrying with back-off",
-                          str(exc).splitlines()[0] if exc else "?")
+                          self.store.describe_error(exc) if exc and self.sc is not None
+                          else str(exc).splitlines()[0] if exc else "?")
             metrics.db_error()
         if ok != self.db_ok:
             metrics.set_db_up(ok)
@@ -579,7 +582,8 @@ class LeasePipeline:
 
     def heartbeat_loop(self) -> None:
         interval = max(0.2, self.config.alive_time / 3)
-        while not self.kill_event.wait(interval):
+        wait = interval
+        while not self.kill_event.wait(wait):
             with self.lock:
                 # Finished tasks whose result is not written yet keep their lease too.  A
                 # key held twice (finished, then claimed again) keeps its newest fence: the
@@ -589,11 +593,17 @@ class LeasePipeline:
                     newest[t.key] = max(t.fence, newest.get(t.key, t.fence))
                 held = list(newest.items())
             if not held or self.sc is None:
+                wait = interval
                 continue
-            self.renew(held)
+            # A renewal that failed (an outage, a hung server cut at its deadline, a
+            # failover) is tried again soon, not a third of alive_time later: the runs
+            # keep going until their fence_at, and are renewed as soon as a primary
+            # answers.
+            wait = interval if self.renew(held) else min(interval, HEARTBEAT_RETRY)
 
-    def renew(self, held: list[tuple[str, int]], now: float | None = None) -> None:
-        """One heartbeat of the leases `held` ((key, fence) pairs)."""
+    def renew(self, held: list[tuple[str, int]], now: float | None = None) -> bool:
+        """One heartbeat of the leases `held` ((key, fence) pairs); False when the
+        database did not answer."""
         assert self.sc is not None
         try:
             lease = lease_until(time.time() if now is None else now, self.config.alive_time)
@@ -601,8 +611,9 @@ class LeasePipeline:
         except SQLAlchemyError as exc:  # not only DBAPIError: this thread must not die
             # No renewal: the runs' fence_at stays, and they stop themselves in time.
             self._set_db(False, exc)
-            return
+            return False
         self._renewed(held, lost, lease)
+        return True
 
     def _renewed(self, held: list[tuple[str, int]], lost: set[str], lease: int) -> None:
         """After a heartbeat: renewed runs move their fence; lost ones are stopped.  Only

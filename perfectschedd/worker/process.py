@@ -175,8 +175,9 @@ class Worker:
         if not force and now - self.last_ping < PING_INTERVAL:
             return
         self.last_ping = now
+        in_db = self.in_db  # read before loop_at, which is set before in_db is cleared
         ping = pipe.Ping(self.pipeline.running_count(), self.pipeline.db_ok,
-                         now - self.loop_at, self.in_db)
+                         now - self.loop_at, in_db)
         try:
             os.write(self.alive_fd, pipe.encode(ping.line()))
         except BlockingIOError:
@@ -234,6 +235,9 @@ class Worker:
                 try:
                     wait = self.pipeline.step(pool.submit)
                 finally:
+                    # The loop moves on now: a ping between here and the next turn must
+                    # not report the time spent waiting on the database as a stall.
+                    self.loop_at = time.monotonic()
                     self.in_db = False
                 deadline = time.monotonic() + wait
                 while not self._sleep(sel, deadline):

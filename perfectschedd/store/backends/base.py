@@ -17,11 +17,14 @@ from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import sqlalchemy as sa
+from sqlalchemy import event
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.engine.url import URL
 from sqlalchemy.exc import DBAPIError
 
+from perfectschedd.metrics import counters as metrics
 from perfectschedd.store import schema
+from perfectschedd.store.deadline import DEADLINE_MAX, StatementWatch
 from perfectschedd.store.schema import Advance, Claimed
 from perfectschedd.store.writelock import HostWriteLock
 
@@ -69,9 +72,13 @@ class Backend(ABC):
     # Where the leased rows have an index of their own (None: no partial indexes).
     partial_index_dialect: ClassVar[str | None] = None
 
-    def __init__(self, url: URL, table: str) -> None:
+    def __init__(self, url: URL, table: str, deadline: float = DEADLINE_MAX) -> None:
         self.url = url
+        # Seconds a statement may go unanswered (store/deadline.py); server backends.
+        self.deadline = deadline
         self.write_lock: HostWriteLock | None = None
+        # Set when connections were lost: the next one opened counts as a reconnect.
+        self.lost = False
         self.engine = self.create_engine()
         self.metadata = sa.MetaData()
         self.t = schema.schedules_table(self.metadata, table, self.data_type(),
@@ -124,6 +131,18 @@ class Backend(ABC):
         """Whether the database asks for the operation to be run again (a lock it could
         not take in time, a deadlock or serialization victim); never shown to users."""
         return False
+
+    def not_primary(self, orig: BaseException | None) -> bool:
+        """Whether a driver error says this server is not the primary (any more):
+        read-only, shutting down, in recovery.  Its connection is then abandoned like a
+        broken one, and the next goes to whichever host is primary now."""
+        return False
+
+    def describe_error(self, exc: BaseException) -> str:
+        """One line for logs and status: what a database error means (deadline.py)."""
+        from perfectschedd.store.deadline import describe
+
+        return describe(exc)
 
     def keep_connection(self) -> None:
         """The calling thread (a worker's claim loop) may keep a connection for the hot
@@ -199,7 +218,69 @@ class Backend(ABC):
 
 class ServerBackend(Backend):
     """A database server (PostgreSQL, MySQL): the hot path is statements on a SQLAlchemy
-    connection, each backend writing its own finish and claim."""
+    connection, each backend writing its own finish and claim.  A server may hang or stop
+    being the primary: every statement runs under a deadline (`watch`, where the driver
+    has no socket timeout of its own), and a connection that missed it or reached a
+    server that is not the primary is abandoned (deadline.py)."""
+
+    def __init__(self, url: URL, table: str, deadline: float = DEADLINE_MAX) -> None:
+        self.watch: StatementWatch | None = None
+        super().__init__(url, table, deadline)
+        self._listen()
+
+    def socket_of(self, dbapi_conn: Any) -> int:
+        """The descriptor of a driver connection's socket (for the watchdog)."""
+        return int(dbapi_conn.fileno())
+
+    def _listen(self) -> None:
+        engine, watch = self.engine, self.watch
+        if watch is not None:
+            # Armed while a connection is checked out of the pool: from the first
+            # statement of a transaction to its commit (or the pool's rollback), so each
+            # statement, commit and rollback is bounded.  Per checkout, not per statement:
+            # cursor-execute listeners put SQLAlchemy on its slow path (+15 % client CPU
+            # on the claim loop); one transaction is a few statements of milliseconds.
+            def checked_out(dbapi_conn: Any, record: Any, proxy: Any) -> None:
+                watch.arm(dbapi_conn)
+
+            def checked_in(dbapi_conn: Any, record: Any) -> None:
+                if dbapi_conn is not None:
+                    watch.disarm(dbapi_conn)
+
+            event.listen(engine, "checkout", checked_out)
+            event.listen(engine, "checkin", checked_in)
+
+        def failed(ctx: Any) -> None:
+            dbapi_conn = _dbapi_of(ctx.connection, getattr(ctx, "cursor", None))
+            cut = False
+            if watch is not None and dbapi_conn is not None:
+                watch.disarm(dbapi_conn)
+                cut = watch.was_cut(dbapi_conn)
+            if cut and ctx.sqlalchemy_exception is not None:
+                ctx.sqlalchemy_exception.perfectsched_deadline = self.deadline
+            if cut or self.not_primary(ctx.original_exception):
+                # Never back to the pool; the pool's older connections lead to the same
+                # server and are replaced as well.
+                ctx.is_disconnect = True
+
+        def invalidated(dbapi_conn: Any, record: Any, exc: BaseException | None) -> None:
+            if exc is not None:
+                metrics.db_connection_abandoned()
+                self.lost = True
+
+        def connected(dbapi_conn: Any, record: Any) -> None:
+            if self.lost:
+                self.lost = False
+                metrics.db_reconnected()
+
+        event.listen(engine, "handle_error", failed)
+        event.listen(engine, "invalidate", invalidated)
+        event.listen(engine, "connect", connected)
+
+    def close(self) -> None:
+        if self.watch is not None:
+            self.watch.close()
+        super().close()
 
     def finish_and_claim(self, finished: Sequence[Advance], now: float, lease_seconds: int,
                          owner: str, limit: int) -> tuple[set[str], list[Claimed]]:
@@ -220,3 +301,12 @@ class ServerBackend(Backend):
     def claim_in(self, conn: Connection, params: dict[str, Any]) -> list[Claimed]:
         """finish_and_claim's claim (`due_by`, `lease_until`, `holder`, `claim_ts`,
         `batch`), in its transaction."""
+
+
+def _dbapi_of(conn: Any, cursor: Any = None) -> Any:
+    """The driver connection under a SQLAlchemy Connection (or a cursor), without
+    reconnecting an invalidated one (the public `connection` attribute would)."""
+    if cursor is not None:
+        return getattr(cursor, "connection", None)
+    fairy = getattr(conn, "_dbapi_connection", None)
+    return getattr(fairy, "dbapi_connection", None)

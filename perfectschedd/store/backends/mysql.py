@@ -8,6 +8,7 @@ executemany of SQL compiled once.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,17 +17,21 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
 from perfectschedd.store.backends.base import DriverStatement, ServerBackend
+from perfectschedd.store.deadline import CONNECT_TIMEOUT
 from perfectschedd.store.schema import Advance, Claimed
 
 # Deadlock found / lock wait timeout: the transaction was rolled back, run it again.
 _TRY_AGAIN_ERRORS = frozenset({1213, 1205})
+# The server runs read-only (--read-only, a replica; MariaDB's and MySQL's codes): not the
+# primary, the connection is left for one to the primary.
+_NOT_PRIMARY_ERRORS = frozenset({1290, 1836})
 
 
 class MySQLBackend(ServerBackend):
     name = "mysql"
 
-    def __init__(self, url: Any, table: str) -> None:
-        super().__init__(url, table)
+    def __init__(self, url: Any, table: str, deadline: float = 10.0) -> None:
+        super().__init__(url, table, deadline)
         t = self.t
         self._fences_stmt = (sa.select(t.c.key, t.c.fence)
                              .where(t.c.key.in_(sa.bindparam("keys", expanding=True)))
@@ -35,12 +40,20 @@ class MySQLBackend(ServerBackend):
         self._delete_many = DriverStatement(self.delete_fenced_stmt, self.engine.dialect)
 
     def create_engine(self) -> Engine:
-        # No pre-ping (see postgresql.py); bounded connects and reads, so a server that
-        # stops answering surfaces as an error instead of a worker blocked for good.
+        # No pre-ping (see postgresql.py).  PyMySQL's own socket timeouts are the
+        # statement deadline (store/deadline.py): every read and write of the socket is
+        # bounded, so a frozen server surfaces as "lost connection" (a disconnect: the
+        # connection is abandoned) instead of a worker blocked for good.
+        seconds = max(1, math.ceil(self.deadline))
         return sa.create_engine(
             self.url, pool_size=4, max_overflow=16, pool_recycle=3600,
             isolation_level="READ COMMITTED",
-            connect_args={"connect_timeout": 10, "read_timeout": 120, "write_timeout": 120})
+            connect_args={"connect_timeout": CONNECT_TIMEOUT, "read_timeout": seconds,
+                          "write_timeout": seconds})
+
+    def not_primary(self, orig: BaseException | None) -> bool:
+        args = getattr(orig, "args", ())
+        return bool(args) and isinstance(args[0], int) and args[0] in _NOT_PRIMARY_ERRORS
 
     def data_type(self) -> sa.types.TypeEngine[Any]:
         """MySQL's TEXT stops at 65535 bytes.  Imported here: every dialect module loaded

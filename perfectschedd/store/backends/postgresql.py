@@ -14,11 +14,18 @@ from collections.abc import Sequence
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy import event
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
 from perfectschedd.schedules.fields import CLAIMED_FIELDS
 from perfectschedd.store.backends.base import ServerBackend, in_cron_order
+from perfectschedd.store.deadline import (
+    CONNECT_TIMEOUT,
+    PG_NOT_PRIMARY,
+    StatementWatch,
+    pg_sqlstate,
+)
 from perfectschedd.store.schema import HISTORY_COLUMNS, Advance, Claimed
 
 # A transaction the server rolled back to break a deadlock or a serialization conflict:
@@ -31,8 +38,8 @@ class PostgreSQLBackend(ServerBackend):
     name = "postgresql"
     partial_index_dialect = "postgresql"
 
-    def __init__(self, url: Any, table: str) -> None:
-        super().__init__(url, table)
+    def __init__(self, url: Any, table: str, deadline: float = 10.0) -> None:
+        super().__init__(url, table, deadline)
         # The driver's own SQL ("%" escaped for its paramstyle).
         quote = self.engine.dialect.identifier_preparer
         t = quote.format_table(self.t).replace("%", "%%")
@@ -57,13 +64,58 @@ class PostgreSQLBackend(ServerBackend):
         # No pre-ping: it costs a round trip per transaction; a dead connection is caught
         # by the store's retry instead (the pool is invalidated and the operation re-run).
         # A server that stops answering must surface as an error (and a retry), never as
-        # a worker blocked for good: bounded connects, TCP keepalives, unacknowledged
-        # data timeout (libpq parameters; ignored on Unix sockets).
+        # a worker blocked for good: connects bounded per host of the URL (libpq's
+        # connect_timeout), keepalives and tcp_user_timeout for a peer that is gone (they
+        # do not fire on a frozen server, whose kernel still acknowledges), and the
+        # statement watchdog for that one (deadline.py).  libpq parameters; keepalives
+        # are ignored on Unix sockets.
+        self.watch = StatementWatch(self.deadline, self.socket_of)
         return sa.create_engine(
             self.url, pool_size=4, max_overflow=16, pool_recycle=3600,
-            connect_args={"connect_timeout": 10, "keepalives": 1, "keepalives_idle": 30,
-                          "keepalives_interval": 10, "keepalives_count": 3,
-                          "tcp_user_timeout": 60000})
+            connect_args={"connect_timeout": CONNECT_TIMEOUT, "keepalives": 1,
+                          "keepalives_idle": 30, "keepalives_interval": 10,
+                          "keepalives_count": 3,
+                          "tcp_user_timeout": int(self.deadline * 3000)})
+
+    def not_primary(self, orig: BaseException | None) -> bool:
+        return pg_sqlstate(orig) in PG_NOT_PRIMARY
+
+    def _listen(self) -> None:
+        super()._listen()
+        self._prefer_last_primary()
+
+    def _prefer_last_primary(self) -> None:
+        """A multi-host URL's hosts are tried from the one that was primary last.  libpq
+        tries them in the URL's order, each for up to connect_timeout: with a frozen host
+        listed before the new primary, every new connection (each thread's, each pool
+        slot's) paid that wait again for as long as the host stayed frozen.  The order
+        rotates (every host is still tried), and only a connection that libpq accepted
+        (read-write, with target_session_attrs=read-write) moves the start."""
+        last: list[tuple[str, str]] = []
+
+        def connecting(dialect: Any, record: Any, cargs: Any, cparams: dict[str, Any]
+                       ) -> None:
+            hosts, ports = cparams.get("host"), cparams.get("port")
+            if not last or not isinstance(hosts, str) or "," not in hosts:
+                return
+            hs = hosts.split(",")
+            ps = str(ports).split(",") if ports not in (None, "") else [""] * len(hs)
+            if len(ps) == 1:
+                ps = ps * len(hs)
+            if len(ps) != len(hs) or last[0] not in zip(hs, ps, strict=True):
+                return
+            i = list(zip(hs, ps, strict=True)).index(last[0])
+            cparams["host"] = ",".join(hs[i:] + hs[:i])
+            cparams["port"] = ",".join(ps[i:] + ps[:i])
+
+        def connected(dbapi_conn: Any, record: Any) -> None:
+            info = getattr(dbapi_conn, "info", None)  # psycopg 3, psycopg2 >= 2.8
+            host, port = getattr(info, "host", None), getattr(info, "port", None)
+            if host is not None:
+                last[:] = [(str(host), str(port or ""))]
+
+        event.listen(self.engine, "do_connect", connecting)
+        event.listen(self.engine, "connect", connected)
 
     def should_try_again(self, exc: DBAPIError) -> bool:
         orig = exc.orig
