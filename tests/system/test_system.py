@@ -338,8 +338,8 @@ def test_01_unit_verifies_and_scores(ns: Namespace, installed) -> None:
 
 def test_01b_the_unit_s_programs_come_with_the_package(ns: Namespace, installed) -> None:
     """Every program the unit runs is the package's, an essential package's, or one it
-    depends on: a minimal system (a container, a minbase tree) has no procps, whose
-    /bin/kill ExecReload= runs."""
+    depends on: a minimal system (a container, a minbase tree) lacks much (procps,
+    whose /bin/kill ExecReload= ran before it was perfectschedctl reload)."""
     depends = {alt.split()[0].split(":")[0] for dep in ns.out(
         "dpkg-query", "-W", "-f=${Depends}", "perfectsched").split(",")
         for alt in dep.split("|") if alt.strip()}
