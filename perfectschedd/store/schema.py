@@ -20,6 +20,7 @@ from perfectschedd.schedules.fields import (  # noqa: F401 - the store's names t
     CLAIMED_OPTIONAL,
     CRON_MAX,
     DATA_MAX,
+    DELETED_META,
     ERROR_MAX,
     EXEC_TYPE,
     KEY_MAX,
@@ -36,6 +37,7 @@ from perfectschedd.schedules.fields import (  # noqa: F401 - the store's names t
     TYPE_MAX,
     TZ_MAX,
     UNIT_MAX,
+    deleted_marker_name,
 )
 
 # How long an operation is tried again while the database says "try again" (a SQLite
