@@ -370,8 +370,11 @@ def _apply(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[
     if not isinstance(prune, bool) or not isinstance(dry_run, bool):
         raise InvalidInputError("prune", "prune and dry_run must be true or false")
     # --prune: every schedule that came from a file and is not in these files goes (those
-    # the caller may change: Access.owns).
-    remove_from = sc.file_sources() if prune else []
+    # the caller may change: Access.owns), and so do the markers of forced deletes of
+    # these files' entries that left them (a file whose schedules were all deleted with
+    # --force has no schedule left to name it).
+    remove_from = sorted(set(sc.file_sources()) | {e.source for e in entries.values()}) \
+        if prune else []
     changes = converge.converge(sc, entries, remove_from, dry_run=dry_run, now=now,
                                 creator=access.creator, applier=access.caller.uid)
     return converge.summary(changes)

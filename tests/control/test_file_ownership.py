@@ -185,6 +185,18 @@ def test_a_forced_delete_stays_deleted_until_its_entry_changes(
     entries(backup, nightly | {"cron": "0 5 * * *"}, weekly)
     reload_ok(d)
     assert listed(d)["nightly"]["cron"] == "0 5 * * *"
+    # Deleted again, then an apply --prune of the file without it: the marker is gone.
+    d.ctl("delete", "nightly", "--force")
+    assert len(markers(url)) == 1
+    pruned = files.parent / "pruned" / "backup.yml"
+    pruned.parent.mkdir()
+    entries(pruned, weekly)
+    d.ctl("apply", "--prune", "--dry-run", str(pruned))
+    assert len(markers(url)) == 1
+    d.ctl("apply", "--prune", str(pruned))
+    assert markers(url) == {}
+    entries(backup, nightly | {"cron": "0 6 * * *"}, weekly)
+    reload_ok(d)
     # Deleted again, then made with add: its own key, and the marker is gone.
     d.ctl("delete", "nightly", "--force")
     d.ctl("add", "nightly", "t", "@hourly")
