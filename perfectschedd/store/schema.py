@@ -178,7 +178,8 @@ def history_table(metadata: sa.MetaData, name: str,
 
 def meta_table(metadata: sa.MetaData, name: str) -> sa.Table:
     """Facts about the database itself, as name/value rows: its schema version
-    (schemaversion.py)."""
+    (schemaversion.py), a cluster-wide pause (PAUSED_ALL_META), the markers of forced
+    deletes of schedules files' schedules (DELETED_META)."""
     return sa.Table(
         f"{name}_meta", metadata,
         sa.Column("name", sa.String(64), primary_key=True),
