@@ -18,6 +18,7 @@ from perfectschedd.control.auth import Access, Caller, check_force
 from perfectschedd.control.protocol import ATTEMPT_MAX, HISTORY_MAX, HISTORY_OUTPUT_BYTES
 from perfectschedd.errors import InvalidInputError, NotFoundError
 from perfectschedd.notify import spec as notify_spec
+from perfectschedd.schedules import deletions
 from perfectschedd.schedules import policy as policy_mod
 from perfectschedd.schedules.collection import ScheduleCollection, ScheduleInfo
 from perfectschedd.schedules.fields import RUN_NOW_MARK, SOURCE_FILE, detached_source
@@ -178,10 +179,16 @@ def _detaching_source(source: str | None) -> str | None:
 
 
 def _delete(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
-    # Deleted, a schedule has no source left to record: the daemon that applied the
-    # file does not add it back while the entry stays as it was (converge: previous).
-    _changing(sc, a, access)
-    extra = sc[a["key"]].delete()
+    # Deleted, a schedule has no source left to record: a marker of the entry as it was
+    # keeps every host's convergence from adding it back until it changes (deletions.py).
+    info = _changing(sc, a, access)
+    marker = None
+    if _detaching_source(info.source) is not None:
+        # A host of an older release reads no marker: it would add the entry back at its
+        # start, or at an apply of the file (SPEC "Upgrades").
+        sc.refuse_on_older_hosts("delete --force of a schedules file's schedule", now)
+        marker = deletions.marker(info.key, info.source, info.as_dict())
+    extra = sc[a["key"]].delete(marker)
     return {"key": a["key"], "deleted": True, "extra_runs": extra}
 
 
@@ -363,8 +370,11 @@ def _apply(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[
     if not isinstance(prune, bool) or not isinstance(dry_run, bool):
         raise InvalidInputError("prune", "prune and dry_run must be true or false")
     # --prune: every schedule that came from a file and is not in these files goes (those
-    # the caller may change: Access.owns).
-    remove_from = sc.file_sources() if prune else []
+    # the caller may change: Access.owns), and so do the markers of forced deletes of
+    # these files' entries that left them (a file whose schedules were all deleted with
+    # --force has no schedule left to name it).
+    remove_from = sorted(set(sc.file_sources()) | {e.source for e in entries.values()}) \
+        if prune else []
     changes = converge.converge(sc, entries, remove_from, dry_run=dry_run, now=now,
                                 creator=access.creator, applier=access.caller.uid)
     return converge.summary(changes)

@@ -331,10 +331,11 @@ class Schedule:
             raise NotFoundError(f"schedule {self.key!r} not found")
         return ScheduleInfo.from_row(row)
 
-    def delete(self) -> int:
+    def delete(self, marker: str | None = None) -> int:
         """Delete the schedule and its extra runs (a running one is stopped: its lease is
-        gone); returns how many extra runs went with it."""
-        deleted = self._collection.store.delete(self.key)
+        gone); returns how many extra runs went with it.  `marker`: a forced delete of a
+        schedules file's schedule, recorded with it (deletions.py)."""
+        deleted = self._collection.store.delete(self.key, marker)
         if not deleted:
             raise NotFoundError(f"schedule {self.key!r} not found")
         return deleted - 1
@@ -730,6 +731,14 @@ class ScheduleCollection:
     def rows_of(self, keys: Sequence[str] = (), sources: Sequence[str] = ()) -> list[Row]:
         """The stored rows of these keys and of these sources (file:NAME)."""
         return self.store.rows_of(keys=keys, sources=sources)
+
+    def deleted_markers(self) -> dict[str, str]:
+        """The markers of forced deletes of schedules files' schedules (deletions.py)."""
+        return self.store.deleted_markers()
+
+    def drop_deleted_markers(self, names: Sequence[str]) -> None:
+        if names:
+            self.store.drop_deleted_markers(names)
 
     def file_sources(self) -> list[str]:
         """Every file:NAME source that has schedules."""

@@ -13,6 +13,8 @@ Rules (SPEC "Declarative schedules and migration"):
   changed in its own files since: where the database holds something else for an entry
   it did not change, another host (whose files differ) wrote it, and the daemon logs the
   disagreement once instead of writing it back, so that hosts never flap.
+- A key root deleted with --force is not added again while its entry is as it was
+  (deletions.py: a marker in the database, read by every host, at start and on apply).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from perfectschedd.errors import (
     NotFoundError,
     NotSupportedError,
 )
-from perfectschedd.schedules import cron
+from perfectschedd.schedules import cron, deletions
 from perfectschedd.schedules.collection import INTERVAL_FEATURE, ScheduleCollection, ScheduleInfo
 from perfectschedd.schedules.fields import SOURCE_API, SOURCE_MAX, detached_source
 from perfectschedd.schedules.files import (
@@ -56,6 +58,7 @@ ADDED, CHANGED, REMOVED, UNCHANGED = "added", "changed", "removed", "unchanged"
 DIFFERS = "differs"    # the database holds another host's version; not written
 REFUSED = "refused"    # the key belongs to `add` or to another file
 DETACHED = "detached"  # root changed it with --force: the file's entry is not applied
+DELETED = "deleted"    # root deleted it with --force: the entry, unchanged, is not added
 
 
 @dataclass(frozen=True)
@@ -113,8 +116,20 @@ def converge(sc: ScheduleCollection, entries: Mapping[str, Entry],
     intervals_refused = _interval_refusal(sc, entries, rows, now, whole=applier is not None)
     changes: list[Change] = []
     older: list[str] | None = None  # hosts of an older release, asked once if need be
+    markers = sc.deleted_markers()
+    forgotten: list[str] = []  # markers of forced deletes that end now (deletions.py)
     for key, entry in entries.items():
         row = rows.get(key)
+        marker = markers.get(deletions.name(key))
+        if marker is not None:
+            if row is not None:
+                forgotten.append(deletions.name(key))  # added again (an older host's add)
+            elif deletions.marker_digest(marker) == deletions.digest(
+                    key, entry.source, entry.stored(tz)):
+                changes.append(Change(DELETED, key, "deleted with --force: the file's entry"
+                                      " is not added again until it changes"))
+                continue
+            # The entry changed since: added below, and its insert ends the marker.
         if key in intervals_refused:
             changes.append(Change(REFUSED, key, intervals_refused[key], again=True))
             continue
@@ -185,7 +200,27 @@ def converge(sc: ScheduleCollection, entries: Mapping[str, Entry],
             except NotFoundError:
                 continue
         changes.append(Change(REMOVED, key))
+    forgotten += _left_their_files(markers, entries, remove_from, previous, applier)
+    if forgotten and not dry_run:
+        sc.drop_deleted_markers(forgotten)
     return changes
+
+
+def _left_their_files(markers: Mapping[str, str], entries: Mapping[str, Entry],
+                      remove_from: Collection[str], previous: Mapping[str, Entry] | None,
+                      applier: int | None) -> list[str]:
+    """The markers of forced deletes whose entries left their files: the same entry added
+    back later is added again.  As a schedule is removed (converge): only from the
+    sources being pruned, and, once this caller applied its files, only for keys it had
+    (a file of the same name on another host may hold it still).  A forced delete is
+    root's: only root's `apply` forgets it."""
+    if applier not in (None, 0):
+        return []
+    held = {deletions.name(k) for k in entries}
+    had = None if previous is None else {deletions.name(k) for k in previous}
+    return [name for name, value in markers.items()
+            if name not in held and (had is None or name in had)
+            and any(deletions.marker_of_source(value, s) for s in remove_from)]
 
 
 @dataclass
@@ -285,11 +320,11 @@ class FileSchedules:
         for c in changes:
             if c.action in (ADDED, CHANGED, REMOVED):
                 log.info("schedules files: %s", c.line())
-            elif c.action in (DIFFERS, REFUSED, DETACHED):
+            elif c.action in (DIFFERS, REFUSED, DETACHED, DELETED):
                 seen = (c.action, c.key, c.detail)
                 if seen not in self.reported:
                     self.reported.add(seen)
-                    (log.info if c.action == DETACHED else log.warning)(
+                    (log.info if c.action in (DETACHED, DELETED) else log.warning)(
                         "schedules files: %s", c.line())
         log.info("schedules files: applied %d entries from %d file(s): %d added, "
                  "%d changed, %d removed", len(loaded.entries), len(loaded.sources),

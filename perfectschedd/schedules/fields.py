@@ -4,6 +4,7 @@ that what only checks input never loads SQLAlchemy."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -34,6 +35,11 @@ PAUSED_ALL_REASON = "paused with every schedule (perfectschedctl pause --all)"
 # The name of the meta table's row (store/schema.meta_table) that says everything is
 # paused: JSON {"since": Unix time, "by": user name}.  Absent: nothing is.
 PAUSED_ALL_META = "paused_all"
+# A schedules file's schedule root deleted with --force leaves a marker in the meta table,
+# named this prefix + deleted_marker_name's digest of its key (the key itself may be longer
+# than a name), valued the entry's digest and its source (schedules/deletions.py): no
+# convergence adds the entry back while it is as it was.
+DELETED_META = "deleted:"
 POLICY_MAX = 400
 SOURCE_MAX = 300
 
@@ -41,6 +47,13 @@ SOURCE_MAX = 300
 def detached_source(source: str) -> str:
     """The source recorded for a schedule of `source` (file:NAME) changed with --force."""
     return f"{SOURCE_FORCED}{source}"[:SOURCE_MAX]
+
+
+def deleted_marker_name(key: str) -> str:
+    """The meta row's name of a forced delete of `key` (DELETED_META)."""
+    return DELETED_META + hashlib.sha256(key.encode()).hexdigest()[:56]
+
+
 UNIT_MAX = 255  # systemd's longest unit name
 ERROR_MAX = 400  # a history row's error: one line
 # The last second of year 9999: the calendar ends here (datetime, and so croniter, knows

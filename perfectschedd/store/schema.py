@@ -20,6 +20,7 @@ from perfectschedd.schedules.fields import (  # noqa: F401 - the store's names t
     CLAIMED_OPTIONAL,
     CRON_MAX,
     DATA_MAX,
+    DELETED_META,
     ERROR_MAX,
     EXEC_TYPE,
     KEY_MAX,
@@ -36,6 +37,7 @@ from perfectschedd.schedules.fields import (  # noqa: F401 - the store's names t
     TYPE_MAX,
     TZ_MAX,
     UNIT_MAX,
+    deleted_marker_name,
 )
 
 # How long an operation is tried again while the database says "try again" (a SQLite
@@ -176,7 +178,8 @@ def history_table(metadata: sa.MetaData, name: str,
 
 def meta_table(metadata: sa.MetaData, name: str) -> sa.Table:
     """Facts about the database itself, as name/value rows: its schema version
-    (schemaversion.py)."""
+    (schemaversion.py), a cluster-wide pause (PAUSED_ALL_META), the markers of forced
+    deletes of schedules files' schedules (DELETED_META)."""
     return sa.Table(
         f"{name}_meta", metadata,
         sa.Column("name", sa.String(64), primary_key=True),

@@ -27,6 +27,7 @@ from perfectschedd.store.deadline import DEADLINE_MAX, statement_deadline
 from perfectschedd.store.schema import (
     CRON_MAX,
     DATA_MAX,
+    DELETED_META,
     ERROR_MAX,
     HISTORY_COLUMNS,
     KEY_MAX,
@@ -42,6 +43,7 @@ from perfectschedd.store.schema import (
     Advance,
     Claimed,
     Row,
+    deleted_marker_name,
 )
 
 __all__ = ["CRON_MAX", "DATA_MAX", "KEY_MAX", "POLICY_MAX", "RUN_NOW_MARK", "TURN_LOST",
@@ -260,6 +262,7 @@ class Store:
         try:
             with self._tx(durable=True) as conn:
                 conn.execute(self.t.insert().values(**values))
+                self._drop_deleted(conn, [row.key])
         except IntegrityError:
             return False
         return True
@@ -270,16 +273,30 @@ class Store:
         payload = [_new_row(r) for r in rows]
         with self._tx(durable=True) as conn:
             conn.execute(self.t.insert(), payload)
+            self._drop_deleted(conn, [r.key for r in rows])
+
+    def _drop_deleted(self, conn: Connection, keys: Sequence[str]) -> None:
+        """A key added again, by whatever way, ends its forced delete's marker (delete)."""
+        m = self.backend.meta
+        names = [deleted_marker_name(k) for k in keys if RUN_NOW_MARK not in k]
+        for i in range(0, len(names), 500):
+            conn.execute(m.delete().where(m.c.name.in_(names[i:i + 500])))
 
     @_retried
-    def delete(self, key: str) -> int:
+    def delete(self, key: str, marker: str | None = None) -> int:
         """Delete a schedule and its extra runs (`run`: KEY@run-..., queued or running:
-        a running one loses its lease and is stopped); the rows deleted, 0 if none."""
-        t = self.t
+        a running one loses its lease and is stopped); the rows deleted, 0 if none.
+        `marker`: the value of the meta row that records the delete as forced (a schedules
+        file's schedule: deleted_markers), written with it, in its transaction."""
+        t, m = self.t, self.backend.meta
         with self._tx(durable=True) as conn:
             row = conn.execute(sa.select(t.c.has_extra).where(t.c.key == key)).first()
             if row is None:
                 return 0
+            if marker is not None:
+                name = deleted_marker_name(key)
+                conn.execute(m.delete().where(m.c.name == name))
+                conn.execute(m.insert().values(name=name, value=marker))
             keys = [key]
             if row.has_extra:
                 prefix = f"{key}{RUN_NOW_MARK}"
@@ -299,6 +316,24 @@ class Store:
         with self._tx(durable=True) as conn:
             res = conn.execute(self.t.update().where(self.t.c.key == key).values(**values))
             return res.rowcount > 0
+
+    @_retried
+    def deleted_markers(self) -> dict[str, str]:
+        """The markers of forced deletes (delete's `marker`): meta row name -> value."""
+        m = self.backend.meta
+        with self._tx(readonly=True) as conn:
+            # LIKE ignores case on SQLite and MySQL: the exact prefix is checked here.
+            return {str(name): str(value) for name, value in conn.execute(
+                sa.select(m.c.name, m.c.value).where(m.c.name.startswith(DELETED_META)))
+                if str(name).startswith(DELETED_META)}
+
+    @_retried
+    def drop_deleted_markers(self, names: Sequence[str]) -> None:
+        """Forget these markers of forced deletes (their entries may be added again)."""
+        m = self.backend.meta
+        with self._tx(durable=True) as conn:
+            for i in range(0, len(names), 500):
+                conn.execute(m.delete().where(m.c.name.in_(list(names[i:i + 500]))))
 
     # -- pausing: keys, and everything (pause --all) ---------------------------------------
 

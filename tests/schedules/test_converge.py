@@ -16,6 +16,7 @@ import yaml
 
 import perfectschedd
 from perfectschedd.errors import InvalidInputError
+from perfectschedd.schedules import deletions
 from perfectschedd.schedules.collection import ScheduleCollection
 from perfectschedd.schedules.converge import (
     ADDED,
@@ -295,3 +296,77 @@ def test_file_schedules_without_a_directory_hold_nothing(
     fs.apply(sc)
     assert rows(sc) == {}
     assert fs.applied == {}
+
+
+def forced_delete(sc: ScheduleCollection, key: str) -> None:
+    """What `delete --force` stores (control/commands.py _delete)."""
+    info = sc[key].info()
+    sc[key].delete(marker=deletions.marker(key, info.source, info.as_dict()))
+
+
+def test_a_forced_delete_holds_until_its_entry_changes(sc: ScheduleCollection) -> None:
+    mine = entries(entry("gone"), entry("kept"))
+    converge(sc, mine, {JOBS}, now=T0)
+    forced_delete(sc, "gone")
+    # Nothing known (a daemon's start, apply) or the same entry applied before: not added.
+    for previous in (None, mine):
+        for dry_run in (True, False):
+            changes = converge(sc, mine, {JOBS}, previous=previous, now=T0,
+                               dry_run=dry_run)
+            assert [c.line() for c in changes] == [
+                "deleted gone (deleted with --force: the file's entry is not added again "
+                "until it changes)", "unchanged kept"]
+    assert set(rows(sc)) == {"kept"} and len(sc.deleted_markers()) == 1
+    # The entry changed: added, and the marker is gone.
+    edited = entries(entry("gone", cron="5 5 * * *"), entry("kept"))
+    assert converge(sc, edited, {JOBS}, previous=mine, now=T0)[0].action == ADDED
+    assert sc["gone"].info().cron == "5 5 * * *" and sc.deleted_markers() == {}
+
+
+def test_a_forced_delete_ends_when_its_entry_leaves_the_file(sc: ScheduleCollection) -> None:
+    mine = entries(entry("gone"), entry("kept"), entry("elsewhere", OTHER))
+    converge(sc, mine, {JOBS, OTHER}, now=T0)
+    forced_delete(sc, "gone")
+    forced_delete(sc, "elsewhere")
+    without = entries(entry("kept"))
+    # Another host's files never had it: its convergence keeps the marker.
+    converge(sc, without, {JOBS}, previous=without, now=T0)
+    # Only the file pruned forgets its markers; a dry run forgets none.
+    converge(sc, without, {JOBS}, previous=mine, now=T0, dry_run=True)
+    assert len(sc.deleted_markers()) == 2
+    converge(sc, without, {JOBS}, previous=mine, now=T0)
+    assert list(sc.deleted_markers().values()) == [
+        sc.deleted_markers()[deletions.name("elsewhere")]]
+    # Back in the file as it was: added again.
+    assert actions(converge(sc, mine, {JOBS}, now=T0))[0] == (ADDED, "gone")
+
+
+def test_a_key_added_again_elsewhere_ends_the_forced_delete(sc: ScheduleCollection) -> None:
+    mine = entries(entry("k"))
+    converge(sc, mine, {JOBS}, now=T0)
+    forced_delete(sc, "k")
+    sc.add("k", "t", "@daily", now=T0)  # made with add: its own key now
+    assert sc.deleted_markers() == {}
+    assert [c.line() for c in converge(sc, mine, {JOBS}, now=T0)] == [
+        "refused k (the key belongs to api (made with add))"]
+    # A 0.1.0 host's add leaves the marker (it knows none): the next convergence that
+    # sees the row forgets it.
+    sc["k"].delete()
+    converge(sc, mine, {JOBS}, now=T0)
+    forced_delete(sc, "k")
+    assert [c.action for c in converge(sc, mine, {JOBS}, now=T0)] == ["deleted"]
+    row = sc.build_row("k", "t", "0 3 * * *", source=JOBS, now=T0)
+    with sc.store.engine.begin() as conn:
+        conn.execute(sc.store.t.insert().values(**dataclasses.asdict(row)))
+    assert len(sc.deleted_markers()) == 1
+    assert actions(converge(sc, mine, {JOBS}, now=T0)) == [(UNCHANGED, "k")]
+    assert sc.deleted_markers() == {}
+
+
+def test_a_forced_delete_marker_fits_the_meta_table_whatever_the_source() -> None:
+    long_source = "file:" + "n" * 295
+    value = deletions.marker("k", long_source, {})
+    assert len(value) == 255 and deletions.marker_of_source(value, long_source)
+    assert not deletions.marker_of_source(value, JOBS)
+    assert deletions.marker_of_source(deletions.marker("k", JOBS, {}), JOBS)
+    assert len(deletions.name("k" * 256)) == 64

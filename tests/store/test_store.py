@@ -677,3 +677,39 @@ def test_last_outcomes_of_many_keys_in_one_query(sc: ScheduleCollection) -> None
     assert sc.store.last_outcomes([("a", 500.0), ("b", 500.0)], states) == {
         "a": "success", "b": "success"}
     assert sc.store.last_outcomes([], states) == {}
+
+
+def test_a_forced_delete_records_its_marker_until_the_key_is_added_again(
+        sc: ScheduleCollection) -> None:
+    """The marker of a forced delete (schedules/deletions.py) is written in the delete's
+    transaction, only when a row was deleted, and any insert of the key ends it."""
+    from perfectschedd.schedules.fields import deleted_marker_name
+
+    long_key = "k" * 256
+    for key in ("nightly", long_key, "bulk"):
+        sc.add(key, "t", cron="@daily", source="file:backup.yml", now=T0)
+    value = "d" * 64 + " file:backup.yml"
+    assert sc["nightly"].delete(marker=value) == 0
+    assert sc[long_key].delete(marker="e" * 64 + " file:" + "n" * 185) == 0
+    sc["bulk"].delete(marker="f" * 64 + " file:backup.yml")
+    markers = sc.deleted_markers()
+    assert markers == {deleted_marker_name("nightly"): value,
+                       deleted_marker_name(long_key): "e" * 64 + " file:" + "n" * 185,
+                       deleted_marker_name("bulk"): "f" * 64 + " file:backup.yml"}
+    assert sc.store.paused_all() is None  # the pause --all row is no marker, nor the reverse
+    # No row, no delete, no marker: a second forced delete of the key changes nothing.
+    with pytest.raises(NotFoundError):
+        sc["gone"].delete(marker="0" * 64 + " file:x.yml")
+    assert deleted_marker_name("gone") not in sc.deleted_markers()
+    # Added again, by add (insert) or in bulk (insert_many): the marker goes with it.
+    sc.add("nightly", "t", cron="@hourly", now=T0)
+    sc.add_many([{"key": "bulk", "type": "t", "cron": "@daily", "now": T0},
+                 {"key": "other", "type": "t", "cron": "@daily", "now": T0}])
+    assert sc.deleted_markers() == {deleted_marker_name(long_key): markers[
+        deleted_marker_name(long_key)]}
+    # drop_deleted_markers ends them (names without a marker are no error).
+    sc.drop_deleted_markers([deleted_marker_name(long_key), deleted_marker_name("none")])
+    assert sc.deleted_markers() == {}
+    # A delete with no marker writes none.
+    sc["other"].delete()
+    assert sc.deleted_markers() == {}
