@@ -10,7 +10,7 @@ TEST_WORKERS ?= $(shell echo $$(( $$(nproc) * 2 )))
 # Print the slowest tests of each run (the 20 s rule: README "Tests").
 DURATIONS := --durations=15 --durations-min=1
 
-.PHONY: run test check test-deps test-faults test-debian test-system lint bench deb clean
+.PHONY: run test check test-deps test-slow test-faults test-debian test-system lint bench deb clean
 
 $(BIN)/perfectschedd: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,11 +40,16 @@ test-deps:
 test: $(BIN)/perfectschedd test-deps
 	@start=$$(date +%s); rc=0; \
 	$(BIN)/ruff check . && \
-	$(BIN)/pytest -q -n $(TEST_WORKERS) $(DURATIONS) -m "not system and not faults and not serial" \
-	  || rc=1; \
+	$(BIN)/pytest -q -n $(TEST_WORKERS) $(DURATIONS) \
+	  -m "not system and not faults and not serial and not slow" || rc=1; \
 	$(BIN)/pytest -q $(DURATIONS) -m "serial and not system and not faults" || rc=1; \
 	echo "make test: $$(( $$(date +%s) - start )) s with $(TEST_WORKERS) test processes" \
 	  "(rc $$rc)"; exit $$rc
+
+# The tests that wait a minute or more (jobs of 120 s through reloads, 30 s stops): they
+# mostly sleep, so they run side by side, twice as many as make test runs at once.
+test-slow: $(BIN)/perfectschedd test-deps
+	$(BIN)/pytest -q -n $$(( $(TEST_WORKERS) * 2 )) $(DURATIONS) -m "slow and not system and not faults"
 
 # Fault injection (SIGSTOP/kill -9 of database servers, clocks, full disks, clusters):
 # one test at a time, as each one disturbs shared servers on purpose.
@@ -54,7 +59,7 @@ test-faults: $(BIN)/perfectschedd test-deps
 # Everything: lint and the suite, the fault suite, Debian 12's libraries, the package
 # (its build runs its own tests, then lintian) and the system tests on Debian 12 and 13.
 # Each step's time is printed at the end; the first failure fails the whole.
-CHECK_STEPS := test test-faults test-debian test-system
+CHECK_STEPS := test test-slow test-faults test-debian test-system
 check:
 	@rm -f build/check.times; mkdir -p build; rc=0; \
 	for step in $(CHECK_STEPS); do \
@@ -83,7 +88,7 @@ test-debian: test-deps
 	  $(DEBIAN_LIBS)
 	env -u PYTHONPATH PERFECTSCHED_TEST_BACKENDS=sqlite,postgresql \
 	  $(DEBVENV)/bin/python -m pytest -q -n $(TEST_WORKERS) $(DURATIONS) \
-	  -m "not system and not faults and not serial"
+	  -m "not system and not faults and not serial and not slow"
 	env -u PYTHONPATH PERFECTSCHED_TEST_BACKENDS=sqlite,postgresql \
 	  $(DEBVENV)/bin/python -m pytest -q $(DURATIONS) -m "serial and not system and not faults"
 

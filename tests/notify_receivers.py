@@ -80,7 +80,9 @@ def mails(out: Path) -> list[str]:
         text = out.read_text()
     except FileNotFoundError:
         return []
-    return [m for m in text.split("--END--\n") if m.strip()]
+    # Only whole messages: the last piece is one the stand-in is still writing (its
+    # arguments come first, the message as sendmail reads it, then the end mark).
+    return [m for m in text.split("--END--\n")[:-1] if m.strip()]
 
 
 def wait_for(pred: Any, timeout: float = 15.0, what: str = "condition") -> Any:

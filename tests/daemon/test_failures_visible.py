@@ -83,8 +83,10 @@ def test_imported_cron_idiom_runs_every_occurrence_once_and_moves_on(
 
 def test_a_retrying_schedule_shows_within_one_poll_interval(
         daemon_factory: Any, tmp_path: Path, db_url: str) -> None:
-    d = daemon_factory({"routes": [sh("flaky", "exit 1")], "retry_wait": 2,
-                        "retry_wait_max": 2}, url=db_url).start()
+    # A retry 6 s after each failed attempt: long enough for the reads below, on a loaded
+    # machine, to see each attempt's state before the next attempt runs.
+    d = daemon_factory({"routes": [sh("flaky", "exit 1")], "retry_wait": 6,
+                        "retry_wait_max": 6}, url=db_url).start()
     _, samples = scrape(d.metrics_port)
     d.status()  # the figures are read (at start, and for status)
     _, samples = scrape(d.metrics_port)
@@ -117,8 +119,8 @@ def test_a_retrying_schedule_shows_within_one_poll_interval(
     overdue = value(samples, "perfectsched_oldest_overdue_seconds")
     assert overdue is not None and 120 <= overdue < 200
     assert value(samples, "perfectsched_schedules_overdue_beyond_period") == 1
-    # The retry (2 s later) fails too: attempt 2, still one retrying schedule.
-    wait_until(lambda: listed(d)["bad"]["state"] == "retrying 2", timeout=10,
+    # The retry (6 s later) fails too: attempt 2, still one retrying schedule.
+    wait_until(lambda: listed(d)["bad"]["state"] == "retrying 2", timeout=20,
                what="the second attempt")
     d.status()
     _, samples = scrape(d.metrics_port)

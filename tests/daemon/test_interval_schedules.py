@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from daemon_harness import YEARLY, Daemon, lines, sh, wait_until
 from old_release import OldRelease
@@ -26,6 +27,7 @@ def history(d: Daemon, key: str) -> list[dict[str, Any]]:
     return list(reversed(d.ctl_json("history", key, "-n", "200")))  # oldest first
 
 
+@pytest.mark.slow
 def test_every_5s_runs_on_its_grid_and_catches_up_after_a_30s_stop(
         daemon_factory: Any, sqlite_url: str, tmp_path: Path) -> None:
     out = tmp_path / "ran"
@@ -126,6 +128,7 @@ def test_next_key_applies_delay_and_jitter(daemon_factory: Any, sqlite_url: str,
     assert d.alive()
 
 
+@pytest.mark.slow
 def test_every_is_refused_while_a_0_1_0_host_is_live(
         daemon_factory: Any, sqlite_url: str, tmp_path: Path,
         old_release: OldRelease) -> None:

@@ -109,6 +109,7 @@ def check_skipped(d: Daemon, log: Path, start: int, resumed_at: float) -> None:
     assert times(log, "own") == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("resume", ["catch-up", "skip-missed"])
 def test_pause_all_holds_across_a_restart_and_on_a_second_host(
         resume: str, pg_url: str, daemon_factory: Any, tmp_path: Path) -> None:
@@ -143,6 +144,7 @@ def test_pause_all_holds_across_a_restart_and_on_a_second_host(
     assert n0.alive() and n1.alive()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("resume", ["catch-up", "skip-missed"])
 def test_pause_all_holds_on_a_0_1_0_host(resume: str, pg_url: str, old_release: OldRelease,
                                           daemon_factory: Any, tmp_path: Path) -> None:

@@ -92,6 +92,7 @@ def _survives_three_reloads(d: Daemon, stamps: Path, key: str) -> None:
     assert d.stop() == 0
 
 
+@pytest.mark.slow
 def test_a_long_exec_job_survives_three_reloads(daemon_factory: Any, sql_url: str,
                                                 tmp_path: Path) -> None:
     stamps = tmp_path / "stamps"
@@ -100,6 +101,7 @@ def test_a_long_exec_job_survives_three_reloads(daemon_factory: Any, sql_url: st
     _survives_three_reloads(d, stamps, "backup")
 
 
+@pytest.mark.slow
 def test_a_long_python_job_survives_three_reloads(daemon_factory: Any,
                                                   tmp_path: Path) -> None:
     stamps = tmp_path / "stamps"
@@ -181,6 +183,7 @@ def test_a_stop_during_a_drain_stops_the_draining_job_in_the_usual_bound(
     assert (run["outcome"], run["signal"]) == ("stopped", signal.SIGTERM), run
 
 
+@pytest.mark.slow
 def test_reloads_in_a_row_stay_within_the_bound_and_given_back_work_starts_at_once(
         daemon_factory: Any, tmp_path: Path) -> None:
     """One worker, one thread: each generation keeps one job, the jobs it claimed but did
