@@ -473,10 +473,13 @@ class LeasePipeline:
             log.exception("key=%s: internal error while running the task", task.key)
         finally:
             metrics.task_finished(task.type, outcome, duration)
+            # Its history row first: whoever waits for no run to be left (a drain, a
+            # stop) then writes it; recorded after, it was lost when a worker exited
+            # between the two (a draining worker's last run had no history).
+            self._record(task, started, duration, outcome, unit, result, error)
             with self.lock:
                 self.running.pop(task.key, None)
                 self.controls.pop(task.key, None)
-            self._record(task, started, duration, outcome, unit, result, error)
             if task.group is not None and task not in self.finished:
                 # Ended otherwise than by a finish (retry, release, stopped), or finished
                 # and already written: the group's next run may start (a finish still
