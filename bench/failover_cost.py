@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                 seq += 1
                 log(f"run {rep + 1}/{a.repeat}: {target.label} ({target.describe()}), "
                     f"{daemons} daemon(s), N={a.n}")
-                r = burst(target, daemons, a.n, tmp, seq, lead=4 + a.n / 1000)
+                r = burst(target, daemons, a.n, tmp, seq, lead=3 + a.n / 2000)
                 runs[(kind, daemons)].append(r)
                 log(f"  fired {r['fired']}/{r['n']} (per daemon {r['per_daemon']}, "
                     f"duplicates {r['duplicates']}) at {r['fires_per_s']:,.0f}/s, p99 "
