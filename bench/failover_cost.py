@@ -30,7 +30,11 @@ Reported per setup, median of the repeats:
   flushed when it exits), so it includes the daemons' idle polling for the few seconds
   before T and their shutdown;
 - WAL bytes per fire: pg_wal_lsn_diff of pg_current_wal_lsn() over the same window, on
-  the primary (the whole server: nothing else writes there during a run).
+  the primary (the whole server: nothing else writes there during a run);
+- net of idle polling: the same less idle transactions/s × the window (an estimate);
+- idle transactions/s: xact_commit of the daemons, started and ready, over 4 s before
+  the burst is registered (what the transactions per fire include for the seconds
+  between registration and T, and a cost of every extra daemon).
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ SETTINGS = ("fsync", "full_page_writes", "wal_log_hints", "synchronous_commit",
             "synchronous_standby_names", "wal_level", "shared_buffers", "max_wal_size",
             "checkpoint_timeout")
 YEARLY = "0 0 1 1 *"
+IDLE_SECONDS = 4.0  # the daemons' idle transactions/s are measured over this, before N
 
 
 class SinglePostgres(PostgresServer):
@@ -149,8 +154,12 @@ def burst_once(target: Target, daemons: int, n: int, lead: float, tmp: Path,
                 ps.stop()
         wait_no_backends(target, name)  # an exiting backend flushes its statistics
         xact1, wal1 = target.counters(name)
+        stats["window_s"] = time.monotonic() - stats.pop("counted_from")
     finally:
         target.drop(name)
+    # What the daemons' idle polling adds to the count over the window, at the idle rate.
+    stats["idle_share"] = stats["idle_xacts_per_s"] * stats["window_s"] / max(1, xact1 - xact0)
+    stats["xacts_per_fire_net"] = (xact1 - xact0) * (1 - stats["idle_share"]) / n
     stats.update(xacts_per_fire=(xact1 - xact0) / n, wal_bytes_per_fire=(wal1 - wal0) / n,
                  load1=[load_before, load_after])
     return stats
@@ -162,12 +171,17 @@ def fire(target: Target, name: str, nodes: list[PS], n: int,
     they were once the burst was registered."""
     for ps in nodes:  # one after the other: the first creates the schema
         ps.start()
+    time.sleep(1)
+    idle0, t0 = target.counters(name)[0], time.monotonic()
+    time.sleep(IDLE_SECONDS)
+    idle_rate = (target.counters(name)[0] - idle0) / (time.monotonic() - t0)
     due = float(math.ceil(time.time() + lead))
     reqs = [{"key": f"b{i}", "type": "bench", "cron": YEARLY, "at": int(due)}
             for i in range(n)]
     reg = nodes[0].add_many(reqs)
     time.sleep(0.3)  # the registering backend's exit (and statistics) first
     xact0, wal0 = target.counters(name)
+    counted_from = time.monotonic()
     if time.time() > due - 0.2:
         raise Overran(reg)
     logs = [FireLog(ps.firedir) for ps in nodes]
@@ -177,6 +191,8 @@ def fire(target: Target, name: str, nodes: list[PS], n: int,
     stats = burst_stats([f for fl in logs for f in fl.fires], n, due, reg)
     stats["complete"] = stats["fired"] == n
     stats["per_daemon"] = [len({f[0] for f in fl.fires}) for fl in logs]
+    stats["idle_xacts_per_s"] = idle_rate
+    stats["counted_from"] = counted_from
     return stats, xact0, wal0
 
 
@@ -219,20 +235,23 @@ def fmt(v: float, digits: int = 0) -> str:
 def table(rows: list[tuple[str, int, dict[str, Any]]]) -> str:
     base = next((r["fires_per_s"] for t, _, r in rows if t == "one PostgreSQL"), math.nan)
     out = ["| database | daemons × workers | fires/s | vs one PostgreSQL | lateness p99 ms "
-           "| transactions / fire | WAL bytes / fire | runs |",
-           "|---|---|---:|---:|---:|---:|---:|---:|"]
+           "| transactions / fire | net of idle polling | WAL bytes / fire "
+           "| idle transactions/s | runs |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for label, daemons, r in rows:
         rel = r["fires_per_s"] / base if base == base and base else math.nan
         out.append(f"| {label} | {daemons} × 2 | {fmt(r['fires_per_s'])} | "
                    f"{fmt(100 * rel)} % | {fmt(r['late_p99_ms'])} | "
-                   f"{fmt(r['xacts_per_fire'], 2)} | {fmt(r['wal_bytes_per_fire'])} | "
+                   f"{fmt(r['xacts_per_fire'], 2)} | {fmt(r['xacts_per_fire_net'], 2)} | "
+                   f"{fmt(r['wal_bytes_per_fire'])} | "
+                   f"{fmt(r['idle_xacts_per_s'], 1)} | "
                    f"{r['runs']}{'' if r['all_complete'] else ' (incomplete!)'} |")
     return "\n".join(out)
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    keys = ("fires_per_s", "late_p50_ms", "late_p99_ms", "xacts_per_fire",
-            "wal_bytes_per_fire", "register_s")
+    keys = ("fires_per_s", "late_p50_ms", "late_p99_ms", "xacts_per_fire", "xacts_per_fire_net",
+            "wal_bytes_per_fire", "register_s", "idle_xacts_per_s")
     out: dict[str, Any] = {k: median([float(r[k]) for r in runs]) for k in keys}
     out["runs"] = len(runs)
     out["all_complete"] = all(r["complete"] and r["duplicates"] == 0 for r in runs)
@@ -278,7 +297,9 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"  fired {r['fired']}/{r['n']} (per daemon {r['per_daemon']}, "
                     f"duplicates {r['duplicates']}) at {r['fires_per_s']:,.0f}/s, p99 "
                     f"{r['late_p99_ms']:.0f} ms; {r['xacts_per_fire']:.2f} xacts and "
-                    f"{r['wal_bytes_per_fire']:,.0f} WAL bytes per fire; registration "
+                    f"{r['wal_bytes_per_fire']:,.0f} WAL bytes per fire (idle "
+                    f"{r['idle_xacts_per_s']:.1f} xacts/s, ~{100 * r['idle_share']:.0f} % of the "
+                    f"count over {r['window_s']:.1f}s); registration "
                     f"{r['register_s']:.2f}s; load {r['load1'][0]:.2f} -> {r['load1'][1]:.2f}")
     finally:
         pc.stop()
