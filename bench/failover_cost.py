@@ -15,9 +15,10 @@ One invocation starts both databases and keeps them up for the whole run:
   loopback ports, synchronous mode (a commit returns once the synchronous standby has
   flushed it), every node on this same machine.
 
-Each repeat runs every setup once, in turn (so a noisy machine hurts all alike): one
-daemon on the single PostgreSQL, then 1, 2 and 3 daemons (2 workers each, otherwise the
-settings of bench/run.py: poll_interval 1, concurrency 8) on the cluster's primary
+Each repeat runs every setup once, in turn, starting one setup later than the repeat
+before (so a noisy machine hurts all alike): one daemon on the single PostgreSQL, then
+1, 2 and 3 daemons (2 workers each, otherwise the settings of bench/run.py:
+poll_interval 1, concurrency 8) on the cluster's primary
 through the libpq multi-host URL (`target_session_attrs=read-write`).  Every run gets a
 fresh database, a CHECKPOINT, the daemons started and ready, then N one-off occurrences
 of a trivial python job (bench/run.py's handler: one line appended to a file) registered
@@ -287,7 +288,9 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{label}: {values}")
         seq = 0
         for rep in range(a.repeat):
-            for kind, daemons in setups:
+            # Each repeat starts one setup later: none always runs first, or after another.
+            turn = rep % len(setups)
+            for kind, daemons in setups[turn:] + setups[:turn]:
                 target = targets[kind]
                 seq += 1
                 log(f"run {rep + 1}/{a.repeat}: {target.label} ({target.describe()}), "
