@@ -243,7 +243,7 @@ def table(rows: list[tuple[str, int, dict[str, Any]]]) -> str:
         rel = r["fires_per_s"] / base if base == base and base else math.nan
         out.append(f"| {label} | {daemons} × 2 | {fmt(r['fires_per_s'])} | "
                    f"{fmt(100 * rel)} % | {fmt(r['late_p99_ms'])} | "
-                   f"{fmt(r['xacts_per_fire'], 2)} | {fmt(r['xacts_per_fire_net'], 2)} | "
+                   f"{fmt(r['xacts_per_fire'], 3)} | {fmt(r['xacts_per_fire_net'], 3)} | "
                    f"{fmt(r['wal_bytes_per_fire'])} | "
                    f"{fmt(r['idle_xacts_per_s'], 1)} | "
                    f"{r['runs']}{'' if r['all_complete'] else ' (incomplete!)'} |")
