@@ -4,8 +4,9 @@
     .venv/bin/python bench/failover_cost.py -n 200 --repeat 1 # a smoke run, ~2 min
     .venv/bin/python bench/failover_cost.py --cluster-daemons 1,3 --json var/bench/fc.json
 
-Needs PostgreSQL 15, patroni and etcd-server from Debian (`make test-deps`), and root
-(Patroni and PostgreSQL then run as user postgres), like tests/faults/test_faults_failover.py.
+Needs PostgreSQL 15, patroni and etcd-server from Debian (`make test-deps`), like
+tests/faults/test_faults_failover.py (run as root, Patroni and PostgreSQL run as user
+postgres).  `--help` lists the knobs; --json keeps every single run.
 
 One invocation starts both databases and keeps them up for the whole run:
 - one PostgreSQL (tests/dbservers.py) with the cluster nodes' settings that change what
