@@ -1,7 +1,7 @@
 """What synchronous replication costs: the burst on one PostgreSQL vs a Patroni cluster.
 
     .venv/bin/python bench/failover_cost.py                   # N=5000, median of 3, ~5 min
-    .venv/bin/python bench/failover_cost.py -n 200 --repeat 1 # a smoke run, ~2 min
+    .venv/bin/python bench/failover_cost.py -n 200 --repeat 1 # a smoke run, ~1 min
     .venv/bin/python bench/failover_cost.py --cluster-daemons 1,3 --json var/bench/fc.json
 
 Needs PostgreSQL 15, patroni and etcd-server from Debian (`make test-deps`), like
