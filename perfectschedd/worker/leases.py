@@ -187,7 +187,15 @@ class LeasePipeline:
         return f"{self.run_id_prefix}{next(self.run_numbers)}"
 
     def step(self, submit: Callable[[Task], None]) -> float:
-        """Write finished runs, claim and submit what is due; return how long to sleep."""
+        """Write finished runs, claim and submit what is due; return how long to sleep:
+        never past the next history flush while rows wait (a run's row is written within
+        HISTORY_FLUSH of its end, not at the next due time or poll)."""
+        wait = self._step(submit)
+        if self.history:
+            wait = min(wait, max(0.0, HISTORY_FLUSH - (time.monotonic() - self.last_flush)))
+        return wait
+
+    def _step(self, submit: Callable[[Task], None]) -> float:
         self.flush_history()
         if self.sc is None:
             try:

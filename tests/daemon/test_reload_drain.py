@@ -240,7 +240,8 @@ def test_reloads_in_a_row_stay_within_the_bound_and_given_back_work_starts_at_on
     starts = [s[1] for s in stamps_of(stamps) if s[0] == "start"]
     assert sorted(starts) == ["a", "b", "c", "d"]  # each once
     for key in "abcd":
-        runs = history(d, key)
+        # The current generation writes history in batches (within HISTORY_FLUSH).
+        runs = wait_until(lambda key=key: history(d, key), timeout=5, what=f"{key}'s run")
         assert [(r["outcome"], r["attempt"]) for r in runs] == [("success", 1)], (key, runs)
     assert re.search(r"drains \(a reload\): 1 running task\(s\) go on to their end, "
                      r"[1-9]\d* queued given back", d.log())

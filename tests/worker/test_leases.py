@@ -15,7 +15,7 @@ from perfectschedd import config as config_mod
 from perfectschedd.executors.application import Application
 from perfectschedd.executors.base import StopReason
 from perfectschedd.schedules.collection import ScheduleCollection, Task
-from perfectschedd.worker.leases import LeasePipeline
+from perfectschedd.worker.leases import HISTORY_FLUSH, LeasePipeline
 
 YEARLY = "0 0 1 1 *"
 
@@ -48,6 +48,25 @@ def add(p: LeasePipeline, key: str, type_: str = "py") -> None:
 def row(p: LeasePipeline, key: str) -> Any:
     assert p.sc is not None
     return p.sc.store.get(key)
+
+
+def test_a_run_s_history_row_is_written_within_half_a_second_not_at_the_next_poll(
+        tmp_path: Path) -> None:
+    """With nothing due for long, the loop still wakes for the row a run left (history
+    is written in batches, every HISTORY_FLUSH): status, list and notifications see it."""
+    p, _ = pipeline(tmp_path, poll_interval=30)
+    add(p, "a")
+    submitted: list[Task] = []
+    p.step(submitted.append)
+    p.run_one(submitted[0])
+    assert p.history  # queued, not yet written
+    wait = p.step(submitted.append)
+    assert wait <= HISTORY_FLUSH
+    time.sleep(wait)
+    p.step(submitted.append)
+    assert [r["outcome"] for r in p.sc.store.history("a", 10)] == ["success"]  # type: ignore[union-attr]
+    assert p.step(submitted.append) > HISTORY_FLUSH  # nothing left: the poll again
+    p.close()
 
 
 def test_claim_run_and_batched_finish(tmp_path: Path) -> None:
