@@ -103,6 +103,18 @@ def units(ns: Namespace, installed) -> dict[str, Any]:
     return config
 
 
+def reload_refusing_routes(ns: Namespace) -> None:
+    """systemctl reload under this module's configuration, which refuses two routes on
+    purpose (the grant is on): the reload runs the rest and fails naming them (its
+    ExecReload is perfectschedctl reload, which exits 1 on any refusal: #28)."""
+    r = ns.run("systemctl", "reload", UNIT, timeout=60, check=False)
+    assert r.returncode != 0, "a reload that refused routes succeeded"
+    wait_for(lambda: all(re.search(rf"refused: .*routes\[{i}\]\.", journal(ns, lines=200))
+                         for i in (0, 1)),
+             30, "perfectschedctl's lines for the refused routes", lambda: journal(ns))
+    ensure_active(ns)
+
+
 def journal(ns: Namespace, unit: str = UNIT, lines: int = 60) -> str:
     return ns.run("journalctl", "--no-pager", "-o", "cat", "-u", unit, "-n", str(lines),
                   check=False).stdout
@@ -496,7 +508,7 @@ def test_u11_schedules_files_follow_cron_s_rules(ns: Namespace, units) -> None:
     ns.run("chown", "nobody", "/srv/linked.yml")
     ns.run("ln", "-sfn", "/srv/linked.yml", f"{d}/linked.yml")
     try:
-        ns.run("systemctl", "reload", UNIT, timeout=60)
+        reload_refusing_routes(ns)
         log = wait_for(lambda: (j := journal(ns, lines=300)) and all(
             f"{n}.yml" in j for n in bad) and j, 30, "the three files' lines",
             lambda: journal(ns))
@@ -511,7 +523,7 @@ def test_u11_schedules_files_follow_cron_s_rules(ns: Namespace, units) -> None:
     finally:
         ns.run("rm", "-f", f"{d}/nobodys.yml", f"{d}/groupw.yml", f"{d}/linked.yml",
                "/srv/linked.yml")
-        ns.run("systemctl", "reload", UNIT, timeout=60)
+        reload_refusing_routes(ns)
 
 
 def test_u12_a_user_crontab_needs_its_user(ns: Namespace, installed) -> None:
@@ -582,7 +594,7 @@ def test_u14_a_reload_drains_a_running_unit_to_its_end(ns: Namespace, units) -> 
     unit = wait_for(lambda: active_units(ns, key), 30, "the unit running",
                     lambda: journal(ns))[0]
     worker = _worker_of(ns, unit)
-    ns.run("systemctl", "reload", UNIT, timeout=60)
+    reload_refusing_routes(ns)
 
     def drain_of_worker() -> list[dict[str, Any]]:
         status = json.loads(ns.ctl("--json", "status").stdout)
