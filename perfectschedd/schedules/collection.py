@@ -121,6 +121,13 @@ def _stored_data(text: str) -> dict[str, Any]:
 
 # -- tasks --------------------------------------------------------------------------------
 
+def _run_at(now: float, wait: float) -> int:
+    """The whole second at which an occurrence given back at `now` comes due again: the
+    current one when it may run at once (rounding up would hold it for up to a second),
+    else not before `wait` seconds have passed."""
+    return math.ceil(now + wait) if wait else int(now)
+
+
 class Task:
     """One leased occurrence of a schedule.  Exactly one of finish/retry/release ends it."""
 
@@ -266,7 +273,7 @@ class Task:
         if wait is None:
             wait = self.backoff()
         now = time.time() if now is None else now
-        if not self._collection.store.reschedule(self.key, self.fence, math.ceil(now + wait),
+        if not self._collection.store.reschedule(self.key, self.fence, _run_at(now, wait),
                                                  count_attempt=True):
             raise PreemptedError(f"task {self.key!r} lost its lease before retry")
 
@@ -286,7 +293,7 @@ class Task:
         wait = 0 if self.attempt <= 1 else self.policy.backoff(
             self.attempt - 1, self._collection.config.retry_wait,
             self._collection.config.retry_wait_max)
-        if not self._collection.store.reschedule(self.key, self.fence, math.ceil(now + wait),
+        if not self._collection.store.reschedule(self.key, self.fence, _run_at(now, wait),
                                                  count_attempt=True):
             raise PreemptedError(f"task {self.key!r} lost its lease before release")
 
@@ -295,8 +302,7 @@ class Task:
         runs again after `wait` seconds, on any worker, and this attempt does not count."""
         self._end()
         now = time.time() if now is None else now
-        run_at = math.ceil(now + wait) if wait else int(now)
-        if not self._collection.store.reschedule(self.key, self.fence, run_at,
+        if not self._collection.store.reschedule(self.key, self.fence, _run_at(now, wait),
                                                  count_attempt=False):
             raise PreemptedError(f"task {self.key!r} lost its lease before it was given back")
 

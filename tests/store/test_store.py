@@ -211,6 +211,31 @@ def test_release_first_at_once_then_backs_off_like_a_retry(sc: ScheduleCollectio
         task.release(now=T0 + 7)
 
 
+@pytest.mark.parametrize("fraction", [0.01, 0.5, 0.99])
+def test_a_first_release_is_due_at_once_within_the_second(sc: ScheduleCollection,
+                                                           fraction: float) -> None:
+    """SPEC: the first release runs again at once.  Rounding the release time up held the
+    occurrence for up to a second: the next poll, in the same second, found nothing."""
+    sc.add("k", "t", cron="0 * * * *", next_time=T0, now=T0)
+    task = sc.poll(now=T0 + 5 + fraction)
+    assert task is not None
+    task.release(now=T0 + 5 + fraction)
+    again = sc.poll(now=T0 + 5 + fraction)
+    assert again is not None and again.key == "k" and again.scheduled_time == T0
+    again.retry(wait=0, now=T0 + 6 + fraction)  # an explicit retry without wait: at once too
+    assert sc.poll(now=T0 + 6 + fraction) is not None
+
+
+def test_a_first_release_is_due_at_once_on_the_real_clock(sc: ScheduleCollection) -> None:
+    minute = int(time.time()) // 60 * 60
+    sc.add("k", "t", cron="* * * * *", next_time=minute, now=minute)
+    task = sc.poll()
+    assert task is not None
+    task.release()
+    again = sc.poll()
+    assert again is not None and again.key == "k" and again.attempt == 2
+
+
 def test_expired_lease_is_taken_over_and_the_old_holder_changes_nothing(db_url: str) -> None:
     with open_sc(db_url) as a, open_sc(db_url) as b:
         a.owner, b.owner = "host-a:1", "host-b:2"
