@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from perfectschedd.schedules.validate import MAX_DEPTH, json_depth
+from perfectschedd.schedules.fields import MAX_DEPTH, json_depth
 
 # Most runs one `history` request returns.
 HISTORY_MAX = 1000

@@ -34,6 +34,20 @@ def test_the_cli_is_the_registry() -> None:
         assert dests == {a.dest for a in registry.COMMANDS[name].cli}, name
 
 
+def test_add_and_modify_have_a_flag_for_each_policy_option() -> None:
+    """The registry lists the policy flags itself (it must not import the schedule code:
+    perfectschedctl reads it at every start); an option added to policy.OPTIONS without
+    its flag fails here."""
+    from perfectschedd.schedules import policy
+    from perfectschedd.schedules.preview import DEFAULT_COUNT, MAX_COUNT
+
+    assert {a.dest for a in registry.POLICIES} == set(policy.OPTIONS)
+    for name in ("add", "modify"):
+        assert set(policy.OPTIONS) <= set(registry.COMMANDS[name].args), name
+    count = next(a for a in registry.COMMANDS["next"].cli if a.dest == "count")
+    assert count.default == DEFAULT_COUNT and f"1-{MAX_COUNT}," in count.help
+
+
 def test_every_database_command_has_a_handler_and_no_other_does() -> None:
     runs_on_database = {c.name for c in registry.COMMANDS.values()
                         if c.where & {registry.DAEMON, registry.DIRECT}
