@@ -9,15 +9,14 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from perfectschedd import ConfigError, ScheduleError, __version__
-from perfectschedd.config import DEFAULT_SOCKET
 from perfectschedd.control import protocol, registry
 from perfectschedd.control.protocol import HISTORY_MAX
+from perfectschedd.paths import DEFAULT_SOCKET
 
 from .client import DaemonUnavailable, SocketClient
 from .output import print_result
@@ -111,7 +110,7 @@ def _attempt(text: str) -> int:
 
 
 def _iterations(text: str) -> int:
-    from perfectschedd.schedules.preview import MAX_COUNT
+    from perfectschedd.schedules.fields import PREVIEW_MAX as MAX_COUNT
 
     try:
         value = int(text)
@@ -322,6 +321,8 @@ def _logs(ns: argparse.Namespace, send: Callable[[str, dict[str, Any]], Any]) ->
         argv = ["journalctl", "--no-pager", "--unit", run["unit"]]
         if ns.lines is not None:
             argv += ["--lines", str(ns.lines)]
+        import subprocess  # only here: a run's journal (about 10 ms at every start else)
+
         sys.stdout.flush()
         try:
             return subprocess.run(argv, check=False).returncode
