@@ -11,8 +11,7 @@ handlers themselves are commands.py's.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from perfectschedd.control.protocol import HISTORY_MAX
 from perfectschedd.errors import InvalidInputError
@@ -32,8 +31,7 @@ from perfectschedd.schedules.fields import PREVIEW_MAX as NEXT_MAX
 DAEMON, DIRECT, LOCAL = "daemon", "direct", "local"
 
 
-@dataclass(frozen=True)
-class Arg:
+class Arg(NamedTuple):  # not a dataclass: see protocol.Refusal
     """One argument as perfectschedctl reads it (`flags`) and as the request carries it
     (`dest`; `sent=False`: read by perfectschedctl only)."""
 
@@ -55,8 +53,7 @@ class Arg:
         return not self.flags[0].startswith("-")
 
 
-@dataclass(frozen=True)
-class Command:
+class Command(NamedTuple):
     name: str
     help: str
     cli: tuple[Arg, ...] = ()

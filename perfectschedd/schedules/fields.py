@@ -6,7 +6,6 @@ croniter) so that perfectschedctl's start loads none of it."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from typing import Any
 
@@ -53,6 +52,8 @@ def detached_source(source: str) -> str:
 
 def deleted_marker_name(key: str) -> str:
     """The meta row's name of a forced delete of `key` (DELETED_META)."""
+    import hashlib  # here: OpenSSL's library takes 2-3 ms to load, at every perfectschedctl start
+
     return DELETED_META + hashlib.sha256(key.encode()).hexdigest()[:56]
 
 
