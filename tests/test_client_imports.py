@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 HEAVY = ("sqlalchemy", "dbus_next", "croniter", "dateutil", "yaml", "prometheus_client")
@@ -60,8 +59,7 @@ def test_version_loads_no_heavy_module() -> None:
     assert heavy(modules) == []
 
 
-def test_list_and_status_over_the_socket_load_no_heavy_module(
-        daemon_factory: Any, tmp_path: Path) -> None:
+def test_list_and_status_over_the_socket_load_no_heavy_module(daemon_factory: Any) -> None:
     d = daemon_factory().start()
     d.ctl("add", "light-start", "t", "0 0 1 1 *")
     res, modules = run_client("--socket", d.socket_path, "list")
