@@ -17,6 +17,7 @@ from perfectschedd import ConfigError, ScheduleError, __version__
 from perfectschedd.control import protocol, registry
 from perfectschedd.control.protocol import HISTORY_MAX
 from perfectschedd.paths import DEFAULT_SOCKET
+from perfectschedd.schedules.fields import PREVIEW_MAX
 
 from .client import DaemonUnavailable, SocketClient
 from .output import print_result
@@ -152,14 +153,12 @@ def _attempt(text: str) -> int:
 
 
 def _iterations(text: str) -> int:
-    from perfectschedd.schedules.fields import PREVIEW_MAX as MAX_COUNT
-
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if not 1 <= value <= MAX_COUNT:
-        raise argparse.ArgumentTypeError(f"must be from 1 to {MAX_COUNT}: {text!r}")
+    if not 1 <= value <= PREVIEW_MAX:
+        raise argparse.ArgumentTypeError(f"must be from 1 to {PREVIEW_MAX}: {text!r}")
     return value
 
 
@@ -211,6 +210,7 @@ def build_parser(*, lazy: bool = False) -> argparse.ArgumentParser:
         if not command.in_cli:
             continue
         sp = sub.add_parser(command.name, help=command.help, description=command.help)
+        assert isinstance(sp, _CommandParser)
         if lazy:
             sp.pending = command
         else:
@@ -366,7 +366,7 @@ def _logs(ns: argparse.Namespace, send: Callable[[str, dict[str, Any]], Any]) ->
         argv = ["journalctl", "--no-pager", "--unit", run["unit"]]
         if ns.lines is not None:
             argv += ["--lines", str(ns.lines)]
-        import subprocess  # only here: a run's journal (about 10 ms at every start else)
+        import subprocess  # only here, for a run's journal: it takes ms of every start
 
         sys.stdout.flush()
         try:
