@@ -9,15 +9,15 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from perfectschedd import ConfigError, ScheduleError, __version__
-from perfectschedd.config import DEFAULT_SOCKET
 from perfectschedd.control import protocol, registry
 from perfectschedd.control.protocol import HISTORY_MAX
+from perfectschedd.paths import DEFAULT_SOCKET
+from perfectschedd.schedules.fields import PREVIEW_MAX
 
 from .client import DaemonUnavailable, SocketClient
 from .output import print_result
@@ -25,7 +25,37 @@ from .output import print_result
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE = 0, protocol.EXIT_REFUSED, 2
 
 
+def _columns() -> int:
+    """The terminal's width, as shutil.get_terminal_size says it ($COLUMNS, else the
+    terminal of stdout, else 80)."""
+    try:
+        columns = int(os.environ.get("COLUMNS", "0"))
+    except ValueError:
+        columns = 0
+    if columns <= 0:
+        try:
+            columns = os.get_terminal_size(sys.__stdout__.fileno()).columns  # type: ignore[union-attr]
+        except (AttributeError, ValueError, OSError):
+            columns = 0
+    return columns or 80
+
+
+class _Formatter(argparse.HelpFormatter):
+    """argparse's, told the width: argparse makes one for every argument it adds (help
+    or not), and its own way to the width imports shutil, which imports bz2 and lzma:
+    2-3 ms of every start."""
+
+    def __init__(self, prog: str, *args: Any, width: int | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(prog, *args, width=_columns() - 2 if width is None else width,
+                         **kwargs)
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> None:  # type: ignore[override]
         self.print_usage(sys.stderr)
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
@@ -36,11 +66,23 @@ class _CommandParser(_Parser):
     them (`add KEY TYPE CRON -t ZONE '{"full": true}'`, DATA after the options).
 
     The subcommand action calls parse_known_args; argparse's intermixed parsing calls it
-    again, itself, for each of its two passes (options, then positionals)."""
+    again, itself, for each of its two passes (options, then positionals).  Built lazy
+    (build_parser), it adds its command's arguments there, before the first pass."""
 
     _intermixing = False
+    # The command whose arguments are still to be added (lazy), then None.
+    pending: registry.Command | None = None
+
+    def add_command_arguments(self, command: registry.Command) -> None:
+        self.pending = None
+        self.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                          help="print JSON for programs")
+        for arg in command.cli:
+            _add_argument(self, arg)
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        if self.pending is not None:
+            self.add_command_arguments(self.pending)
         if self._intermixing or (args is not None and "--" in args):
             # After `--` everything is positional (`add -- -key ...`), which the
             # intermixed passes lose: the second one reads `-key` as an option again.
@@ -111,14 +153,12 @@ def _attempt(text: str) -> int:
 
 
 def _iterations(text: str) -> int:
-    from perfectschedd.schedules.preview import MAX_COUNT
-
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if not 1 <= value <= MAX_COUNT:
-        raise argparse.ArgumentTypeError(f"must be from 1 to {MAX_COUNT}: {text!r}")
+    if not 1 <= value <= PREVIEW_MAX:
+        raise argparse.ArgumentTypeError(f"must be from 1 to {PREVIEW_MAX}: {text!r}")
     return value
 
 
@@ -150,7 +190,10 @@ def _add_argument(parser: argparse.ArgumentParser, arg: registry.Arg) -> None:
         parser.add_argument(*arg.flags, dest=arg.dest, **kwargs)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(*, lazy: bool = False) -> argparse.ArgumentParser:
+    """The command line.  lazy: each command's arguments are added only when that command
+    is parsed (main: one command a process; the others' seventy-odd arguments would take
+    several ms of every start)."""
     p = _Parser(prog="perfectschedctl", description="Control PerfectSched schedules.")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--socket", metavar="PATH",
@@ -167,10 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
         if not command.in_cli:
             continue
         sp = sub.add_parser(command.name, help=command.help, description=command.help)
-        sp.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
-                        help="print JSON for programs")
-        for arg in command.cli:
-            _add_argument(sp, arg)
+        assert isinstance(sp, _CommandParser)
+        if lazy:
+            sp.pending = command
+        else:
+            sp.add_command_arguments(command)
     return p
 
 
@@ -322,6 +366,8 @@ def _logs(ns: argparse.Namespace, send: Callable[[str, dict[str, Any]], Any]) ->
         argv = ["journalctl", "--no-pager", "--unit", run["unit"]]
         if ns.lines is not None:
             argv += ["--lines", str(ns.lines)]
+        import subprocess  # only here, for a run's journal: it takes ms of every start
+
         sys.stdout.flush()
         try:
             return subprocess.run(argv, check=False).returncode
@@ -385,7 +431,7 @@ def _import_legacy(ns: argparse.Namespace, send: Callable[[str, dict[str, Any]],
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(lazy=True)
     ns = parser.parse_args(argv)
     try:
         if ns.command == "import-crontab":

@@ -6,9 +6,8 @@ import json
 import signal
 import time
 from collections.abc import Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, tzinfo
 from typing import Any
-from zoneinfo import ZoneInfo
 
 LIST_COLUMNS = ("key", "type", "cron", "delay", "timezone", "next_time", "next_run_time", "data",
                 "state", "source")
@@ -19,10 +18,15 @@ HISTORY_COLUMNS = ("scheduled_time", "started_at", "outcome", "attempt", "exit",
 def format_time(ts: float | None, tz: str = "UTC") -> str:
     if ts is None:
         return "-"
-    try:
-        zone = ZoneInfo(tz)
-    except Exception:  # noqa: BLE001 - a bad zone never stops printing
-        zone = ZoneInfo("UTC")
+    zone: tzinfo = UTC
+    if tz != "UTC":
+        # Here: zoneinfo loads sysconfig (1-2 ms), which --version and UTC times skip.
+        from zoneinfo import ZoneInfo
+
+        try:
+            zone = ZoneInfo(tz)
+        except Exception:  # noqa: BLE001 - a bad zone never stops printing
+            pass
     return datetime.fromtimestamp(ts, UTC).astimezone(zone).strftime("%Y-%m-%d %H:%M:%S %z")
 
 

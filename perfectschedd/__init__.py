@@ -2,7 +2,6 @@
 
 from typing import Any
 
-from perfectschedd.config import Config
 from perfectschedd.errors import (
     AlreadyExistsError,
     AlreadyFinishedError,
@@ -28,8 +27,10 @@ __all__ = [
 
 
 # Loaded on first use: perfectschedctl in socket mode needs only the errors and the
-# protocol, and importing SQLAlchemy would double its start time.
-_LAZY = {"Schedule": "schedules.collection", "ScheduleCollection": "schedules.collection",
+# protocol; SQLAlchemy would double its start time, and the config (YAML, the checks of
+# routes) is not its business either.
+_LAZY = {"Config": "config",
+         "Schedule": "schedules.collection", "ScheduleCollection": "schedules.collection",
          "ScheduleInfo": "schedules.collection", "Task": "schedules.collection",
          "open": "schedules.collection", "Application": "executors.application"}
 

@@ -12,17 +12,13 @@ from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-import yaml
-
 from perfectschedd.errors import ConfigError, InvalidInputError, NotSupportedError, describe
 from perfectschedd.executors import runas
 from perfectschedd.executors.systemd import props as unitprops
 from perfectschedd.notify import spec as notify_spec
 from perfectschedd.notify.spec import Notifier
+from perfectschedd.paths import DEFAULT_CONFIG_PATH, DEFAULT_SCHEDULES_DIR, DEFAULT_SOCKET
 
-DEFAULT_CONFIG_PATH = "/etc/perfectsched/perfectsched.yml"
-DEFAULT_SOCKET = "/run/perfectsched/perfectschedd.sock"
-DEFAULT_SCHEDULES_DIR = "/etc/perfectsched/schedules.d"
 # Documented default port of /metrics (README, perfectschedd(8)); not registered with IANA.
 DEFAULT_METRICS_PORT = 9839
 DEFAULT_METRICS_LISTEN = f"127.0.0.1:{DEFAULT_METRICS_PORT}"
@@ -523,6 +519,8 @@ def load(config: Mapping[str, Any] | str | os.PathLike[str] | Config | None = No
             raise ConfigError(f"cannot read {source}: {exc.strerror}") from None
         if len(raw_bytes) > CONFIG_MAX:
             raise ConfigError(f"{source}: larger than {CONFIG_MAX} bytes")
+        import yaml  # here: not at import, as perfectschedctl -c imports this module too
+
         try:
             # Anchors and aliases stay allowed here, unlike in schedules files: root's file,
             # whose environment sections may share a part (`<<: *base`), and no check walks

@@ -20,6 +20,7 @@ LAYERS: dict[str, int] = {
     "perfectschedd.errors": 0,
     "perfectschedd.fdguard": 0,
     "perfectschedd.logsetup": 0,
+    "perfectschedd.paths": 0,  # the config's default paths; perfectschedctl needs the socket's
     "perfectschedd.schedules.fields": 0,
     "perfectschedd.executors.runas": 1,
     "perfectschedd.executors.systemd.props": 1,

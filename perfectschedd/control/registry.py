@@ -11,14 +11,15 @@ handlers themselves are commands.py's.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from perfectschedd.control.protocol import HISTORY_MAX
 from perfectschedd.errors import InvalidInputError
-from perfectschedd.schedules.policy import OPTIONS as POLICY_OPTIONS
-from perfectschedd.schedules.preview import DEFAULT_COUNT as NEXT_DEFAULT
-from perfectschedd.schedules.preview import MAX_COUNT as NEXT_MAX
+
+# The limits only, never the schedule code: perfectschedctl reads this table at every start
+# and must not load croniter to do so (tests/test_client_imports.py).
+from perfectschedd.schedules.fields import PREVIEW_COUNT as NEXT_DEFAULT
+from perfectschedd.schedules.fields import PREVIEW_MAX as NEXT_MAX
 
 # -- who may call a command ----------------------------------------------------------------
 # DAEMON: through the daemon (control socket, D-Bus): root, the daemon's user and members
@@ -30,8 +31,7 @@ from perfectschedd.schedules.preview import MAX_COUNT as NEXT_MAX
 DAEMON, DIRECT, LOCAL = "daemon", "direct", "local"
 
 
-@dataclass(frozen=True)
-class Arg:
+class Arg(NamedTuple):  # not a dataclass: see protocol.Refusal
     """One argument as perfectschedctl reads it (`flags`) and as the request carries it
     (`dest`; `sent=False`: read by perfectschedctl only)."""
 
@@ -53,8 +53,7 @@ class Arg:
         return not self.flags[0].startswith("-")
 
 
-@dataclass(frozen=True)
-class Command:
+class Command(NamedTuple):
     name: str
     help: str
     cli: tuple[Arg, ...] = ()
@@ -90,6 +89,8 @@ class Command:
 
 
 def _policy_args() -> tuple[Arg, ...]:
+    # One flag for each of policy.OPTIONS (tests/control/test_registry.py holds them to
+    # it: importing policy here would load it in every perfectschedctl).
     texts = {
         "misfire": ("--misfire", "after downtime: all (default), latest or skip"),
         "grace": ("--grace", "skip an occurrence that cannot start within SEC of its time"),
@@ -105,7 +106,6 @@ def _policy_args() -> tuple[Arg, ...]:
                         "(default: it waits), allow (it runs beside it) or replace (the "
                         "running one is stopped)"),
     }
-    assert set(texts) == set(POLICY_OPTIONS)
     return tuple(Arg((flag,), dest, text, kind="policy") for dest, (flag, text) in
                  texts.items())
 

@@ -1,10 +1,11 @@
 """The limits and markers of a schedule's fields, shared by validation, the importers,
-the config and the store.  Kept apart from the table definitions (store/schema.py) so
-that what only checks input never loads SQLAlchemy."""
+the config and the store, and the limits the control protocol and perfectschedctl's
+parser state.  Kept apart from the table definitions (store/schema.py) so that what only
+checks input never loads SQLAlchemy, and apart from the schedule code (cron.py:
+croniter) so that perfectschedctl's start loads none of it."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from typing import Any
 
@@ -51,6 +52,8 @@ def detached_source(source: str) -> str:
 
 def deleted_marker_name(key: str) -> str:
     """The meta row's name of a forced delete of `key` (DELETED_META)."""
+    import hashlib  # here: OpenSSL's library takes 2-3 ms to load, at every perfectschedctl start
+
     return DELETED_META + hashlib.sha256(key.encode()).hexdigest()[:56]
 
 
@@ -59,6 +62,28 @@ ERROR_MAX = 400  # a history row's error: one line
 # The last second of year 9999: the calendar ends here (datetime, and so croniter, knows
 # no year 10000); it bounds every time and duration we store (and keeps them in 64 bits).
 LAST_INSTANT = 253402300799
+
+# Nesting deeper than this in a request, or in a schedule's data, is refused (no JSON
+# document we accept needs it).
+MAX_DEPTH = 64
+# How many fire times `perfectschedctl next` prints by default, and at most (preview.py).
+PREVIEW_COUNT = 5
+PREVIEW_MAX = 1000
+
+
+def json_depth(obj: Any, limit: int = MAX_DEPTH) -> int:
+    """Nesting depth of a decoded JSON value, iteratively (no recursion to exhaust);
+    stops counting once past `limit`."""
+    deepest, todo = 0, [(obj, 1)]
+    while todo:
+        value, level = todo.pop()
+        if isinstance(value, dict | list):
+            deepest = max(deepest, level)
+            if deepest > limit:
+                return deepest
+            items = value.values() if isinstance(value, dict) else value
+            todo.extend((v, level + 1) for v in items)
+    return deepest
 
 
 def dumps_data(data: Any) -> str:

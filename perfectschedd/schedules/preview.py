@@ -13,10 +13,9 @@ from typing import Any
 
 from perfectschedd.errors import InvalidInputError
 from perfectschedd.schedules import cron
+from perfectschedd.schedules.fields import PREVIEW_COUNT as DEFAULT_COUNT
+from perfectschedd.schedules.fields import PREVIEW_MAX as MAX_COUNT
 from perfectschedd.schedules.policy import jitter_offset
-
-DEFAULT_COUNT = 5
-MAX_COUNT = 1000
 
 
 @dataclass(frozen=True)

@@ -23,29 +23,12 @@ from perfectschedd.schedules.fields import (
     EXEC_TYPE,
     KEY_MAX,
     LAST_INSTANT,
+    MAX_DEPTH,
     RUN_NOW_MARK,
     TYPE_MAX,
     dumps_data,
+    json_depth,
 )
-
-# Nesting deeper than this in a request, or in a schedule's data, is refused (no JSON
-# document we accept needs it).
-MAX_DEPTH = 64
-
-
-def json_depth(obj: Any, limit: int = MAX_DEPTH) -> int:
-    """Nesting depth of a decoded JSON value, iteratively (no recursion to exhaust);
-    stops counting once past `limit`."""
-    deepest, todo = 0, [(obj, 1)]
-    while todo:
-        value, level = todo.pop()
-        if isinstance(value, dict | list):
-            deepest = max(deepest, level)
-            if deepest > limit:
-                return deepest
-            items = value.values() if isinstance(value, dict) else value
-            todo.extend((v, level + 1) for v in items)
-    return deepest
 
 
 def check_text(field: str, value: Any, limit: int) -> str:

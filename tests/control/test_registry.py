@@ -34,6 +34,47 @@ def test_the_cli_is_the_registry() -> None:
         assert dests == {a.dest for a in registry.COMMANDS[name].cli}, name
 
 
+@pytest.mark.parametrize("argv", [
+    ["add", "k", "t", "* * * * *", "-t", "Europe/Paris", '{"a": 1}', "--jitter", "30"],
+    ["--socket", "/s", "--json", "list", "--prefix", "app.", "-n", "3"],
+    ["-c", "cfg.yml", "pause", "a", "b", "--force"],
+    ["next", "--cron", "@daily", "-n", "2", "--json"],
+    ["add", "--", "-odd-key", "t", "@daily"],
+])
+def test_the_lazy_parser_reads_a_command_line_as_the_full_one(argv: list[str]) -> None:
+    """main's parser adds a command's arguments only when that command is parsed."""
+    assert vars(cli.build_parser(lazy=True).parse_args(argv)) == \
+        vars(cli.build_parser().parse_args(argv))
+
+
+def test_the_lazy_parser_gives_a_command_s_help_and_refuses_as_the_full_one(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    said = []
+    for lazy in (True, False):
+        for argv in (["add", "--help"], ["add", "k", "--bogus"], ["history", "k", "-n", "0"]):
+            with pytest.raises(SystemExit) as exc:
+                cli.build_parser(lazy=lazy).parse_args(argv)
+            out = capsys.readouterr()
+            said.append((exc.value.code, out.out, out.err))
+    assert said[:3] == said[3:]
+    assert "--max-attempts" in said[0][1] and said[0][0] == 0
+    assert [s[0] for s in said[1:3]] == [cli.EXIT_USAGE] * 2
+
+
+def test_add_and_modify_have_a_flag_for_each_policy_option() -> None:
+    """The registry lists the policy flags itself (it must not import the schedule code:
+    perfectschedctl reads it at every start); an option added to policy.OPTIONS without
+    its flag fails here."""
+    from perfectschedd.schedules import policy
+    from perfectschedd.schedules.preview import DEFAULT_COUNT, MAX_COUNT
+
+    assert {a.dest for a in registry.POLICIES} == set(policy.OPTIONS)
+    for name in ("add", "modify"):
+        assert set(policy.OPTIONS) <= set(registry.COMMANDS[name].args), name
+    count = next(a for a in registry.COMMANDS["next"].cli if a.dest == "count")
+    assert count.default == DEFAULT_COUNT and f"1-{MAX_COUNT}," in count.help
+
+
 def test_every_database_command_has_a_handler_and_no_other_does() -> None:
     runs_on_database = {c.name for c in registry.COMMANDS.values()
                         if c.where & {registry.DAEMON, registry.DIRECT}
