@@ -341,8 +341,7 @@ def _supervise(proc: subprocess.Popen[bytes], fds: tuple[int, int, int], key: st
     # per-call bookkeeping showed in a burst of short runs.
     poller = select.poll()
     readers: dict[int, _Lines] = {out_fd: out, err_fd: err}
-    for fd in readers:
-        os.set_blocking(fd, False)
+    for fd in readers:  # blocking: read only once poll said so, by this thread alone
         poller.register(fd, select.POLLIN)
     pending = memoryview(payload)
     if len(payload) <= select.PIPE_BUF:
@@ -429,10 +428,7 @@ def _supervise(proc: subprocess.Popen[bytes], fds: tuple[int, int, int], key: st
                         os.close(fd)
                         in_fd = -1
                 else:
-                    try:
-                        chunk = os.read(fd, _CHUNK)
-                    except BlockingIOError:
-                        continue
+                    chunk = os.read(fd, _CHUNK)
                     if chunk:
                         readers[fd].feed(chunk)
                     else:
