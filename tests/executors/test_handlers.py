@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pwd
 import sys
 import threading
 import time
@@ -613,6 +614,23 @@ def test_exec_fences_itself_at_fence_at(tmp_path: Path) -> None:
     assert result.outcome == Outcome.PREEMPTED
     assert control.reason is base.StopReason.FENCED
     assert result.duration < 2.0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running a job as another user needs root")
+def test_exec_as_another_user_gets_its_identity_stdin_and_output(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # The run-as path (no vfork: Popen changes user and groups in a forked child) with
+    # the pipes _spawn makes: the payload arrives, the output is logged and kept.
+    caplog.set_level(logging.INFO, LOGGER)
+    user = pwd.getpwnam("nobody")
+    argv = ("/bin/sh", "-c", 'read -r data; echo "$(id -u) $(id -g) $USER $data"', "sh")
+    handler = ExecHandler(RouteConfig(pattern="t", exec=argv, user="nobody",
+                                      append_key=False), argv, None)
+    result = run(FakeTask(key="k-user", data={"n": 7}), handler)
+    assert result.outcome == Outcome.SUCCESS
+    line = f'{user.pw_uid} {user.pw_gid} nobody {{"n": 7}}'
+    assert f"k-user: {line}" in caplog.text
+    assert result.output is not None and line in result.output
 
 
 def test_exec_run_id_is_in_the_environment(tmp_path: Path) -> None:
