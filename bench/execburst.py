@@ -4,7 +4,7 @@ N occurrences due at one instant T, routed to a tiny `bash -c` job that reads it
 (the data) and appends one line (its key and the time) to a file; then the same command
 run N times by a ThreadPoolExecutor of 16 threads calling subprocess.run (what a script
 without a scheduler would do).  Runs/s = N / (last line's time - start), for each.  The
-ratio says what binding each job to its lease costs (a process group, a run id, two run
+ratio says what binding each job to its lease costs (a process group, a run id, three run
 events to the master, a supervised pipe loop) next to spawning it bare.
 
 The two sides run under the same conditions: the pool is a process of its own session,
