@@ -4,17 +4,36 @@ N occurrences due at one instant T, routed to a tiny `bash -c` job that reads it
 (the data) and appends one line (its key and the time) to a file; then the same command
 run N times by a ThreadPoolExecutor of 16 threads calling subprocess.run (what a script
 without a scheduler would do).  Runs/s = N / (last line's time - start), for each.  The
-ratio says what binding each job to its lease costs (a process group, a run id, two run
+ratio says what binding each job to its lease costs (a process group, a run id, three run
 events to the master, a supervised pipe loop) next to spawning it bare.
+
+The two sides run under the same conditions: the pool is a process of its own session,
+as the daemon is, and each of its commands gets a session of its own, as each exec run
+does (start_new_session).  With the kernel's autogroups (sched_autogroup_enabled, the
+default of most distributions) each session is scheduled as one group: commands of
+their own sessions take a larger share of a machine loaded by others than commands in
+the pool's own session, which made the daemon look faster than the bare pool (ratios
+above 1) whenever other work ran.  The two sides also take turns going first, so that
+a load that rises or falls during a round weighs on both alike.
+
+Besides runs/s it prints the CPU each side spent per run (user + system, the commands
+included; for the daemon its master, its workers and, on PostgreSQL, the server's
+processes), from the instant T to the last line.  On a machine shared with other work
+the runs/s swing with the load, the CPU per run much less: its ratio (bare / daemon)
+is what the runs/s ratio would be on a machine of our own, where both are CPU-bound.
 
     .venv-bench/bin/python bench/run.py --only execburst --backends sqlite
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import resource
 import statistics
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -45,18 +64,58 @@ def rate(log: Path, n: int, start: float, timeout: float) -> float:
     return n / (last - start)
 
 
-def bare_pool(n: int, work: Path) -> float:
-    log = work / "bare.log"
-    log.unlink(missing_ok=True)
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu(pids: list[int]) -> dict[int, float]:
+    """utime + stime of each process, with that of its children it reaped (the jobs)."""
+    out = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[pid] = sum(int(x) for x in fields[11:15]) / CLK_TCK
+    return out
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _pool(n: int, log: Path) -> dict[str, float]:
+    """The bare pool itself (in a process of its own session): its start time and the
+    CPU seconds it and its commands used."""
     cmd = argv(log)
+    before = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
     start = time.time()
     with ThreadPoolExecutor(POOL) as pool:
-        list(pool.map(lambda i: subprocess.run([*cmd, f"b{i}"], input=b"{}\n",
-                                               check=True), range(n)))
-    return rate(log, n, start, 60)
+        list(pool.map(lambda i: subprocess.run([*cmd, f"b{i}"], input=b"{}\n", check=True,
+                                               start_new_session=True), range(n)))
+    after = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    cpu = sum(a.ru_utime + a.ru_stime - b.ru_utime - b.ru_stime
+              for a, b in zip(after, before, strict=True))
+    return {"start": start, "cpu": cpu}
 
 
-def perfectsched(ps_class: Any, url: str, n: int, work: Path, lead: float) -> float:
+def bare_pool(n: int, work: Path) -> tuple[float, float]:
+    """Runs/s and CPU seconds per run of the bare pool."""
+    log = work / "bare.log"
+    log.unlink(missing_ok=True)
+    out = subprocess.run([sys.executable, __file__, "--pool", str(n), str(log)],
+                         stdout=subprocess.PIPE, check=True, start_new_session=True)
+    got = json.loads(out.stdout)
+    return rate(log, n, got["start"], 60), got["cpu"] / n
+
+
+def perfectsched(ps_class: Any, url: str, n: int, work: Path, lead: float,
+                 server: int | None = None) -> tuple[float, float]:
+    """Runs/s and CPU seconds per run of the daemon (and of `server`, the database
+    server's postmaster, and its processes)."""
     log = work / "ps.log"
     log.unlink(missing_ok=True)
     ps = ps_class(url, work / "ps", extra={"routes": [
@@ -68,7 +127,17 @@ def perfectsched(ps_class: Any, url: str, n: int, work: Path, lead: float) -> fl
                      for i in range(n)])
         if time.time() > due - 0.3:
             raise RuntimeError("registration overran T; raise the lead")
-        return rate(log, n, due, max(120.0, n / 20))
+
+        def pids() -> list[int]:
+            return ps.pids() + ([server, *_children(server)] if server else [])
+
+        time.sleep(max(0.0, due - 0.2 - time.time()))
+        before = _cpu(pids())
+        runs = rate(log, n, due, max(120.0, n / 20))
+        after = _cpu(pids())
+        # A server process started during the burst counts whole; one that ended, not.
+        cpu = sum(t - before.get(pid, 0.0) for pid, t in after.items())
+        return runs, cpu / n
     finally:
         ps.stop()
 
@@ -76,21 +145,37 @@ def perfectsched(ps_class: Any, url: str, n: int, work: Path, lead: float) -> fl
 def run(ps_class: Any, env: Any, n: int, tmp: Path, repeat: int,
         log: Any) -> dict[str, Any]:
     runs: list[dict[str, float]] = []
+    server = getattr(getattr(env.pg, "proc", None), "pid", None)
     for r in range(repeat):
         url = env.fresh_url(f"execburst{n}")
         work = tmp / f"execburst-{env.name}-{env.counter}"
         work.mkdir(parents=True, exist_ok=True)
+        if r % 2:
+            bare, bare_cpu = bare_pool(n, work)
         try:
-            ps = perfectsched(ps_class, url, n, work, lead=3 + n / 5000)
+            ps, ps_cpu = perfectsched(ps_class, url, n, work, lead=3 + n / 5000,
+                                      server=server)
         finally:
             env.drop(url)
-        bare = bare_pool(n, work)
-        runs.append({"perfectsched": ps, "bare_pool": bare, "ratio": ps / bare})
+        if not r % 2:
+            bare, bare_cpu = bare_pool(n, work)
+        runs.append({"perfectsched": ps, "bare_pool": bare, "ratio": ps / bare,
+                     "perfectsched_cpu_ms": 1000 * ps_cpu, "bare_pool_cpu_ms": 1000 * bare_cpu,
+                     "cpu_ratio": bare_cpu / ps_cpu})
         log(f"  exec burst {n} run {r + 1}/{repeat}: perfectsched {ps:,.0f} runs/s, "
-            f"bare pool of {POOL} {bare:,.0f} runs/s, ratio {ps / bare:.2f}")
+            f"bare pool of {POOL} {bare:,.0f} runs/s, ratio {ps / bare:.2f}; CPU per run "
+            f"{1000 * ps_cpu:.2f} / {1000 * bare_cpu:.2f} ms, ratio {bare_cpu / ps_cpu:.2f}")
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     rng = {k: (min(r[k] for r in runs), max(r[k] for r in runs)) for k in runs[0]}
     log(f"  exec burst {n} median: perfectsched {med['perfectsched']:,.0f} runs/s, bare "
         f"{med['bare_pool']:,.0f} runs/s, ratio {med['ratio']:.2f} "
-        f"(range {rng['ratio'][0]:.2f}-{rng['ratio'][1]:.2f})")
+        f"(range {rng['ratio'][0]:.2f}-{rng['ratio'][1]:.2f}); CPU per run "
+        f"{med['perfectsched_cpu_ms']:.2f} / {med['bare_pool_cpu_ms']:.2f} ms, ratio "
+        f"{med['cpu_ratio']:.2f} (range {rng['cpu_ratio'][0]:.2f}-{rng['cpu_ratio'][1]:.2f})")
     return {"median": med, "range": rng, "runs": runs}
+
+
+if __name__ == "__main__":  # the bare pool's own process (bare_pool)
+    if sys.argv[1:2] != ["--pool"] or len(sys.argv) != 4:
+        raise SystemExit("usage: execburst.py --pool N LOG (run by bare_pool)")
+    print(json.dumps(_pool(int(sys.argv[2]), Path(sys.argv[3]))))

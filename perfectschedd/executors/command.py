@@ -217,10 +217,7 @@ def _run_exec(task: TaskLike, handler: ExecHandler, log: Log, stop_event: Stop |
         for name, value in route.env:
             env[os.fsencode(name)] = os.fsencode(value)
         as_user = _as_user(route.user, env) if route.user is not None else {}
-        proc = subprocess.Popen(
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env=env, start_new_session=True, close_fds=True, **as_user,
-        )
+        proc, fds = _spawn(argv, env, as_user)
     except OSError as exc:
         log.error("%s: cannot run %s: %s", key, argv[0], exc.strerror or exc)
         task.retry()
@@ -234,8 +231,8 @@ def _run_exec(task: TaskLike, handler: ExecHandler, log: Log, stop_event: Stop |
     try:
         if on_spawn is not None:
             on_spawn(pgid)
-        why, last_line = _supervise(proc, key, payload, handler.timeout, log, stop_event,
-                                    kill_grace, tail)
+        why, last_line = _supervise(proc, fds, key, payload, handler.timeout, log,
+                                    stop_event, kill_grace, tail)
         completed = True
     finally:
         if not completed:  # an error of our own: no orphan, no wait on a live command
@@ -259,6 +256,31 @@ def _run_exec(task: TaskLike, handler: ExecHandler, log: Log, stop_event: Stop |
     outcome = exec_verdict(task, last_line.strip(), code, log)
     return RunResult(outcome, 0.0, code, None, output,
                      exec_error(outcome, last_line.strip(), code, tail.last_line))
+
+
+def _spawn(argv: list[str], env: dict[bytes, bytes],
+           as_user: dict[str, Any]) -> tuple[subprocess.Popen[bytes], tuple[int, int, int]]:
+    """Start the command in a session of its own; returns it and our ends of its stdin,
+    stdout and stderr pipes (raw descriptors, close-on-exec).
+
+    The pipes are ours, not Popen's PIPE: Popen would wrap each end in a buffered file
+    object, three objects per run that nothing here reads through.  Without user/group
+    changes or preexec_fn, Popen forks with vfork (start_new_session does not prevent it).
+    """
+    fds: list[int] = []
+    try:
+        for _ in range(3):
+            fds.extend(os.pipe())
+        in_r, in_w, out_r, out_w, err_r, err_w = fds
+        proc = subprocess.Popen(argv, stdin=in_r, stdout=out_w, stderr=err_w, env=env,
+                                start_new_session=True, close_fds=True, **as_user)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    for fd in (in_r, out_w, err_w):  # the command's ends: it has its own copies
+        os.close(fd)
+    return proc, (in_w, out_r, err_r)
 
 
 def exec_error(outcome: Outcome, last: str, code: int, last_line: str) -> str | None:
@@ -299,16 +321,17 @@ def exec_verdict(task: TaskLike, last: str, code: int, log: Log) -> Outcome:
     return Outcome.FAILED
 
 
-def _supervise(proc: subprocess.Popen[bytes], key: str, payload: bytes, timeout: float | None,
-               log: Log, stop_event: Stop | None, kill_grace: float,
-               tail: OutputTail) -> tuple[str | None, str]:
+def _supervise(proc: subprocess.Popen[bytes], fds: tuple[int, int, int], key: str,
+               payload: bytes, timeout: float | None, log: Log, stop_event: Stop | None,
+               kill_grace: float, tail: OutputTail) -> tuple[str | None, str]:
     """Feed stdin, log output (and keep its `tail`), enforce timeout/stop; return
-    (reason, last stdout line).
+    (reason, last stdout line).  `fds`: our ends of the command's stdin, stdout and
+    stderr (_spawn); all three are closed on return.
 
     Returns once the leader has exited (not reaped: its zombie keeps the pgid
     reserved, so signalling the group stays safe) and the pipes are drained.
     """
-    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    in_fd, out_fd, err_fd = fds
     pgid = proc.pid
     start = time.monotonic()
     deadline = start + timeout if timeout is not None else None
@@ -317,14 +340,24 @@ def _supervise(proc: subprocess.Popen[bytes], key: str, payload: bytes, timeout:
     # poll(2) itself, not a selectors object: a few wake-ups per run, and the wrapper's
     # per-call bookkeeping showed in a burst of short runs.
     poller = select.poll()
-    readers: dict[int, _Lines] = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
-    for fd in readers:
-        os.set_blocking(fd, False)
+    readers: dict[int, _Lines] = {out_fd: out, err_fd: err}
+    for fd in readers:  # blocking: read only once poll said so, by this thread alone
         poller.register(fd, select.POLLIN)
-    in_fd = proc.stdin.fileno()
-    os.set_blocking(in_fd, False)
-    poller.register(in_fd, select.POLLOUT)
     pending = memoryview(payload)
+    if len(payload) <= select.PIPE_BUF:
+        # The common case, a small payload: the pipe is new and empty, so one write of
+        # at most PIPE_BUF bytes cannot block (even a pipe cut to one page holds it),
+        # and the run needs no POLLOUT turn of the loop.
+        try:
+            os.write(in_fd, payload)
+        except OSError:  # EPIPE: the command is gone already (or closed its stdin)
+            pass
+        pending = pending[:0]
+        os.close(in_fd)
+        in_fd = -1
+    else:
+        os.set_blocking(in_fd, False)
+        poller.register(in_fd, select.POLLOUT)
     try:
         pidfd: int | None = os.pidfd_open(proc.pid)
         poller.register(pidfd, select.POLLIN)
@@ -392,12 +425,10 @@ def _supervise(proc: subprocess.Popen[bytes], key: str, payload: bytes, timeout:
                         pending = pending[:0]
                     if not pending:
                         poller.unregister(fd)
-                        proc.stdin.close()
+                        os.close(fd)
+                        in_fd = -1
                 else:
-                    try:
-                        chunk = os.read(fd, _CHUNK)
-                    except BlockingIOError:
-                        continue
+                    chunk = os.read(fd, _CHUNK)
                     if chunk:
                         readers[fd].feed(chunk)
                     else:
@@ -413,11 +444,9 @@ def _supervise(proc: subprocess.Popen[bytes], key: str, payload: bytes, timeout:
     finally:
         if pidfd is not None:
             os.close(pidfd)
-        for f in (proc.stdin, proc.stdout, proc.stderr):
-            try:
-                f.close()
-            except OSError:
-                pass
+        for fd in (in_fd, out_fd, err_fd):
+            if fd >= 0:
+                os.close(fd)
         for lines in readers.values():
             lines.close()
     return reason, out.last

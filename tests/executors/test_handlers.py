@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import pwd
 import sys
 import threading
 import time
@@ -265,6 +267,47 @@ def test_exec_large_output_no_deadlock() -> None:
     assert result.outcome == Outcome.SUCCESS
     assert seen == {logging.INFO: size, logging.WARNING: size}
     assert time.monotonic() - start < 10
+
+
+def test_exec_large_payload_reaches_stdin_whole(tmp_path: Path) -> None:
+    # Beyond PIPE_BUF the payload goes through the poll loop, in pieces.
+    data = {"blob": "z" * 300_000}
+    assert run(FakeTask(data=data), sh(f"cat > {tmp_path}/stdin")).outcome == Outcome.SUCCESS
+    assert json.loads((tmp_path / "stdin").read_text()) == data
+
+
+def test_exec_command_inherits_no_descriptor_of_the_worker(tmp_path: Path) -> None:
+    # An inheritable descriptor of the worker (a python job may leave one) stays out of
+    # the command: it sees its stdin, stdout and stderr only (and ls its directory).
+    fd = os.open(tmp_path, os.O_RDONLY)
+    high = os.dup2(fd, 200, inheritable=True)
+    try:
+        assert os.get_inheritable(high)
+        argv = ("/bin/sh", "-c", f"exec ls -1 /proc/self/fd > {tmp_path}/fds")
+        handler = ExecHandler(RouteConfig(pattern="t", exec=argv, append_key=False), argv,
+                              None)
+        assert run(FakeTask(), handler).outcome == Outcome.SUCCESS
+    finally:
+        os.close(high)
+        os.close(fd)
+    seen = {int(x) for x in (tmp_path / "fds").read_text().split()}
+    assert {0, 1, 2} <= seen <= {0, 1, 2, 3}
+
+
+def test_exec_runs_leave_no_descriptor_open(tmp_path: Path) -> None:
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    missing = str(tmp_path / "nope")
+    runs = [
+        (sh("read -r line; echo done"), {}),                 # small payload, read
+        (sh("exit 3"), {"blob": "b" * 100_000}),              # large payload, not read
+        (ExecHandler(RouteConfig(pattern="t", exec=(missing,)), (missing,), None), {}),
+    ]
+    before = open_fds()
+    for handler, data in runs * 3:
+        run(FakeTask(data=data), handler)
+    assert open_fds() == before
 
 
 def test_exec_huge_line_is_bounded(caplog: pytest.LogCaptureFixture) -> None:
@@ -571,6 +614,23 @@ def test_exec_fences_itself_at_fence_at(tmp_path: Path) -> None:
     assert result.outcome == Outcome.PREEMPTED
     assert control.reason is base.StopReason.FENCED
     assert result.duration < 2.0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running a job as another user needs root")
+def test_exec_as_another_user_gets_its_identity_stdin_and_output(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # The run-as path (no vfork: Popen changes user and groups in a forked child) with
+    # the pipes _spawn makes: the payload arrives, the output is logged and kept.
+    caplog.set_level(logging.INFO, LOGGER)
+    user = pwd.getpwnam("nobody")
+    argv = ("/bin/sh", "-c", 'read -r data; echo "$(id -u) $(id -g) $USER $data"', "sh")
+    handler = ExecHandler(RouteConfig(pattern="t", exec=argv, user="nobody",
+                                      append_key=False), argv, None)
+    result = run(FakeTask(key="k-user", data={"n": 7}), handler)
+    assert result.outcome == Outcome.SUCCESS
+    line = f'{user.pw_uid} {user.pw_gid} nobody {{"n": 7}}'
+    assert f"k-user: {line}" in caplog.text
+    assert result.output is not None and line in result.output
 
 
 def test_exec_run_id_is_in_the_environment(tmp_path: Path) -> None:
