@@ -191,6 +191,7 @@ class LeasePipeline:
         never past the next history flush while rows wait (a run's row is written within
         HISTORY_FLUSH of its end, not at the next due time or poll)."""
         wait = self._step(submit)
+        metrics.flush_tasks()
         if self.history:
             wait = min(wait, max(0.0, HISTORY_FLUSH - (time.monotonic() - self.last_flush)))
         return wait
@@ -712,5 +713,6 @@ class LeasePipeline:
             log.error("could not write %d finished task(s); they run again when their "
                       "leases expire", len(self.finished))
         self.flush_history(force=True)
+        metrics.flush_tasks()
         if self.sc is not None:
             self.sc.close()
