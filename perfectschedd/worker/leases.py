@@ -25,6 +25,7 @@ from typing import Any
 
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
+from perfectschedd import logsetup
 from perfectschedd.config import Config
 from perfectschedd.errors import InvalidInputError, PreemptedError
 from perfectschedd.executors.base import RunControl, RunResult, StopReason, error_line
@@ -424,8 +425,9 @@ class LeasePipeline:
                                    "back untried")
                 return
             metrics.task_started(task.type, max(0.0, started - due))
-            log.info("start key=%s type=%s scheduled=%d attempt=%d late=%.3fs",
-                     task.key, task.type, task.scheduled_time, task.attempt, started - due)
+            logsetup.info(log, f"start key={task.key} type={task.type} scheduled="
+                          f"{int(task.scheduled_time)} attempt={int(task.attempt)} "
+                          f"late={started - due:.3f}s")
             with self.lock:
                 control = self.controls.get(task.key) or RunControl()
             run_id: str | None = None
@@ -461,9 +463,10 @@ class LeasePipeline:
                           "(max_attempts); the schedule moves on", task.key,
                           task.scheduled_time, task.attempt)
             self.avg_duration = 0.8 * self.avg_duration + 0.2 * duration
-            log.info("end key=%s scheduled=%d attempt=%d duration=%.3fs outcome=%s%s",
-                     task.key, task.scheduled_time, task.attempt, duration, outcome,
-                     f" exit={result.exit_code}" if result.exit_code is not None else "")
+            logsetup.info(log, f"end key={task.key} scheduled={int(task.scheduled_time)} "
+                          f"attempt={int(task.attempt)} duration={duration:.3f}s "
+                          f"outcome={outcome}" + (f" exit={result.exit_code}"
+                                                  if result.exit_code is not None else ""))
             if outcome == "preempted":
                 metrics.lease_lost(task.type)
         except PreemptedError:
