@@ -15,6 +15,7 @@ prometheus_client is only imported once the directory is set up.
 from __future__ import annotations
 
 import atexit
+import bisect
 import contextlib
 import fcntl
 import glob
@@ -132,25 +133,28 @@ class _WorkerMetrics:
     def apply(self, events: list[tuple[str, str | None, float, float]]) -> None:
         """Task starts (outcome None: lateness) and ends (outcome, duration, the time of
         a success or 0), in the order they happened."""
-        started: dict[str, int] = {}
+        started: dict[str, list[float]] = {}
         finished: dict[tuple[str, str], int] = {}
+        durations: dict[str, list[float]] = {}
         success: dict[str, float] = {}
         for task_type, outcome, seconds, at in events:
-            _, late, run_time, _ = self.for_type(task_type)
             if outcome is None:
-                started[task_type] = started.get(task_type, 0) + 1
-                late.observe(max(0.0, seconds))
+                started.setdefault(task_type, []).append(max(0.0, seconds))
                 continue
             finished[task_type, outcome] = finished.get((task_type, outcome), 0) + 1
             if outcome == "no_route":  # never started: no run time to record
                 continue
-            run_time.observe(max(0.0, seconds))
+            durations.setdefault(task_type, []).append(max(0.0, seconds))
             if at:
                 success[task_type] = max(at, success.get(task_type, 0.0))
-        for task_type, count in started.items():
-            self.for_type(task_type)[0].inc(count)
-        for (task_type, outcome), count in finished.items():
-            self.finished_of(task_type, outcome).inc(count)
+        for task_type, lateness in started.items():
+            count, late, _, _ = self.for_type(task_type)
+            count.inc(len(lateness))
+            _observe_many(late, lateness)
+        for task_type, seconds in durations.items():
+            _observe_many(self.for_type(task_type)[2], seconds)
+        for (task_type, outcome), n in finished.items():
+            self.finished_of(task_type, outcome).inc(n)
         for task_type, at in success.items():
             self.for_type(task_type)[3].set(at)
 
@@ -160,6 +164,27 @@ class _WorkerMetrics:
             child = self._finished[task_type, outcome] = self.finished.labels(task_type,
                                                                               outcome)
         return child
+
+
+def _observe_many(histogram: Any, amounts: list[float]) -> None:
+    """histogram.observe(a) for each of `amounts`, with one update of each bucket hit and
+    of the sum (each update is a turn of a lock and a write to the file).  The bucket of
+    an amount is the first whose bound is >= it, as observe() picks it; a
+    prometheus_client without these attributes gets observe() per amount."""
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    total = getattr(histogram, "_sum", None)
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        for amount in amounts:
+            histogram.observe(amount)
+        return
+    hits = [0] * len(bounds)
+    for amount in amounts:
+        hits[bisect.bisect_left(bounds, amount)] += 1
+    total.inc(sum(amounts))
+    for bucket, n in zip(buckets, hits, strict=True):
+        if n:
+            bucket.inc(n)
 
 
 def after_fork_in_worker() -> None:

@@ -519,8 +519,7 @@ class LeasePipeline:
             row["output"] = result.output
         if task.policy.notify:  # not a column: the schedule's own notifier, for on_recorded
             row["notify"] = task.policy.notify
-        with self.lock:
-            self.history.append(row)
+        self.history.append(row)  # one step under the GIL; flush_history takes a prefix
 
     def _take_finished(self) -> list[Task]:
         batch = self.finished[:]
@@ -562,8 +561,10 @@ class LeasePipeline:
         if not force and now - self.last_flush < HISTORY_FLUSH:
             return
         self.last_flush = now
-        with self.lock:
-            batch, self.history = self.history, []
+        # Copy, then delete what was copied: rows task threads append meanwhile (without
+        # the lock) stay for the next flush.
+        batch = self.history[:]
+        del self.history[:len(batch)]
         if not batch:
             return
         try:

@@ -488,7 +488,7 @@ def flusher():
         m.flush_tasks()
 def run(n):
     for i in range(n):
-        m.task_started("t", 0.002)
+        m.task_started("t", (i % 3) * 0.004)
         m.task_finished("t", "success" if i % 4 else "failed", 0.02)
 flushers = [threading.Thread(target=flusher) for _ in range(2)]
 runners = [threading.Thread(target=run, args=(5000,)) for _ in range(4)]
@@ -518,8 +518,34 @@ def test_task_counts_queued_by_threads_are_exact_once_flushed(tmp_path: Path) ->
     assert value(s, "perfectsched_tasks_started_total", type="t") == 20_000
     assert value(s, "perfectsched_tasks_finished_total", type="t", outcome="success") == 15_000
     assert value(s, "perfectsched_tasks_finished_total", type="t", outcome="failed") == 5_000
-    assert value(s, "perfectsched_task_lateness_seconds_bucket", type="t", le="0.001") == 0
-    assert value(s, "perfectsched_task_lateness_seconds_bucket", type="t", le="0.005") == 20_000
+    late = "perfectsched_task_lateness_seconds"
+    assert value(s, f"{late}_bucket", type="t", le="0.001") == 4 * 1667  # i % 3 == 0
+    assert value(s, f"{late}_bucket", type="t", le="0.005") == 4 * 3334
+    assert value(s, f"{late}_bucket", type="t", le="0.01") == 20_000
+    assert value(s, f"{late}_sum", type="t") == pytest.approx(4 * (1667 * 0.004 + 1666 * 0.008))
     assert value(s, "perfectsched_task_duration_seconds_count", type="t") == 20_000
     assert value(s, "perfectsched_task_duration_seconds_bucket", type="t", le="0.01") == 0
     assert (value(s, "perfectsched_last_success_timestamp_seconds", type="t") or 0) > 0
+
+
+def test_observe_many_is_observe_per_amount() -> None:
+    """The workers' batched histogram update gives the buckets, count and sum that
+    observe() per amount gives, on bucket bounds too."""
+    from prometheus_client import Histogram
+
+    amounts = [0.0, 0.001, 0.0011, 0.005, 0.3, 1.0, 99.0, 86400.0, 90000.0, 1e-9]
+    one = Histogram("one", "h", buckets=metrics.BUCKETS, registry=None)
+    many = Histogram("many", "h", buckets=metrics.BUCKETS, registry=None)
+    for a in amounts:
+        one.observe(a)
+    metrics._observe_many(many, amounts)
+
+    def samples(h: Any) -> dict[tuple[str, str], float]:
+        return {(x.name.split("_", 1)[1], x.labels.get("le", "")): x.value
+                for x in h.collect()[0].samples if not x.name.endswith("_created")}
+
+    got, want = samples(many), samples(one)
+    assert got.keys() == want.keys()
+    assert {k: v for k, v in got.items() if k[0] != "sum"} == \
+        {k: v for k, v in want.items() if k[0] != "sum"}
+    assert got["sum", ""] == pytest.approx(want["sum", ""])
