@@ -84,6 +84,7 @@ def _worker(url: str, batch: int, seconds: float, barrier: Any, results: Any,
     sc = ScheduleCollection(config(url))
     sc.earliest_due()  # connect before the start line
     barrier.wait()
+    cpu0 = time.process_time()
     fires = lost = 0
     pending: list[Task] = []
     rows: list[dict[str, Any]] = []
@@ -104,15 +105,16 @@ def _worker(url: str, batch: int, seconds: float, barrier: Any, results: Any,
     fires += len(pending) - len(sc.store.advance([t.next_advance() for t in pending]))
     if rows:
         sc.store.record_runs(rows)
+    cpu = time.process_time() - cpu0
     sc.close()
-    results.put((fires, lost))
+    results.put((fires, lost, cpu))
 
 
 def measure(url: str, procs: int, batch: int, seconds: float,
-            history: bool = False) -> tuple[float, int]:
-    """Fires/s of `procs` processes claiming `batch` at a time for `seconds`, and the
-    leases lost; with `history`, each fire also gets its history row (written every
-    HISTORY_FLUSH, as a worker does)."""
+            history: bool = False) -> tuple[float, int, float]:
+    """Fires/s of `procs` processes claiming `batch` at a time for `seconds`, the leases
+    lost, and the processes' CPU per fire (us); with `history`, each fire also gets its
+    history row (written every HISTORY_FLUSH, as a worker does)."""
     ctx = multiprocessing.get_context("fork")
     barrier = ctx.Barrier(procs + 1)
     results = ctx.Queue()
@@ -129,7 +131,9 @@ def measure(url: str, procs: int, batch: int, seconds: float,
         w.join()
         if w.exitcode != 0:
             raise SystemExit(f"a bench worker failed (exit {w.exitcode})")
-    return sum(f for f, _ in got) / elapsed, sum(lost for _, lost in got)
+    fires = sum(f for f, _, _ in got)
+    return (fires / elapsed, sum(lost for _, lost, _ in got),
+            1e6 * sum(cpu for _, _, cpu in got) / max(fires, 1))
 
 
 @contextmanager
@@ -188,8 +192,8 @@ def main() -> int:
                 for n in sizes:
                     for procs in procs_list:
                         for batch in batches:
-                            rate, gone = measure(loaded[n][0], procs, batch, args.seconds,
-                                                 args.history)
+                            rate, gone, _ = measure(loaded[n][0], procs, batch,
+                                                    args.seconds, args.history)
                             rates.setdefault((n, procs, batch), []).append(rate)
                             lost[(n, procs, batch)] = lost.get((n, procs, batch), 0) + gone
             for n in sizes:

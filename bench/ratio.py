@@ -10,6 +10,8 @@ of processes (2), batch 64, 1,000 stored rows: each process claims, finishes and
 commits, the task does nothing; measured twice, without and with a history row per fire
 (claim.py --history, written in batches as a worker does: every run of the daemon gets
 one).  The ratios are median burst / median store.
+Also printed: CPU per fire (us) of the daemon's workers during the burst and of the
+store-only processes, which a machine loaded by others changes far less than rates.
 
 With --ratio-compare DIR, each round also runs the burst with the perfectschedd package
 of another tree (DIR, e.g. `git worktree add /tmp/base BASE`): before and after in the
@@ -40,12 +42,20 @@ def run(burst: Callable[[str | None], dict[str, Any]], env: Any, repeat: int, se
     try:
         for r in range(repeat):
             one: dict[str, float] = {}
-            one["burst"] = burst(None)["fires_per_s"]
-            if compare:
-                one["burst_compare"] = burst(str(Path(compare).resolve()))["fires_per_s"]
-            one["store"], lost = claim.measure(url, PROCS, BATCH, seconds)
-            one["store_history"], lost_h = claim.measure(url, PROCS, BATCH, seconds,
-                                                         history=True)
+            # The two trees take turns going first: a machine getting busier or quieter
+            # during a round hits both alike.
+            for tree in ([None, compare] if r % 2 == 0 else [compare, None]):
+                if tree is None:
+                    got = burst(None)
+                    one["burst"] = got["fires_per_s"]
+                    one["burst_cpu_us"] = got["worker_cpu_us_per_fire"]
+                elif compare:
+                    got = burst(str(Path(compare).resolve()))
+                    one["burst_compare"] = got["fires_per_s"]
+                    one["burst_compare_cpu_us"] = got["worker_cpu_us_per_fire"]
+            one["store"], lost, one["store_cpu_us"] = claim.measure(url, PROCS, BATCH, seconds)
+            one["store_history"], lost_h, one["store_history_cpu_us"] = claim.measure(
+                url, PROCS, BATCH, seconds, history=True)
             if lost or lost_h:
                 raise RuntimeError(f"store-only bench lost {lost + lost_h} leases")
             one["ratio"] = one["burst"] / one["store"]
@@ -68,6 +78,11 @@ def run(burst: Callable[[str | None], dict[str, Any]], env: Any, repeat: int, se
     if compare:
         line += (f"; {compare}: burst {med['burst_compare']:,.0f} fires/s, ratio "
                  f"{med['burst_compare'] / med['store']:.0%}")
+    line += (f"\n  {env.name} CPU per fire (median): burst workers "
+             f"{med['burst_cpu_us']:.0f} us, store alone {med['store_cpu_us']:.0f} us, with "
+             f"history {med['store_history_cpu_us']:.0f} us")
+    if compare:
+        line += f", {compare} burst workers {med['burst_compare_cpu_us']:.0f} us"
     log(line)
     return {"median": med, "range": rng, "runs": runs,
             "ratio_of_medians": med["burst"] / med["store"],

@@ -389,9 +389,14 @@ def burst_ps(env: Env, n: int, tmp: Path, lead: float,
         if time.time() > due - 0.3:
             return {"overran": True, "register_s": reg}
         fl = FireLog(ps.firedir)
+        workers = ps.pids()[1:]
+        cpu0 = sum(cpu_seconds(p) for p in workers)
         ok = fl.wait_count(n, timeout=max(120.0, n / 50))
+        cpu = sum(cpu_seconds(p) for p in workers) - cpu0
         stats = burst_stats(fl.fires, n, due, reg)
         stats["complete"] = ok
+        # CPU of the workers per fire: what a loaded machine changes least.
+        stats["worker_cpu_us_per_fire"] = 1e6 * cpu / n
         return stats
     finally:
         ps.stop()

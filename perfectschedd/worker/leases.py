@@ -120,6 +120,7 @@ class LeasePipeline:
         self.sc: ScheduleCollection | None = None
         self.router = Router(config.routes, log=log)
         self.unit_tag = unitprops.daemon_tag(config.control_socket)  # units' Description
+        self.node = config.node  # read once: socket.gethostname() is a system call per run
         self.running: dict[str, Task] = {}
         # Of `running`, the runs queued for their turn in their group (held, heartbeated,
         # on no thread); the claim loop asks for their turn again (_take_turns).
@@ -240,8 +241,7 @@ class LeasePipeline:
             if batch or want > 0:
                 claimed = self._finish_and_claim(batch, want)
                 claimed = [t for t in claimed if self._catch_up(t) and self._split(t)]
-                for task in claimed:
-                    self._admit(task, submit)
+                self._admit_many(claimed, submit)
                 if want > 0 and len(claimed) == want:
                     self._set_db(True)
                     return 0.0  # there may be more due right now
@@ -273,6 +273,24 @@ class LeasePipeline:
         log.warning("key=%s: lease lost before the occurrence of %d could start",
                     task.key, task.scheduled_time)
         return False
+
+    def _admit_many(self, tasks: list[Task], submit: Callable[[Task], None]) -> None:
+        """_admit each of `tasks`; those of no group (the usual case: nothing to ask the
+        database) are held under one turn of the lock, then submitted."""
+        plain = [t for t in tasks if t.group is None]
+        if plain:
+            alive, lead, grace = self.config.alive_time, self.fence_lead, self.fence_grace
+            controls = [RunControl(lease_until(t.claimed_at, alive) - lead, grace)
+                        for t in plain]
+            with self.lock:
+                for task, control in zip(plain, controls, strict=True):
+                    self.running[task.key] = task
+                    self.controls[task.key] = control
+            for task in plain:
+                submit(task)
+        for task in tasks:
+            if task.group is not None:
+                self._admit(task, submit)
 
     def _admit(self, task: Task, submit: Callable[[Task], None]) -> None:
         """A claimed occurrence is held from now on (heartbeats, self-fencing) and
@@ -428,8 +446,7 @@ class LeasePipeline:
             logsetup.info(log, f"start key={task.key} type={task.type} scheduled="
                           f"{int(task.scheduled_time)} attempt={int(task.attempt)} "
                           f"late={started - due:.3f}s")
-            with self.lock:
-                control = self.controls.get(task.key) or RunControl()
+            control = self.controls.get(task.key) or RunControl()  # one step: no lock
             run_id: str | None = None
             if isinstance(handler, ExecHandler):
                 # Reported before the spawn: the master must know the run before any
@@ -446,7 +463,7 @@ class LeasePipeline:
                     (lambda pgid, r=run_id: self.report(pipe.Spawned(r, pgid).line())),
                     on_unit=None if run_id is None else
                     (lambda name, r=run_id: self.report(pipe.UnitStarting(r, name).line())),
-                    node=self.config.node,
+                    node=self.node,
                     tag=self.unit_tag, output_limit=self.config.output_limit)
             finally:
                 if run_id is not None:
