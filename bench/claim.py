@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from perfectschedd.config import load  # noqa: E402
 from perfectschedd.schedules.collection import ScheduleCollection, Task  # noqa: E402
 from perfectschedd.store.sql import Row, Store  # noqa: E402
+from perfectschedd.worker.leases import HISTORY_FLUSH  # noqa: E402
 
 T0 = 1_500_000_000 - 1_500_000_000 % 60  # minute-aligned
 NOW = T0 + 10**8  # every schedule has a huge backlog: each claim finds due rows
@@ -69,12 +70,25 @@ def bulk_load(url: str, n: int) -> float:
     return rate
 
 
-def _worker(url: str, batch: int, seconds: float, barrier: Any, results: Any) -> None:
+def _history_row(task: Task, owner: str) -> dict[str, Any]:
+    """A success's history row, as the worker builds it (LeasePipeline._record)."""
+    now = time.time()
+    return {"key": task.key, "type": task.type, "scheduled_time": task.scheduled_time,
+            "attempt": task.attempt, "started_at": now, "finished_at": now,
+            "outcome": "success", "worker": owner, "unit": None, "exit_code": None,
+            "signal": None, "duration": 0.0, "output": None, "error": None}
+
+
+def _worker(url: str, batch: int, seconds: float, barrier: Any, results: Any,
+            history: bool = False) -> None:
     sc = ScheduleCollection(config(url))
     sc.earliest_due()  # connect before the start line
     barrier.wait()
+    cpu0 = time.process_time()
     fires = lost = 0
     pending: list[Task] = []
+    rows: list[dict[str, Any]] = []
+    flushed = time.perf_counter()
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
         gone, tasks = sc.finish_and_poll(pending, batch, now=NOW)
@@ -82,17 +96,30 @@ def _worker(url: str, batch: int, seconds: float, barrier: Any, results: Any) ->
         lost += len(gone)
         for t in tasks:  # the trivial task: it just ends
             t._end()
+            if history:
+                rows.append(_history_row(t, sc.owner))
         pending = tasks
+        if rows and time.perf_counter() - flushed >= HISTORY_FLUSH:
+            sc.store.record_runs(rows)  # in batches, as the worker's flush_history
+            rows, flushed = [], time.perf_counter()
     fires += len(pending) - len(sc.store.advance([t.next_advance() for t in pending]))
+    if rows:
+        sc.store.record_runs(rows)
+    cpu = time.process_time() - cpu0
     sc.close()
-    results.put((fires, lost))
+    results.put((fires, lost, cpu))
 
 
-def measure(url: str, procs: int, batch: int, seconds: float) -> tuple[float, int]:
+def measure(url: str, procs: int, batch: int, seconds: float,
+            history: bool = False) -> tuple[float, int, float]:
+    """Fires/s of `procs` processes claiming `batch` at a time for `seconds`, the leases
+    lost, and the processes' CPU per fire (us); with `history`, each fire also gets its
+    history row (written every HISTORY_FLUSH, as a worker does)."""
     ctx = multiprocessing.get_context("fork")
     barrier = ctx.Barrier(procs + 1)
     results = ctx.Queue()
-    workers = [ctx.Process(target=_worker, args=(url, batch, seconds, barrier, results))
+    workers = [ctx.Process(target=_worker,
+                           args=(url, batch, seconds, barrier, results, history))
                for _ in range(procs)]
     for w in workers:
         w.start()
@@ -104,7 +131,9 @@ def measure(url: str, procs: int, batch: int, seconds: float) -> tuple[float, in
         w.join()
         if w.exitcode != 0:
             raise SystemExit(f"a bench worker failed (exit {w.exitcode})")
-    return sum(f for f, _ in got) / elapsed, sum(lost for _, lost in got)
+    fires = sum(f for f, _, _ in got)
+    return (fires / elapsed, sum(lost for _, lost, _ in got),
+            1e6 * sum(cpu for _, _, cpu in got) / max(fires, 1))
 
 
 @contextmanager
@@ -134,6 +163,9 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3,
                     help="measurements per setting, taken in turn across the sizes; the"
                     " median is reported (single runs vary by 20 %% and more here)")
+    ap.add_argument("--history", action="store_true",
+                    help="each fire also writes its history row, in batches every "
+                    "HISTORY_FLUSH (0.5 s), as the daemon's workers do")
     ap.add_argument("--pg-url", help="use this (empty) PostgreSQL database, do not start one"
                     " (one size only)")
     args = ap.parse_args()
@@ -142,7 +174,7 @@ def main() -> int:
     if args.pg_url and len(sizes) > 1 and "postgresql" in args.backends:
         ap.error("--pg-url holds one table: give one size (--sizes N)")
     print(f"cores: {os.cpu_count()}, {args.seconds:g} s per measurement, median of "
-          f"{args.repeat}")
+          f"{args.repeat}" + (", a history row per fire" if args.history else ""))
     print(f"{'backend':<11} {'stored':>9} {'procs':>5} {'batch':>5} {'fires/s':>9} "
           f"{'vs ' + format(sizes[0], ','):>9}  {'range':>15}  load rows/s")
     for backend in args.backends.split(","):
@@ -160,7 +192,8 @@ def main() -> int:
                 for n in sizes:
                     for procs in procs_list:
                         for batch in batches:
-                            rate, gone = measure(loaded[n][0], procs, batch, args.seconds)
+                            rate, gone, _ = measure(loaded[n][0], procs, batch,
+                                                    args.seconds, args.history)
                             rates.setdefault((n, procs, batch), []).append(rate)
                             lost[(n, procs, batch)] = lost.get((n, procs, batch), 0) + gone
             for n in sizes:

@@ -224,6 +224,7 @@ class PS:
     proc: subprocess.Popen[bytes] | None = None
     notify: NotifyListener | None = None
     profiled: bool = False
+    pythonpath: str | None = None  # the perfectschedd package of another tree
     firedir: Path = field(init=False)
 
     def __post_init__(self) -> None:
@@ -255,6 +256,8 @@ class PS:
         self.notify = NotifyListener(path)
         env = {k: v for k, v in os.environ.items() if not k.startswith("PERFECTSCHED_")}
         env["NOTIFY_SOCKET"] = str(path)
+        if self.pythonpath:
+            env["PYTHONPATH"] = self.pythonpath
         argv = [sys.executable, "-m", "perfectschedd", "-c", str(self.dir / "perfectsched.yml"),
                 "-I", str(self.dir)]
         self.profiled = bool(profile)
@@ -373,9 +376,10 @@ def burst_stats(fires: list[tuple[str, float | None, float]], n: int, due: float
 
 
 def burst_ps(env: Env, n: int, tmp: Path, lead: float,
-             profile: list[str] | None = None) -> dict[str, Any]:
+             profile: list[str] | None = None, pythonpath: str | None = None
+             ) -> dict[str, Any]:
     url = env.fresh_url(f"psburst{n}")
-    ps = PS(url, tmp / f"ps-burst-{n}-{env.name}-{env.counter}")
+    ps = PS(url, tmp / f"ps-burst-{n}-{env.name}-{env.counter}", pythonpath=pythonpath)
     try:
         ps.start(profile)
         due = float(math.ceil(time.time() + lead))
@@ -385,9 +389,14 @@ def burst_ps(env: Env, n: int, tmp: Path, lead: float,
         if time.time() > due - 0.3:
             return {"overran": True, "register_s": reg}
         fl = FireLog(ps.firedir)
+        workers = ps.pids()[1:]
+        cpu0 = sum(cpu_seconds(p) for p in workers)
         ok = fl.wait_count(n, timeout=max(120.0, n / 50))
+        cpu = sum(cpu_seconds(p) for p in workers) - cpu0
         stats = burst_stats(fl.fires, n, due, reg)
         stats["complete"] = ok
+        # CPU of the workers per fire: what a loaded machine changes least.
+        stats["worker_cpu_us_per_fire"] = 1e6 * cpu / n
         return stats
     finally:
         ps.stop()
@@ -660,7 +669,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", default="sqlite,postgresql")
     p.add_argument("--only", default="burst,steady,scale,execburst",
-                   help="workloads to run (burst, steady, scale, execburst, catchup)")
+                   help="workloads to run (burst, steady, scale, execburst, catchup, "
+                        "ratio)")
     p.add_argument("--bursts", default="2000,20000")
     p.add_argument("--repeat", type=int, default=3, help="runs of each small burst (median)")
     p.add_argument("--repeat-large", type=int, default=1,
@@ -670,6 +680,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale", default="100000")
     p.add_argument("--exec-burst", type=int, default=2000,
                    help="execburst: occurrences of the exec job due at once")
+    p.add_argument("--ratio-burst", type=int, default=20_000,
+                   help="ratio: the python burst measured against the store alone")
+    p.add_argument("--ratio-seconds", type=float, default=3.0,
+                   help="ratio: seconds of each store-only measurement")
+    p.add_argument("--ratio-compare", metavar="TREE",
+                   help="ratio: also run the burst with the perfectschedd of TREE (another "
+                        "checkout), alternated: before and after in one run")
     p.add_argument("--million", action="store_true", help="add the 1,000,000-schedule row")
     p.add_argument("--idle-seconds", type=float, default=30.0)
     p.add_argument("--aps-executor", default="thread:10", help="thread:N or process:N")
@@ -742,6 +759,24 @@ def main(argv: list[str] | None = None) -> int:
                     ex = execburst.run(PS, env, a.exec_burst, tmp, a.repeat, log)
                     raw["runs"].append({"backend": env.name,
                                         "workload": f"exec burst {a.exec_burst}", **ex})
+                if "ratio" in only:
+                    import ratio
+
+                    n = a.ratio_burst
+                    log(f"{env.name}: python burst {n} vs the store alone")
+
+                    def one_burst(pythonpath: str | None, n: int = n, e: Env = env
+                                  ) -> dict[str, Any]:
+                        r = run_burst("perfectsched", lambda lead: burst_ps(
+                            e, n, tmp, lead, pythonpath=pythonpath), n,
+                            lead_for(rates, e.name, "perfectsched", n))
+                        log(f"  {'' if pythonpath is None else pythonpath + ': '}{_brief(r)}")
+                        _note_rate(rates, e.name, "perfectsched", r)
+                        return r
+
+                    rt = ratio.run(one_burst, env, a.repeat, a.ratio_seconds, a.ratio_compare,
+                                   log)
+                    raw["runs"].append({"backend": env.name, "workload": f"ratio {n}", **rt})
                 if "catchup" in only:
                     import catchup
 

@@ -83,6 +83,44 @@ def test_lines_name_the_process_and_keep_their_order(tmp_path: Path,
     assert any(line.endswith(f"WARNING worker-8[{pid}]: from the child") for line in lines)
 
 
+def test_info_lines_are_the_usual_lines_and_reach_added_handlers(
+        tmp_path: Path, restore_logging: None) -> None:
+    """logsetup.info (a task's start and end lines) writes what log.info writes, in
+    order with the other lines; a handler or filter someone added (a test's capture, an
+    application's) still sees its records, and a level above INFO drops them."""
+    path = tmp_path / "d.log"
+    logsetup.setup(str(path))
+    logsetup.set_process_name("worker-3")
+    log = logging.getLogger("perfectschedd.test")
+    log.info("usual %d", 1)
+    logsetup.info(log, "short 1")
+    log.info("usual %d", 2)
+    seen: list[logging.LogRecord] = []
+    extra = logging.Handler()
+    extra.emit = seen.append  # type: ignore[method-assign]
+    logging.getLogger("perfectschedd").addHandler(extra)
+    try:
+        logsetup.info(log, "short 2")
+    finally:
+        logging.getLogger("perfectschedd").removeHandler(extra)
+    log.setLevel(logging.WARNING)
+    try:
+        logsetup.info(log, "dropped")
+    finally:
+        log.setLevel(logging.NOTSET)
+    logsetup.info(log, "short 3")
+    logsetup.flush()
+    lines = path.read_text().splitlines()
+    pid = os.getpid()
+    assert [line.split(" ", 2)[2] for line in lines] == [
+        f"INFO worker-3[{pid}]: {m}" for m in ("usual 1", "short 1", "usual 2", "short 2",
+                                                "short 3")], lines
+    assert all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ", line)
+               for line in lines), lines
+    assert [r.getMessage() for r in seen] == ["short 2"]
+    assert seen[0].name == "perfectschedd.test" and seen[0].levelno == logging.INFO
+
+
 def test_journal_formatter_prefixes_every_line() -> None:
     fmt = logsetup.JournalFormatter("%(message)s")
     try:

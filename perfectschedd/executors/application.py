@@ -21,8 +21,7 @@ import os
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -186,21 +185,21 @@ class _Watchdog:
                     heapq.heapify(self._heap)
                     self._stale = 0
 
-    @contextmanager
-    def suspended(self, watch: _Watch) -> Iterator[None]:
-        """No exception is raised in the watched thread inside this block."""
+    def suspend(self, watch: _Watch) -> None:
+        """No exception is raised in the watched thread until resume(watch).  Methods,
+        not a context manager: they run twice per python run, and a generator-based
+        one cost more than the lock they take."""
         with self._cond:
             watch.suspended = True
             if watch.fired is not None:  # fired but maybe not raised yet: let the call run
                 _raise_in_thread(watch.thread_id, None)
-        try:
-            yield
-        finally:
-            # No notify: a watch that came due while suspended keeps the loop polling
-            # every 10 ms (retry_soon), and a wake-up per finish() cost every task a
-            # turn of the watchdog thread.
-            with self._cond:
-                watch.suspended = False
+
+    def resume(self, watch: _Watch) -> None:
+        # No notify: a watch that came due while suspended keeps the loop polling every
+        # 10 ms (retry_soon), and a wake-up per finish() cost every task a turn of the
+        # watchdog thread.
+        with self._cond:
+            watch.suspended = False
 
     def _fire(self, watch: _Watch, exc: type[BaseException]) -> None:
         watch.fired = exc
@@ -285,31 +284,41 @@ class _ObservedTask:
     def __repr__(self) -> str:
         return f"<task {self._task.key!r} via {type(self).__name__}>"
 
-    @contextmanager
-    def _store_call(self) -> Iterator[None]:
-        if self._watch is None:
-            yield
-        else:
-            with _watchdog.suspended(self._watch):
-                yield
-
     def finish(self) -> None:
-        with self._store_call():
+        watch = self._watch
+        if watch is not None:
+            _watchdog.suspend(watch)
+        try:
             self._task.finish()
             self.action = "finish"
+        finally:
+            if watch is not None:
+                _watchdog.resume(watch)
 
     def retry(self, wait: float | None = None) -> None:
-        with self._store_call():
+        watch = self._watch
+        if watch is not None:
+            _watchdog.suspend(watch)
+        try:
             if wait is None:
                 self._task.retry()
             else:
                 self._task.retry(wait=wait)
             self.action, self.wait = "retry", wait
+        finally:
+            if watch is not None:
+                _watchdog.resume(watch)
 
     def release(self) -> None:
-        with self._store_call():
+        watch = self._watch
+        if watch is not None:
+            _watchdog.suspend(watch)
+        try:
             self._task.release()
             self.action = "release"
+        finally:
+            if watch is not None:
+                _watchdog.resume(watch)
 
 
 _ACTION_OUTCOME = {"finish": Outcome.SUCCESS, "release": Outcome.RELEASED}

@@ -15,6 +15,7 @@ prometheus_client is only imported once the directory is set up.
 from __future__ import annotations
 
 import atexit
+import bisect
 import contextlib
 import fcntl
 import glob
@@ -129,12 +130,61 @@ class _WorkerMetrics:
                 self.duration.labels(task_type), self.last_success.labels(task_type))
         return children
 
+    def apply(self, events: list[tuple[str, str | None, float, float]]) -> None:
+        """Task starts (outcome None: lateness) and ends (outcome, duration, the time of
+        a success or 0), in the order they happened."""
+        started: dict[str, list[float]] = {}
+        finished: dict[tuple[str, str], int] = {}
+        durations: dict[str, list[float]] = {}
+        success: dict[str, float] = {}
+        for task_type, outcome, seconds, at in events:
+            if outcome is None:
+                started.setdefault(task_type, []).append(max(0.0, seconds))
+                continue
+            finished[task_type, outcome] = finished.get((task_type, outcome), 0) + 1
+            if outcome == "no_route":  # never started: no run time to record
+                continue
+            durations.setdefault(task_type, []).append(max(0.0, seconds))
+            if at:
+                success[task_type] = max(at, success.get(task_type, 0.0))
+        for task_type, lateness in started.items():
+            count, late, _, _ = self.for_type(task_type)
+            count.inc(len(lateness))
+            _observe_many(late, lateness)
+        for task_type, seconds in durations.items():
+            _observe_many(self.for_type(task_type)[2], seconds)
+        for (task_type, outcome), n in finished.items():
+            self.finished_of(task_type, outcome).inc(n)
+        for task_type, at in success.items():
+            self.for_type(task_type)[3].set(at)
+
     def finished_of(self, task_type: str, outcome: str) -> Any:
         child = self._finished.get((task_type, outcome))
         if child is None:
             child = self._finished[task_type, outcome] = self.finished.labels(task_type,
                                                                               outcome)
         return child
+
+
+def _observe_many(histogram: Any, amounts: list[float]) -> None:
+    """histogram.observe(a) for each of `amounts`, with one update of each bucket hit and
+    of the sum (each update is a turn of a lock and a write to the file).  The bucket of
+    an amount is the first whose bound is >= it, as observe() picks it; a
+    prometheus_client without these attributes gets observe() per amount."""
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    total = getattr(histogram, "_sum", None)
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        for amount in amounts:
+            histogram.observe(amount)
+        return
+    hits = [0] * len(bounds)
+    for amount in amounts:
+        hits[bisect.bisect_left(bounds, amount)] += 1
+    total.inc(sum(amounts))
+    for bucket, n in zip(buckets, hits, strict=True):
+        if n:
+            bucket.inc(n)
 
 
 def after_fork_in_worker() -> None:
@@ -152,27 +202,40 @@ def after_fork_in_worker() -> None:
     # counts.
     pid = os.getpid()
     values.ValueClass = values.MultiProcessValue(process_identifier=lambda: pid)
+    del _task_events[:]
     _worker = _WorkerMetrics()
 
 
+# Task threads queue their starts and ends here (list.append is one step under the GIL)
+# and flush_tasks writes them to prometheus_client from one thread: a run then costs no
+# turn of prometheus_client's process-wide lock (several per task, which the task threads
+# of a burst queued up on), and counts of one type are added once per flush.
+_task_events: list[tuple[str, str | None, float, float]] = []
+_flush_lock = threading.Lock()
+
+
 def task_started(task_type: str, lateness: float) -> None:
-    if _worker is None:
-        return
-    started, late, _, _ = _worker.for_type(task_type)
-    started.inc()
-    late.observe(max(0.0, lateness))
+    """Counted at the next flush_tasks (the worker's next loop turn or ping)."""
+    if _worker is not None:
+        _task_events.append((task_type, None, lateness, 0.0))
 
 
 def task_finished(task_type: str, outcome: str, duration: float) -> None:
-    if _worker is None:
+    """Counted at the next flush_tasks; a success's time is taken now."""
+    if _worker is not None:
+        _task_events.append((task_type, outcome, duration,
+                             time.time() if outcome == "success" else 0.0))
+
+
+def flush_tasks() -> None:
+    """Write the queued task starts and ends; any thread (one at a time here)."""
+    if _worker is None or not _task_events:
         return
-    _worker.finished_of(task_type, outcome).inc()
-    if outcome == "no_route":  # never started: no run time to record
-        return
-    _, _, run_time, last_success = _worker.for_type(task_type)
-    run_time.observe(max(0.0, duration))
-    if outcome == "success":
-        last_success.set(time.time())
+    with _flush_lock:
+        # Copy, then delete what was copied: what a task thread appends meanwhile stays.
+        batch = _task_events[:]
+        del _task_events[:len(batch)]
+        _worker.apply(batch)
 
 
 def occurrences_skipped(task_type: str, count: int) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
+from perfectschedd import logsetup
 from perfectschedd.config import Config
 from perfectschedd.errors import InvalidInputError, PreemptedError
 from perfectschedd.executors.base import RunControl, RunResult, StopReason, error_line
@@ -119,6 +120,7 @@ class LeasePipeline:
         self.sc: ScheduleCollection | None = None
         self.router = Router(config.routes, log=log)
         self.unit_tag = unitprops.daemon_tag(config.control_socket)  # units' Description
+        self.node = config.node  # read once: socket.gethostname() is a system call per run
         self.running: dict[str, Task] = {}
         # Of `running`, the runs queued for their turn in their group (held, heartbeated,
         # on no thread); the claim loop asks for their turn again (_take_turns).
@@ -191,6 +193,7 @@ class LeasePipeline:
         never past the next history flush while rows wait (a run's row is written within
         HISTORY_FLUSH of its end, not at the next due time or poll)."""
         wait = self._step(submit)
+        metrics.flush_tasks()
         if self.history:
             wait = min(wait, max(0.0, HISTORY_FLUSH - (time.monotonic() - self.last_flush)))
         return wait
@@ -238,8 +241,7 @@ class LeasePipeline:
             if batch or want > 0:
                 claimed = self._finish_and_claim(batch, want)
                 claimed = [t for t in claimed if self._catch_up(t) and self._split(t)]
-                for task in claimed:
-                    self._admit(task, submit)
+                self._admit_many(claimed, submit)
                 if want > 0 and len(claimed) == want:
                     self._set_db(True)
                     return 0.0  # there may be more due right now
@@ -271,6 +273,24 @@ class LeasePipeline:
         log.warning("key=%s: lease lost before the occurrence of %d could start",
                     task.key, task.scheduled_time)
         return False
+
+    def _admit_many(self, tasks: list[Task], submit: Callable[[Task], None]) -> None:
+        """_admit each of `tasks`; those of no group (the usual case: nothing to ask the
+        database) are held under one turn of the lock, then submitted."""
+        plain = [t for t in tasks if t.group is None]
+        if plain:
+            alive, lead, grace = self.config.alive_time, self.fence_lead, self.fence_grace
+            controls = [RunControl(lease_until(t.claimed_at, alive) - lead, grace)
+                        for t in plain]
+            with self.lock:
+                for task, control in zip(plain, controls, strict=True):
+                    self.running[task.key] = task
+                    self.controls[task.key] = control
+            for task in plain:
+                submit(task)
+        for task in tasks:
+            if task.group is not None:
+                self._admit(task, submit)
 
     def _admit(self, task: Task, submit: Callable[[Task], None]) -> None:
         """A claimed occurrence is held from now on (heartbeats, self-fencing) and
@@ -423,10 +443,10 @@ class LeasePipeline:
                                    "back untried")
                 return
             metrics.task_started(task.type, max(0.0, started - due))
-            log.info("start key=%s type=%s scheduled=%d attempt=%d late=%.3fs",
-                     task.key, task.type, task.scheduled_time, task.attempt, started - due)
-            with self.lock:
-                control = self.controls.get(task.key) or RunControl()
+            logsetup.info(log, f"start key={task.key} type={task.type} scheduled="
+                          f"{int(task.scheduled_time)} attempt={int(task.attempt)} "
+                          f"late={started - due:.3f}s")
+            control = self.controls.get(task.key) or RunControl()  # one step: no lock
             run_id: str | None = None
             if isinstance(handler, ExecHandler):
                 # Reported before the spawn: the master must know the run before any
@@ -443,7 +463,7 @@ class LeasePipeline:
                     (lambda pgid, r=run_id: self.report(pipe.Spawned(r, pgid).line())),
                     on_unit=None if run_id is None else
                     (lambda name, r=run_id: self.report(pipe.UnitStarting(r, name).line())),
-                    node=self.config.node,
+                    node=self.node,
                     tag=self.unit_tag, output_limit=self.config.output_limit)
             finally:
                 if run_id is not None:
@@ -460,9 +480,10 @@ class LeasePipeline:
                           "(max_attempts); the schedule moves on", task.key,
                           task.scheduled_time, task.attempt)
             self.avg_duration = 0.8 * self.avg_duration + 0.2 * duration
-            log.info("end key=%s scheduled=%d attempt=%d duration=%.3fs outcome=%s%s",
-                     task.key, task.scheduled_time, task.attempt, duration, outcome,
-                     f" exit={result.exit_code}" if result.exit_code is not None else "")
+            logsetup.info(log, f"end key={task.key} scheduled={int(task.scheduled_time)} "
+                          f"attempt={int(task.attempt)} duration={duration:.3f}s "
+                          f"outcome={outcome}" + (f" exit={result.exit_code}"
+                                                  if result.exit_code is not None else ""))
             if outcome == "preempted":
                 metrics.lease_lost(task.type)
         except PreemptedError:
@@ -515,8 +536,7 @@ class LeasePipeline:
             row["output"] = result.output
         if task.policy.notify:  # not a column: the schedule's own notifier, for on_recorded
             row["notify"] = task.policy.notify
-        with self.lock:
-            self.history.append(row)
+        self.history.append(row)  # one step under the GIL; flush_history takes a prefix
 
     def _take_finished(self) -> list[Task]:
         batch = self.finished[:]
@@ -558,8 +578,10 @@ class LeasePipeline:
         if not force and now - self.last_flush < HISTORY_FLUSH:
             return
         self.last_flush = now
-        with self.lock:
-            batch, self.history = self.history, []
+        # Copy, then delete what was copied: rows task threads append meanwhile (without
+        # the lock) stay for the next flush.
+        batch = self.history[:]
+        del self.history[:len(batch)]
         if not batch:
             return
         try:
@@ -712,5 +734,6 @@ class LeasePipeline:
             log.error("could not write %d finished task(s); they run again when their "
                       "leases expire", len(self.finished))
         self.flush_history(force=True)
+        metrics.flush_tasks()
         if self.sc is not None:
             self.sc.close()

@@ -39,6 +39,7 @@ from perfectschedd.config import Config
 from perfectschedd.executors import command
 from perfectschedd.executors import reaper as jobreaper
 from perfectschedd.executors.base import StopReason
+from perfectschedd.metrics import counters as metrics
 from perfectschedd.notify.dispatch import STATE_OUTCOMES, Dispatcher
 from perfectschedd.schedules.collection import Task
 from perfectschedd.worker import pipe
@@ -169,6 +170,9 @@ class Worker:
         while True:  # until the process exits (a daemon thread)
             time.sleep(PING_INTERVAL)
             self._ping(force=True)
+            # Task starts and ends reach /metrics within a second also while the main
+            # loop waits (on the database, or for the next due time).
+            metrics.flush_tasks()
 
     def _ping(self, force: bool = False) -> None:
         now = time.monotonic()

@@ -474,3 +474,78 @@ def test_a_worker_that_died_before_writing_a_value_is_folded_quietly(
     assert caplog.records == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["counter_archive.db",
                                                          "histogram_archive.db"]
+
+
+FLUSH_RACE = '''
+import sys, threading
+from types import SimpleNamespace
+from perfectschedd.metrics import counters as m
+m.setup_master(SimpleNamespace(control_socket=sys.argv[1]))
+m.after_fork_in_worker()
+stop = threading.Event()
+def flusher():
+    while not stop.is_set():
+        m.flush_tasks()
+def run(n):
+    for i in range(n):
+        m.task_started("t", (i % 3) * 0.004)
+        m.task_finished("t", "success" if i % 4 else "failed", 0.02)
+flushers = [threading.Thread(target=flusher) for _ in range(2)]
+runners = [threading.Thread(target=run, args=(5000,)) for _ in range(4)]
+for t in flushers + runners:
+    t.start()
+for t in runners:
+    t.join()
+stop.set()
+for t in flushers:
+    t.join()
+m.flush_tasks()
+sys.stdout.write(m.render().decode())
+'''
+
+
+def test_task_counts_queued_by_threads_are_exact_once_flushed(tmp_path: Path) -> None:
+    """Task threads queue their starts and ends and flushes run meanwhile (from two
+    threads at once): every event is counted exactly once, none lost or doubled."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PROMETHEUS_MULTIPROC_DIR", "RUNTIME_DIRECTORY")}
+    res = subprocess.run([sys.executable, "-c", FLUSH_RACE, str(tmp_path / "ctl.sock")],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr
+    s: Samples = {(x.name, frozenset(x.labels.items())): x.value
+                  for family in text_string_to_metric_families(res.stdout)
+                  for x in family.samples}
+    assert value(s, "perfectsched_tasks_started_total", type="t") == 20_000
+    assert value(s, "perfectsched_tasks_finished_total", type="t", outcome="success") == 15_000
+    assert value(s, "perfectsched_tasks_finished_total", type="t", outcome="failed") == 5_000
+    late = "perfectsched_task_lateness_seconds"
+    assert value(s, f"{late}_bucket", type="t", le="0.001") == 4 * 1667  # i % 3 == 0
+    assert value(s, f"{late}_bucket", type="t", le="0.005") == 4 * 3334
+    assert value(s, f"{late}_bucket", type="t", le="0.01") == 20_000
+    assert value(s, f"{late}_sum", type="t") == pytest.approx(4 * (1667 * 0.004 + 1666 * 0.008))
+    assert value(s, "perfectsched_task_duration_seconds_count", type="t") == 20_000
+    assert value(s, "perfectsched_task_duration_seconds_bucket", type="t", le="0.01") == 0
+    assert (value(s, "perfectsched_last_success_timestamp_seconds", type="t") or 0) > 0
+
+
+def test_observe_many_is_observe_per_amount() -> None:
+    """The workers' batched histogram update gives the buckets, count and sum that
+    observe() per amount gives, on bucket bounds too."""
+    from prometheus_client import Histogram
+
+    amounts = [0.0, 0.001, 0.0011, 0.005, 0.3, 1.0, 99.0, 86400.0, 90000.0, 1e-9]
+    one = Histogram("one", "h", buckets=metrics.BUCKETS, registry=None)
+    many = Histogram("many", "h", buckets=metrics.BUCKETS, registry=None)
+    for a in amounts:
+        one.observe(a)
+    metrics._observe_many(many, amounts)
+
+    def samples(h: Any) -> dict[tuple[str, str], float]:
+        return {(x.name.split("_", 1)[1], x.labels.get("le", "")): x.value
+                for x in h.collect()[0].samples if not x.name.endswith("_created")}
+
+    got, want = samples(many), samples(one)
+    assert got.keys() == want.keys()
+    assert {k: v for k, v in got.items() if k[0] != "sum"} == \
+        {k: v for k, v in want.items() if k[0] != "sum"}
+    assert got["sum", ""] == pytest.approx(want["sum", ""])
