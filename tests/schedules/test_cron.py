@@ -164,6 +164,17 @@ def test_bad_cron_is_refused_naming_the_field(expr: str) -> None:
     assert str(info.value).startswith("cron: ")
 
 
+def test_check_refuses_a_bad_line_each_time_and_keeps_the_good_ones() -> None:
+    """check() remembers the lines it read (add_many checks one per row); a refusal is
+    not remembered: asked again, it refuses again."""
+    for _ in range(3):
+        with pytest.raises(InvalidInputError, match="^cron: .*minute"):
+            cron.check("61 * * * *")
+        with pytest.raises(InvalidInputError, match="^cron: "):
+            cron.check(["0", "0", "*", "*", "*"])  # type: ignore[arg-type]
+        assert cron.check(" 0  5 * * 1 ") == "0  5 * * 1"
+
+
 def test_cron_that_never_fires_is_refused() -> None:
     with pytest.raises(InvalidInputError, match="^cron: "):
         cron.next_after("0 0 30 2 *", "UTC", ts("2021-01-01T00:00:00"))
