@@ -100,6 +100,7 @@ class Supervisor:
         self.gc_frozen = False
         self.last_spawn_error = -SPAWN_RETRY
         self.last_turn = 0.0
+        self.turn_deferred = False  # the last wake-up read reports only, its turn put off
         # Control threads waiting for the answer of a reload they asked for.
         self.reload_waiters: list[tuple[threading.Event, list[str | None]]] = []
         self.last_status = 0.0
@@ -670,7 +671,12 @@ class Supervisor:
             self.notify(f"STATUS=failed: {self.fatal}"[:400])
             return True
         only_reports = True
-        for key, _ in self.sel.select(timeout=0.02 if self.spawn_postponed else 0.5):
+        timeout = 0.02 if self.spawn_postponed else 0.5
+        if self.turn_deferred:
+            # The rest of a turn put off below comes at TURN_MIN, not at the next wake-up:
+            # the first pings of the workers, read in such a turn, make the daemon ready.
+            timeout = min(timeout, max(0.0, self.last_turn + TURN_MIN - time.monotonic()))
+        for key, _ in self.sel.select(timeout=timeout):
             if key.data == "signal":
                 only_reports = False
                 try:
@@ -687,7 +693,9 @@ class Supervisor:
             # reports gather a moment: one wake-up reads many (a signal waits at most
             # REPORT_GATHER for its turn).
             time.sleep(REPORT_GATHER)
+            self.turn_deferred = True
             return False
+        self.turn_deferred = False
         self.last_turn = now
         if self.wake_pending:
             self._wake_now()

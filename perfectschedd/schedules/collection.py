@@ -474,7 +474,8 @@ class ScheduleCollection:
         unknown = set(policies) - set(policy_mod.OPTIONS)
         if unknown:
             raise InvalidInputError(sorted(unknown)[0], "unknown option")
-        chosen = policy_mod.DEFAULT.changed(policies)
+        # Most adds set no option: the defaults, stored as no text, without rebuilding them.
+        chosen = policy_mod.DEFAULT.changed(policies) if policies else policy_mod.DEFAULT
         check_key(key)
         check_type(type, exec_key=key if file_entry else None)
         tz = check_timezone(timezone if timezone is not None else self.config.timezone)
@@ -495,7 +496,8 @@ class ScheduleCollection:
         run_at = at if at is not None else first + delay + chosen.offset(key)
         return Row(key=key, type=type, cron=expr, delay=delay, timezone=tz, data=data_text,
                    next_time=first, next_run_time=run_at, paused=False, fence=0, attempt=0,
-                   owner=None, claimed_at=None, policy=chosen.to_text(), source=source,
+                   owner=None, claimed_at=None,
+                   policy=chosen.to_text() if policies else None, source=source,
                    creator=os.geteuid() if creator is None else creator)
 
     def add(self, key: str, type: str, cron: str | None = None, **options: Any) -> Schedule:
@@ -530,13 +532,17 @@ class ScheduleCollection:
         """Register many schedules in one transaction; all or nothing."""
         from sqlalchemy.exc import IntegrityError
 
-        rows = [self.build_row(**r) for r in requests]
+        # One clock reading for the batch: its rows, stored in one transaction, start from
+        # the same second, so those sharing a cron line share its first occurrence
+        # (cron.next_after's cache) instead of each second of a long batch computing anew.
+        now = time.time()
+        rows = [self.build_row(**{"now": now, **r}) for r in requests]
         if not rows:
             return 0
         keys = [r.key for r in rows]
         if len(set(keys)) != len(keys):
             raise InvalidInputError("key", "duplicate keys in one request")
-        self._refuse_intervals_on_older_hosts(rows, requests[0].get("now"))
+        self._refuse_intervals_on_older_hosts(rows, requests[0].get("now", now))
         try:
             self.insert_rows(rows)
         except IntegrityError:

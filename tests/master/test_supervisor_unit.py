@@ -6,18 +6,21 @@ from __future__ import annotations
 
 import contextlib
 import os
+import selectors
 import signal
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import perfectschedd
 from perfectschedd import config as config_mod
 from perfectschedd.executors.systemd import props as unitprops
+from perfectschedd.master import supervisor as supervisor_mod
 from perfectschedd.master.cleanup import UnitStopper
 from perfectschedd.master.processes import Processes
 from perfectschedd.master.supervisor import Supervisor
@@ -113,6 +116,43 @@ def test_a_dead_workers_runs_are_killed_before_its_replacement_starts(
     finally:
         if job.poll() is None:
             job.kill()
+
+
+class RecordingSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
+    """The real selector, noting how long each select() may wait."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.timeouts: list[float | None] = []
+
+    def select(self, timeout: float | None = None) -> list[Any]:
+        self.timeouts.append(timeout)
+        return super().select(timeout)
+
+
+def test_pings_read_in_a_turn_put_off_make_the_daemon_ready_at_turn_min(
+        sup: tuple[Supervisor, RecordingProcesses], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The workers' first pings arrive within TURN_MIN of the last whole turn: the turn
+    that reads them puts off the rest (readiness included), and the next one comes after
+    what is left of TURN_MIN, not when something next wakes the loop (up to 0.5 s)."""
+    # A TURN_MIN long enough that a loaded machine cannot stall past it between the two
+    # turns below, and still shorter than the loop's 0.5 s wait.
+    monkeypatch.setattr(supervisor_mod, "TURN_MIN", 0.4)
+    s, procs = sup
+    s.sel.close()
+    s.sel = RecordingSelector()
+    s.db.first_open.set()  # the first try to open the database has ended
+    s.manage_workers()
+    pids = procs.forks()
+    assert len(pids) == 2
+    for pid in pids:
+        procs.say(pid, "0 1 0.1 0")
+    s.last_turn = time.monotonic()  # a whole turn just ran
+    s._loop_once()
+    assert s.table.all_pinged() and not s.ready  # read; the rest of the turn put off
+    s._loop_once()
+    assert s.ready
+    assert s.sel.timeouts[-1] is not None and s.sel.timeouts[-1] <= 0.4
 
 
 def test_a_silent_worker_is_killed_and_a_database_wait_is_not(

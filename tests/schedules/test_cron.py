@@ -96,6 +96,20 @@ def test_dst_next_after_from_every_second_of_a_window(expr: str, begin: str, end
         assert cron.next_after(expr, LA, after) == expected, after
 
 
+@pytest.mark.parametrize(("begin", "end"), DST_DAYS)
+def test_next_after_is_the_same_whatever_order_it_is_asked_in(begin: str, end: str) -> None:
+    """next_after reuses its latest answer for a later time before it (a batch added a
+    second after another): asked backwards, or jumping about, it still finds the oracle's
+    first occurrence > t."""
+    expr = "30 1 * * *"
+    start, stop = ts(begin), ts(end)
+    occurrences = oracle(expr, LA, start, stop + 86400)
+    afters = list(range(start, stop, 89))
+    for after in [*reversed(afters), *afters[::7], *afters[3::5]]:
+        expected = next(o for o in occurrences if o > after)
+        assert cron.next_after(expr, LA, after) == expected, after
+
+
 def test_spring_forward_skips_the_missing_hour() -> None:
     # 2015-03-08 02:30 does not exist in Los Angeles: the daily 02:30 job skips that day.
     first = cron.first_at_or_after("30 2 * * *", LA, ts("2015-03-07T12:00:00", LA))
@@ -162,6 +176,17 @@ def test_bad_cron_is_refused_naming_the_field(expr: str) -> None:
         cron.normalize(expr)
     assert info.value.field == "cron"
     assert str(info.value).startswith("cron: ")
+
+
+def test_check_refuses_a_bad_line_each_time_and_keeps_the_good_ones() -> None:
+    """check() remembers the lines it read (add_many checks one per row); a refusal is
+    not remembered: asked again, it refuses again."""
+    for _ in range(3):
+        with pytest.raises(InvalidInputError, match="^cron: .*minute"):
+            cron.check("61 * * * *")
+        with pytest.raises(InvalidInputError, match="^cron: "):
+            cron.check(["0", "0", "*", "*", "*"])  # type: ignore[arg-type]
+        assert cron.check(" 0  5 * * 1 ") == "0  5 * * 1"
 
 
 def test_cron_that_never_fires_is_refused() -> None:

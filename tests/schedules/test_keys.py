@@ -71,3 +71,19 @@ def test_keys_stored_before_the_rule_keep_working_and_are_listed(daemon_factory:
     assert d.ctl_json("show", "--", "-old")["key"] == "-old"  # still works
     d.ctl("delete", "--", "-old")
     assert d.stop() == 0
+
+
+def test_every_ascii_control_character_is_refused_and_the_rest_accepted() -> None:
+    """An ASCII key is checked without Unicode categories: the same verdict for each of
+    the 128 characters as the categories give."""
+    import unicodedata
+
+    from perfectschedd.schedules.validate import check_key
+
+    for code in range(128):
+        key = f"k{chr(code)}k"
+        if unicodedata.category(chr(code)) == "Cc":
+            with pytest.raises(InvalidInputError, match="^key: .*control"):
+                check_key(key)
+        else:
+            assert check_key(key) == key

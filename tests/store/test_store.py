@@ -738,3 +738,18 @@ def test_a_forced_delete_records_its_marker_until_the_key_is_added_again(
     # A delete with no marker writes none.
     sc["other"].delete()
     assert sc.deleted_markers() == {}
+
+
+def test_a_batch_add_ends_the_markers_of_its_own_keys_only(sc: ScheduleCollection) -> None:
+    """add_many reads the markers of forced deletes once for the whole batch: those of its
+    keys end, wherever in a batch of more than 500 they are; the others stay."""
+    from perfectschedd.schedules.fields import deleted_marker_name
+
+    for key in ("j3", "j1100", "elsewhere"):
+        sc.add(key, "t", cron="@daily", source="file:a.yml", now=T0)
+        sc[key].delete(marker="a" * 64 + " file:a.yml")
+    assert len(sc.deleted_markers()) == 3
+    sc.add_many([{"key": f"j{i}", "type": "t", "cron": "@daily", "now": T0}
+                 for i in range(1200)])
+    assert set(sc.deleted_markers()) == {deleted_marker_name("elsewhere")}
+    assert len(sc.list()) == 1200
