@@ -31,7 +31,6 @@ from perfectschedd.schedules.fields import (
     json_depth,
 )
 
-
 _C0 = re.compile("[\x00-\x1f]")
 
 
