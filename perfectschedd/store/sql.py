@@ -594,12 +594,21 @@ class Store:
                 sa.select(t, *last).select_from(joined)
                 .where(unheld, sa.or_(retrying, failed)).order_by(t.c.key)
                 .limit(problems)).all()
-            late = conn.execute(
-                sa.select(t).where(unheld, t.c.next_run_time <= now)
-                .order_by(t.c.next_run_time).limit(overdue)).all()
         return {"counts": counts,
                 "problems": [(self._row(r), self._last_of(r._mapping)) for r in bad],
-                "overdue": [self._row(r) for r in late]}
+                "overdue": self.overdue_rows(now, overdue) if overdue else []}
+
+    @_retried
+    def overdue_rows(self, now: int, limit: int = 500) -> list[Row]:
+        """Up to `limit` rows due and not held, oldest due first (the due index: cheap at
+        any size, unlike state_summary's states)."""
+        t = self.t
+        with self._tx(readonly=True) as conn:
+            late = conn.execute(
+                sa.select(t).where(t.c.paused == 0, t.c.owner.is_(None),
+                                   t.c.next_run_time <= now)
+                .order_by(t.c.next_run_time).limit(limit)).all()
+        return [self._row(r) for r in late]
 
     @_retried
     def keys_matching(self, bad: Callable[[str], bool], limit: int = 100) -> list[str]:

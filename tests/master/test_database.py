@@ -22,6 +22,7 @@ from perfectschedd import __version__
 from perfectschedd import config as config_mod
 from perfectschedd.config import Config
 from perfectschedd.errors import DatabaseUnavailableError
+from perfectschedd.master import database
 from perfectschedd.master.database import UNCLAIMED_AFTER, MasterDatabase
 from perfectschedd.schedules.collection import ScheduleCollection
 
@@ -236,3 +237,29 @@ def test_stop_closes_the_store_and_removes_this_host(sqlite_url: str) -> None:
         db.call(lambda sc: 1)
     with perfectschedd.open({"type": "rdb_compat", "url": sqlite_url}) as sc:
         assert [h["name"] for h in sc.store.hosts()] == []
+
+
+def test_schedule_states_are_read_unasked_at_most_their_share_and_always_when_asked(
+        sqlite_url: str, started: list[MasterDatabase],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Which schedules are retrying or failed costs a history probe per schedule (0.7 s of
+    CPU at a million rows): the periodic reads reuse the last reading until its share of
+    the time allows another; a status request reads it afresh.  Counts stay fresh."""
+    monkeypatch.setattr(database, "COUNTS_EVERY", 0.2)
+    monkeypatch.setattr(database, "STATES_SHARE", 1e-9)  # unasked: not again in this test
+    now = time.time()
+    with perfectschedd.open({"type": "rdb_compat", "url": sqlite_url}) as sc:
+        sc.add("fails", "t", "@once", at=int(now) - 5, now=now)
+        db = start(started, make_config(sqlite_url))
+        first = db.fresh_snapshot(5)
+        assert first.states is not None and first.states["retrying"] == 0
+        task = sc.poll()
+        assert task is not None and task.key == "fails"
+        task.retry(wait=3600)
+        sc.add("another", "t", "0 0 1 1 *", now=now)
+    # Periodic reads go on (counts see the new schedule); the states are the old reading.
+    wait_until(lambda: (db.snapshot.counts or {}).get("schedules") == 2, timeout=10)
+    assert db.snapshot.states is not None and db.snapshot.states["retrying"] == 0
+    asked = db.fresh_snapshot(5)
+    assert asked.states is not None and asked.states["retrying"] == 1
+    assert [f["key"] for f in asked.failing] == ["fails"]
