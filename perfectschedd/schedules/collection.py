@@ -430,9 +430,10 @@ def cron_first(expr: str, tz: str, start: int) -> int:
 class ScheduleCollection:
     """All schedules of one table.  Use one per process (create it after fork)."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, page_cache_kib: int | None = None) -> None:
+        """`page_cache_kib`: Store's."""
         self.config = config
-        self.store = Store(config.url, config.table, config.alive_time)
+        self.store = Store(config.url, config.table, config.alive_time, page_cache_kib)
         self.owner = f"{config.node}:{os.getpid()}"
         self.store.ensure_initialized()
 

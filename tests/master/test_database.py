@@ -22,7 +22,7 @@ from perfectschedd import __version__
 from perfectschedd import config as config_mod
 from perfectschedd.config import Config
 from perfectschedd.errors import DatabaseUnavailableError
-from perfectschedd.master.database import UNCLAIMED_AFTER, MasterDatabase
+from perfectschedd.master.database import PAGE_CACHE_KIB, UNCLAIMED_AFTER, MasterDatabase
 from perfectschedd.schedules.collection import ScheduleCollection
 
 NODE = "dbtest-node"
@@ -236,3 +236,21 @@ def test_stop_closes_the_store_and_removes_this_host(sqlite_url: str) -> None:
         db.call(lambda sc: 1)
     with perfectschedd.open({"type": "rdb_compat", "url": sqlite_url}) as sc:
         assert [h["name"] for h in sc.store.hosts()] == []
+
+
+def test_the_masters_sqlite_connections_keep_a_small_page_cache(
+        sqlite_url: str, started: list[MasterDatabase]) -> None:
+    """The master scans whole tables for status; SQLite's default cache (2 MiB a
+    connection) would keep what the scans read for good."""
+    db = start(started, make_config(sqlite_url))
+    db.fresh_snapshot(5)
+
+    def cache_size(sc: ScheduleCollection) -> int:
+        pooled = sc.store.engine.raw_connection()
+        try:
+            return int(pooled.driver_connection.execute("PRAGMA cache_size").fetchone()[0])
+        finally:
+            pooled.close()
+
+    assert PAGE_CACHE_KIB < 2000
+    assert db.call(cache_size) == -PAGE_CACHE_KIB
