@@ -179,6 +179,7 @@ class Store:
         """In a process forked from the one that opened this store: forget the parent's
         pooled connections without using or closing them (they are still the parent's)."""
         self.engine.dispose(close=False)
+        self.backend.drop_connections()  # a thread's kept one is the parent's too
 
     def keep_connection(self) -> None:
         """The calling thread keeps a connection for the hot path (where it pays)."""

@@ -254,3 +254,22 @@ def test_the_masters_sqlite_connections_keep_a_small_page_cache(
 
     assert PAGE_CACHE_KIB < 2000
     assert db.call(cache_size) == -PAGE_CACHE_KIB
+
+
+def test_a_worker_is_handed_the_masters_store_only_if_its_configuration_opens_it(
+        sqlite_url: str, tmp_path: Path, started: list[MasterDatabase]) -> None:
+    cfg = make_config(sqlite_url)
+    db = MasterDatabase(cfg)
+    started.append(db)
+    assert db.store_for_worker(cfg) is None  # not open yet
+    db.start()
+    assert db.first_open.wait(10)
+    store = db.store_for_worker(cfg)
+    assert store is not None and store is db.store
+    # Its connections from now on are a worker's: SQLite's default page cache.
+    assert store.backend.page_cache_kib is None
+    # Another database, table or statement deadline: the worker opens its own.
+    other = f"sqlite:///{tmp_path / 'other.db'}"
+    for changed in (make_config(other), dataclasses.replace(cfg, table="other"),
+                    dataclasses.replace(cfg, alive_time=cfg.alive_time * 2)):
+        assert db.store_for_worker(changed) is None
