@@ -147,10 +147,10 @@ class Supervisor:
         """Fork worker `index`; False (try again next turn) while a thread of the master
         is inside a database call: the child would inherit its locks mid-call, or while
         the store is being opened (database.OPEN_BEFORE_FORK)."""
-        if self.db.opening():
-            return False
         with self.db.fork_gate() as clear:
-            if not clear:
+            # Asked even while the store opens: the wish to fork holds the database calls
+            # that follow the open back (database.FORK_PRIORITY).
+            if not clear or self.db.opening():
                 return False
             self._fork_worker(index)
         return True

@@ -128,7 +128,8 @@ def _retried(method: F) -> F:
 class Store:
     """Schedules and run history in one database; safe for many threads of one process.
 
-    Create one per process, after fork (connections must not cross a fork).
+    Create one per process, after fork (connections must not cross a fork), or call
+    after_fork() in the child before using one the parent made.
     """
 
     def __init__(self, url: str, table: str = "perfectsched",
