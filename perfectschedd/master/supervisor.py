@@ -146,9 +146,12 @@ class Supervisor:
 
     def spawn_worker(self, index: int) -> bool:
         """Fork worker `index`; False (try again next turn) while a thread of the master
-        is inside a database call: the child would inherit its locks mid-call."""
+        is inside a database call: the child would inherit its locks mid-call, or while
+        the store is being opened (database.OPEN_BEFORE_FORK)."""
         with self.db.fork_gate() as clear:
-            if not clear:
+            # Asked even while the store opens: the wish to fork holds the database calls
+            # that follow the open back (database.FORK_PRIORITY).
+            if not clear or self.db.opening():
                 return False
             self._fork_worker(index)
         return True
@@ -167,7 +170,8 @@ class Supervisor:
         def child(wake_r: int, alive_w: int) -> int:
             try:
                 self._child_cleanup()
-                return worker.run(self.config, index, wake_r, alive_w, self.master_pid)
+                return worker.run(self.config, index, wake_r, alive_w, self.master_pid,
+                                  self.db.store_for_worker(self.config))
             except SchemaError as exc:
                 # The master says it as an error, once: it finds the same on its own.
                 log.info("worker %d cannot use the database: %s", index, first_line(exc))

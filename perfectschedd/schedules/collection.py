@@ -436,9 +436,14 @@ def cron_first(expr: str, tz: str, start: int) -> int:
 class ScheduleCollection:
     """All schedules of one table.  Use one per process (create it after fork)."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, page_cache_kib: int | None = None,
+                 store: Store | None = None) -> None:
+        """`page_cache_kib`: Store's.  `store`: an open store of `config`'s database to
+        use instead of opening one (a worker's, built by its master before the fork); the
+        collection closes it."""
         self.config = config
-        self.store = Store(config.url, config.table, config.alive_time)
+        self.store = store or Store(config.url, config.table, config.alive_time,
+                                    page_cache_kib)
         self.owner = f"{config.node}:{os.getpid()}"
         self.store.ensure_initialized()
 

@@ -107,8 +107,12 @@ class LeasePipeline:
     def __init__(self, config: Config, *, report: Callable[[str], None] = lambda line: None,
                  nudge: Callable[[], None] = lambda: None,
                  while_waiting: Callable[[], None] | None = None,
-                 on_recorded: Callable[[list[dict[str, Any]]], None] | None = None) -> None:
+                 on_recorded: Callable[[list[dict[str, Any]]], None] | None = None,
+                 store: Store | None = None) -> None:
+        """`store`: an open store of `config`'s database to use (the master's, forked
+        with the worker); None: one is opened at the first step."""
         self.config = config
+        self._given_store = store
         self.report = report        # a run event for the master
         self.nudge = nudge          # a run ended: the claim loop should look again
         self.while_waiting = while_waiting  # called while waiting for SQLite's writer lock
@@ -202,7 +206,8 @@ class LeasePipeline:
         self.flush_history()
         if self.sc is None:
             try:
-                self.sc = ScheduleCollection(self.config)
+                store, self._given_store = self._given_store, None
+                self.sc = ScheduleCollection(self.config, store=store)
                 exact, patterns = self.router.claimable()
                 self.store.restrict_types(
                     exact, patterns, lambda t: self.router.match(t) is not None)

@@ -42,6 +42,7 @@ from perfectschedd.executors.base import StopReason
 from perfectschedd.metrics import counters as metrics
 from perfectschedd.notify.dispatch import STATE_OUTCOMES, Dispatcher
 from perfectschedd.schedules.collection import Task
+from perfectschedd.store.sql import Store
 from perfectschedd.worker import pipe
 from perfectschedd.worker.leases import LeasePipeline
 
@@ -105,7 +106,7 @@ class TaskThreads:
 
 class Worker:
     def __init__(self, config: Config, index: int, wake_fd: int, alive_fd: int,
-                 master_pid: int) -> None:
+                 master_pid: int, store: Store | None = None) -> None:
         self.config = config
         self.index = index
         self.wake_fd = wake_fd
@@ -121,7 +122,8 @@ class Worker:
                                       previous_many=self._previous_outcomes)
         self.pipeline = LeasePipeline(
             config, report=self._report, nudge=self._nudge, while_waiting=self._ping,
-            on_recorded=None if self.notices is None else self.notices.on_recorded)
+            on_recorded=None if self.notices is None else self.notices.on_recorded,
+            store=store)
         self.master_gone = False
         self.report_dropped = False
         self.last_ping = 0.0
@@ -339,6 +341,9 @@ def _ignore(signum: int, frame: Any) -> None:
     pass
 
 
-def run(config: Config, index: int, wake_fd: int, alive_fd: int, master_pid: int) -> int:
+def run(config: Config, index: int, wake_fd: int, alive_fd: int, master_pid: int,
+        store: Store | None = None) -> int:
+    """`store`: the master's open store of this configuration's database, to use
+    (LeasePipeline); None: the worker opens its own."""
     logsetup.set_process_name(f"worker-{index}")
-    return Worker(config, index, wake_fd, alive_fd, master_pid).run()
+    return Worker(config, index, wake_fd, alive_fd, master_pid, store).run()

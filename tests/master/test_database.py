@@ -23,7 +23,7 @@ from perfectschedd import config as config_mod
 from perfectschedd.config import Config
 from perfectschedd.errors import DatabaseUnavailableError
 from perfectschedd.master import database
-from perfectschedd.master.database import UNCLAIMED_AFTER, MasterDatabase
+from perfectschedd.master.database import PAGE_CACHE_KIB, UNCLAIMED_AFTER, MasterDatabase
 from perfectschedd.schedules.collection import ScheduleCollection
 
 NODE = "dbtest-node"
@@ -263,3 +263,40 @@ def test_schedule_states_are_read_unasked_at_most_their_share_and_always_when_as
     asked = db.fresh_snapshot(5)
     assert asked.states is not None and asked.states["retrying"] == 1
     assert [f["key"] for f in asked.failing] == ["fails"]
+
+
+def test_the_masters_sqlite_connections_keep_a_small_page_cache(
+        sqlite_url: str, started: list[MasterDatabase]) -> None:
+    """The master scans whole tables for status; SQLite's default cache (2 MiB a
+    connection) would keep what the scans read for good."""
+    db = start(started, make_config(sqlite_url))
+    db.fresh_snapshot(5)
+
+    def cache_size(sc: ScheduleCollection) -> int:
+        pooled = sc.store.engine.raw_connection()
+        try:
+            return int(pooled.driver_connection.execute("PRAGMA cache_size").fetchone()[0])
+        finally:
+            pooled.close()
+
+    assert PAGE_CACHE_KIB < 2000
+    assert db.call(cache_size) == -PAGE_CACHE_KIB
+
+
+def test_a_worker_is_handed_the_masters_store_only_if_its_configuration_opens_it(
+        sqlite_url: str, tmp_path: Path, started: list[MasterDatabase]) -> None:
+    cfg = make_config(sqlite_url)
+    db = MasterDatabase(cfg)
+    started.append(db)
+    assert db.store_for_worker(cfg) is None  # not open yet
+    db.start()
+    assert db.first_open.wait(10)
+    store = db.store_for_worker(cfg)
+    assert store is not None and store is db.store
+    # Its connections from now on are a worker's: SQLite's default page cache.
+    assert store.backend.page_cache_kib is None
+    # Another database, table or statement deadline: the worker opens its own.
+    other = f"sqlite:///{tmp_path / 'other.db'}"
+    for changed in (make_config(other), dataclasses.replace(cfg, table="other"),
+                    dataclasses.replace(cfg, alive_time=cfg.alive_time * 2)):
+        assert db.store_for_worker(changed) is None

@@ -72,7 +72,10 @@ def test_ready_after_workers_run_and_status_kept_current(daemon_factory: Any,
     assert not any("WATCHDOG=1" in m for m in msgs)
     statuses = [m for m in msgs if m.startswith("STATUS=")]
     assert statuses and all("\n" not in m and len(m) < 120 for m in statuses), statuses
-    assert statuses[-1].startswith("STATUS=3 workers, 0 running")
+    # The STATUS sent with READY counts them (one sent before the forks, which wait for
+    # the store to open, says 0 workers).
+    d.wait_notify(lambda m: m.startswith("STATUS=3 workers, 0 running"),
+                  after=msgs.index(ready), what="STATUS with the 3 workers")
 
     # STATUS follows what runs: a running task shows up, then goes away.
     n = len(d.messages())

@@ -35,8 +35,11 @@ class RecordingProcesses(Processes):
         self.exits: list[tuple[int, int]] = []
         self.alive_w: dict[int, int] = {}
         self.next_pid = 900_000
+        self.before_fork: Callable[[], None] | None = None  # called at each fork
 
     def fork(self, child: Callable[[int, int], int]) -> tuple[int, int, int]:
+        if self.before_fork is not None:
+            self.before_fork()
         self.next_pid += 1
         wake_r, wake_w = os.pipe()
         alive_r, alive_w = os.pipe()
@@ -326,3 +329,24 @@ def wait_until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> No
     while not cond():
         assert time.monotonic() < end, f"timed out waiting for {what}"
         time.sleep(0.05)
+
+
+def test_workers_are_forked_once_the_store_is_open(tmp_path: Path) -> None:
+    """The master opens its store before the first fork: the workers share what opening
+    built, and each is handed that store (store_for_worker) instead of opening one."""
+    cfg = config_mod.load({"type": "rdb_compat", "url": f"sqlite:///{tmp_path / 'db'}",
+                           "workers": 2, "worker_timeout": 5,
+                           "control_socket": str(tmp_path / "s.sock")})
+    procs = RecordingProcesses()
+    s = Supervisor(cfg, str(tmp_path / "cfg.yml"), None, processes=procs)
+    at_fork: list[tuple[bool, bool]] = []
+    procs.before_fork = lambda: at_fork.append(
+        (s.db.first_open.is_set(), s.db.store_for_worker(s.config) is s.db.store))
+    try:
+        s.db.start()
+        s.manage_workers()  # at once, while the store is (most likely) still opening
+        wait_until(lambda: (s.manage_workers(), len(procs.forks()) == 2)[1],
+                   "the workers forked")
+        assert at_fork == [(True, True), (True, True)]
+    finally:
+        s.db.stop(timeout=1)

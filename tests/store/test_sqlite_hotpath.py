@@ -139,3 +139,31 @@ def test_a_custom_table_name_is_quoted(tmp_path: Path) -> None:
         (task,) = c.poll_many(5, now=T0)
         task.finish()
         assert c.store.earliest_due() == T0 + 3600
+
+
+def test_a_stores_page_cache_is_what_it_asked_for(db: Path) -> None:
+    """page_cache_kib sets every pooled connection's cache (the master's small one); a
+    Store that does not ask keeps SQLite's default."""
+    from perfectschedd.store.sql import Store
+
+    def cache_sizes(store: Store) -> set[int]:
+        # Two connections at once: both come from the pool's connect hook.
+        a, b = store.engine.raw_connection(), store.engine.raw_connection()
+        try:
+            return {int(c.driver_connection.execute("PRAGMA cache_size").fetchone()[0])
+                    for c in (a, b)}
+        finally:
+            a.close()
+            b.close()
+
+    small = Store(f"sqlite:///{db}", page_cache_kib=256)
+    default = Store(f"sqlite:///{db}")
+    try:
+        assert cache_sizes(small) == {-256}
+        with sqlite3.connect(db) as con:
+            sqlite_default = con.execute("PRAGMA cache_size").fetchone()[0]
+        con.close()
+        assert cache_sizes(default) == {sqlite_default} != {-256}
+    finally:
+        small.close()
+        default.close()

@@ -753,3 +753,22 @@ def test_a_batch_add_ends_the_markers_of_its_own_keys_only(sc: ScheduleCollectio
                  for i in range(1200)])
     assert set(sc.deleted_markers()) == {deleted_marker_name("elsewhere")}
     assert len(sc.list()) == 1200
+
+
+def test_keys_matching_reads_every_slice_and_stops_at_the_limit(sc: ScheduleCollection
+                                                                  ) -> None:
+    """The master's check for keys stored before today's rules reads the table in slices:
+    the keys it wants may be in any of them, and it stops once it has `limit`."""
+    keys = [f"k{i:02d}" for i in range(11)]
+    sc.add_many([{"key": k, "type": "t", "cron": "@daily", "now": T0} for k in keys])
+    wanted = {"k00", "k04", "k05", "k10"}  # the first slice, two in the middle, the last
+    seen: list[str] = []
+
+    def bad(key: str) -> bool:
+        seen.append(key)
+        return key in wanted
+
+    assert sc.store.keys_matching(bad, slice_rows=3) == sorted(wanted)
+    assert seen == keys  # each key once, in key order, across four slices
+    assert sc.store.keys_matching(lambda k: k in wanted, limit=2, slice_rows=3) == [
+        "k00", "k04"]

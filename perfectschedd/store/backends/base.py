@@ -71,6 +71,9 @@ class Backend(ABC):
     name: ClassVar[str]
     # Where the leased rows have an index of their own (None: no partial indexes).
     partial_index_dialect: ClassVar[str | None] = None
+    # KiB of pages each connection may cache, where the database caches in the client
+    # (SQLite); None: the database's default.  Set before the first connection.
+    page_cache_kib: int | None = None
 
     def __init__(self, url: URL, table: str, deadline: float = DEADLINE_MAX) -> None:
         self.url = url

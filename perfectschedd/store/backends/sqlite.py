@@ -85,6 +85,8 @@ class SQLiteBackend(Backend):
             # Statement journals in memory: a multi-row UPDATE in a transaction would
             # otherwise write one to a temporary file.
             cur.execute("PRAGMA temp_store=MEMORY")
+            if self.page_cache_kib is not None:
+                cur.execute(f"PRAGMA cache_size=-{int(self.page_cache_kib)}")
             cur.close()
 
         @event.listens_for(engine, "begin")
