@@ -143,7 +143,10 @@ def test_status_shows_the_draining_worker_and_its_job_until_it_ends(
     (entry,) = wait_until(lambda: [w for w in draining(d) if w["keys"]], what="drain keys")
     assert (entry["pid"], entry["generation"], entry["keys"]) == (busy, 0, ["k"])
     assert time.time() - 30 < entry["since"] <= time.time()
-    status = d.status()
+    # A worker's count of runs reaches the master with its next ping (every second or so).
+    status = wait_until(lambda: next((s for s in [d.status()] for w in s["workers"]
+                                      if w["pid"] == busy and w["running"] == 1), None),
+                        what="the draining worker's ping counting its run")
     (worker,) = [w for w in status["workers"] if w["pid"] == busy]
     assert worker["draining"] and worker["running"] == 1
     assert status["workers_alive"] == 2  # the new generation; drains are not counted
