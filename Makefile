@@ -187,3 +187,4 @@ $(BENCHVENV)/bin/perfectschedd: pyproject.toml
 
 bench: $(BENCHVENV)/bin/perfectschedd
 	env -u PYTHONPATH $(BENCHVENV)/bin/python bench/run.py $(BENCH_ARGS)
+	env -u PYTHONPATH $(BENCHVENV)/bin/python bench/client_start.py

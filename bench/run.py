@@ -668,7 +668,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", default="sqlite,postgresql")
-    p.add_argument("--only", default="burst,steady,scale,execburst",
+    p.add_argument("--only", default="burst,steady,scale,execburst,ratio",
                    help="workloads to run (burst, steady, scale, execburst, catchup, "
                         "ratio)")
     p.add_argument("--bursts", default="2000,20000")
