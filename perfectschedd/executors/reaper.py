@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import Protocol, TypeVar
 
 from perfectschedd.executors.command import RUN_ID_ENV
 
@@ -30,6 +32,39 @@ _MARK = f"{RUN_ID_ENV}=".encode()
 # hold the master's loop.
 _ROUNDS = 20
 _ROUND_PAUSE = 0.01
+
+# Children this process starts for itself (a notification's hook or sendmail, from the
+# master's threads): not left behind by a run, so the master's sweep spares them.  They
+# are started under the lock the sweep reads the children under, so a child is either
+# known or not yet forked when the sweep looks.
+_helpers: set[int] = set()
+_helpers_lock = threading.Lock()
+
+
+class _HasPid(Protocol):
+    pid: int
+
+
+P = TypeVar("P", bound=_HasPid)
+
+
+def start_helper(start: Callable[[], P]) -> P:
+    """Start a child of our own (`start()` forks it); end_helper() once it is reaped."""
+    with _helpers_lock:
+        proc = start()
+        _helpers.add(proc.pid)
+    return proc
+
+
+def end_helper(pid: int) -> None:
+    with _helpers_lock:
+        _helpers.discard(pid)
+
+
+def strays(master: int, known: Callable[[int], bool]) -> list[int]:
+    """The master's children that are neither `known` (its workers) nor its helpers."""
+    with _helpers_lock:
+        return [p for p in children(master) if not known(p) and p not in _helpers]
 
 
 def children(pid: int) -> list[int]:

@@ -194,7 +194,7 @@ class RunCleanup:
         # Once a second: the loop turns for every run event of every worker (thousands a
         # second in a burst of exec jobs), and /proc reads on each turn showed.
         self.next_sweep = now + SWEEP_EVERY
-        strays = [p for p in jobreaper.children(master_pid) if table.get(p) is None]
+        strays = jobreaper.strays(master_pid, lambda pid: table.get(pid) is not None)
         if not strays:
             return
         for proc in table:

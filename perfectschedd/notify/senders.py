@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from perfectschedd import __version__
+from perfectschedd.executors import reaper
 from perfectschedd.notify.spec import Notifier
 
 # Bounds: a notifier must not hold the notification thread for long.
@@ -109,9 +110,10 @@ def _run(argv: list[str] | tuple[str, ...], stdin: bytes, env: dict[str, str],
          timeout: float) -> None:
     try:
         # A session of its own: a timeout kills the notifier's whole group, not only it.
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, env=env, start_new_session=True,
-                                close_fds=True)
+        # Known as ours: in the master, its sweep kills children no worker accounts for.
+        proc = reaper.start_helper(lambda: subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            env=env, start_new_session=True, close_fds=True))
     except OSError as exc:
         raise SendError(f"cannot run {argv[0]}: {exc.strerror}") from None
     try:
@@ -123,6 +125,8 @@ def _run(argv: list[str] | tuple[str, ...], stdin: bytes, env: dict[str, str],
             pass
         proc.communicate()
         raise SendError(f"{argv[0]} did not end within {timeout:g}s (killed)") from None
+    finally:
+        reaper.end_helper(proc.pid)
     if proc.returncode != 0:
         said = err.decode("utf-8", "replace").strip().splitlines()
         tail = f": {said[-1][:_ERROR_TAIL]}" if said else ""

@@ -5,6 +5,7 @@ the run that must be killed; no worker processes."""
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import selectors
 import signal
@@ -78,6 +79,9 @@ def sup(tmp_path: Path) -> Iterator[tuple[Supervisor, RecordingProcesses]]:
                            "control_socket": str(tmp_path / "s.sock")})
     procs = RecordingProcesses()
     s = Supervisor(cfg, str(tmp_path / "cfg.yml"), None, processes=procs)
+    # The master here is the test process: a sweep for orphans would kill its children
+    # (the test database servers).  tests/master/test_orphan_sweep.py covers the sweep.
+    s.cleanup.next_sweep = math.inf
     yield s, procs
     s.db.stop(timeout=1)
 
