@@ -7,10 +7,9 @@ Invariants:
   finds its lease lost stops the run (PREEMPTED), and a run whose lease could not be
   renewed stops itself `fence_lead` seconds before the lease expires (FENCED).
 - Finishes are queued by the runs and written with the next claim, in one transaction;
-  a finish that cannot be written stays queued (its lease still protects it).  Where
-  writers queue on one lock (SQLite), the runs' history rows go into that transaction
-  too (at most HISTORY_PER_TURN); the rest, and all of them after such a transaction
-  failed, are written apart (flush_history).
+  a finish that cannot be written stays queued (its lease still protects it).  The
+  runs' history rows go into that transaction too (at most HISTORY_PER_TURN); the rest,
+  and all of them after such a transaction failed, are written apart (flush_history).
 - Run events (pipe.py's Spawning, Spawned, UnitStarting and Ended lines) reach the master
   through `report` before a run's first process exists and after its last one is gone.
 """
@@ -59,13 +58,10 @@ PREFETCH = 8
 # finishes, instead of one per task.  Their leases still hold them meanwhile.
 FINISH_DEFER = 0.05
 HISTORY_FLUSH = 0.5
-# History rows written in one claim transaction at most, where writers queue on one
-# lock (SQLite).  Written apart every HISTORY_FLUSH, a burst's 5,000 rows held SQLite's
-# writer lock for 30-50 ms, while this worker's threads ran out of queued work and the
-# other worker waited for the lock (a sixth of a 20,000 burst); a turn's 64 rows add
-# about 0.3 ms to its transaction.  A server (PostgreSQL) writes them apart, in one
-# statement per flush: it lets the other workers claim meanwhile, and one more
-# statement per turn would cost a round trip each.
+# History rows written in one claim transaction at most.  Written apart every
+# HISTORY_FLUSH, a burst's 5,000 rows held the writer lock for 40 ms, while this worker's
+# threads ran out of queued work and the other worker waited for the lock (a fifth of
+# a 20,000 burst); a turn's 64 rows add about half a millisecond to its transaction.
 HISTORY_PER_TURN = 256
 # Unwritten history a worker keeps while the database is away, in output bytes at most
 # (history_kept): with output_limit at its maximum, 10,000 rows would be 10 GiB.
@@ -564,11 +560,10 @@ class LeasePipeline:
         return batch
 
     def _finish_and_claim(self, batch: list[Task], want: int) -> list[Task]:
-        """Write finished tasks (and, on SQLite, the history rows waiting:
-        HISTORY_PER_TURN at most) and lease up to `want` more, in one transaction."""
+        """Write finished tasks and the history rows waiting (HISTORY_PER_TURN at most),
+        and lease up to `want` more, in one transaction."""
         assert self.sc is not None
-        rows = (self._take_history(HISTORY_PER_TURN)
-                if self.store.write_lock is not None and not self.history_apart else [])
+        rows = self._take_history(HISTORY_PER_TURN) if not self.history_apart else []
         try:
             lost, claimed = self.sc.finish_and_poll(batch, want, history=rows)
         except DBAPIError:

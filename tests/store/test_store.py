@@ -26,7 +26,7 @@ from perfectschedd import (
     PreemptedError,
     ScheduleCollection,
 )
-from perfectschedd.store.sql import TURN_LOST, TURN_START, TURN_WAIT, Advance, Store
+from perfectschedd.store.sql import TURN_LOST, TURN_START, TURN_WAIT, Store
 
 T0 = 1_700_002_800  # 2023-11-14 23:00:00 UTC, a round hour
 H = 3600
@@ -497,33 +497,6 @@ def test_times_keep_sub_second_precision(sc: ScheduleCollection) -> None:
                            "worker": "w"}])
     (run,) = sc.store.history("k", 10)
     assert run["finished_at"] - run["started_at"] == pytest.approx(1.5, abs=0.001)
-
-
-def test_finish_and_claim_writes_the_history_rows_given_in_its_transaction(
-        sc: ScheduleCollection) -> None:
-    """The worker's hot path carries its runs' history rows: written with the finish,
-    every column kept, keys that are not columns (notify) left out."""
-    for k in ("a", "b"):
-        sc.add(k, "t", cron="0 * * * *", next_time=T0, now=T0)
-    (held,) = sc.store.claim(T0, 60, "w1", 1)
-    run = {"key": held.key, "type": "t", "scheduled_time": T0, "attempt": 1,
-           "started_at": T0 + 0.5, "finished_at": T0 + 1.5, "outcome": "failed",
-           "worker": "w1", "unit": None, "exit_code": 3, "signal": None, "duration": 1.0,
-           "output": "out\n", "error": "exit status 3", "notify": "hook"}
-    skipped = {"key": "other", "type": "t", "scheduled_time": T0 - 3600, "attempt": 0,
-               "started_at": T0, "finished_at": T0, "outcome": "skipped", "worker": "w1"}
-    lost, claimed = sc.store.finish_and_claim(
-        [Advance(held.key, held.fence, T0 + 3600, T0 + 3600)], T0, 60, "w1", 5,
-        [run, skipped])
-    assert lost == set() and len(claimed) == 1
-    assert row(sc, held.key)["owner"] is None
-    (got,) = sc.store.history(held.key, 10)
-    assert {k: got[k] for k in run if k != "notify"} == {
-        **{k: v for k, v in run.items() if k != "notify"},
-        "started_at": pytest.approx(T0 + 0.5), "finished_at": pytest.approx(T0 + 1.5),
-        "duration": pytest.approx(1.0)}
-    assert [(r["outcome"], r["exit_code"]) for r in sc.store.history("other", 10)] == [
-        ("skipped", None)]
 
 
 def test_store_release_owner_hands_back_every_lease(sc: ScheduleCollection) -> None:

@@ -15,7 +15,7 @@ from perfectschedd import config as config_mod
 from perfectschedd.executors.application import Application
 from perfectschedd.executors.base import StopReason
 from perfectschedd.schedules.collection import ScheduleCollection, Task
-from perfectschedd.worker.leases import HISTORY_FLUSH, HISTORY_PER_TURN, LeasePipeline
+from perfectschedd.worker.leases import HISTORY_FLUSH, LeasePipeline
 
 YEARLY = "0 0 1 1 *"
 
@@ -52,80 +52,20 @@ def row(p: LeasePipeline, key: str) -> Any:
 
 def test_a_run_s_history_row_is_written_within_half_a_second_not_at_the_next_poll(
         tmp_path: Path) -> None:
-    """With nothing due for long, the loop still wakes for the row a run left that no
-    finish carried (a failed run: history is written in batches, every HISTORY_FLUSH):
-    status, list and notifications see it."""
+    """With nothing due for long, the loop still wakes for the row a run left (history
+    is written in batches, every HISTORY_FLUSH): status, list and notifications see it."""
     p, _ = pipeline(tmp_path, poll_interval=30)
-    add(p, "a", "fails")
+    add(p, "a")
     submitted: list[Task] = []
     p.step(submitted.append)
     p.run_one(submitted[0])
-    assert p.history and not p.finished  # queued, not yet written; no finish to carry it
+    assert p.history  # queued, not yet written
     wait = p.step(submitted.append)
     assert wait <= HISTORY_FLUSH
     time.sleep(wait)
     p.step(submitted.append)
-    assert [r["outcome"] for r in p.sc.store.history("a", 10)] == ["failed"]  # type: ignore[union-attr]
+    assert [r["outcome"] for r in p.sc.store.history("a", 10)] == ["success"]  # type: ignore[union-attr]
     assert p.step(submitted.append) > HISTORY_FLUSH  # nothing left: the poll again
-    p.close()
-
-
-def test_a_finished_run_s_history_row_is_written_with_its_finish(tmp_path: Path) -> None:
-    """The claim transaction that writes the finishes carries the history rows waiting
-    (HISTORY_PER_TURN at most; the rest wait for the next turn or flush), and only once
-    it is committed are they handed to on_recorded."""
-    seen: list[list[str]] = []
-    p, _ = pipeline(tmp_path, lambda rows: seen.append([r["key"] for r in rows]),
-                    poll_interval=30)
-    add(p, "a")
-    submitted: list[Task] = []
-    p.step(submitted.append)
-    p.run_one(submitted[0])
-    assert p.finished and [r["key"] for r in p.history] == ["a"] and seen == []
-    p.step(submitted.append)
-    assert p.sc is not None
-    assert row(p, "a").owner is None  # the finish is written ...
-    assert [r["outcome"] for r in p.sc.store.history("a", 10)] == ["success"]  # ... its row
-    assert p.history == [] and seen == [["a"]]
-    # More rows than a turn takes: the oldest go with the next claim, the rest with the
-    # turn after it.  (The flush on its timer, which takes them all, is kept out.)
-    p.last_flush = math.inf
-    extra = [f"x{i}" for i in range(HISTORY_PER_TURN + 5)]
-    p.history.extend({**p.sc.store.history("a", 1)[0], "key": k} for k in extra)
-    add(p, "b")
-    p.step(submitted.append)
-    assert seen[-1] == extra[:HISTORY_PER_TURN]
-    p.run_one(submitted[-1])
-    p.step(submitted.append)
-    assert row(p, "b").owner is None
-    assert seen[-1] == [*extra[HISTORY_PER_TURN:], "b"] and p.history == []
-    assert [len(p.sc.store.history(k, 10)) for k in ("x0", extra[-1], "b")] == [1, 1, 1]
-    p.close()
-
-
-def test_history_rows_the_database_refuses_never_hold_up_the_finishes(
-        tmp_path: Path) -> None:
-    """A claim transaction that failed with history rows in it: the finishes are
-    written next without them; the rows wait, written apart once that works again."""
-    p, _ = pipeline(tmp_path, poll_interval=30)
-    add(p, "a")
-    submitted: list[Task] = []
-    p.step(submitted.append)
-    assert p.sc is not None
-    with p.sc.store.engine.begin() as conn:  # a real database error for history rows
-        conn.exec_driver_sql("ALTER TABLE perfectsched_history RENAME TO away")
-    p.run_one(submitted[0])
-    p.step(submitted.append)
-    assert not p.db_ok and [t.key for t in p.finished] == ["a"]  # nothing written
-    assert [r["key"] for r in p.history] == ["a"]
-    p.step(submitted.append)
-    assert p.db_ok and row(p, "a").owner is None and p.finished == []  # finish written
-    assert [r["key"] for r in p.history] == ["a"]  # the row waits
-    with p.sc.store.engine.begin() as conn:
-        conn.exec_driver_sql("ALTER TABLE away RENAME TO perfectsched_history")
-    p.flush_history(force=True)
-    assert p.history == [] and not p.history_apart
-    assert [r["outcome"] for r in p.sc.store.history("a", 10)] == ["success"]
     p.close()
 
 
