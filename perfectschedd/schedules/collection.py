@@ -591,16 +591,14 @@ class ScheduleCollection:
             t._end()
         return self.store.advance([t.next_advance() for t in tasks])
 
-    def finish_and_poll(self, finished: list[Task], limit: int, now: float | None = None,
-                        history: Sequence[dict[str, Any]] = ()
+    def finish_and_poll(self, finished: list[Task], limit: int, now: float | None = None
                         ) -> tuple[set[str], list[Task]]:
-        """Write finishes already ended with Task._end() and `history` rows
-        (Store.record_runs'), and lease up to `limit` more occurrences, in one
-        transaction.  Returns (preempted keys, new tasks)."""
+        """Write finishes already ended with Task._end() and lease up to `limit` more
+        occurrences, in one transaction.  Returns (preempted keys, new tasks)."""
         now = time.time() if now is None else now
         lost, claimed = self.store.finish_and_claim(
             [t.next_advance() for t in finished], now, self.config.alive_time, self.owner,
-            limit, history)
+            limit)
         return lost, [Task(self, c, now) for c in claimed]
 
     def heartbeat_many(self, tasks: list[Task], now: float | None = None) -> set[str]:

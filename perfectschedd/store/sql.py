@@ -667,17 +667,15 @@ class Store:
 
     @_retried
     def finish_and_claim(self, finished: Sequence[Advance], now: float, lease_seconds: int,
-                         owner: str, limit: int, history: Sequence[dict[str, Any]] = ()
-                         ) -> tuple[set[str], list[Claimed]]:
-        """advance() and claim() in one transaction, with `history` (record_runs' rows)
-        written in it too: the worker's hot path.
+                         owner: str, limit: int) -> tuple[set[str], list[Claimed]]:
+        """advance() and claim() in one transaction: the worker's hot path.
 
         Returns the preempted keys of `finished` and the newly claimed rows.
         """
         finished, pauses = _split_pauses(finished)
         paused_lost = self.pause_exhausted(pauses) if pauses else set()
         lost, claimed = self.backend.finish_and_claim(finished, now, lease_seconds, owner,
-                                                      limit, _history_payload(history))
+                                                      limit)
         return lost | paused_lost, claimed
 
     def restrict_types(self, exact: Sequence[str], patterns: Sequence[str],
@@ -984,7 +982,8 @@ class Store:
         leave out the optional columns (HISTORY_OPTIONAL: a skipped occurrence has no
         exit code); the backends' statements bind every column, so they become None.  Keys
         that are not columns (what observers of the runs read) are left out."""
-        payload = _history_payload(runs)
+        payload = [r if r.keys() == _HISTORY_KEYS else {k: r.get(k) for k in _HISTORY_ORDER}
+                   for r in runs]
         if not payload:
             return
         self.backend.record_runs(payload)
@@ -1068,12 +1067,6 @@ _HISTORY_ORDER = tuple(HISTORY_COLUMNS)
 # A worker's rows carry exactly these keys unless a schedule names its notifier: those
 # pass as they are (one set comparison per run on the finish path, no copy).
 _HISTORY_KEYS = frozenset(HISTORY_COLUMNS)
-
-
-def _history_payload(runs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """History rows with exactly the columns (record_runs)."""
-    return [r if r.keys() == _HISTORY_KEYS else {k: r.get(k) for k in _HISTORY_ORDER}
-            for r in runs]
 
 
 def _split_pauses(items: Sequence[Advance]) -> tuple[Sequence[Advance], list[Advance]]:

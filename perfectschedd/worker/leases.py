@@ -7,9 +7,7 @@ Invariants:
   finds its lease lost stops the run (PREEMPTED), and a run whose lease could not be
   renewed stops itself `fence_lead` seconds before the lease expires (FENCED).
 - Finishes are queued by the runs and written with the next claim, in one transaction;
-  a finish that cannot be written stays queued (its lease still protects it).  The
-  runs' history rows go into that transaction too (at most HISTORY_PER_TURN); the rest,
-  and all of them after such a transaction failed, are written apart (flush_history).
+  a finish that cannot be written stays queued (its lease still protects it).
 - Run events (pipe.py's Spawning, Spawned, UnitStarting and Ended lines) reach the master
   through `report` before a run's first process exists and after its last one is gone.
 """
@@ -58,11 +56,6 @@ PREFETCH = 8
 # finishes, instead of one per task.  Their leases still hold them meanwhile.
 FINISH_DEFER = 0.05
 HISTORY_FLUSH = 0.5
-# History rows written in one claim transaction at most.  Written apart every
-# HISTORY_FLUSH, a burst's 5,000 rows held the writer lock for 40 ms, while this worker's
-# threads ran out of queued work and the other worker waited for the lock (a fifth of
-# a 20,000 burst); a turn's 64 rows add about half a millisecond to its transaction.
-HISTORY_PER_TURN = 256
 # Unwritten history a worker keeps while the database is away, in output bytes at most
 # (history_kept): with output_limit at its maximum, 10,000 rows would be 10 GiB.
 HISTORY_KEPT_BYTES = 64 << 20
@@ -162,10 +155,6 @@ class LeasePipeline:
         self.db_ok = True
         self.db_backoff = 0.5
         self.last_flush = time.monotonic()
-        # A claim transaction carrying history rows failed: the rows are written apart
-        # (flush_history) until that works again, so that a row the database refuses
-        # cannot hold up the finishes.
-        self.history_apart = False
 
     @property
     def store(self) -> Store:
@@ -560,20 +549,13 @@ class LeasePipeline:
         return batch
 
     def _finish_and_claim(self, batch: list[Task], want: int) -> list[Task]:
-        """Write finished tasks and the history rows waiting (HISTORY_PER_TURN at most),
-        and lease up to `want` more, in one transaction."""
+        """Write finished tasks and lease up to `want` more, in one transaction."""
         assert self.sc is not None
-        rows = self._take_history(HISTORY_PER_TURN) if not self.history_apart else []
         try:
-            lost, claimed = self.sc.finish_and_poll(batch, want, history=rows)
+            lost, claimed = self.sc.finish_and_poll(batch, want)
         except DBAPIError:
             self.finished[:0] = batch  # the leases still protect them; try again
-            if rows:
-                self._keep_history(rows)
-                self.history_apart = True
             raise
-        if rows:
-            self._recorded(rows)
         self._report_lost(batch, lost)
         if batch:
             self._group_ended(batch, lost)
@@ -601,31 +583,19 @@ class LeasePipeline:
         if not force and now - self.last_flush < HISTORY_FLUSH:
             return
         self.last_flush = now
-        batch = self._take_history()
+        # Copy, then delete what was copied: rows task threads append meanwhile (without
+        # the lock) stay for the next flush.
+        batch = self.history[:]
+        del self.history[:len(batch)]
         if not batch:
             return
         try:
             self.store.record_runs(batch)
         except DBAPIError:
-            self._keep_history(batch)
+            with self.lock:  # keep them for the next flush, bounded
+                self.history[:0] = batch[-self.history_kept:]
             return
-        self.history_apart = False
         self._recorded(batch)
-
-    def _take_history(self, most: int | None = None) -> list[dict[str, Any]]:
-        """The oldest unwritten history rows (`most` at most; none when history is off).
-        Copied, then what was copied deleted: rows task threads append meanwhile (without
-        the lock) stay for the next writer."""
-        if self.config.history_limit == 0:
-            return []
-        batch = self.history[:most]
-        del self.history[:len(batch)]
-        return batch
-
-    def _keep_history(self, batch: list[dict[str, Any]]) -> None:
-        """Rows that could not be written: back in front for the next try, bounded."""
-        with self.lock:
-            self.history[:0] = batch[-self.history_kept:]
 
     @property
     def history_kept(self) -> int:

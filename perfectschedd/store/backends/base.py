@@ -53,14 +53,11 @@ class DriverStatement:
         elif names:
             self.positional = lambda row, name=names[0]: (row[name],)
 
-    def params(self, rows: Sequence[dict[str, Any]]) -> Any:
-        """The rows as the driver's executemany takes them."""
-        fixed, get = self.fixed, self.positional
-        return ([{**fixed, **r} for r in rows] if get is None
-                else [get({**fixed, **r}) for r in rows])
-
     def executemany(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> int:
-        return int(conn.exec_driver_sql(self.sql, self.params(rows)).rowcount)
+        fixed, get = self.fixed, self.positional
+        params: Any = ([{**fixed, **r} for r in rows] if get is None
+                       else [get({**fixed, **r}) for r in rows])
+        return int(conn.exec_driver_sql(self.sql, params).rowcount)
 
 
 def in_cron_order(rows: Iterable[Sequence[Any]]) -> list[Claimed]:
@@ -199,13 +196,12 @@ class Backend(ABC):
 
     @abstractmethod
     def finish_and_claim(self, finished: Sequence[Advance], now: float, lease_seconds: int,
-                         owner: str, limit: int, history: Sequence[dict[str, Any]] = ()
-                         ) -> tuple[set[str], list[Claimed]]:
+                         owner: str, limit: int) -> tuple[set[str], list[Claimed]]:
         """In one transaction: write `finished` (move each to its next time, or delete a
-        one-off), fenced, append the `history` rows (record_runs' rows), and lease up to
-        `limit` due rows (none when 0), oldest first, one winner per row across all
-        hosts.  Returns the keys of `finished` whose fence no longer matched (nothing was
-        written for them) and the leased rows in cron order."""
+        one-off), fenced, and lease up to `limit` due rows (none when 0), oldest first,
+        one winner per row across all hosts.  Returns the keys of `finished` whose fence
+        no longer matched (nothing was written for them) and the leased rows in cron
+        order."""
 
     def earliest_due(self) -> int | None:
         """Smallest next_run_time of an unpaused routed row: one index probe."""
@@ -220,11 +216,7 @@ class Backend(ABC):
     def record_runs(self, runs: list[dict[str, Any]]) -> None:
         """Append run history rows (schema.HISTORY_COLUMNS), in one transaction."""
         with self.transaction() as conn:
-            self.record_in(conn, runs)
-
-    def record_in(self, conn: Connection, runs: Sequence[dict[str, Any]]) -> None:
-        """record_runs' rows, in the caller's transaction."""
-        self.history_many.executemany(conn, runs)
+            self.history_many.executemany(conn, runs)
 
 
 class ServerBackend(Backend):
@@ -294,12 +286,9 @@ class ServerBackend(Backend):
         super().close()
 
     def finish_and_claim(self, finished: Sequence[Advance], now: float, lease_seconds: int,
-                         owner: str, limit: int, history: Sequence[dict[str, Any]] = ()
-                         ) -> tuple[set[str], list[Claimed]]:
+                         owner: str, limit: int) -> tuple[set[str], list[Claimed]]:
         with self.transaction() as conn:
             lost = self.advance_in(conn, finished) if finished else set()
-            if history:
-                self.record_in(conn, history)
             if limit <= 0:
                 return lost, []
             return lost, self.claim_in(conn, {

@@ -154,5 +154,6 @@ class PostgreSQLBackend(ServerBackend):
                 self._delete_sql, {"rows": json.dumps(oneoffs)}))
         return {a.key for a in items} - done
 
-    def record_in(self, conn: Connection, runs: Sequence[dict[str, Any]]) -> None:
-        conn.exec_driver_sql(self._history_sql, {"rows": json.dumps(runs)})
+    def record_runs(self, runs: list[dict[str, Any]]) -> None:
+        with self.transaction() as conn:
+            conn.exec_driver_sql(self._history_sql, {"rows": json.dumps(runs)})

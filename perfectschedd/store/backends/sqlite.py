@@ -231,8 +231,7 @@ class SQLiteBackend(Backend):
         return pooled
 
     def finish_and_claim(self, finished: Sequence[Advance], now: float, lease_seconds: int,
-                         owner: str, limit: int, history: Sequence[dict[str, Any]] = ()
-                         ) -> tuple[set[str], list[Claimed]]:
+                         owner: str, limit: int) -> tuple[set[str], list[Claimed]]:
         lost: set[str] = set()
         claimed: list[tuple[Any, ...]] = []
         with self._connection(write=True) as con:
@@ -244,8 +243,6 @@ class SQLiteBackend(Backend):
                     cur.execute(self._advance_sql, (next_time, next_run_time, key, fence))
                 if cur.rowcount != 1:
                     lost.add(key)
-            if history:
-                cur.executemany(self.history_many.sql, self.history_many.params(history))
             if limit > 0:
                 claimed = cur.execute(self._claim_sql, (
                     lease_until(now, lease_seconds), owner, now, int(now),
