@@ -16,21 +16,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from daemon_harness import NotifyListener  # noqa: E402
+from daemon_harness import start_plain_daemon  # noqa: E402
 
 
 def request(path: str, cmd: str, args: dict[str, object]) -> dict[str, object]:
@@ -52,22 +48,8 @@ def request(path: str, cmd: str, args: dict[str, object]) -> dict[str, object]:
 def one_round(tree: Path, n: int, url: str | None) -> dict[str, tuple[float, float, float]]:
     with tempfile.TemporaryDirectory(prefix="perfectsched-acks-") as tmp:
         d = Path(tmp)
-        sock = str(d / "ctl.sock")
-        cfg = {"type": "rdb_compat", "url": url or f"sqlite:///{d / 'sched.db'}",
-               "control_socket": sock, "metrics_listen": "off", "workers": 2,
-               "routes": [], "schedules_dir": str(d / "none")}
-        (d / "c.yml").write_text(yaml.safe_dump(cfg))
-        notify = NotifyListener(d / "notify.sock")
-        env = {**os.environ, "PYTHONPATH": str(tree), "NOTIFY_SOCKET": notify.path}
-        proc = subprocess.Popen([sys.executable, "-m", "perfectschedd", "-c", str(d / "c.yml")],
-                                cwd=tmp, env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+        proc, notify, sock, _ = start_plain_daemon(d, tree, url)
         try:
-            deadline = time.monotonic() + 30
-            while not any("READY=1" in m for m in notify.all()):
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError(f"{tree}: the daemon did not become ready")
-                time.sleep(0.05)
             found: dict[str, tuple[float, float, float]] = {}
             for cmd in ("add", "delete"):
                 took = []

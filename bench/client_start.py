@@ -30,12 +30,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from daemon_harness import NotifyListener  # noqa: E402
+from daemon_harness import NotifyListener, start_plain_daemon  # noqa: E402
 
 # What the console script runs (pip's wrapper minus its argv[0] rewrite).
 SCRIPT = "import sys; from perfectschedctl.cli import main; sys.exit(main())"
@@ -56,22 +54,7 @@ def timed(argv: list[str], env: dict[str, str], cwd: str) -> tuple[float, float]
 
 def start_daemon(d: Path, schedules: int) -> tuple[subprocess.Popen[bytes], NotifyListener,
                                                    str]:
-    sock = str(d / "ctl.sock")
-    cfg = {"type": "rdb_compat", "url": f"sqlite:///{d / 'sched.db'}",
-           "control_socket": sock, "metrics_listen": "off", "workers": 2,
-           "routes": [], "schedules_dir": str(d / "none")}
-    (d / "c.yml").write_text(yaml.safe_dump(cfg))
-    notify = NotifyListener(d / "notify.sock")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "NOTIFY_SOCKET": notify.path}
-    proc = subprocess.Popen([sys.executable, "-m", "perfectschedd", "-c", str(d / "c.yml")],
-                            cwd=d, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while not any("READY=1" in m for m in notify.all()):
-        if time.monotonic() > deadline or proc.poll() is not None:
-            proc.kill()
-            raise RuntimeError("the daemon did not become ready")
-        time.sleep(0.05)
+    proc, notify, sock, env = start_plain_daemon(d, ROOT)
     for i in range(schedules):
         subprocess.run([sys.executable, "-m", "perfectschedctl", "--socket", sock, "add",
                         f"bench-{i}", "t", "0 0 1 1 *"], env=env, check=True,

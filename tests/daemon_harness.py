@@ -322,3 +322,29 @@ def pid_alive(pid: int) -> bool:
         return state != "Z"
     except OSError:
         return False
+
+
+def start_plain_daemon(d: Path, tree: Path, url: str | None = None
+                       ) -> tuple[subprocess.Popen[bytes], NotifyListener, str, dict[str, str]]:
+    """A daemon of the checkout `tree` (PYTHONPATH) in `d`, no routes, no metrics, up to
+    READY=1 (30 s, else RuntimeError): the benches that time requests against it.
+    Returns the process, its notify listener, the control socket and its environment."""
+    sock = str(d / "ctl.sock")
+    cfg = {"type": "rdb_compat", "url": url or f"sqlite:///{d / 'sched.db'}",
+           "control_socket": sock, "metrics_listen": "off", "workers": 2,
+           "routes": [], "schedules_dir": str(d / "none")}
+    (d / "c.yml").write_text(yaml.safe_dump(cfg))
+    notify = NotifyListener(d / "notify.sock")
+    env = {**os.environ, "PYTHONPATH": str(tree), "NOTIFY_SOCKET": notify.path}
+    proc = subprocess.Popen([sys.executable, "-m", "perfectschedd", "-c", str(d / "c.yml")],
+                            cwd=d, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while not any("READY=1" in m for m in notify.all()):
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            proc.wait(10)
+            notify.close()
+            raise RuntimeError(f"{tree}: the daemon did not become ready")
+        time.sleep(0.05)
+    return proc, notify, sock, env
