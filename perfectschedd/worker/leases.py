@@ -283,16 +283,9 @@ class LeasePipeline:
         """_admit each of `tasks`; those of no group (the usual case: nothing to ask the
         database) are held under one turn of the lock, then submitted."""
         plain = [t for t in tasks if t.group is None]
-        if plain:
-            alive, lead, grace = self.config.alive_time, self.fence_lead, self.fence_grace
-            controls = [RunControl(lease_until(t.claimed_at, alive) - lead, grace)
-                        for t in plain]
-            with self.lock:
-                for task, control in zip(plain, controls, strict=True):
-                    self.running[task.key] = task
-                    self.controls[task.key] = control
-            for task in plain:
-                submit(task)
+        self._hold(plain)
+        for task in plain:
+            submit(task)
         for task in tasks:
             if task.group is not None:
                 self._admit(task, submit)
@@ -315,18 +308,24 @@ class LeasePipeline:
             except PreemptedError:
                 pass  # changed meanwhile: whoever changed it decides
             return
-        control = RunControl(lease_until(task.claimed_at, self.config.alive_time)
-                             - self.fence_lead, self.fence_grace)
-        with self.lock:
-            self.running[task.key] = task
-            self.controls[task.key] = control
-            if turn != TURN_START:
-                self.waiting[task.key] = task
+        self._hold([task], queued=turn != TURN_START)
         if turn == TURN_START:
             submit(task)
         else:
             log.info("key=%s: queued: starts once the running occurrence of %s has ended",
                      task.key, task.group)
+
+    def _hold(self, tasks: list[Task], queued: bool = False) -> None:
+        """From now on `tasks` are held: heartbeated, fenced at their lease's end, and
+        (`queued`) waiting for their turn in their group."""
+        controls = [RunControl(lease_until(t.claimed_at, self.config.alive_time)
+                               - self.fence_lead, self.fence_grace) for t in tasks]
+        with self.lock:
+            for task, control in zip(tasks, controls, strict=True):
+                self.running[task.key] = task
+                self.controls[task.key] = control
+                if queued:
+                    self.waiting[task.key] = task
 
     def _take_turns(self, submit: Callable[[Task], None]) -> None:
         """Ask again for the turn of each run queued here (at most every GROUP_RECHECK):
