@@ -386,10 +386,17 @@ class MasterDatabase:
     def fresh_snapshot(self, wait: float) -> Snapshot:
         """Ask for a refresh and wait at most `wait` seconds for it; the snapshot either
         way (its `read_at` says how old it is)."""
-        before = self.snapshot
+        before, asked = self.snapshot, time.time()
+
+        def answered() -> bool:
+            # A reading begun after the request (one begun before may have been published
+            # meanwhile), or word that the database cannot be read.
+            snap = self.snapshot
+            return snap is not before and (snap.ok is False or (snap.read_at or 0) >= asked)
+
         with self._refreshed:
             self._refresh.set()
-            self._refreshed.wait_for(lambda: self.snapshot is not before, timeout=wait)
+            self._refreshed.wait_for(answered, timeout=wait)
         return self.snapshot
 
     def _mark(self, ok: bool, error: str | None = None, asked_at: float | None = None
