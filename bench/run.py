@@ -475,9 +475,10 @@ def steady_requests(n: int, t0: int) -> list[dict[str, Any]]:
     return reqs
 
 
-def steady_ps(env: Env, n: int, window: int, tmp: Path) -> dict[str, Any]:
+def steady_ps(env: Env, n: int, window: int, tmp: Path, pythonpath: str | None = None
+              ) -> dict[str, Any]:
     url = env.fresh_url("pssteady")
-    ps = PS(url, tmp / f"ps-steady-{env.name}-{env.counter}")
+    ps = PS(url, tmp / f"ps-steady-{env.name}-{env.counter}", pythonpath=pythonpath)
     try:
         ps.start()
         t0 = int(time.time()) + 5
@@ -677,6 +678,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="runs of bursts of 10,000 or more (median)")
     p.add_argument("--steady-schedules", type=int, default=500)
     p.add_argument("--steady-seconds", type=int, default=120)
+    p.add_argument("--steady-compare", metavar="TREE",
+                   help="steady: also run PerfectSched with the perfectschedd of TREE, "
+                        "alternated with this one --repeat times (APScheduler once)")
     p.add_argument("--scale", default="100000")
     p.add_argument("--exec-burst", type=int, default=2000,
                    help="execburst: occurrences of the exec job due at once")
@@ -743,6 +747,18 @@ def main(argv: list[str] | None = None) -> int:
                 if "steady" in only:
                     n, w = a.steady_schedules, a.steady_seconds
                     label = f"steady {n}/min, {w}s"
+                    if a.steady_compare:
+                        pairs: dict[str, list[dict[str, Any]]] = {"this": [], "other": []}
+                        for r in range(a.repeat):
+                            for which, pp in (("this", None), ("other", a.steady_compare)):
+                                log(f"{env.name}: {label} run {r + 1}/{a.repeat}: {which}")
+                                pairs[which].append(steady_ps(env, n, w, tmp, pythonpath=pp))
+                                log(f"  {pairs[which][-1]}")
+                        raw["runs"].append({"backend": env.name,
+                                            "workload": f"{label} vs {a.steady_compare}",
+                                            **pairs})
+                        for which, v in pairs.items():
+                            log(f"  {which}: median {_median_dict(v)}")
                     log(f"{env.name}: {label}: perfectsched")
                     ps = steady_ps(env, n, w, tmp)
                     log(f"  {ps}")

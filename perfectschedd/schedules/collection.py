@@ -415,15 +415,24 @@ class Schedule:
             raise InvalidInputError("key", f"too long to add a run marker (max {KEY_MAX - 30})")
         if not self._collection.store.mark_extra(self.key):
             raise NotFoundError(f"schedule {self.key!r} not found")
-        # The schedule's concurrency goes with it: under allow it runs beside a running
-        # occurrence, under replace it stops it.
         self._collection.insert_rows([Row(
             key=run_key, type=info.type, cron=None, delay=0, timezone=info.timezone,
             data=dumps_data(info.data), next_time=now_s, next_run_time=now_s, paused=False,
             fence=0, attempt=0, owner=None, claimed_at=None,
-            policy=policy_mod.Policy(concurrency=info.concurrency).to_text(),
+            policy=extra_run_policy(info.policy).to_text(),
             creator=os.geteuid() if creator is None else creator)])
         return run_key
+
+
+def extra_run_policy(schedule: policy_mod.Policy) -> policy_mod.Policy:
+    """What an extra run (`run KEY`) keeps of its schedule's policy: how it runs and
+    ends (timeout, max_attempts, retry_wait, notify) and its concurrency (under allow it
+    runs beside a running occurrence, under replace it stops it).  Not the misfire,
+    grace and jitter of the schedule's cron times: it was asked for now, and runs now
+    however long it waited its turn."""
+    return policy_mod.Policy(timeout=schedule.timeout, max_attempts=schedule.max_attempts,
+                             retry_wait=schedule.retry_wait, notify=schedule.notify,
+                             concurrency=schedule.concurrency)
 
 
 def cron_first(expr: str, tz: str, start: int) -> int:

@@ -312,6 +312,33 @@ def test_run_now_is_a_one_off_that_leaves_the_schedule_alone(sc: ScheduleCollect
     assert row(sc, "k")["next_time"] == T0 + H
 
 
+def test_an_extra_run_ends_as_its_schedule_says(sc: ScheduleCollection) -> None:
+    """`run KEY` keeps the schedule's timeout, max_attempts, retry_wait, notify and
+    concurrency (0.2.0 kept only the concurrency: an extra run of a max_attempts 1
+    schedule that failed was retried without end), not its misfire, grace or jitter."""
+    sc.add("k", "t", cron="0 * * * *", next_time=T0 + H, now=T0, max_attempts=1,
+           retry_wait=7, timeout=3.5, notify="ops", concurrency="allow", misfire="skip",
+           grace=60, jitter=30)
+    run_key = sc["k"].run_now(now=T0 + 10)
+    shown = sc[run_key].info()
+    assert (shown.max_attempts, shown.retry_wait, shown.timeout, shown.notify,
+            shown.concurrency) == (1, 7, 3.5, "ops", "allow")
+    assert (shown.misfire, shown.grace, shown.jitter) == ("all", None, 0)
+    task = sc.poll(now=T0 + 10)
+    assert task is not None and task.key == run_key
+    task.retry(now=T0 + 11)  # its first failed attempt is its last
+    assert task.gave_up and not sc[run_key].exists()
+    assert row(sc, "k")["next_time"] == T0 + H
+    sc["k"].modify(max_attempts=2)
+    run_key = sc["k"].run_now(now=T0 + 20)
+    task = sc.poll(now=T0 + 20)
+    assert task is not None and task.key == run_key
+    task.retry(now=T0 + 21)  # retried after the schedule's retry_wait
+    assert not task.gave_up and sc.poll(now=T0 + 27) is None
+    again = sc.poll(now=T0 + 28)
+    assert again is not None and again.key == run_key and again.attempt == 2
+
+
 def test_group_members_take_turns(sc: ScheduleCollection) -> None:
     """A schedule and its extra runs (`run KEY`): of members claimed at the same time
     exactly one may start; the others may once it no longer holds a live lease, the extra

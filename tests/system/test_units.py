@@ -360,6 +360,12 @@ def test_u05_timeout_stops_the_unit(ns: Namespace, units) -> None:
     assert not active_units(ns, key)
     assert "timeout-start" in journal(ns, unit)
     assert re.search(r"timed out after 2s", journal(ns, UNIT, 400))
+    # max_attempts 1 holds for the extra run too: no retry after retry_wait (2 s), and
+    # its row is gone (0.2.0's first cut retried it without end).
+    time.sleep(5)
+    assert len(history(ns, key)) == 1, history(ns, key)
+    running = json.loads(ns.ctl("--json", "status").stdout).get("running", [])
+    assert not [r for r in running if r["key"].startswith(key)], running
 
 
 def _worker_of(ns: Namespace, unit: str) -> int:
