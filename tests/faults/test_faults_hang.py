@@ -42,18 +42,21 @@ def private_pg() -> Iterator[PostgresServer]:
         yield pg
 
 
-def _daemon(tmp_path: Path, url: str, alive_time: int, long_job: float) -> Daemon:
+def _daemon(make: Any, tmp_path: Path, url: str, alive_time: int, long_job: float
+            ) -> Daemon:
+    """`make`: the daemon_factory fixture, which kills the daemon's tree at teardown."""
     script = tmp_path / "job.sh"
     script.write_text(JOB)
     script.chmod(0o755)
     log = tmp_path / "jobs.log"
     log.touch()
-    return Daemon(tmp_path, {
+    d: Daemon = make({
         "alive_time": alive_time, "workers": 2, "kill_grace": 1, "worker_timeout": 10,
         "retry_wait": 1, "routes": [
             {"type": "long", "exec": ["/bin/sh", str(script), str(long_job)]},
             {"type": "quick", "exec": ["/bin/sh", str(script), "0"]}]},
         url=url, env={"JOB_LOG": str(log)})
+    return d
 
 
 def _runs(tmp_path: Path, kind: str, key: str) -> list[list[str]]:
@@ -79,13 +82,13 @@ def _history(url: str, key: str) -> list[dict[str, Any]]:
         return [dict(r) for r in sc.history(key, 20)]
 
 
-def test_job_keeps_running_through_a_10s_outage(tmp_path: Path,
-                                                private_pg: PostgresServer) -> None:
+def test_job_keeps_running_through_a_10s_outage(tmp_path: Path, private_pg: PostgresServer,
+                                                daemon_factory: Any) -> None:
     """PostgreSQL stopped for 10 s, alive_time 30: the running job is neither fenced nor
     stopped, its lease is renewed once the server is back, and its one attempt succeeds;
     no worker is replaced."""
     url = private_pg.create_database("outage")
-    d = _daemon(tmp_path, url, alive_time=30, long_job=25)
+    d = _daemon(daemon_factory, tmp_path, url, alive_time=30, long_job=25)
     scheduled = _add_due(url, "long1", "long")
     d.start(timeout=60)
     wait_until(lambda: _runs(tmp_path, "S", "long1"), 30, what="the long job to start")
@@ -112,7 +115,7 @@ def test_job_keeps_running_through_a_10s_outage(tmp_path: Path,
 
 
 def test_hung_server_status_answers_jobs_live_work_resumes(
-        tmp_path: Path, private_pg: PostgresServer) -> None:
+        tmp_path: Path, private_pg: PostgresServer, daemon_factory: Any) -> None:
     """The only PostgreSQL frozen (SIGSTOP of its process tree, no failover) for 20 s,
     alive_time 60: `status` answers within 1 s throughout and says the database is hung
     or unreachable and since when; the running job lives on and succeeds once; an
@@ -121,7 +124,7 @@ def test_hung_server_status_answers_jobs_live_work_resumes(
     url = private_pg.create_database("hung")
     alive_time = 60
     deadline = statement_deadline(alive_time)
-    d = _daemon(tmp_path, url, alive_time=alive_time, long_job=35)
+    d = _daemon(daemon_factory, tmp_path, url, alive_time=alive_time, long_job=35)
     scheduled = _add_due(url, "long1", "long")
     d.start(timeout=60)
     wait_until(lambda: _runs(tmp_path, "S", "long1"), 30, what="the long job to start")
