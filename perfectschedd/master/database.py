@@ -30,6 +30,7 @@ from sqlalchemy.exc import DBAPIError
 from perfectschedd import __version__
 from perfectschedd.config import Config
 from perfectschedd.errors import DatabaseUnavailableError, SchemaError, first_line
+from perfectschedd.master import heap
 from perfectschedd.metrics import counters as metrics
 from perfectschedd.notify.dispatch import STATE_OUTCOMES, Dispatcher
 from perfectschedd.schedules import overdue
@@ -502,6 +503,7 @@ class MasterDatabase:
             keys = store.keys_matching(bad)
         rename = {k: key_problem(k.split(RUN_NOW_MARK, 1)[0]) or "" for k in keys}
         self._publish(replace(self.snapshot, rename=rename))
+        heap.trim()  # it read every key
 
     def _read_status(self, states: bool = True) -> None:
         """Read what status and /metrics show; `states`: the schedules' states too (else
@@ -517,6 +519,7 @@ class MasterDatabase:
             if states or self._states is None:
                 began = time.monotonic()
                 self._states = store.state_summary(int(now), overdue=0)
+                heap.trim()  # it read every schedule with its latest run
                 took = time.monotonic() - began
                 self._next_states = began + max(COUNTS_EVERY, took / STATES_SHARE)
             summary = {**self._states, "overdue": store.overdue_rows(int(now))}

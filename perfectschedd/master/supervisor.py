@@ -37,6 +37,7 @@ from perfectschedd.errors import (
     first_line,
 )
 from perfectschedd.executors.systemd import props as unitprops
+from perfectschedd.master import heap
 from perfectschedd.master.cleanup import RunCleanup, UnitStopper, stop_units_over_dbus
 from perfectschedd.master.database import HOST_EVERY, MasterDatabase
 from perfectschedd.master.listeners import Listeners
@@ -166,6 +167,7 @@ class Supervisor:
             gc.collect()
             gc.freeze()
             self.gc_frozen = True
+        heap.trim()  # free pages the worker would otherwise map too
 
         def child(wake_r: int, alive_w: int) -> int:
             try:
