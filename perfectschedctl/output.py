@@ -148,6 +148,10 @@ def _status(result: dict[str, Any]) -> str:
     lines.append(f"running: {len(running)}")
     if running:
         lines.append(table(running, ("key", "type", "scheduled_time", "age", "owner")))
+    queued = result.get("queued") or []
+    if queued:
+        lines.append(f"queued behind a running occurrence of their schedule: {len(queued)}")
+        lines.append(table(queued, ("key", "type", "age", "owner")))
     return "\n".join(lines)
 
 

@@ -20,7 +20,7 @@ from perfectschedd.errors import InvalidInputError, NotFoundError
 from perfectschedd.notify import spec as notify_spec
 from perfectschedd.schedules import deletions
 from perfectschedd.schedules import policy as policy_mod
-from perfectschedd.schedules.collection import ScheduleCollection, ScheduleInfo
+from perfectschedd.schedules.collection import ScheduleCollection, ScheduleInfo, waits_its_turn
 from perfectschedd.schedules.fields import RUN_NOW_MARK, SOURCE_FILE, detached_source
 from perfectschedd.schedules.ownership import known_user_name
 from perfectschedd.schedules.policy import OPTIONS as POLICY_OPTIONS
@@ -149,8 +149,7 @@ def _show(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[s
     shown["extra_runs"] = []
     for r in extra:
         held = r.owner is not None and r.next_run_time > now
-        running = held and (r.key == holder or policy_mod.from_text(r.policy).concurrency
-                            == "allow")
+        running = held and not waits_its_turn(r.key, r.policy, holder)
         shown["extra_runs"].append({"run_key": r.key, "run_at": r.next_run_time,
                                     "running": running, "queued": held and not running})
     return shown

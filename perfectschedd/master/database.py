@@ -35,7 +35,7 @@ from perfectschedd.metrics import counters as metrics
 from perfectschedd.notify.dispatch import STATE_OUTCOMES, Dispatcher
 from perfectschedd.schedules import overdue
 from perfectschedd.schedules import policy as policy_mod
-from perfectschedd.schedules.collection import ScheduleCollection
+from perfectschedd.schedules.collection import ScheduleCollection, waits_its_turn
 from perfectschedd.schedules.validate import key_problem
 from perfectschedd.store import deadline, states
 from perfectschedd.store.sql import RUN_NOW_MARK, Row, Store
@@ -93,6 +93,8 @@ class Snapshot:
 
     counts: dict[str, int] = field(default_factory=dict)
     running: list[dict[str, Any]] = field(default_factory=list)
+    # Claimed runs waiting for their schedule's running one to end (`run KEY` under forbid)
+    queued: list[dict[str, Any]] = field(default_factory=list)
     unclaimed: dict[str, int] = field(default_factory=dict)  # type -> occurrences
     # Keys stored before today's key rules (they work; a rename is advised): key -> why.
     rename: dict[str, str] = field(default_factory=dict)
@@ -524,13 +526,20 @@ class MasterDatabase:
                 self._next_states = began + max(COUNTS_EVERY, took / STATES_SHARE)
             summary = {**self._states, "overdue": store.overdue_rows(int(now))}
             rows = store.running()
+            holders = store.group_holders({r.key.split(RUN_NOW_MARK, 1)[0] for r in rows
+                                           if RUN_NOW_MARK in r.key})
             unclaimed = store.unclaimed(int(now) - UNCLAIMED_AFTER)
             hosts = store.hosts(forget_before=now - HOST_FORGET_AFTER)
             at_work = store.nodes_at_work(now - self.config.alive_time)
-        running = [{"key": r.key, "type": r.type, "scheduled_time": r.next_time,
-                    "timezone": r.timezone, "owner": r.owner,
-                    "age": round(now - r.claimed_at, 3) if r.claimed_at else None,
-                    "attempt": r.attempt} for r in rows]
+        held = [({"key": r.key, "type": r.type, "scheduled_time": r.next_time,
+                  "timezone": r.timezone, "owner": r.owner,
+                  "age": round(now - r.claimed_at, 3) if r.claimed_at else None,
+                  "attempt": r.attempt},
+                 waits_its_turn(r.key, r.policy,
+                                holders.get(r.key.split(RUN_NOW_MARK, 1)[0])))
+                for r in rows]
+        running = [entry for entry, waits in held if not waits]
+        queued = [entry for entry, waits in held if waits]
         failing = [_failing(r, last, now) for r, last in summary["problems"]]
         lates = overdue.late([*summary["overdue"], *(r for r, _ in summary["problems"])],
                              now)
@@ -540,7 +549,7 @@ class MasterDatabase:
         metrics.set_schedule_counts(counts, now, unclaimed)
         metrics.set_schedule_states(summary["counts"], oldest, len(beyond))
         recorded = {h["name"] for h in hosts}
-        self._publish(replace(self.snapshot, counts=counts, running=running,
+        self._publish(replace(self.snapshot, counts=counts, running=running, queued=queued,
                               states=summary["counts"], failing=failing[:FAILING_SHOWN],
                               failing_total=len(failing), oldest_overdue=oldest,
                               beyond_period=beyond[:FAILING_SHOWN],

@@ -408,8 +408,8 @@ class Supervisor:
             "uptime": round(now - self.started, 1), "state": self.state,
             "workers_configured": self.config.workers,
             "workers_alive": sum(1 for p in procs if p.draining_since is None),
-            "workers": workers, "running": list(snap.running),
-            "draining": self._draining(procs, snap.running, now, mono),
+            "workers": workers, "running": list(snap.running), "queued": list(snap.queued),
+            "draining": self._draining(procs, [*snap.running, *snap.queued], now, mono),
             "reload_pending": self.table.reload_pending is not None,
             "unclaimed": [{"type": t, "occurrences": n,
                            "routed_here": self._routed_here(t)}

@@ -424,6 +424,14 @@ class Schedule:
         return run_key
 
 
+def waits_its_turn(key: str, policy_text: str | None, holder: str | None) -> bool:
+    """Whether a claimed run waits for its schedule's running one to end: an extra run
+    (`run KEY`) that is not its group's holder (`holder`: Store.group_holder of its
+    schedule), unless the schedule's runs may overlap (allow)."""
+    return RUN_NOW_MARK in key and key != holder and \
+        policy_mod.from_text(policy_text).concurrency != "allow"
+
+
 def extra_run_policy(schedule: policy_mod.Policy) -> policy_mod.Policy:
     """What an extra run (`run KEY`) keeps of its schedule's policy: how it runs and
     ends (timeout, max_attempts, retry_wait, notify) and its concurrency (under allow it

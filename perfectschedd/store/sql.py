@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -841,6 +841,16 @@ class Store:
         t = self.t
         with self._tx(readonly=True) as conn:
             return conn.execute(sa.select(t.c.group_holder).where(t.c.key == base)).scalar()
+
+    @_retried
+    def group_holders(self, bases: Collection[str]) -> dict[str, str | None]:
+        """group_holder of each of `bases` that exists, in one query."""
+        if not bases:
+            return {}
+        t = self.t
+        with self._tx(readonly=True) as conn:
+            return dict(conn.execute(sa.select(t.c.key, t.c.group_holder)
+                                     .where(t.c.key.in_(sorted(bases)))).all())
 
     @_retried
     def split_occurrence(self, advance: Advance, run: Row, due_time: int) -> bool:

@@ -213,6 +213,11 @@ def test_a_queued_run_is_given_back_when_the_daemon_stops(daemon_factory: Any,
     d.wait_log(f"key={run_key}: queued")
     with perfectschedd.open(str(d.config_path)) as sc:
         assert [r.key for r in sc.extra_runs("k") if r.owner is not None] == [run_key]
+    # status lists it as queued, not as running (0.2.0's first cut listed it running)
+    status = d.ctl_json("status")
+    assert [r["key"] for r in status["running"]] == ["k"], status["running"]
+    assert [r["key"] for r in status["queued"]] == [run_key], status["queued"]
+    assert "queued behind a running occurrence of their schedule: 1" in d.ctl("status").stdout
     assert d.stop() == 0
     with perfectschedd.open(str(d.config_path)) as sc:
         rows = sc.extra_runs("k")
