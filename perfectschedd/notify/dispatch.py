@@ -37,6 +37,7 @@ from perfectschedd.config import Config
 from perfectschedd.metrics import counters as metrics
 from perfectschedd.notify import senders
 from perfectschedd.notify.spec import SILENT, Notifier
+from perfectschedd.schedules.fields import RUN_NOW_MARK
 
 log = logging.getLogger("perfectschedd.notify")
 
@@ -238,7 +239,10 @@ class Dispatcher:
                 log.error("key=%s: notifier %r is not in this host's notifiers:; using "
                           "the route's or the default", run.get("key"), name)
         key = run.get("key")
-        chosen = self.entry_notify.get(key) if isinstance(key, str) else None
+        # An extra run or an occurrence on a row of its own (KEY@run-...) is its
+        # schedule's: the entry's notifier is that of the schedule's key.
+        chosen = (self.entry_notify.get(key.split(RUN_NOW_MARK, 1)[0])
+                  if isinstance(key, str) else None)
         if chosen is None:
             task_type = run.get("type")
             for route in self.config.routes:
