@@ -55,6 +55,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 # no longer holds its row.
 TURN_START, TURN_WAIT, TURN_LOST = "start", "wait", "lost"
 SA_MAJOR = int(sa.__version__.split(".")[0])
+# last_outcome of a KEY@run-... key reads at most this many of its schedule's newest runs
+# (on SQLite, LIKE also matches the runs of keys that differ from KEY in case only).
+GROUP_LOOKBACK = 100
 
 
 def engine_url(url: str) -> URL:
@@ -1006,14 +1009,28 @@ class Store:
     @_retried
     def last_outcome(self, key: str, before: float, outcomes: Iterable[str]) -> str | None:
         """The outcome of `key`'s latest run among `outcomes` that ended before `before`
-        (Unix seconds), or None (notifications: was the run before this one a failure?)."""
+        (Unix seconds), or None (notifications: was the run before this one a failure?).
+        For a KEY@run-... key (an extra run, an occurrence on a row of its own), the
+        latest run of its schedule: KEY's and those of every KEY@run-... row."""
         h = self.h
-        q = (sa.select(h.c.outcome)
-             .where(h.c.key == key, h.c.finished_at < before, h.c.outcome.in_(list(outcomes)))
-             .order_by(h.c.id.desc()).limit(1))
+        if RUN_NOW_MARK not in key:
+            q = (sa.select(h.c.outcome)
+                 .where(h.c.key == key, h.c.finished_at < before,
+                        h.c.outcome.in_(list(outcomes)))
+                 .order_by(h.c.id.desc()).limit(1))
+            with self._tx(readonly=True) as conn:
+                found = conn.execute(q).scalar()
+            return None if found is None else str(found)
+        base = key.split(RUN_NOW_MARK, 1)[0]
+        prefix = f"{base}{RUN_NOW_MARK}"
+        q = (sa.select(h.c.key, h.c.outcome)
+             .where(sa.or_(h.c.key == base, h.c.key.startswith(prefix, autoescape=True)),
+                    h.c.finished_at < before, h.c.outcome.in_(list(outcomes)))
+             .order_by(h.c.id.desc()).limit(GROUP_LOOKBACK))
         with self._tx(readonly=True) as conn:
-            found = conn.execute(q).scalar()
-        return None if found is None else str(found)
+            rows = conn.execute(q).all()
+        # LIKE ignores case on SQLite: the exact prefix is checked here.
+        return next((str(o) for k, o in rows if k == base or k.startswith(prefix)), None)
 
     @_retried
     def last_outcomes(self, runs: Sequence[tuple[str, float]], outcomes: Iterable[str]

@@ -220,3 +220,31 @@ def test_an_entrys_own_notifier_tells_its_extra_and_split_off_runs(daemon_factor
     finally:
         mine.close()
         default.close()
+
+
+def test_an_allow_schedule_failing_then_recovering_is_told_twice(daemon_factory: Any,
+                                                                  tmp_path: Path) -> None:
+    """`when: change` of a schedule whose occurrences run on rows of their own (allow:
+    KEY@run-...): its first failure and its recovery, as for any schedule; not each
+    occurrence's failure, and not no recovery at all."""
+    hook = Receiver()
+    ok = tmp_path / "ok"
+    try:
+        d: Daemon = daemon_factory({
+            # One worker, one thread: the occurrences end in their order.
+            "workers": 1, "concurrency": 1,
+            "notifiers": {"hook": {"webhook": hook.url}}, "notify": "hook",
+            "routes": [sh("t", f"[ -e {ok} ]")]}).start()
+        d.ctl("add", "often", "t", "@every 1s", "--concurrency", "allow",
+              "--max-attempts", "1")
+        wait_until(lambda: [r["outcome"] for r in history(d, "often")].count("failed") >= 3,
+                   20, what="three failed occurrences")
+        ok.touch()
+        wait_until(lambda: "success" in [r["outcome"] for r in history(d, "often")], 20,
+                   what="an occurrence to succeed")
+        wait_until(lambda: len(hook.events()) >= 2, 10, what="the notifications")
+        time.sleep(1.0)  # nothing more comes
+        assert hook.events() == [("failure", "failed"), ("recovery", "success")]
+        assert all(doc["key"].startswith("often@run-") for doc in hook.docs)
+    finally:
+        hook.close()

@@ -799,3 +799,25 @@ def test_keys_matching_reads_every_slice_and_stops_at_the_limit(sc: ScheduleColl
     assert seen == keys  # each key once, in key order, across four slices
     assert sc.store.keys_matching(lambda k: k in wanted, limit=2, slice_rows=3) == [
         "k00", "k04"]
+
+
+def test_last_outcome_of_a_run_on_a_row_of_its_own_is_its_schedules(
+        sc: ScheduleCollection) -> None:
+    """Notifications ask what came before a run; for a KEY@run-... run (an extra run, an
+    allow schedule's occurrence), the latest run of KEY itself or of any of its rows
+    before it, never of another schedule's (one whose key differs in case only, which
+    LIKE matches on SQLite and MariaDB)."""
+    def run(key: str, outcome: str, at: float) -> dict[str, Any]:
+        return {"key": key, "type": "t", "scheduled_time": T0, "attempt": 1,
+                "started_at": at, "finished_at": at + 1, "outcome": outcome,
+                "worker": "w", "unit": None}
+
+    sc.store.record_runs([run("k", "success", 100.0), run("k@run-110-aa", "failed", 110.0),
+                          run("K@run-120-bb", "success", 120.0),
+                          run("kk@run-130-cc", "success", 130.0),
+                          run("k@run-140-dd", "skipped", 140.0)])
+    outcomes = ("success", "failed", "timeout", "lost")
+    assert sc.store.last_outcome("k@run-200-ee", 200.0, outcomes) == "failed"
+    assert sc.store.last_outcome("k@run-200-ee", 105.0, outcomes) == "success"
+    assert sc.store.last_outcome("k@run-200-ee", 100.0, outcomes) is None
+    assert sc.store.last_outcome("k", 200.0, outcomes) == "success"  # its own rows only
