@@ -55,9 +55,14 @@ F = TypeVar("F", bound=Callable[..., Any])
 # no longer holds its row.
 TURN_START, TURN_WAIT, TURN_LOST = "start", "wait", "lost"
 SA_MAJOR = int(sa.__version__.split(".")[0])
-# last_outcome of a KEY@run-... key reads at most this many of its schedule's newest runs
-# (on SQLite, LIKE also matches the runs of keys that differ from KEY in case only).
-GROUP_LOOKBACK = 100
+
+
+def _starts_with(column: Any, prefix: str) -> Any:
+    """The SQL condition "`column` starts with `prefix`", exactly: LIKE ignores case on
+    SQLite (and MariaDB), where "db" and "DB" are two keys; the comparison of the first
+    characters does not (an index still serves the LIKE where it can)."""
+    return sa.and_(column.startswith(prefix, autoescape=True),
+                   sa.func.substr(column, 1, len(prefix)) == prefix)
 
 
 def engine_url(url: str) -> URL:
@@ -498,7 +503,7 @@ class Store:
              after_key: str | None = None) -> list[Row]:
         q = sa.select(self.t).order_by(self.t.c.key)
         if prefix:
-            q = q.where(self.t.c.key.startswith(prefix, autoescape=True))
+            q = q.where(_starts_with(self.t.c.key, prefix))
         if after_key is not None:
             q = q.where(self.t.c.key > after_key)
         if limit is not None:
@@ -565,7 +570,7 @@ class Store:
         joined, last = self._last_run()
         q = sa.select(t, *last).select_from(joined).order_by(t.c.key)
         if prefix:
-            q = q.where(t.c.key.startswith(prefix, autoescape=True))
+            q = q.where(_starts_with(t.c.key, prefix))
         if after_key is not None:
             q = q.where(t.c.key > after_key)
         if limit is not None:
@@ -763,7 +768,7 @@ class Store:
     def extra_runs(self, key: str) -> list[Row]:
         """The extra runs (`run KEY`) of `key` that have not ended."""
         t = self.t
-        q = sa.select(t).where(t.c.key.startswith(f"{key}{RUN_NOW_MARK}", autoescape=True))
+        q = sa.select(t).where(_starts_with(t.c.key, f"{key}{RUN_NOW_MARK}"))
         with self._tx(readonly=True) as conn:
             return [self._row(r) for r in conn.execute(q.order_by(t.c.next_run_time))]
 
@@ -774,8 +779,7 @@ class Store:
         was committed, so of two members claimed at the same time at least one sees the
         other (and gives its occurrence back)."""
         t = self.t
-        members = sa.or_(t.c.key == base,
-                         t.c.key.startswith(f"{base}{RUN_NOW_MARK}", autoescape=True))
+        members = sa.or_(t.c.key == base, _starts_with(t.c.key, f"{base}{RUN_NOW_MARK}"))
         q = (sa.select(t.c.key).where(members, t.c.key != key, t.c.owner.isnot(None),
                                       t.c.next_run_time > now).limit(1))
         with self._tx(readonly=True) as conn:
@@ -998,8 +1002,7 @@ class Store:
         with `attempt`, only the runs that were that attempt of their occurrence."""
         h = self.h
         q = (sa.select(h).where(sa.or_(h.c.key == key,
-                                       h.c.key.startswith(f"{key}{RUN_NOW_MARK}",
-                                                          autoescape=True)))
+                                       _starts_with(h.c.key, f"{key}{RUN_NOW_MARK}")))
              .order_by(h.c.id.desc()).limit(limit))
         if attempt is not None:
             q = q.where(h.c.attempt == attempt)
@@ -1013,24 +1016,17 @@ class Store:
         For a KEY@run-... key (an extra run, an occurrence on a row of its own), the
         latest run of its schedule: KEY's and those of every KEY@run-... row."""
         h = self.h
-        if RUN_NOW_MARK not in key:
-            q = (sa.select(h.c.outcome)
-                 .where(h.c.key == key, h.c.finished_at < before,
-                        h.c.outcome.in_(list(outcomes)))
-                 .order_by(h.c.id.desc()).limit(1))
-            with self._tx(readonly=True) as conn:
-                found = conn.execute(q).scalar()
-            return None if found is None else str(found)
-        base = key.split(RUN_NOW_MARK, 1)[0]
-        prefix = f"{base}{RUN_NOW_MARK}"
-        q = (sa.select(h.c.key, h.c.outcome)
-             .where(sa.or_(h.c.key == base, h.c.key.startswith(prefix, autoescape=True)),
-                    h.c.finished_at < before, h.c.outcome.in_(list(outcomes)))
-             .order_by(h.c.id.desc()).limit(GROUP_LOOKBACK))
+        if RUN_NOW_MARK in key:
+            base = key.split(RUN_NOW_MARK, 1)[0]
+            runs = sa.or_(h.c.key == base, _starts_with(h.c.key, f"{base}{RUN_NOW_MARK}"))
+        else:
+            runs = h.c.key == key
+        q = (sa.select(h.c.outcome)
+             .where(runs, h.c.finished_at < before, h.c.outcome.in_(list(outcomes)))
+             .order_by(h.c.id.desc()).limit(1))
         with self._tx(readonly=True) as conn:
-            rows = conn.execute(q).all()
-        # LIKE ignores case on SQLite: the exact prefix is checked here.
-        return next((str(o) for k, o in rows if k == base or k.startswith(prefix)), None)
+            found = conn.execute(q).scalar()
+        return None if found is None else str(found)
 
     @_retried
     def last_outcomes(self, runs: Sequence[tuple[str, float]], outcomes: Iterable[str]
