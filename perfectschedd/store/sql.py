@@ -1055,24 +1055,38 @@ class Store:
 
     @_retried
     def prune_history(self, keep_per_key: int) -> int:
-        """Keep only the newest `keep_per_key` runs of each key (bounded history)."""
+        """Keep only the newest `keep_per_key` runs of each key (bounded history), and of
+        each schedule whose runs have keys of their own (KEY@run-...: its extra runs, an
+        allow or replace schedule's occurrences, one run per key) the newest
+        `keep_per_key` of them all once they alone are more (`history KEY` lists them
+        together; at most twice `keep_per_key` are kept until then)."""
         h = self.h
         removed = 0
-        over = (sa.select(h.c.key).group_by(h.c.key)
-                .having(sa.func.count() > keep_per_key))
+        # One scan: the keys over the bound, and every KEY@run-... key with its count.
+        over = (sa.select(h.c.key, sa.func.count()).group_by(h.c.key)
+                .having(sa.or_(sa.func.count() > keep_per_key,
+                               h.c.key.contains(RUN_NOW_MARK, autoescape=True))))
         with self._tx(readonly=True) as conn:
-            keys = [r[0] for r in conn.execute(over)]
-        for key in keys:
+            found = [(str(k), int(n)) for k, n in conn.execute(over)]
+        marked: dict[str, int] = {}  # schedule -> its KEY@run-... runs, once pruned per key
+        for key, n in found:
+            if RUN_NOW_MARK in key:
+                base = key.split(RUN_NOW_MARK, 1)[0]
+                marked[base] = marked.get(base, 0) + min(n, keep_per_key)
+        bounded = [h.c.key == k for k, n in found if n > keep_per_key]
+        bounded += [sa.or_(h.c.key == b, _starts_with(h.c.key, f"{b}{RUN_NOW_MARK}"))
+                    for b, n in marked.items() if n > keep_per_key]
+        for runs in bounded:
             with self._tx() as conn:
                 oldest_kept = conn.execute(
-                    sa.select(h.c.id).where(h.c.key == key).order_by(h.c.id.desc())
+                    sa.select(h.c.id).where(runs).order_by(h.c.id.desc())
                     .limit(1).offset(max(keep_per_key - 1, 0))).scalar()
                 if oldest_kept is None:
                     continue
                 if keep_per_key == 0:
                     oldest_kept += 1
                 removed += conn.execute(
-                    h.delete().where(h.c.key == key, h.c.id < oldest_kept)).rowcount
+                    h.delete().where(runs, h.c.id < oldest_kept)).rowcount
         return removed
 
 

@@ -846,3 +846,26 @@ def test_keys_differing_in_case_only_are_apart(sc: ScheduleCollection) -> None:
     assert sorted(r["key"] for r in sc.history("db", 10)) == ["db", "db@run-1-aa"]
     assert not sc.store.group_busy("db@run-9-cc", "db", T0 + 10)
     assert sc.store.group_busy("DB@run-9-cc", "DB", T0 + 10)
+
+
+def test_history_is_bounded_per_schedule_also_for_rows_of_their_own(
+        sc: ScheduleCollection) -> None:
+    """prune_history keeps the newest runs of each key; an allow schedule's occurrences
+    and its extra runs each have a key of their own (KEY@run-...), one run each, so per
+    key nothing was ever pruned: such a schedule's history grew by a row per occurrence
+    for good.  Its runs are bounded together, as `history KEY` lists them."""
+    def run(key: str, at: float) -> dict[str, Any]:
+        return {"key": key, "type": "t", "scheduled_time": T0, "attempt": 1,
+                "started_at": at, "finished_at": at + 1, "outcome": "success",
+                "worker": "w", "unit": None}
+
+    sc.store.record_runs([run("k", 100.0), run("k", 110.0)]
+                         + [run(f"k@run-{i}-ab", 200.0 + i) for i in range(6)]
+                         + [run("few", 100.0), run("few@run-1-ab", 110.0)]
+                         + [run("solo", 100.0 + i) for i in range(5)])
+    sc.store.prune_history(3)
+    assert [r["key"] for r in sc.history("k", 100)] == [f"k@run-{i}-ab" for i in (5, 4, 3)]
+    assert len(sc.history("few", 100)) == 2  # within the bound: untouched
+    assert len(sc.history("solo", 100)) == 3
+    sc.store.prune_history(3)  # nothing more to do
+    assert len(sc.history("k", 100)) == 3
