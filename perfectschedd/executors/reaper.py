@@ -67,6 +67,18 @@ def strays(master: int, known: Callable[[int], bool]) -> list[int]:
         return [p for p in children(master) if not known(p) and p not in _helpers]
 
 
+def _after_fork_in_child() -> None:
+    """A forked child (a worker) has no helper yet, and the lock may have been held by
+    another thread of the parent (a notification starting one) at the fork: that thread
+    does not exist here to let it go."""
+    global _helpers_lock
+    _helpers.clear()
+    _helpers_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def children(pid: int) -> list[int]:
     """Direct children of `pid` (all its threads'); [] if it is gone."""
     kids: list[int] = []

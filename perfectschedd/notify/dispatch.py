@@ -12,10 +12,12 @@ default), decides by the notifier's `when`:
 - every-failure: every failure, and the recovery;
 - output: every run that printed something (cron's MAILTO rule),
 
-and sends, with a few tries.  The previous outcome of a key comes from this thread's
-memory, or once per key from the history table (the latest row recorded before this run)
-when the thread has not seen the key yet.  Nothing here ever waits on the pipeline, and
-the pipeline never waits on this: a full queue drops notifications (counted, logged).
+and sends, with a few tries.  A state is a schedule's: the outcomes of its extra runs and
+of its occurrences on rows of their own (KEY@run-...) are KEY's.  The previous outcome of a
+schedule comes from this thread's memory, or once per schedule from the history table (the
+latest row recorded before this run) when the thread has not seen it yet.  Nothing here
+ever waits on the pipeline, and the pipeline never waits on this: a full queue drops
+notifications (counted, logged).
 
 A first success (attempt 1) of a key the pipeline has not seen is a recovery only if the
 history says the run before it failed: a burst of thousands of new keys must neither
@@ -37,6 +39,7 @@ from perfectschedd.config import Config
 from perfectschedd.metrics import counters as metrics
 from perfectschedd.notify import senders
 from perfectschedd.notify.spec import SILENT, Notifier
+from perfectschedd.schedules.fields import RUN_NOW_MARK
 
 log = logging.getLogger("perfectschedd.notify")
 
@@ -55,6 +58,12 @@ RETRY_WAITS = (1.0, 4.0)
 STATE_MAX = 100_000
 
 Run = dict[str, Any]
+
+
+def schedule_of(key: Any) -> Any:
+    """The schedule whose state a run with this key makes: KEY for KEY@run-... (`run KEY`,
+    an allow or replace schedule's occurrence), whose keys are each run's own."""
+    return key.split(RUN_NOW_MARK, 1)[0] if isinstance(key, str) else key
 PreviousOutcome = Callable[[str, float], "str | None"]
 # Many at once: [(key, before)] -> {key: the latest state outcome before, or None}.
 PreviousOutcomes = Callable[[list[tuple[str, float]]], dict[str, "str | None"]]
@@ -104,7 +113,7 @@ class Dispatcher:
         seen = self.seen
         for r in records:
             outcome = r.get("outcome")
-            key = r.get("key")
+            key = schedule_of(r.get("key"))
             if outcome == SUCCESS:
                 told_output = self.watch_output and r.get("output")
                 known = seen.get(key)
@@ -126,8 +135,8 @@ class Dispatcher:
         if later:
             with self.cond:
                 for r in later:
-                    self.unverified[r["key"]] = r
-                    self.unverified.move_to_end(r["key"])
+                    self.unverified[schedule_of(r["key"])] = r
+                    self.unverified.move_to_end(schedule_of(r["key"]))
                 while len(self.unverified) > STATE_MAX:
                     self.unverified.popitem(last=False)
                     metrics.notification("?", "dropped")
@@ -140,7 +149,7 @@ class Dispatcher:
                 for r in keep[max(0, room):]:
                     # A dropped run may be a failure: the next one must not be taken for
                     # a success after a success.
-                    seen.pop(r.get("key"), None)
+                    seen.pop(schedule_of(r.get("key")), None)
                     metrics.notification("?", "dropped")
                 log.warning("notification queue full: %d run(s) not told",
                             len(keep) - max(0, room))
@@ -197,19 +206,23 @@ class Dispatcher:
         assert self.previous_many is not None
         state = self.state
         ask = [(str(r["key"]), float(r.get("started_at") or time.time()))
-               for r in runs if r.get("key") not in state]
+               for r in runs if schedule_of(r.get("key")) not in state]
         try:
-            found = self.previous_many(ask) if ask else {}
+            # A run of a KEY@run-... row is asked about alone: the batch query reads
+            # exact keys, and such a run's state is its schedule's (few: once each).
+            plain = [(k, b) for k, b in ask if RUN_NOW_MARK not in k]
+            found = self.previous_many(plain) if plain else {}
+            found.update({k: self.previous(k, b) for k, b in ask if RUN_NOW_MARK in k})
         except Exception:  # noqa: BLE001 - decide() asks one by one instead
             log.exception("reading the previous outcomes of %d key(s)", len(ask))
             return runs
         for key, _ in ask:
             prior = found.get(key)
-            state[key] = (UNKNOWN if prior is None
-                          else "failed" if prior in FAILURES else SUCCESS)
+            state[schedule_of(key)] = (UNKNOWN if prior is None
+                                       else "failed" if prior in FAILURES else SUCCESS)
         told = []
         for r in runs:
-            key = r["key"]
+            key = schedule_of(r["key"])
             if state.get(key) == "failed":
                 told.append(r)
             else:
@@ -238,7 +251,10 @@ class Dispatcher:
                 log.error("key=%s: notifier %r is not in this host's notifiers:; using "
                           "the route's or the default", run.get("key"), name)
         key = run.get("key")
-        chosen = self.entry_notify.get(key) if isinstance(key, str) else None
+        # An extra run or an occurrence on a row of its own (KEY@run-...) is its
+        # schedule's: the entry's notifier is that of the schedule's key.
+        chosen = (self.entry_notify.get(key.split(RUN_NOW_MARK, 1)[0])
+                  if isinstance(key, str) else None)
         if chosen is None:
             task_type = run.get("type")
             for route in self.config.routes:
@@ -251,14 +267,16 @@ class Dispatcher:
 
     def decide(self, run: Run, notifier: Notifier | None) -> str | None:
         """The event to tell (failure, recovery, output) or None; keeps the key's state."""
-        key = str(run.get("key"))
+        run_key = str(run.get("key"))
+        key = schedule_of(run_key)
         failed = run.get("outcome") in FAILURES
         now_state = "failed" if failed else SUCCESS
         before = self.state.get(key)
         if before is None and notifier is not None and notifier.when != "output":
-            # Once per key this thread has not seen: its last run before this one.
+            # Once per schedule this thread has not seen: its last run before this one.
             started = run.get("started_at")
-            prior = self.previous(key, float(started if started is not None else time.time()))
+            prior = self.previous(run_key,
+                                  float(started if started is not None else time.time()))
             before = None if prior is None else ("failed" if prior in FAILURES else SUCCESS)
         self.state[key] = now_state
         self.state.move_to_end(key)

@@ -57,6 +57,14 @@ TURN_START, TURN_WAIT, TURN_LOST = "start", "wait", "lost"
 SA_MAJOR = int(sa.__version__.split(".")[0])
 
 
+def _starts_with(column: Any, prefix: str) -> Any:
+    """The SQL condition "`column` starts with `prefix`", exactly: LIKE ignores case on
+    SQLite (and MariaDB), where "db" and "DB" are two keys; the comparison of the first
+    characters does not (an index still serves the LIKE where it can)."""
+    return sa.and_(column.startswith(prefix, autoescape=True),
+                   sa.func.substr(column, 1, len(prefix)) == prefix)
+
+
 def engine_url(url: str) -> URL:
     """Map a user's URL to a SQLAlchemy URL with the driver this installation has."""
     try:
@@ -495,7 +503,7 @@ class Store:
              after_key: str | None = None) -> list[Row]:
         q = sa.select(self.t).order_by(self.t.c.key)
         if prefix:
-            q = q.where(self.t.c.key.startswith(prefix, autoescape=True))
+            q = q.where(_starts_with(self.t.c.key, prefix))
         if after_key is not None:
             q = q.where(self.t.c.key > after_key)
         if limit is not None:
@@ -562,7 +570,7 @@ class Store:
         joined, last = self._last_run()
         q = sa.select(t, *last).select_from(joined).order_by(t.c.key)
         if prefix:
-            q = q.where(t.c.key.startswith(prefix, autoescape=True))
+            q = q.where(_starts_with(t.c.key, prefix))
         if after_key is not None:
             q = q.where(t.c.key > after_key)
         if limit is not None:
@@ -760,7 +768,7 @@ class Store:
     def extra_runs(self, key: str) -> list[Row]:
         """The extra runs (`run KEY`) of `key` that have not ended."""
         t = self.t
-        q = sa.select(t).where(t.c.key.startswith(f"{key}{RUN_NOW_MARK}", autoescape=True))
+        q = sa.select(t).where(_starts_with(t.c.key, f"{key}{RUN_NOW_MARK}"))
         with self._tx(readonly=True) as conn:
             return [self._row(r) for r in conn.execute(q.order_by(t.c.next_run_time))]
 
@@ -771,8 +779,7 @@ class Store:
         was committed, so of two members claimed at the same time at least one sees the
         other (and gives its occurrence back)."""
         t = self.t
-        members = sa.or_(t.c.key == base,
-                         t.c.key.startswith(f"{base}{RUN_NOW_MARK}", autoescape=True))
+        members = sa.or_(t.c.key == base, _starts_with(t.c.key, f"{base}{RUN_NOW_MARK}"))
         q = (sa.select(t.c.key).where(members, t.c.key != key, t.c.owner.isnot(None),
                                       t.c.next_run_time > now).limit(1))
         with self._tx(readonly=True) as conn:
@@ -1005,8 +1012,7 @@ class Store:
         with `attempt`, only the runs that were that attempt of their occurrence."""
         h = self.h
         q = (sa.select(h).where(sa.or_(h.c.key == key,
-                                       h.c.key.startswith(f"{key}{RUN_NOW_MARK}",
-                                                          autoescape=True)))
+                                       _starts_with(h.c.key, f"{key}{RUN_NOW_MARK}")))
              .order_by(h.c.id.desc()).limit(limit))
         if attempt is not None:
             q = q.where(h.c.attempt == attempt)
@@ -1016,10 +1022,17 @@ class Store:
     @_retried
     def last_outcome(self, key: str, before: float, outcomes: Iterable[str]) -> str | None:
         """The outcome of `key`'s latest run among `outcomes` that ended before `before`
-        (Unix seconds), or None (notifications: was the run before this one a failure?)."""
+        (Unix seconds), or None (notifications: was the run before this one a failure?).
+        For a KEY@run-... key (an extra run, an occurrence on a row of its own), the
+        latest run of its schedule: KEY's and those of every KEY@run-... row."""
         h = self.h
+        if RUN_NOW_MARK in key:
+            base = key.split(RUN_NOW_MARK, 1)[0]
+            runs = sa.or_(h.c.key == base, _starts_with(h.c.key, f"{base}{RUN_NOW_MARK}"))
+        else:
+            runs = h.c.key == key
         q = (sa.select(h.c.outcome)
-             .where(h.c.key == key, h.c.finished_at < before, h.c.outcome.in_(list(outcomes)))
+             .where(runs, h.c.finished_at < before, h.c.outcome.in_(list(outcomes)))
              .order_by(h.c.id.desc()).limit(1))
         with self._tx(readonly=True) as conn:
             found = conn.execute(q).scalar()
@@ -1052,24 +1065,38 @@ class Store:
 
     @_retried
     def prune_history(self, keep_per_key: int) -> int:
-        """Keep only the newest `keep_per_key` runs of each key (bounded history)."""
+        """Keep only the newest `keep_per_key` runs of each key (bounded history), and of
+        each schedule whose runs have keys of their own (KEY@run-...: its extra runs, an
+        allow or replace schedule's occurrences, one run per key) the newest
+        `keep_per_key` of them all once they alone are more (`history KEY` lists them
+        together; at most twice `keep_per_key` are kept until then)."""
         h = self.h
         removed = 0
-        over = (sa.select(h.c.key).group_by(h.c.key)
-                .having(sa.func.count() > keep_per_key))
+        # One scan: the keys over the bound, and every KEY@run-... key with its count.
+        over = (sa.select(h.c.key, sa.func.count()).group_by(h.c.key)
+                .having(sa.or_(sa.func.count() > keep_per_key,
+                               h.c.key.contains(RUN_NOW_MARK, autoescape=True))))
         with self._tx(readonly=True) as conn:
-            keys = [r[0] for r in conn.execute(over)]
-        for key in keys:
+            found = [(str(k), int(n)) for k, n in conn.execute(over)]
+        marked: dict[str, int] = {}  # schedule -> its KEY@run-... runs, once pruned per key
+        for key, n in found:
+            if RUN_NOW_MARK in key:
+                base = key.split(RUN_NOW_MARK, 1)[0]
+                marked[base] = marked.get(base, 0) + min(n, keep_per_key)
+        bounded = [h.c.key == k for k, n in found if n > keep_per_key]
+        bounded += [sa.or_(h.c.key == b, _starts_with(h.c.key, f"{b}{RUN_NOW_MARK}"))
+                    for b, n in marked.items() if n > keep_per_key]
+        for runs in bounded:
             with self._tx() as conn:
                 oldest_kept = conn.execute(
-                    sa.select(h.c.id).where(h.c.key == key).order_by(h.c.id.desc())
+                    sa.select(h.c.id).where(runs).order_by(h.c.id.desc())
                     .limit(1).offset(max(keep_per_key - 1, 0))).scalar()
                 if oldest_kept is None:
                     continue
                 if keep_per_key == 0:
                     oldest_kept += 1
                 removed += conn.execute(
-                    h.delete().where(h.c.key == key, h.c.id < oldest_kept)).rowcount
+                    h.delete().where(runs, h.c.id < oldest_kept)).rowcount
         return removed
 
 

@@ -185,3 +185,66 @@ def test_a_schedules_file_that_mails_without_sendmail_is_rejected_whole(
                what="the rejection")
     time.sleep(0.5)
     assert [s["key"] for s in d.ctl_json("list")] == ["plain"]
+
+
+def test_an_entrys_own_notifier_tells_its_extra_and_split_off_runs(daemon_factory: Any,
+                                                                   tmp_path: Path) -> None:
+    """A schedules file entry's inline notifier is its schedule's: it, not the host's
+    default, tells the failures of the schedule's extra run (`run KEY`) and of the
+    occurrences an allow schedule runs on rows of their own (both keyed KEY@run-...)."""
+    import yaml
+
+    mine, default = Receiver(), Receiver()
+    try:
+        sdir = tmp_path / "schedules.d"
+        sdir.mkdir()
+        own = {"webhook": mine.url, "when": "every-failure"}
+        (sdir / "jobs.yml").write_text(yaml.safe_dump([
+            {"key": "manual", "cron": YEARLY, "type": "t", "max_attempts": 1,
+             "notify": dict(own)},
+            {"key": "often", "cron": "@every 1s", "type": "t", "max_attempts": 1,
+             "concurrency": "allow", "notify": dict(own)}]))  # no YAML alias
+        d: Daemon = daemon_factory({
+            "schedules_dir": str(sdir),
+            "notifiers": {"host": {"webhook": default.url, "when": "every-failure"}},
+            "notify": "host", "routes": [sh("t", "exit 1")]}).start()
+        wait_until(lambda: len(d.ctl_json("list")) == 2, 10, what="the file's schedules")
+        d.ctl("run", "manual")
+
+        def told(base: str) -> bool:
+            return any(doc["key"].startswith(f"{base}@run-") for doc in mine.docs)
+
+        wait_until(lambda: told("manual") and told("often"), 20,
+                   what="the entry's notifier told of both runs' failures")
+        assert {doc["key"].split("@run-")[0] for doc in default.docs} == set()
+    finally:
+        mine.close()
+        default.close()
+
+
+def test_an_allow_schedule_failing_then_recovering_is_told_twice(daemon_factory: Any,
+                                                                  tmp_path: Path) -> None:
+    """`when: change` of a schedule whose occurrences run on rows of their own (allow:
+    KEY@run-...): its first failure and its recovery, as for any schedule; not each
+    occurrence's failure, and not no recovery at all."""
+    hook = Receiver()
+    ok = tmp_path / "ok"
+    try:
+        d: Daemon = daemon_factory({
+            # One worker, one thread: the occurrences end in their order.
+            "workers": 1, "concurrency": 1,
+            "notifiers": {"hook": {"webhook": hook.url}}, "notify": "hook",
+            "routes": [sh("t", f"[ -e {ok} ]")]}).start()
+        d.ctl("add", "often", "t", "@every 1s", "--concurrency", "allow",
+              "--max-attempts", "1")
+        wait_until(lambda: [r["outcome"] for r in history(d, "often")].count("failed") >= 3,
+                   20, what="three failed occurrences")
+        ok.touch()
+        wait_until(lambda: "success" in [r["outcome"] for r in history(d, "often")], 20,
+                   what="an occurrence to succeed")
+        wait_until(lambda: len(hook.events()) >= 2, 10, what="the notifications")
+        time.sleep(1.0)  # nothing more comes
+        assert hook.events() == [("failure", "failed"), ("recovery", "success")]
+        assert all(doc["key"].startswith("often@run-") for doc in hook.docs)
+    finally:
+        hook.close()

@@ -191,3 +191,39 @@ def test_last_outcomes_agrees_with_last_outcome(tmp_path: Path) -> None:
             key: sc.store.last_outcome(key, before, STATE_OUTCOMES)}, (key, before)
     assert sc.store.last_outcomes(pairs[1:3] + pairs[4:], STATE_OUTCOMES) == {
         "a": "success", "b": "timeout", "c": None}
+
+
+def own_rows(base: str, outcomes: list[str], start: float) -> list[dict[str, Any]]:
+    """Runs each on a row of its own, as an allow schedule's occurrences (KEY@run-...)."""
+    return [r for i, o in enumerate(outcomes)
+            for r in runs(f"{base}@run-{int(start) + i}-ab", [o], start=start + 10 * i)]
+
+
+def test_runs_on_rows_of_their_own_make_their_schedules_state(tmp_path: Path) -> None:
+    """An allow schedule's occurrences (and extra runs) have keys of their own; the state
+    is still the schedule's: failures after another worker's failure of the schedule are
+    not told again, and the first success is its recovery."""
+    d, sc, path, queries = make(tmp_path)
+    sc.store.record_runs(own_rows("k", ["failed"], start=100.0))  # another worker's
+    for r in own_rows("k", ["failed", "timeout", "success", "success"], start=200.0):
+        record(d, sc, [r])
+    settle(d)
+    assert told(path) == ["k@run-202-ab recovery"]
+    assert len(queries) == 1  # once for the schedule, then from memory
+
+
+def test_a_first_success_of_a_row_of_its_own_after_a_failure_elsewhere(
+        tmp_path: Path) -> None:
+    """The batched check of first successes: the schedule's run before failed on another
+    worker (on a row of its own too); a schedule differing in case only is not it (LIKE
+    ignores case on SQLite)."""
+    d, sc, path, _ = make_batched(tmp_path)
+    sc.store.record_runs(own_rows("k", ["failed"], start=100.0)
+                         + own_rows("j", ["failed"], start=100.0)
+                         + own_rows("J", ["success"], start=150.0))
+    record(d, sc, own_rows("k", ["success"], start=200.0) + own_rows("J", ["success"],
+                                                                     start=200.0))
+    settle(d)
+    assert told(path) == ["k@run-200-ab recovery"]
+    assert sc.store.last_outcome("j@run-300-ab", 300.0, STATE_OUTCOMES) == "failed"
+    assert sc.store.last_outcome("J@run-300-ab", 300.0, STATE_OUTCOMES) == "success"

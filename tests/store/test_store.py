@@ -799,3 +799,73 @@ def test_keys_matching_reads_every_slice_and_stops_at_the_limit(sc: ScheduleColl
     assert seen == keys  # each key once, in key order, across four slices
     assert sc.store.keys_matching(lambda k: k in wanted, limit=2, slice_rows=3) == [
         "k00", "k04"]
+
+
+def test_last_outcome_of_a_run_on_a_row_of_its_own_is_its_schedules(
+        sc: ScheduleCollection) -> None:
+    """Notifications ask what came before a run; for a KEY@run-... run (an extra run, an
+    allow schedule's occurrence), the latest run of KEY itself or of any of its rows
+    before it, never of another schedule's (on SQLite and PostgreSQL, one whose key
+    differs in case only, which LIKE matches on SQLite; MariaDB's keys compare without
+    case: one schedule there)."""
+    def run(key: str, outcome: str, at: float) -> dict[str, Any]:
+        return {"key": key, "type": "t", "scheduled_time": T0, "attempt": 1,
+                "started_at": at, "finished_at": at + 1, "outcome": outcome,
+                "worker": "w", "unit": None}
+
+    sc.store.record_runs([run("k", "success", 100.0), run("k@run-110-aa", "failed", 110.0),
+                          run("kk@run-130-cc", "success", 130.0),
+                          run("k@run-140-dd", "skipped", 140.0)])
+    if sc.store.dialect != "mysql":
+        sc.store.record_runs([run("K@run-120-bb", "success", 120.0)])
+    outcomes = ("success", "failed", "timeout", "lost")
+    assert sc.store.last_outcome("k@run-200-ee", 200.0, outcomes) == "failed"
+    assert sc.store.last_outcome("k@run-200-ee", 105.0, outcomes) == "success"
+    assert sc.store.last_outcome("k@run-200-ee", 100.0, outcomes) is None
+    assert sc.store.last_outcome("k", 200.0, outcomes) == "success"  # its own rows only
+
+
+def test_keys_differing_in_case_only_are_apart(sc: ScheduleCollection) -> None:
+    """On SQLite (as on PostgreSQL) "db" and "DB" are two schedules: a key prefix reads
+    the keys that start with it exactly, although LIKE ignores case there: `list
+    --prefix`, a schedule's extra runs (`show`), its history (with its extra runs') and
+    whether its group is busy (`run`)."""
+    if sc.store.dialect == "mysql":
+        pytest.skip("MariaDB's keys compare without case (its collation): one schedule")
+    for key in ("db", "DB", "db2", "DBx"):
+        sc.add(key, "t", cron="0 * * * *", next_time=T0 + H, now=T0)
+    other = sc["DB"].run_now(now=T0 + 10)
+    task = sc.poll(now=T0 + 10)  # DB's extra run is running: its lease is live
+    assert task is not None and task.key == other
+    sc.store.record_runs([{"key": k, "type": "t", "scheduled_time": T0, "attempt": 1,
+                           "started_at": T0 + 1, "finished_at": T0 + 2, "outcome": "success",
+                           "worker": "w", "unit": None}
+                          for k in ("db", "DB", "db@run-1-aa", "DB@run-1-bb")])
+    assert [s.key for s in sc.list(prefix="db")] == ["db", "db2"]
+    assert sc.extra_runs("db") == [] and [r.key for r in sc.extra_runs("DB")] == [other]
+    assert sorted(r["key"] for r in sc.history("db", 10)) == ["db", "db@run-1-aa"]
+    assert not sc.store.group_busy("db@run-9-cc", "db", T0 + 10)
+    assert sc.store.group_busy("DB@run-9-cc", "DB", T0 + 10)
+
+
+def test_history_is_bounded_per_schedule_also_for_rows_of_their_own(
+        sc: ScheduleCollection) -> None:
+    """prune_history keeps the newest runs of each key; an allow schedule's occurrences
+    and its extra runs each have a key of their own (KEY@run-...), one run each, so per
+    key nothing was ever pruned: such a schedule's history grew by a row per occurrence
+    for good.  Its runs are bounded together, as `history KEY` lists them."""
+    def run(key: str, at: float) -> dict[str, Any]:
+        return {"key": key, "type": "t", "scheduled_time": T0, "attempt": 1,
+                "started_at": at, "finished_at": at + 1, "outcome": "success",
+                "worker": "w", "unit": None}
+
+    sc.store.record_runs([run("k", 100.0), run("k", 110.0)]
+                         + [run(f"k@run-{i}-ab", 200.0 + i) for i in range(6)]
+                         + [run("few", 100.0), run("few@run-1-ab", 110.0)]
+                         + [run("solo", 100.0 + i) for i in range(5)])
+    sc.store.prune_history(3)
+    assert [r["key"] for r in sc.history("k", 100)] == [f"k@run-{i}-ab" for i in (5, 4, 3)]
+    assert len(sc.history("few", 100)) == 2  # within the bound: untouched
+    assert len(sc.history("solo", 100)) == 3
+    sc.store.prune_history(3)  # nothing more to do
+    assert len(sc.history("k", 100)) == 3
