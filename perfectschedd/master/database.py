@@ -137,6 +137,10 @@ class MasterDatabase:
         self._fork_wanted: float | None = None  # monotonic time a fork was first postponed
         self._stop = threading.Event()
         self._refresh = threading.Event()
+        # A status request waits for the states too: set with _refresh, and taken with its
+        # clearing, both under _refreshed (a request between reading the event and
+        # clearing it must not be answered by a reading that skips the states).
+        self._states_asked = False
         self._refreshed = threading.Condition()
         # The latest reading of the schedules' states (Store.state_summary without its
         # overdue rows), and when the next one is due unasked (monotonic).
@@ -398,6 +402,7 @@ class MasterDatabase:
             return snap is not before and (snap.ok is False or (snap.read_at or 0) >= asked)
 
         with self._refreshed:
+            self._states_asked = True
             self._refresh.set()
             self._refreshed.wait_for(answered, timeout=wait)
         return self.snapshot
@@ -442,9 +447,12 @@ class MasterDatabase:
                     next_host = now + HOST_EVERY
                     self._record_host()
                 if self._refresh.is_set() or now >= next_counts:
-                    asked = self._refresh.is_set()
-                    self._refresh.clear()
-                    self._read_status(states=asked or now >= self._next_states)
+                    with self._refreshed:
+                        asked, self._states_asked = self._states_asked, False
+                        self._refresh.clear()
+                        # The reading's read_at: a request after this waits for the next.
+                        began = time.time()
+                    self._read_status(states=asked or now >= self._next_states, now=began)
                     next_counts = now + COUNTS_EVERY
                     next_probe = now + PROBE_EVERY
                 elif now >= next_probe:
@@ -507,12 +515,13 @@ class MasterDatabase:
         self._publish(replace(self.snapshot, rename=rename))
         heap.trim()  # it read every key
 
-    def _read_status(self, states: bool = True) -> None:
+    def _read_status(self, states: bool = True, now: float | None = None) -> None:
         """Read what status and /metrics show; `states`: the schedules' states too (else
-        the latest reading of them is shown again, see STATES_SHARE)."""
+        the latest reading of them is shown again, see STATES_SHARE).  `now`: when the
+        reading began (its read_at)."""
         store, sc = self.store, self.sc
         assert store is not None and sc is not None
-        now = time.time()
+        now = time.time() if now is None else now
         with self._gate():
             paused_all = sc.paused_all()
             if paused_all is not None:

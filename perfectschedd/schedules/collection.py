@@ -128,6 +128,14 @@ def _run_at(now: float, wait: float) -> int:
     return math.ceil(now + wait) if wait else int(now)
 
 
+def _retry_at(now: float, wait: float) -> int:
+    """The whole second at which an attempt that ended at `now` is tried again: not before
+    `wait` seconds, and never in the same second, even without a wait (retry_wait: 0,
+    SCHED_LATER 0), so that a job failing at once with no limit on attempts runs at most
+    once a second rather than as fast as a worker can claim it."""
+    return max(math.ceil(now + wait), math.floor(now) + 1)
+
+
 class Task:
     """One leased occurrence of a schedule.  Exactly one of finish/retry/release ends it."""
 
@@ -273,7 +281,7 @@ class Task:
         if wait is None:
             wait = self.backoff()
         now = time.time() if now is None else now
-        if not self._collection.store.reschedule(self.key, self.fence, _run_at(now, wait),
+        if not self._collection.store.reschedule(self.key, self.fence, _retry_at(now, wait),
                                                  count_attempt=True):
             raise PreemptedError(f"task {self.key!r} lost its lease before retry")
 
@@ -290,10 +298,10 @@ class Task:
         """
         self._end()
         now = time.time() if now is None else now
-        wait = 0 if self.attempt <= 1 else self.policy.backoff(
+        at = _run_at(now, 0) if self.attempt <= 1 else _retry_at(now, self.policy.backoff(
             self.attempt - 1, self._collection.config.retry_wait,
-            self._collection.config.retry_wait_max)
-        if not self._collection.store.reschedule(self.key, self.fence, _run_at(now, wait),
+            self._collection.config.retry_wait_max))
+        if not self._collection.store.reschedule(self.key, self.fence, at,
                                                  count_attempt=True):
             raise PreemptedError(f"task {self.key!r} lost its lease before release")
 

@@ -222,8 +222,23 @@ def test_a_first_release_is_due_at_once_within_the_second(sc: ScheduleCollection
     task.release(now=T0 + 5 + fraction)
     again = sc.poll(now=T0 + 5 + fraction)
     assert again is not None and again.key == "k" and again.scheduled_time == T0
-    again.retry(wait=0, now=T0 + 6 + fraction)  # an explicit retry without wait: at once too
-    assert sc.poll(now=T0 + 6 + fraction) is not None
+    # A retry without wait (retry_wait: 0, SCHED_LATER 0) waits for the next second, so
+    # that a job failing at once does not spin: at most one attempt a second.
+    again.retry(wait=0, now=T0 + 6 + fraction)
+    assert sc.poll(now=T0 + 6.999) is None
+    third = sc.poll(now=T0 + 7)
+    assert third is not None and third.attempt == 3
+    third.finish()
+    # So does a repeated release, also with retry_wait 0.
+    sc.add("r", "t", cron="0 * * * *", next_time=T0, now=T0, retry_wait=0)
+    first = sc.poll(now=T0 + 7 + fraction)
+    assert first is not None and first.key == "r"
+    first.release(now=T0 + 7 + fraction)
+    second = sc.poll(now=T0 + 7 + fraction)
+    assert second is not None and second.key == "r" and second.attempt == 2
+    second.release(now=T0 + 7 + fraction)
+    assert sc.poll(now=T0 + 7.999) is None
+    assert sc.poll(now=T0 + 8) is not None
 
 
 def test_a_first_release_is_due_at_once_on_the_real_clock(sc: ScheduleCollection) -> None:
