@@ -196,6 +196,7 @@ class Store:
 
     # -- schema ---------------------------------------------------------------------------
 
+    @_retried  # idempotent: a connection lost on the way (a deadline under load) retries
     def init(self) -> bool:
         """Bring the database to this version's schema (schemaversion.py): create what is
         missing, add the columns a newer version introduced to tables an older one made,
