@@ -170,16 +170,18 @@ class PostgreSQLBackend(ServerBackend):
     def _execute(self, conn: Connection, sql: str, params: dict[str, Any]
                  ) -> list[tuple[Any, ...]]:
         """One statement of the hot path on the driver's cursor, in `conn`'s transaction;
-        its rows.  Through SQLAlchemy (compiled-cache look-up, execution context, a Row
-        and a fetchone() per row) the claim of a batch cost more client CPU than the
-        driver's round trip.  The transaction, the pool and the deadline watchdog are
-        still SQLAlchemy's; a driver error goes through SQLAlchemy's own handling of a
-        failed statement (the handle_error listeners: deadline, not the primary;
-        invalidation on disconnect) and leaves as its DBAPIError, as before."""
+        its rows (each of these statements returns rows: no look at `description`, which
+        psycopg 3 builds anew, a Column per column, at each look).  Through SQLAlchemy
+        (compiled-cache look-up, execution context, a Row and a fetchone() per row) the
+        claim of a batch cost more client CPU than the driver's round trip.  The
+        transaction, the pool and the deadline watchdog are still SQLAlchemy's; a driver
+        error goes through SQLAlchemy's own handling of a failed statement (the
+        handle_error listeners: deadline, not the primary; invalidation on disconnect) and
+        leaves as its DBAPIError, as before."""
         cur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
         try:
             cur.execute(sql, params)
-            return cur.fetchall() if cur.description is not None else []
+            return cur.fetchall()
         except self._driver_error as exc:
             # Private, but the same in SQLAlchemy 1.4 and 2.x; it raises.
             conn._handle_dbapi_exception(exc, sql, params, cur, None)  # type: ignore[attr-defined]
