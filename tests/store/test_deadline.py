@@ -84,6 +84,32 @@ def test_read_only_connection_left_for_a_primary_one(pg_url: str) -> None:
         store.close()
 
 
+@pytest.mark.parametrize("write", ["history", "claim"])
+def test_hot_path_leaves_a_read_only_connection(pg_url: str, write: str) -> None:
+    """The worker's hot path runs on the driver's cursor (history rows by COPY under
+    psycopg 3, the claim and its finishes by plain statements): its errors must still be
+    SQLAlchemy's, with the same handling, so a read-only connection is abandoned and the
+    write done on a new one."""
+    store = Store(pg_url, alive_time=60)
+    try:
+        store.init()
+        with store.engine.begin() as conn:
+            ro = int(conn.exec_driver_sql("SELECT pg_backend_pid()").scalar())
+            conn.exec_driver_sql("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
+        if write == "history":
+            store.record_runs([{
+                "key": "ro", "type": "t", "scheduled_time": 60, "attempt": 1,
+                "started_at": 61.5, "finished_at": 62.25, "outcome": "success",
+                "worker": "h:1", "duration": 0.75}])
+            assert [(r["key"], r["started_at"], r["duration"]) for r in
+                    store.history("ro", 5)] == [("ro", 61.5, 0.75)]
+        else:
+            assert store.claim(time.time(), 60, "h:1", 64) == []
+        assert _backend_pid(store) != ro
+    finally:
+        store.close()
+
+
 def _read_only_error(url: str) -> DBAPIError:
     store = Store(url, alive_time=60)
     try:

@@ -142,6 +142,25 @@ def test_poll_many_and_finish_many(sc: ScheduleCollection) -> None:
     assert all(i.next_time == T0 + H and i.owner is None for i in infos)
 
 
+def test_claims_and_next_due_see_only_the_routed_types(sc: ScheduleCollection) -> None:
+    """A worker claims, and looks for, only the types it routes: exact names and /re/
+    patterns, which each backend writes into its own SQL."""
+    for i, type_ in enumerate(["alpha", "beta", "report-1", "reporter"]):
+        sc.add(f"k{i}", type_, cron="0 * * * *", next_time=T0, at=T0 + i, now=T0)
+    sc.store.restrict_types(["alpha"], ["^report-"],
+                            lambda t: t == "alpha" or t.startswith("report-"))
+    assert sc.store.earliest_due() == T0
+    assert sorted(t.type for t in sc.poll_many(10, now=T0 + 100)) == ["alpha", "report-1"]
+    # Left: beta (T0 + 1) and reporter (T0 + 3), neither routed; the two leases.
+    assert sc.store.earliest_due() > T0 + 100
+    assert sc.poll_many(10, now=T0 + 100) == []
+    sc.store.restrict_types([], [], lambda t: False)
+    assert sc.store.earliest_due() is None
+    sc.store.restrict_types((), (), None)  # every type
+    assert sc.store.earliest_due() == T0 + 1
+    assert sorted(t.type for t in sc.poll_many(10, now=T0 + 100)) == ["beta", "reporter"]
+
+
 def test_finish_many_writes_only_rows_still_held(sc: ScheduleCollection) -> None:
     """A batch finish with cron and one-off rows, where some leases were lost by a delete
     or a modify (the row is still there with a newer fence): exactly the held rows move."""

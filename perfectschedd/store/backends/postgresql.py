@@ -1,16 +1,17 @@
 """PostgreSQL: many hosts on one server.
 
 The claim is one UPDATE ... RETURNING over a SKIP LOCKED sub-select.  A batch of finishes
-or history rows travels as one JSON text to a fixed statement: json.dumps is C, where
-psycopg dumps array items one by one in Python, and nothing is compiled per call (a VALUES
-list built per batch cost half a worker's time in SQL compilation).
+travels as one JSON text to a fixed statement: json.dumps is C, where psycopg dumps array
+items one by one in Python, and nothing is compiled per call (a VALUES list built per
+batch cost half a worker's time in SQL compilation).  History rows go the same way under
+psycopg2; under psycopg 3 they are a binary COPY (history_copy.py).
 """
 
 from __future__ import annotations
 
 import json
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -20,6 +21,7 @@ from sqlalchemy.exc import DBAPIError
 
 from perfectschedd.schedules.fields import CLAIMED_FIELDS
 from perfectschedd.store.backends.base import ServerBackend, in_cron_order
+from perfectschedd.store.backends.history_copy import HistoryCopy
 from perfectschedd.store.deadline import (
     CONNECT_TIMEOUT,
     PG_NOT_PRIMARY,
@@ -40,6 +42,8 @@ class PostgreSQLBackend(ServerBackend):
 
     def __init__(self, url: Any, table: str, deadline: float = 10.0) -> None:
         super().__init__(url, table, deadline)
+        dialect = self.engine.dialect
+        self._driver_error = (getattr(dialect, "loaded_dbapi", None) or dialect.dbapi).Error
         # The driver's own SQL ("%" escaped for its paramstyle).
         quote = self.engine.dialect.identifier_preparer
         t = quote.format_table(self.t).replace("%", "%%")
@@ -59,6 +63,8 @@ class PostgreSQLBackend(ServerBackend):
                               "double precision", "text", "text"), strict=True))
         self._history_sql = (f"INSERT INTO {history} ({columns}) SELECT {columns}"
                              f" FROM json_to_recordset(%(rows)s::json) AS r({typed})")
+        self._history_copy = (HistoryCopy(quote.format_table(self.h))
+                              if self.engine.dialect.driver == "psycopg" else None)
 
     def create_engine(self) -> Engine:
         # No pre-ping: it costs a round trip per transaction; a dead connection is caught
@@ -122,22 +128,75 @@ class PostgreSQLBackend(ServerBackend):
         state = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
         return state in _TRY_AGAIN_STATES
 
-    def build_claim(self, routed: Any) -> None:
-        t = self.t
-        due = (sa.select(t.c.key)
-               .where(t.c.paused == 0, t.c.next_run_time <= sa.bindparam("due_by"), routed)
-               .order_by(t.c.next_run_time).limit(sa.bindparam("batch", type_=sa.Integer))
-               .with_for_update(skip_locked=True))
+    # -- the hot path, on the driver's cursor --------------------------------------------
+
+    def restrict_types(self, exact: Sequence[str], patterns: Sequence[str],
+                       routed: Callable[[str], bool] | None) -> None:
+        """The claim and the "next due" probe in PostgreSQL's SQL, types as parameters:
+        exact names an IN list, patterns `~` (as SQLAlchemy's regexp_match writes it)."""
+        if routed is None:
+            self.build_claim("true", {})
+            return
+        quote = self.engine.dialect.identifier_preparer
+        column = quote.quote("type")
+        conds = []
+        params: dict[str, Any] = {}
+        if exact:
+            params.update({f"route_{i}": name for i, name in enumerate(exact)})
+            conds.append(f"{column} IN ({', '.join(f'%(route_{i})s' for i in range(len(exact)))})")
+        for i, pattern in enumerate(patterns):
+            params[f"pattern_{i}"] = pattern
+            conds.append(f"{column} ~ %(pattern_{i})s")
+        self.build_claim(f"({' OR '.join(conds)})" if conds else "false", params)
+
+    def build_claim(self, routed: Any, params: dict[str, Any] | None = None) -> None:
+        quote = self.engine.dialect.identifier_preparer
+        t = quote.format_table(self.t).replace("%", "%%")
+        key = quote.quote("key")
+        returned = ", ".join(quote.quote(c) for c in CLAIMED_FIELDS)
+        self._routed_params = params or {}
         # due_time = next_run_time: SET reads the row as it was before the UPDATE.
-        self._claim_stmt = (
-            t.update().where(t.c.key.in_(due.scalar_subquery()))
-            .values(next_run_time=sa.bindparam("lease_until"), fence=t.c.fence + 1,
-                    attempt=t.c.attempt + 1, owner=sa.bindparam("holder"),
-                    claimed_at=sa.bindparam("claim_ts"), due_time=t.c.next_run_time)
-            .returning(*(t.c[n] for n in CLAIMED_FIELDS)))
+        self._claim_sql = (
+            f"UPDATE {t} SET next_run_time = %(lease_until)s::bigint, fence = fence + 1,"
+            " attempt = attempt + 1, owner = %(holder)s::varchar,"
+            " claimed_at = %(claim_ts)s::double precision, due_time = next_run_time"
+            f" WHERE {key} IN (SELECT {key} FROM {t} WHERE paused = 0"
+            f" AND next_run_time <= %(due_by)s::bigint AND {routed}"
+            " ORDER BY next_run_time LIMIT %(batch)s::integer FOR UPDATE SKIP LOCKED)"
+            f" RETURNING {returned}")
+        self._earliest_sql = (f"SELECT next_run_time FROM {t} WHERE paused = 0 AND {routed}"
+                              " ORDER BY next_run_time LIMIT 1")
+
+    def _execute(self, conn: Connection, sql: str, params: dict[str, Any]
+                 ) -> list[tuple[Any, ...]]:
+        """One statement of the hot path on the driver's cursor, in `conn`'s transaction;
+        its rows (each of these statements returns rows: no look at `description`, which
+        psycopg 3 builds anew, a Column per column, at each look).  Through SQLAlchemy
+        (compiled-cache look-up, execution context, a Row and a fetchone() per row) the
+        claim of a batch cost more client CPU than the driver's round trip.  The
+        transaction, the pool and the deadline watchdog are still SQLAlchemy's; a driver
+        error goes through SQLAlchemy's own handling of a failed statement (the
+        handle_error listeners: deadline, not the primary; invalidation on disconnect) and
+        leaves as its DBAPIError, as before."""
+        cur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+        try:
+            cur.execute(sql, params)
+            return cur.fetchall()
+        except self._driver_error as exc:
+            # Private, but the same in SQLAlchemy 1.4 and 2.x; it raises.
+            conn._handle_dbapi_exception(exc, sql, params, cur, None)  # type: ignore[attr-defined]
+            raise
+        finally:
+            cur.close()
+
+    def earliest_due(self) -> int | None:
+        with self.transaction(readonly=True) as conn:
+            rows = self._execute(conn, self._earliest_sql, self._routed_params)
+        return None if not rows else int(rows[0][0])
 
     def claim_in(self, conn: Connection, params: dict[str, Any]) -> list[Claimed]:
-        return in_cron_order(conn.execute(self._claim_stmt, params))
+        return in_cron_order(self._execute(conn, self._claim_sql,
+                                           {**self._routed_params, **params}))
 
     def advance_in(self, conn: Connection, items: Sequence[Advance]) -> set[str]:
         """One statement for all advances, one for all one-offs, whatever the batch size."""
@@ -146,14 +205,16 @@ class PostgreSQLBackend(ServerBackend):
         moves = sorted(({"k": a.key, "f": a.fence, "nt": a.next_time, "nrt": a.next_run_time}
                         for a in items if a.next_time is not None), key=operator.itemgetter("k"))
         if moves:
-            done.update(r[0] for r in conn.exec_driver_sql(
-                self._advance_sql, {"rows": json.dumps(moves)}))
+            done.update(r[0] for r in self._execute(
+                conn, self._advance_sql, {"rows": json.dumps(moves)}))
         oneoffs = [{"k": a.key, "f": a.fence} for a in items if a.next_time is None]
         if oneoffs:
-            done.update(r[0] for r in conn.exec_driver_sql(
-                self._delete_sql, {"rows": json.dumps(oneoffs)}))
+            done.update(r[0] for r in self._execute(
+                conn, self._delete_sql, {"rows": json.dumps(oneoffs)}))
         return {a.key for a in items} - done
 
     def record_runs(self, runs: list[dict[str, Any]]) -> None:
         with self.transaction() as conn:
+            if self._history_copy is not None and self._history_copy.write(conn, runs):
+                return
             conn.exec_driver_sql(self._history_sql, {"rows": json.dumps(runs)})
