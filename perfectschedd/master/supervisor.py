@@ -39,7 +39,7 @@ from perfectschedd.errors import (
 from perfectschedd.executors.systemd import props as unitprops
 from perfectschedd.master import heap
 from perfectschedd.master.cleanup import RunCleanup, UnitStopper, stop_units_over_dbus
-from perfectschedd.master.database import HOST_EVERY, MasterDatabase
+from perfectschedd.master.database import HOST_EVERY, MasterDatabase, refusal_of
 from perfectschedd.master.listeners import Listeners
 from perfectschedd.master.processes import Processes
 from perfectschedd.master.workertable import DRAIN_ROOM, WorkerProc, WorkerTable
@@ -533,6 +533,12 @@ class Supervisor:
                 raise ConfigError(refusal)
             if (new.url, new.table) != (old.url, old.table):
                 check_url(new.url)  # the old store stays unless the new one can be made
+                # ... and unless this version may use it: a database it refuses would stop
+                # the daemon once its store opened (one that does not answer yet is waited
+                # for, as at a start).
+                refusal = refusal_of(new)
+                if refusal is not None:
+                    raise ConfigError(f"url: {refusal}")
             self.listeners.swap(old, new)
         except Exception as exc:  # noqa: BLE001 - whatever the new file does, the old one runs
             # One bounded line, never a repr() of what the file holds.

@@ -215,6 +215,17 @@ class Store:
         self.created_table = self.created_table or found.version == 0
         return found.version == 0
 
+    def refusal(self) -> str | None:
+        """Why this version can never use the database (init would raise SchemaError),
+        read without writing anything; None when it can, or has nothing to refuse yet."""
+        try:
+            schemaversion.refuse_unusable(
+                schemaversion.read(self.engine, self.backend.meta, self.t))
+            self._refuse_missing_required()
+        except SchemaError as exc:
+            return first_line(exc)
+        return None
+
     def _create_missing_tables(self) -> None:
         """Create each missing table on its own: hosts starting at once race between
         the existence check and the CREATE, and on MySQL each of several tables can be

@@ -6,11 +6,14 @@ rejects fails for the same reason (one function checks both: files.check)."""
 from __future__ import annotations
 
 import configparser
+import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 from daemon_harness import Daemon, lines, sh, wait_until
+
+import perfectschedd
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 NO_SENDMAIL = "/nonexistent/sendmail"
@@ -145,3 +148,34 @@ def test_systemctl_reload_runs_perfectschedctl_reload() -> None:
     unit = configparser.ConfigParser(strict=False, interpolation=None)
     unit.read(ROOT / "systemd" / "perfectschedd.service")
     assert unit["Service"]["ExecReload"].split() == ["/usr/bin/perfectschedctl", "reload"]
+
+
+def test_a_reload_onto_a_database_this_version_refuses_keeps_the_running_one(
+        daemon_factory: Any, tmp_path: Path) -> None:
+    """A reload whose url names a database a later release made (schema 99, not usable
+    by this version) is refused in one line; the daemon keeps running on its database
+    (it used to take the new url and stop once the new store refused the schema)."""
+    newer = tmp_path / "newer.db"
+    with perfectschedd.open({"type": "rdb_compat", "url": f"sqlite:///{newer}"}) as sc:
+        sc.add("elsewhere", "t", cron="@yearly")
+        with sc.store.engine.begin() as conn:
+            conn.exec_driver_sql("UPDATE perfectsched_meta SET value = '99' "
+                                 "WHERE name = 'schema_version'")
+            conn.exec_driver_sql("DELETE FROM perfectsched_meta WHERE name = 'compatible_from'")
+    d: Daemon = daemon_factory({"routes": [sh("t", "true")]}).start()
+    d.ctl("add", "here", "t", "@yearly")
+    running_url = d.config["url"]
+    d.write_config({**d.config, "url": f"sqlite:///{newer}"})
+    res = d.ctl("reload", check=False)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert res.stderr.count("\n") == 1 and "url: " in res.stderr and "schema 99" in res.stderr, \
+        res.stderr
+    time.sleep(1)  # a store the daemon took would have stopped it by now
+    assert d.alive()
+    assert [s["key"] for s in d.ctl_json("list")] == ["here"]
+    status = d.status()
+    assert status["database_ok"] is True and "schema 99" in status["last_error"], status
+    # The running configuration is whole: a reload back onto its own database is taken.
+    d.write_config({**d.config, "url": running_url})
+    assert d.ctl("reload", check=False).returncode == 0
+    assert d.alive() and d.status()["last_error"] is None
