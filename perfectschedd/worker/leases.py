@@ -204,6 +204,7 @@ class LeasePipeline:
         return wait
 
     def _step(self, submit: Callable[[Task], None]) -> float:
+        self.deferred_until = 0.0  # runs that end nudge again, unless this step defers
         self.flush_history()
         if self.sc is None:
             try:
@@ -522,9 +523,9 @@ class LeasePipeline:
                 # and already written: the group's next run may start (a finish still
                 # queued wakes it once written).
                 self._wake_group(task.group)
-            # While the loop lets finishes gather and every thread still has a task
-            # waiting, a nudge would only turn the loop to defer again (a wake-up per
-            # run of a burst of exec runs); it wakes by itself at deferred_until.
+            # While the loop sleeps letting finishes gather and every thread still has
+            # a task waiting, a nudge would only turn the loop to defer again (a wake-up
+            # per run of a burst of exec runs); it wakes by itself at deferred_until.
             if queued < self.config.concurrency or time.monotonic() >= self.deferred_until:
                 self.nudge()
 
