@@ -21,8 +21,16 @@ included; for the daemon its master, its workers and, on PostgreSQL, the server'
 processes), from the instant T to the last line.  On a machine shared with other work
 the runs/s swing with the load, the CPU per run much less: its ratio (bare / daemon)
 is what the runs/s ratio would be on a machine of our own, where both are CPU-bound.
+It also prints the CPU per run without the commands (the daemon's processes alone, the
+pool's process alone): the part each side's own code adds, which the commands' share,
+swollen on a loaded machine, does not blur.
 
     .venv-bench/bin/python bench/run.py --only execburst --backends sqlite
+    .venv-bench/bin/python bench/run.py --only execburst --exec-compare /tmp/base-tree
+
+`--exec-compare TREE` runs, in each round, the daemon of TREE (another checkout, put
+first on PYTHONPATH) too, against the same bare-pool run, the three taking turns going
+first: before and after in one run.
 """
 
 from __future__ import annotations
@@ -67,8 +75,9 @@ def rate(log: Path, n: int, start: float, timeout: float) -> float:
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-def _cpu(pids: list[int]) -> dict[int, float]:
-    """utime + stime of each process, with that of its children it reaped (the jobs)."""
+def _cpu(pids: list[int]) -> dict[int, tuple[float, float]]:
+    """utime + stime of each process, with that of its children it reaped (the jobs),
+    and without."""
     out = {}
     for pid in pids:
         try:
@@ -76,7 +85,8 @@ def _cpu(pids: list[int]) -> dict[int, float]:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        out[pid] = sum(int(x) for x in fields[11:15]) / CLK_TCK
+        out[pid] = (sum(int(x) for x in fields[11:15]) / CLK_TCK,
+                    sum(int(x) for x in fields[11:13]) / CLK_TCK)
     return out
 
 
@@ -97,29 +107,31 @@ def _pool(n: int, log: Path) -> dict[str, float]:
         list(pool.map(lambda i: subprocess.run([*cmd, f"b{i}"], input=b"{}\n", check=True,
                                                start_new_session=True), range(n)))
     after = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
-    cpu = sum(a.ru_utime + a.ru_stime - b.ru_utime - b.ru_stime
-              for a, b in zip(after, before, strict=True))
-    return {"start": start, "cpu": cpu}
+    used = [a.ru_utime + a.ru_stime - b.ru_utime - b.ru_stime
+            for a, b in zip(after, before, strict=True)]
+    return {"start": start, "cpu": sum(used), "own": used[0]}
 
 
-def bare_pool(n: int, work: Path) -> tuple[float, float]:
-    """Runs/s and CPU seconds per run of the bare pool."""
+def bare_pool(n: int, work: Path) -> tuple[float, float, float]:
+    """Runs/s and CPU seconds per run of the bare pool: with its commands, and its own."""
     log = work / "bare.log"
     log.unlink(missing_ok=True)
     out = subprocess.run([sys.executable, __file__, "--pool", str(n), str(log)],
                          stdout=subprocess.PIPE, check=True, start_new_session=True)
     got = json.loads(out.stdout)
-    return rate(log, n, got["start"], 60), got["cpu"] / n
+    return rate(log, n, got["start"], 60), got["cpu"] / n, got["own"] / n
 
 
 def perfectsched(ps_class: Any, url: str, n: int, work: Path, lead: float,
-                 server: int | None = None) -> tuple[float, float]:
+                 server: int | None = None, pythonpath: str | None = None
+                 ) -> tuple[float, float, float]:
     """Runs/s and CPU seconds per run of the daemon (and of `server`, the database
-    server's postmaster, and its processes)."""
+    server's postmaster, and its processes): with the commands, and without them (the
+    daemon's own work); `pythonpath`: the perfectschedd package of another tree."""
     log = work / "ps.log"
     log.unlink(missing_ok=True)
     ps = ps_class(url, work / "ps", extra={"routes": [
-        {"type": "bench", "exec": argv(log)}]})
+        {"type": "bench", "exec": argv(log)}]}, pythonpath=pythonpath)
     try:
         ps.start()
         due = float(math.ceil(time.time() + lead))
@@ -136,43 +148,67 @@ def perfectsched(ps_class: Any, url: str, n: int, work: Path, lead: float,
         runs = rate(log, n, due, max(120.0, n / 20))
         after = _cpu(pids())
         # A server process started during the burst counts whole; one that ended, not.
-        cpu = sum(t - before.get(pid, 0.0) for pid, t in after.items())
-        return runs, cpu / n
+        cpu = sum(t[0] - before.get(pid, (0.0, 0.0))[0] for pid, t in after.items())
+        own = sum(t[1] - before.get(pid, (0.0, 0.0))[1] for pid, t in after.items())
+        return runs, cpu / n, own / n
     finally:
         ps.stop()
 
 
-def run(ps_class: Any, env: Any, n: int, tmp: Path, repeat: int,
-        log: Any) -> dict[str, Any]:
-    runs: list[dict[str, float]] = []
+def run(ps_class: Any, env: Any, n: int, tmp: Path, repeat: int, log: Any,
+        compare: str | None = None) -> dict[str, Any]:
+    """`repeat` rounds of the daemon against the bare pool.  With `compare` (another
+    checkout's tree), each round also runs the daemon of that tree, against the same
+    pool run: before and after in one run, the three taking turns going first."""
+    sides = ["this"] if compare is None else ["this", "other"]
+    rounds: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
     server = getattr(getattr(env.pg, "proc", None), "pid", None)
     for r in range(repeat):
-        url = env.fresh_url(f"execburst{n}")
-        work = tmp / f"execburst-{env.name}-{env.counter}"
-        work.mkdir(parents=True, exist_ok=True)
-        if r % 2:
-            bare, bare_cpu = bare_pool(n, work)
-        try:
-            ps, ps_cpu = perfectsched(ps_class, url, n, work, lead=3 + n / 5000,
-                                      server=server)
-        finally:
-            env.drop(url)
-        if not r % 2:
-            bare, bare_cpu = bare_pool(n, work)
-        runs.append({"perfectsched": ps, "bare_pool": bare, "ratio": ps / bare,
-                     "perfectsched_cpu_ms": 1000 * ps_cpu, "bare_pool_cpu_ms": 1000 * bare_cpu,
-                     "cpu_ratio": bare_cpu / ps_cpu})
-        log(f"  exec burst {n} run {r + 1}/{repeat}: perfectsched {ps:,.0f} runs/s, "
-            f"bare pool of {POOL} {bare:,.0f} runs/s, ratio {ps / bare:.2f}; CPU per run "
-            f"{1000 * ps_cpu:.2f} / {1000 * bare_cpu:.2f} ms, ratio {bare_cpu / ps_cpu:.2f}")
-    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-    rng = {k: (min(r[k] for r in runs), max(r[k] for r in runs)) for k in runs[0]}
-    log(f"  exec burst {n} median: perfectsched {med['perfectsched']:,.0f} runs/s, bare "
-        f"{med['bare_pool']:,.0f} runs/s, ratio {med['ratio']:.2f} "
-        f"(range {rng['ratio'][0]:.2f}-{rng['ratio'][1]:.2f}); CPU per run "
-        f"{med['perfectsched_cpu_ms']:.2f} / {med['bare_pool_cpu_ms']:.2f} ms, ratio "
-        f"{med['cpu_ratio']:.2f} (range {rng['cpu_ratio'][0]:.2f}-{rng['cpu_ratio'][1]:.2f})")
-    return {"median": med, "range": rng, "runs": runs}
+        order: list[str | None] = [None, *sides]  # None: the bare pool
+        shift = r % len(order)
+        order = order[shift:] + order[:shift]
+        got: dict[str | None, tuple[float, float, float]] = {}
+        for side in order:
+            work = tmp / f"execburst-{env.name}-{env.counter}-{side or 'bare'}"
+            work.mkdir(parents=True, exist_ok=True)
+            if side is None:
+                got[side] = bare_pool(n, work)
+                continue
+            url = env.fresh_url(f"execburst{n}")
+            try:
+                got[side] = perfectsched(ps_class, url, n, work, lead=3 + n / 5000,
+                                         server=server,
+                                         pythonpath=compare if side == "other" else None)
+            finally:
+                env.drop(url)
+        bare, bare_cpu, bare_own = got[None]
+        for side in sides:
+            ps, ps_cpu, ps_own = got[side]
+            rounds[side].append({
+                "perfectsched": ps, "bare_pool": bare, "ratio": ps / bare,
+                "perfectsched_cpu_ms": 1000 * ps_cpu, "bare_pool_cpu_ms": 1000 * bare_cpu,
+                "cpu_ratio": bare_cpu / ps_cpu, "perfectsched_own_ms": 1000 * ps_own,
+                "bare_pool_own_ms": 1000 * bare_own})
+            name = "" if compare is None else f"{compare if side == 'other' else 'this tree'}: "
+            log(f"  exec burst {n} run {r + 1}/{repeat}: {name}perfectsched {ps:,.0f} runs/s, "
+                f"bare pool of {POOL} {bare:,.0f} runs/s, ratio {ps / bare:.2f}; CPU per run "
+                f"{1000 * ps_cpu:.2f} / {1000 * bare_cpu:.2f} ms, ratio {bare_cpu / ps_cpu:.2f}, "
+                f"without the commands {1000 * ps_own:.2f} / {1000 * bare_own:.2f} ms "
+                f"(load {os.getloadavg()[0]:.1f})")
+    out: dict[str, Any] = {}
+    for side, runs in rounds.items():
+        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        rng = {k: (min(r[k] for r in runs), max(r[k] for r in runs)) for k in runs[0]}
+        name = "" if compare is None else f"{compare if side == 'other' else 'this tree'}: "
+        log(f"  exec burst {n} median: {name}perfectsched {med['perfectsched']:,.0f} runs/s, "
+            f"bare {med['bare_pool']:,.0f} runs/s, ratio {med['ratio']:.2f} "
+            f"(range {rng['ratio'][0]:.2f}-{rng['ratio'][1]:.2f}); CPU per run "
+            f"{med['perfectsched_cpu_ms']:.2f} / {med['bare_pool_cpu_ms']:.2f} ms, ratio "
+            f"{med['cpu_ratio']:.2f} (range {rng['cpu_ratio'][0]:.2f}-{rng['cpu_ratio'][1]:.2f}), "
+            f"without the commands {med['perfectsched_own_ms']:.2f} / "
+            f"{med['bare_pool_own_ms']:.2f} ms")
+        out[side] = {"median": med, "range": rng, "runs": runs}
+    return out["this"] if compare is None else out
 
 
 if __name__ == "__main__":  # the bare pool's own process (bare_pool)

@@ -684,6 +684,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale", default="100000")
     p.add_argument("--exec-burst", type=int, default=2000,
                    help="execburst: occurrences of the exec job due at once")
+    p.add_argument("--exec-compare", metavar="TREE",
+                   help="execburst: also run the daemon of TREE (another checkout), the "
+                        "bare pool and both daemons taking turns: before and after in one run")
     p.add_argument("--ratio-burst", type=int, default=20_000,
                    help="ratio: the python burst measured against the store alone")
     p.add_argument("--ratio-seconds", type=float, default=3.0,
@@ -772,7 +775,8 @@ def main(argv: list[str] | None = None) -> int:
                     import execburst
 
                     log(f"{env.name}: exec burst {a.exec_burst}")
-                    ex = execburst.run(PS, env, a.exec_burst, tmp, a.repeat, log)
+                    ex = execburst.run(PS, env, a.exec_burst, tmp, a.repeat, log,
+                                       a.exec_compare)
                     raw["runs"].append({"backend": env.name,
                                         "workload": f"exec burst {a.exec_burst}", **ex})
                 if "ratio" in only:

@@ -108,6 +108,9 @@ _queue: queue.SimpleQueue[logging.LogRecord | None] | None = None
 _process_name = "MainProcess"
 _pid = os.getpid()
 WRITE_BATCH = 512  # most records written with one flush
+# The writer's rest after a batch smaller than WRITE_BATCH, in seconds: lines logged
+# meanwhile wait at most this long, and go out together.
+WRITE_PAUSE = 0.005
 
 
 class _Enqueue(logging.handlers.QueueHandler):
@@ -183,6 +186,11 @@ class _Writer:
                     break
             if not self._write(batch):
                 return
+            if len(batch) < WRITE_BATCH:
+                # Let the next lines gather: woken by each record, the writer cost a burst
+                # of exec runs a thread switch (and a GIL hand-over) per line.  A line
+                # logged when none was for WRITE_PAUSE is still written at once.
+                time.sleep(WRITE_PAUSE)
 
     def _write(self, batch: list[logging.LogRecord | None]) -> bool:
         """Write a batch; False once the stop sentinel was reached."""

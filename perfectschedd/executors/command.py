@@ -24,7 +24,6 @@ import pwd
 import re
 import select
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -47,6 +46,7 @@ from perfectschedd.executors.base import (
     stop_grace,
     stop_reason,
 )
+from perfectschedd.executors.spawn import Child, spawn
 
 __all__ = ["RUN_ID_ENV", "ExecHandler", "exec_error", "exec_verdict", "kill_all_groups",
            "running_groups"]
@@ -259,28 +259,26 @@ def _run_exec(task: TaskLike, handler: ExecHandler, log: Log, stop_event: Stop |
 
 
 def _spawn(argv: list[str], env: dict[bytes, bytes],
-           as_user: dict[str, Any]) -> tuple[subprocess.Popen[bytes], tuple[int, int, int]]:
-    """Start the command in a session of its own; returns it and our ends of its stdin,
-    stdout and stderr pipes (raw descriptors, close-on-exec).
+           as_user: dict[str, Any]) -> tuple[Child, tuple[int, int, int]]:
+    """Start the command in a session of its own (spawn.py); returns it and our ends of
+    its stdin, stdout and stderr pipes (raw descriptors, close-on-exec).
 
     The pipes are ours, not Popen's PIPE: Popen would wrap each end in a buffered file
-    object, three objects per run that nothing here reads through.  Without user/group
-    changes or preexec_fn, Popen forks with vfork (start_new_session does not prevent it).
+    object, three objects per run that nothing here reads through.
     """
     fds: list[int] = []
     try:
         for _ in range(3):
             fds.extend(os.pipe())
         in_r, in_w, out_r, out_w, err_r, err_w = fds
-        proc = subprocess.Popen(argv, stdin=in_r, stdout=out_w, stderr=err_w, env=env,
-                                start_new_session=True, close_fds=True, **as_user)
+        child = spawn(argv, env, in_r, out_w, err_w, as_user)
     except BaseException:
         for fd in fds:
             os.close(fd)
         raise
     for fd in (in_r, out_w, err_w):  # the command's ends: it has its own copies
         os.close(fd)
-    return proc, (in_w, out_r, err_r)
+    return child, (in_w, out_r, err_r)
 
 
 def exec_error(outcome: Outcome, last: str, code: int, last_line: str) -> str | None:
@@ -321,7 +319,7 @@ def exec_verdict(task: TaskLike, last: str, code: int, log: Log) -> Outcome:
     return Outcome.FAILED
 
 
-def _supervise(proc: subprocess.Popen[bytes], fds: tuple[int, int, int], key: str,
+def _supervise(proc: Child, fds: tuple[int, int, int], key: str,
                payload: bytes, timeout: float | None, log: Log, stop_event: Stop | None,
                kill_grace: float, tail: OutputTail) -> tuple[str | None, str]:
     """Feed stdin, log output (and keep its `tail`), enforce timeout/stop; return

@@ -151,6 +151,7 @@ class LeasePipeline:
         self.avg_duration = 2 * FAST_TASK
         self.active = 0  # tasks a thread runs now (the rest of `running` is queued)
         self.first_finish = 0.0  # when the oldest unwritten finish ended
+        self.deferred_until = 0.0  # the loop lets finishes gather until then (_step)
         self.no_route_logged: set[str] = set()
         self.db_ok = True
         self.db_backoff = 0.5
@@ -203,6 +204,7 @@ class LeasePipeline:
         return wait
 
     def _step(self, submit: Callable[[Task], None]) -> float:
+        self.deferred_until = 0.0  # runs that end nudge again, unless this step defers
         self.flush_history()
         if self.sc is None:
             try:
@@ -230,6 +232,7 @@ class LeasePipeline:
             # Every thread has work waiting: let finishes gather (not long).
             age = time.monotonic() - self.first_finish
             if age < FINISH_DEFER:
+                self.deferred_until = time.monotonic() + FINISH_DEFER - age
                 return FINISH_DEFER - age
         claimed: list[Task] = []
         want = max(0, min(free, CLAIM_BATCH))
@@ -513,12 +516,18 @@ class LeasePipeline:
             with self.lock:
                 self.running.pop(task.key, None)
                 self.controls.pop(task.key, None)
+                # This run's thread is still counted active: it takes the next task.
+                queued = len(self.running) - self.active + 1 - len(self.waiting)
             if task.group is not None and task not in self.finished:
                 # Ended otherwise than by a finish (retry, release, stopped), or finished
                 # and already written: the group's next run may start (a finish still
                 # queued wakes it once written).
                 self._wake_group(task.group)
-            self.nudge()
+            # While the loop sleeps letting finishes gather and every thread still has
+            # a task waiting, a nudge would only turn the loop to defer again (a wake-up
+            # per run of a burst of exec runs); it wakes by itself at deferred_until.
+            if queued < self.config.concurrency or time.monotonic() >= self.deferred_until:
+                self.nudge()
 
     def _record(self, task: Task, started: float, duration: float, outcome: str,
                 unit: str | None = None, result: RunResult | None = None,

@@ -15,6 +15,7 @@ from perfectschedd import config as config_mod
 from perfectschedd.executors.application import Application
 from perfectschedd.executors.base import StopReason
 from perfectschedd.schedules.collection import ScheduleCollection, Task
+from perfectschedd.worker import leases
 from perfectschedd.worker.leases import HISTORY_FLUSH, LeasePipeline
 
 YEARLY = "0 0 1 1 *"
@@ -304,4 +305,32 @@ def test_a_drain_gives_back_what_did_not_start_and_writes_what_ran(tmp_path: Pat
     store = p.sc.store  # type: ignore[union-attr]
     assert [r["outcome"] for r in store.history("a", 10)] == ["success"]
     assert store.history("b", 10) == [] and store.history("c", 10) == []
+    p.close()
+
+
+def test_runs_ending_while_finishes_gather_do_not_wake_the_loop_until_threads_run_short(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the loop lets finishes gather (FINISH_DEFER) and every thread still has a
+    task queued, a run's end does not nudge the loop (it would only defer again); the run
+    that leaves a thread without a queued task does, and so does any once a step no
+    longer defers."""
+    monkeypatch.setattr(leases, "FINISH_DEFER", 60.0)  # no slow machine ends it early
+    p, _ = pipeline(tmp_path, concurrency=1)
+    nudges: list[float] = []
+    p.nudge = lambda: nudges.append(time.monotonic())
+    for key in ("a", "b", "c"):
+        add(p, key)
+    submitted: list[Task] = []
+    p.step(submitted.append)
+    assert len(submitted) == 3  # one thread, two queued behind it
+    p.run_one(submitted[0])
+    assert len(nudges) == 1  # the loop was not deferring
+    assert p.step(submitted.append) > 0  # a finish waits, each thread has a task queued
+    assert p.deferred_until > time.monotonic()
+    p.run_one(submitted[1])
+    assert len(nudges) == 1  # "c" is still queued for the one thread: no wake-up
+    p.run_one(submitted[2])
+    assert len(nudges) == 2  # the thread has nothing queued: the loop must refill it
+    p.step(submitted.append)  # writes the three finishes, defers nothing
+    assert p.deferred_until == 0.0 and not p.finished
     p.close()
