@@ -36,6 +36,7 @@ from perfectschedd.notify.dispatch import STATE_OUTCOMES, Dispatcher
 from perfectschedd.schedules import overdue
 from perfectschedd.schedules import policy as policy_mod
 from perfectschedd.schedules.collection import ScheduleCollection, waits_its_turn
+from perfectschedd.schedules.fields import schedule_key
 from perfectschedd.schedules.validate import key_problem
 from perfectschedd.store import deadline, states
 from perfectschedd.store.sql import RUN_NOW_MARK, Row, Store
@@ -507,11 +508,11 @@ class MasterDatabase:
 
         def bad(key: str) -> bool:
             # Extra runs (KEY@run-...) are named by the daemon; their base key is checked.
-            return key_problem(key.split(RUN_NOW_MARK, 1)[0]) is not None
+            return key_problem(schedule_key(key)) is not None
 
         with self._gate():
             keys = store.keys_matching(bad)
-        rename = {k: key_problem(k.split(RUN_NOW_MARK, 1)[0]) or "" for k in keys}
+        rename = {k: key_problem(schedule_key(k)) or "" for k in keys}
         self._publish(replace(self.snapshot, rename=rename))
         heap.trim()  # it read every key
 
@@ -535,20 +536,20 @@ class MasterDatabase:
                 self._next_states = began + max(COUNTS_EVERY, took / STATES_SHARE)
             summary = {**self._states, "overdue": store.overdue_rows(int(now))}
             rows = store.running()
-            holders = store.group_holders({r.key.split(RUN_NOW_MARK, 1)[0] for r in rows
+            holders = store.group_holders({schedule_key(r.key) for r in rows
                                            if RUN_NOW_MARK in r.key})
             unclaimed = store.unclaimed(int(now) - UNCLAIMED_AFTER)
             hosts = store.hosts(forget_before=now - HOST_FORGET_AFTER)
             at_work = store.nodes_at_work(now - self.config.alive_time)
-        held = [({"key": r.key, "type": r.type, "scheduled_time": r.next_time,
-                  "timezone": r.timezone, "owner": r.owner,
-                  "age": round(now - r.claimed_at, 3) if r.claimed_at else None,
-                  "attempt": r.attempt},
-                 waits_its_turn(r.key, r.policy,
-                                holders.get(r.key.split(RUN_NOW_MARK, 1)[0])))
-                for r in rows]
-        running = [entry for entry, waits in held if not waits]
-        queued = [entry for entry, waits in held if waits]
+        running: list[dict[str, Any]] = []
+        queued: list[dict[str, Any]] = []
+        for r in rows:
+            waits = waits_its_turn(r.key, r.policy, holders.get(schedule_key(r.key)))
+            (queued if waits else running).append({
+                "key": r.key, "type": r.type, "scheduled_time": r.next_time,
+                "timezone": r.timezone, "owner": r.owner,
+                "age": round(now - r.claimed_at, 3) if r.claimed_at else None,
+                "attempt": r.attempt})
         failing = [_failing(r, last, now) for r, last in summary["problems"]]
         lates = overdue.late([*summary["overdue"], *(r for r, _ in summary["problems"])],
                              now)

@@ -39,7 +39,7 @@ from perfectschedd.config import Config
 from perfectschedd.metrics import counters as metrics
 from perfectschedd.notify import senders
 from perfectschedd.notify.spec import SILENT, Notifier
-from perfectschedd.schedules.fields import RUN_NOW_MARK
+from perfectschedd.schedules.fields import RUN_NOW_MARK, schedule_key
 
 log = logging.getLogger("perfectschedd.notify")
 
@@ -63,7 +63,7 @@ Run = dict[str, Any]
 def schedule_of(key: Any) -> Any:
     """The schedule whose state a run with this key makes: KEY for KEY@run-... (`run KEY`,
     an allow or replace schedule's occurrence), whose keys are each run's own."""
-    return key.split(RUN_NOW_MARK, 1)[0] if isinstance(key, str) else key
+    return schedule_key(key) if isinstance(key, str) else key
 PreviousOutcome = Callable[[str, float], "str | None"]
 # Many at once: [(key, before)] -> {key: the latest state outcome before, or None}.
 PreviousOutcomes = Callable[[list[tuple[str, float]]], dict[str, "str | None"]]
@@ -253,8 +253,7 @@ class Dispatcher:
         key = run.get("key")
         # An extra run or an occurrence on a row of its own (KEY@run-...) is its
         # schedule's: the entry's notifier is that of the schedule's key.
-        chosen = (self.entry_notify.get(key.split(RUN_NOW_MARK, 1)[0])
-                  if isinstance(key, str) else None)
+        chosen = self.entry_notify.get(schedule_key(key)) if isinstance(key, str) else None
         if chosen is None:
             task_type = run.get("type")
             for route in self.config.routes:

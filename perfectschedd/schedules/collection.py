@@ -35,6 +35,7 @@ from perfectschedd.schedules.fields import (
     SCHEDULE_FIELDS,
     SOURCE_API,
     dumps_data,
+    schedule_key,
 )
 from perfectschedd.schedules.validate import (
     MAX_DEPTH,
@@ -171,7 +172,7 @@ class Task:
         if self.policy.concurrency == "allow":
             return None
         if RUN_NOW_MARK in self.key:
-            return self.key.split(RUN_NOW_MARK, 1)[0]
+            return schedule_key(self.key)
         return self.key if self.has_extra else None
 
     def group_turn(self, now: float | None = None) -> str:

@@ -45,6 +45,12 @@ POLICY_MAX = 400
 SOURCE_MAX = 300
 
 
+def schedule_key(key: str) -> str:
+    """The schedule a run's key belongs to: KEY for KEY@run-... (an extra run, or an
+    allow/replace schedule's occurrence on a row of its own), else the key itself."""
+    return key.split(RUN_NOW_MARK, 1)[0]
+
+
 def detached_source(source: str) -> str:
     """The source recorded for a schedule of `source` (file:NAME) changed with --force."""
     return f"{SOURCE_FORCED}{source}"[:SOURCE_MAX]

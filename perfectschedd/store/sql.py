@@ -19,7 +19,7 @@ from sqlalchemy.engine.url import URL, make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
 from perfectschedd.errors import ConfigError, SchemaError, first_line
-from perfectschedd.schedules.fields import ROW_FIELDS, SCHEDULE_FIELDS, dumps_data
+from perfectschedd.schedules.fields import ROW_FIELDS, SCHEDULE_FIELDS, dumps_data, schedule_key
 from perfectschedd.store import states
 from perfectschedd.store import version as schemaversion
 from perfectschedd.store.backends.choice import open_backend
@@ -55,6 +55,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 # no longer holds its row.
 TURN_START, TURN_WAIT, TURN_LOST = "start", "wait", "lost"
 SA_MAJOR = int(sa.__version__.split(".")[0])
+
+
+def _runs_of(column: Any, schedule: str) -> Any:
+    """The SQL condition "`column` is `schedule` or one of its KEY@run-... keys"."""
+    return sa.or_(column == schedule, _starts_with(column, f"{schedule}{RUN_NOW_MARK}"))
 
 
 def _starts_with(column: Any, prefix: str) -> Any:
@@ -791,7 +796,7 @@ class Store:
         was committed, so of two members claimed at the same time at least one sees the
         other (and gives its occurrence back)."""
         t = self.t
-        members = sa.or_(t.c.key == base, _starts_with(t.c.key, f"{base}{RUN_NOW_MARK}"))
+        members = _runs_of(t.c.key, base)
         q = (sa.select(t.c.key).where(members, t.c.key != key, t.c.owner.isnot(None),
                                       t.c.next_run_time > now).limit(1))
         with self._tx(readonly=True) as conn:
@@ -1038,11 +1043,7 @@ class Store:
         For a KEY@run-... key (an extra run, an occurrence on a row of its own), the
         latest run of its schedule: KEY's and those of every KEY@run-... row."""
         h = self.h
-        if RUN_NOW_MARK in key:
-            base = key.split(RUN_NOW_MARK, 1)[0]
-            runs = sa.or_(h.c.key == base, _starts_with(h.c.key, f"{base}{RUN_NOW_MARK}"))
-        else:
-            runs = h.c.key == key
+        runs = _runs_of(h.c.key, schedule_key(key)) if RUN_NOW_MARK in key else h.c.key == key
         q = (sa.select(h.c.outcome)
              .where(runs, h.c.finished_at < before, h.c.outcome.in_(list(outcomes)))
              .order_by(h.c.id.desc()).limit(1))
@@ -1093,11 +1094,10 @@ class Store:
         marked: dict[str, int] = {}  # schedule -> its KEY@run-... runs, once pruned per key
         for key, n in found:
             if RUN_NOW_MARK in key:
-                base = key.split(RUN_NOW_MARK, 1)[0]
+                base = schedule_key(key)
                 marked[base] = marked.get(base, 0) + min(n, keep_per_key)
         bounded = [h.c.key == k for k, n in found if n > keep_per_key]
-        bounded += [sa.or_(h.c.key == b, _starts_with(h.c.key, f"{b}{RUN_NOW_MARK}"))
-                    for b, n in marked.items() if n > keep_per_key]
+        bounded += [_runs_of(h.c.key, b) for b, n in marked.items() if n > keep_per_key]
         for runs in bounded:
             with self._tx() as conn:
                 oldest_kept = conn.execute(
