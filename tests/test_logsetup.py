@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,48 @@ def test_info_lines_are_the_usual_lines_and_reach_added_handlers(
                for line in lines), lines
     assert [r.getMessage() for r in seen] == ["short 2"]
     assert seen[0].name == "perfectschedd.test" and seen[0].levelno == logging.INFO
+
+
+class _RecordingStream:
+    """The log file's stream, with the time and text of each write the writer makes."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.writes: list[tuple[float, str]] = []
+
+    def write(self, text: str) -> int:
+        self.writes.append((time.monotonic(), text))
+        return int(self.stream.write(text))
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def test_a_line_after_a_quiet_moment_goes_out_at_once_and_the_next_ones_together(
+        tmp_path: Path, restore_logging: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer rests WRITE_PAUSE after a small batch: lines logged meanwhile go out in
+    one write, not one each (a thread switch per line in a burst of exec runs); a line
+    logged when none was does not wait for the rest."""
+    monkeypatch.setattr(logsetup, "WRITE_PAUSE", 3.0)  # far above a loaded machine's stall
+    logsetup.setup(str(tmp_path / "d.log"))
+    assert isinstance(logsetup._output, logging.StreamHandler)
+    stream = _RecordingStream(logsetup._output.stream)
+    logsetup._output.stream = stream
+    log = logging.getLogger("perfectschedd.test")
+    logged = time.monotonic()
+    log.info("first")
+    wait_until(lambda: len(stream.writes) == 1, 10, what="the first line written")
+    assert stream.writes[0][0] - logged < 2.0, "a line after a quiet moment waited"
+    log.info("second")
+    logsetup.info(log, "third")
+    wait_until(lambda: len(stream.writes) == 2, 10, what="the next lines written")
+    (first_at, first), (next_at, both) = stream.writes
+    assert first.endswith(": first\n") and first.count("\n") == 1, first
+    assert both.count("\n") == 2 and ": second\n" in both and both.endswith(": third\n"), both
+    assert next_at - first_at >= 3.0 * 0.99  # they waited out the rest, together
+    logsetup.flush()
+    assert [line.rsplit(": ", 1)[1] for line in (tmp_path / "d.log").read_text().splitlines()] \
+        == ["first", "second", "third"]
 
 
 def test_journal_formatter_prefixes_every_line() -> None:
