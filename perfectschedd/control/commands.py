@@ -16,12 +16,12 @@ from perfectschedd.config import RouteConfig
 from perfectschedd.control import registry
 from perfectschedd.control.auth import Access, Caller, check_force
 from perfectschedd.control.protocol import ATTEMPT_MAX, HISTORY_MAX, HISTORY_OUTPUT_BYTES
-from perfectschedd.errors import InvalidInputError, NotFoundError
+from perfectschedd.errors import InvalidInputError, NotFoundError, ScheduleError
 from perfectschedd.notify import spec as notify_spec
 from perfectschedd.schedules import deletions
 from perfectschedd.schedules import policy as policy_mod
 from perfectschedd.schedules.collection import ScheduleCollection, ScheduleInfo, waits_its_turn
-from perfectschedd.schedules.fields import RUN_NOW_MARK, SOURCE_FILE, detached_source
+from perfectschedd.schedules.fields import RUN_NOW_MARK, SOURCE_API, SOURCE_FILE, detached_source
 from perfectschedd.schedules.ownership import known_user_name
 from perfectschedd.schedules.policy import OPTIONS as POLICY_OPTIONS
 from perfectschedd.schedules.validate import check_key, check_type, lookup_key
@@ -181,12 +181,22 @@ def _delete(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict
     # Deleted, a schedule has no source left to record: a marker of the entry as it was
     # keeps every host's convergence from adding it back until it changes (deletions.py).
     info = _changing(sc, a, access)
-    marker = None
     if _detaching_source(info.source) is not None:
         # A host of an older release reads no marker: it would add the entry back at its
         # start, or at an apply of the file (SPEC "Upgrades").
         sc.refuse_on_older_hosts("delete --force of a schedules file's schedule", now)
-        marker = deletions.marker(info.key, info.source, info.as_dict())
+
+    def marker(deleted: ScheduleInfo) -> str | None:
+        """From the row as it is deleted, in the delete's transaction: the entry a
+        convergence changed since `info` was read is the one marked (marked as it was, it
+        would come back at the next apply)."""
+        if deleted.source != info.source:  # not the schedule the checks above were for
+            raise ScheduleError(f"{info.key} changed while it was being deleted (its source "
+                                f"is now {deleted.source or SOURCE_API}): nothing deleted")
+        if _detaching_source(deleted.source) is None:
+            return None
+        return deletions.marker(deleted.key, deleted.source, deleted.as_dict())
+
     extra = sc[a["key"]].delete(marker)
     return {"key": a["key"], "deleted": True, "extra_runs": extra}
 

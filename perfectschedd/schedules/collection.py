@@ -11,7 +11,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from perfectschedd import __version__
@@ -346,11 +346,14 @@ class Schedule:
             raise NotFoundError(f"schedule {self.key!r} not found")
         return ScheduleInfo.from_row(row)
 
-    def delete(self, marker: str | None = None) -> int:
+    def delete(self, marker: Callable[[ScheduleInfo], str | None] | None = None) -> int:
         """Delete the schedule and its extra runs (a running one is stopped: its lease is
-        gone); returns how many extra runs went with it.  `marker`: a forced delete of a
-        schedules file's schedule, recorded with it (deletions.py)."""
-        deleted = self._collection.store.delete(self.key, marker)
+        gone); returns how many extra runs went with it.  `marker`: the record of a forced
+        delete of a schedules file's schedule (deletions.py), or None, from the schedule
+        as it is deleted; written with it."""
+        of_row = None if marker is None else (
+            lambda row: marker(ScheduleInfo.from_row(row)))  # type: ignore[misc]
+        deleted = self._collection.store.delete(self.key, of_row)
         if not deleted:
             raise NotFoundError(f"schedule {self.key!r} not found")
         return deleted - 1

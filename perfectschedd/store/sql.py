@@ -321,20 +321,30 @@ class Store:
             conn.execute(m.delete().where(m.c.name.in_(names[i:i + 500])))
 
     @_retried
-    def delete(self, key: str, marker: str | None = None) -> int:
+    def delete(self, key: str, marker: Callable[[Row], str | None] | None = None) -> int:
         """Delete a schedule and its extra runs (`run`: KEY@run-..., queued or running:
         a running one loses its lease and is stopped); the rows deleted, 0 if none.
-        `marker`: the value of the meta row that records the delete as forced (a schedules
-        file's schedule: deleted_markers), written with it, in its transaction."""
+        `marker`: gives, from the row as it is deleted, the value of the meta row that
+        records the delete as forced (a schedules file's schedule: deleted_markers), or
+        None; written with it, in its transaction.  From the row read here, not before:
+        an entry a convergence changed in between would otherwise be marked as it was,
+        and come back."""
         t, m = self.t, self.backend.meta
         with self._tx(durable=True) as conn:
-            row = conn.execute(sa.select(t.c.has_extra).where(t.c.key == key)).first()
+            if marker is None:
+                row = conn.execute(sa.select(t.c.has_extra).where(t.c.key == key)).first()
+            else:
+                # Locked (PostgreSQL, MySQL; SQLite's write transaction holds the file):
+                # no change commits between this read and the delete.
+                row = conn.execute(
+                    sa.select(t).where(t.c.key == key).with_for_update()).first()
             if row is None:
                 return 0
-            if marker is not None:
+            value = None if marker is None else marker(self._row(row))
+            if value is not None:
                 name = deleted_marker_name(key)
                 conn.execute(m.delete().where(m.c.name == name))
-                conn.execute(m.insert().values(name=name, value=marker))
+                conn.execute(m.insert().values(name=name, value=value))
             keys = [key]
             if row.has_extra:
                 prefix = f"{key}{RUN_NOW_MARK}"

@@ -300,8 +300,7 @@ def test_file_schedules_without_a_directory_hold_nothing(
 
 def forced_delete(sc: ScheduleCollection, key: str) -> None:
     """What `delete --force` stores (control/commands.py _delete)."""
-    info = sc[key].info()
-    sc[key].delete(marker=deletions.marker(key, info.source, info.as_dict()))
+    sc[key].delete(marker=lambda info: deletions.marker(key, info.source, info.as_dict()))
 
 
 def test_a_forced_delete_holds_until_its_entry_changes(sc: ScheduleCollection) -> None:

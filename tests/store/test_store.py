@@ -25,6 +25,7 @@ from perfectschedd import (
     NotFoundError,
     PreemptedError,
     ScheduleCollection,
+    ScheduleError,
 )
 from perfectschedd.store.sql import TURN_LOST, TURN_START, TURN_WAIT, Store
 
@@ -775,9 +776,9 @@ def test_a_forced_delete_records_its_marker_until_the_key_is_added_again(
     for key in ("nightly", long_key, "bulk"):
         sc.add(key, "t", cron="@daily", source="file:backup.yml", now=T0)
     value = "d" * 64 + " file:backup.yml"
-    assert sc["nightly"].delete(marker=value) == 0
-    assert sc[long_key].delete(marker="e" * 64 + " file:" + "n" * 185) == 0
-    sc["bulk"].delete(marker="f" * 64 + " file:backup.yml")
+    assert sc["nightly"].delete(marker=lambda info: value) == 0
+    assert sc[long_key].delete(marker=lambda info: "e" * 64 + " file:" + "n" * 185) == 0
+    sc["bulk"].delete(marker=lambda info: "f" * 64 + " file:backup.yml")
     markers = sc.deleted_markers()
     assert markers == {deleted_marker_name("nightly"): value,
                        deleted_marker_name(long_key): "e" * 64 + " file:" + "n" * 185,
@@ -785,7 +786,7 @@ def test_a_forced_delete_records_its_marker_until_the_key_is_added_again(
     assert sc.store.paused_all() is None  # the pause --all row is no marker, nor the reverse
     # No row, no delete, no marker: a second forced delete of the key changes nothing.
     with pytest.raises(NotFoundError):
-        sc["gone"].delete(marker="0" * 64 + " file:x.yml")
+        sc["gone"].delete(marker=lambda info: "0" * 64 + " file:x.yml")
     assert deleted_marker_name("gone") not in sc.deleted_markers()
     # Added again, by add (insert) or in bulk (insert_many): the marker goes with it.
     sc.add("nightly", "t", cron="@hourly", now=T0)
@@ -801,6 +802,35 @@ def test_a_forced_delete_records_its_marker_until_the_key_is_added_again(
     assert sc.deleted_markers() == {}
 
 
+def test_a_forced_delete_s_marker_is_made_from_the_row_as_it_is_deleted(
+        sc: ScheduleCollection) -> None:
+    """The marker is computed in the delete's transaction, from the row deleted: an entry
+    changed since the caller read it (a convergence) is marked as it is, or it would come
+    back at the next apply.  A marker that refuses (raises) deletes nothing and marks
+    nothing; one that gives None marks nothing."""
+    from perfectschedd.schedules.fields import deleted_marker_name
+
+    sc.add("nightly", "t", cron="@daily", source="file:backup.yml", now=T0)
+    read_before = sc["nightly"].info()
+    sc["nightly"].modify(cron="@hourly", file_entry=True, now=T0)  # a convergence, meanwhile
+    seen: list[Any] = []
+    with pytest.raises(ScheduleError, match="changed"):
+        sc["nightly"].delete(marker=lambda info: seen.append(info) or _refuse("changed"))
+    assert sc["nightly"].info().cron == "@hourly" and sc.deleted_markers() == {}
+    assert seen[0].cron == "@hourly" and read_before.cron == "@daily"
+    sc["nightly"].delete(marker=lambda info: f"{info.cron:>64} {info.source}")
+    assert sc.deleted_markers() == {
+        deleted_marker_name("nightly"): f"{'@hourly':>64} file:backup.yml"}
+    assert not sc["nightly"].exists()
+    sc.add("plain", "t", cron="@daily", now=T0)
+    sc["plain"].delete(marker=lambda info: None)
+    assert not sc["plain"].exists() and deleted_marker_name("plain") not in sc.deleted_markers()
+
+
+def _refuse(why: str) -> str:
+    raise ScheduleError(why)
+
+
 def test_a_batch_add_ends_the_markers_of_its_own_keys_only(sc: ScheduleCollection) -> None:
     """add_many reads the markers of forced deletes once for the whole batch: those of its
     keys end, wherever in a batch of more than 500 they are; the others stay."""
@@ -808,7 +838,7 @@ def test_a_batch_add_ends_the_markers_of_its_own_keys_only(sc: ScheduleCollectio
 
     for key in ("j3", "j1100", "elsewhere"):
         sc.add(key, "t", cron="@daily", source="file:a.yml", now=T0)
-        sc[key].delete(marker="a" * 64 + " file:a.yml")
+        sc[key].delete(marker=lambda info: "a" * 64 + " file:a.yml")
     assert len(sc.deleted_markers()) == 3
     sc.add_many([{"key": f"j{i}", "type": "t", "cron": "@daily", "now": T0}
                  for i in range(1200)])
