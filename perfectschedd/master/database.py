@@ -159,13 +159,13 @@ class MasterDatabase:
         # Set once the first attempt to open the store has ended, whatever its outcome.
         self.first_open = threading.Event()
         self._started_mono: float | None = None
-        metrics.set_database_health(config.alive_time, None)
         # Why the database can never be used by this version (SchemaError): the daemon
         # stops.  None while it can, or may once it answers.
         self.fatal: str | None = None
 
     def start(self) -> None:
         self._started_mono = time.monotonic()
+        metrics.watch_database(lambda: self.health()[1])  # the metrics are set up by now
         self._thread.start()
 
     def opening(self) -> bool:
@@ -427,7 +427,6 @@ class MasterDatabase:
         with self._refreshed:
             self.snapshot = snap
             self._refreshed.notify_all()
-        metrics.set_database_health(self.config.alive_time, snap.unreachable_since)
 
     # -- housekeeping thread ----------------------------------------------------------------
 

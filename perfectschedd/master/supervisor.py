@@ -485,6 +485,7 @@ class Supervisor:
         if self.db.snapshot.paused_all is not None:
             line += "; everything paused"  # pause --all, on every host
         metrics.set_workers(self.config.workers, len(alive))
+        metrics.set_alive_time(self.config.alive_time)  # a reload may change it alone
         if line != self.status_line:
             self.status_line = line
             self.notify(f"STATUS={line}")

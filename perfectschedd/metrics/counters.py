@@ -300,7 +300,10 @@ class _MasterState:
         self.oldest_overdue = 0.0
         self.beyond_period = 0
         self.alive_time = 0.0
-        self.db_unreachable_since: float | None = None  # the master's view, Unix time
+        # The master's view of its database, asked at each scrape: unreachable since (Unix
+        # time), or None.  Asked, not published: a call the database has not answered
+        # for a while says so before its deadline (or its retry's) ends it.
+        self.db_unreachable_since: Callable[[], float | None] = lambda: None
 
 
 class _MasterCollector:
@@ -328,7 +331,7 @@ class _MasterCollector:
         yield GaugeMetricFamily(f"{p}_alive_time_seconds",
                                 "alive_time of the running configuration (lease length).",
                                 value=s.alive_time)
-        since = s.db_unreachable_since
+        since = s.db_unreachable_since()
         yield GaugeMetricFamily(
             f"{p}_database_unreachable_seconds",
             "How long the master has not reached the database (no answer, an error, "
@@ -468,12 +471,17 @@ def set_schedule_states(by_state: dict[str, int], oldest_overdue: float,
         _master.beyond_period = int(beyond_period)
 
 
-def set_database_health(alive_time: float, unreachable_since: float | None) -> None:
-    """The master's view of its database: unreachable since (Unix time; None: it answers),
-    and the lease length the alert rules compare with."""
+def watch_database(unreachable_since: Callable[[], float | None]) -> None:
+    """Where the master's view of its database is asked at each scrape: unreachable since
+    (Unix time; None: it answers).  The database in use: set again when it changes."""
+    if _master is not None:
+        _master.db_unreachable_since = unreachable_since
+
+
+def set_alive_time(alive_time: float) -> None:
+    """The lease length of the running configuration, which alert rules compare with."""
     if _master is not None:
         _master.alive_time = float(alive_time)
-        _master.db_unreachable_since = unreachable_since
 
 
 def set_workers(configured: int, alive: int) -> None:

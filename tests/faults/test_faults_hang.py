@@ -14,14 +14,14 @@ from typing import Any
 
 import pytest
 from daemon_harness import Daemon, pid_alive, wait_until
-from dbservers import PostgresServer
+from dbservers import MariaDBServer, PostgresServer
 from faultlib import metric, now_boot, workers
 
 import perfectschedd
 from perfectschedctl.client import SocketClient
 from perfectschedd.store.deadline import statement_deadline
 
-pytestmark = [pytest.mark.faults, pytest.mark.postgresql]
+pytestmark = [pytest.mark.faults]
 
 # Appends "S|E <key> <scheduled_time> <attempt> <pid> <uptime>" to $JOB_LOG, sleeping
 # $1 seconds in between.
@@ -40,6 +40,16 @@ def private_pg() -> Iterator[PostgresServer]:
     """A server of this test's own: it is stopped and frozen."""
     with PostgresServer() as pg:
         yield pg
+
+
+@pytest.fixture(params=[
+    pytest.param(PostgresServer, id="postgresql", marks=pytest.mark.postgresql),
+    pytest.param(MariaDBServer, id="mysql", marks=pytest.mark.mysql)])
+def private_db(request: pytest.FixtureRequest) -> Iterator[PostgresServer | MariaDBServer]:
+    """A server of this test's own, of each kind that has a statement deadline of its own
+    (frozen, a server enforces none: store/deadline.py)."""
+    with request.param() as server:
+        yield server
 
 
 def _daemon(make: Any, tmp_path: Path, url: str, alive_time: int, long_job: float
@@ -82,6 +92,7 @@ def _history(url: str, key: str) -> list[dict[str, Any]]:
         return [dict(r) for r in sc.history(key, 20)]
 
 
+@pytest.mark.postgresql
 def test_job_keeps_running_through_a_10s_outage(tmp_path: Path, private_pg: PostgresServer,
                                                 daemon_factory: Any) -> None:
     """PostgreSQL stopped for 10 s, alive_time 30: the running job is neither fenced nor
@@ -115,13 +126,14 @@ def test_job_keeps_running_through_a_10s_outage(tmp_path: Path, private_pg: Post
 
 
 def test_hung_server_status_answers_jobs_live_work_resumes(
-        tmp_path: Path, private_pg: PostgresServer, daemon_factory: Any) -> None:
-    """The only PostgreSQL frozen (SIGSTOP of its process tree, no failover) for 20 s,
-    alive_time 60: `status` answers within 1 s throughout and says the database is hung
-    or unreachable and since when; the running job lives on and succeeds once; an
+        tmp_path: Path, private_db: PostgresServer | MariaDBServer, daemon_factory: Any
+) -> None:
+    """The only PostgreSQL or MariaDB server frozen (SIGSTOP of its process tree, no
+    failover) for 20 s, alive_time 60: `status` answers within 1 s throughout and says the
+    database is hung or unreachable and since when; the running job lives on and succeeds once; an
     occurrence that fell due meanwhile starts within the statement deadline of SIGCONT;
     no worker is replaced."""
-    url = private_pg.create_database("hung")
+    url = private_db.create_database("hung")
     alive_time = 60
     deadline = statement_deadline(alive_time)
     d = _daemon(daemon_factory, tmp_path, url, alive_time=alive_time, long_job=35)
@@ -135,7 +147,7 @@ def test_hung_server_status_answers_jobs_live_work_resumes(
     client.call("status")  # warm: the first call loads what answering needs
 
     t0_wall = time.time()
-    private_pg.pause_server()
+    private_db.pause_server()
     slowest = 0.0
     said: dict[str, Any] = {}
     unreachable_for: float | None = None
@@ -152,7 +164,7 @@ def test_hung_server_status_answers_jobs_live_work_resumes(
             time.sleep(0.5)
         assert pid_alive(job_pid), "the job died while the database hung"
     finally:
-        private_pg.resume_server()
+        private_db.resume_server()
     thawed = now_boot()
     print(f"\nslowest status while hung: {slowest:.3f}s; said {said}")
     assert slowest < 1.0, f"status took {slowest:.2f}s while the database hung"

@@ -202,6 +202,21 @@ def test_metrics_listen_off_serves_nothing(daemon_factory: Callable[..., Daemon]
     assert d.stop() == 0
 
 
+def test_alive_time_follows_a_reload_that_changes_it_alone(
+        daemon_factory: Callable[..., Daemon]) -> None:
+    """perfectsched_alive_time_seconds (what the shipped alert rules compare with) is the
+    running configuration's: a reload on the same database that changes only alive_time
+    shows at the next scrape."""
+    d = daemon_factory({"alive_time": 30}).start()
+    assert value(scrape(d.metrics_port)[1], "perfectsched_alive_time_seconds") == 30
+    d.write_config({**d.config, "alive_time": 90})
+    assert d.ctl("reload", check=False).returncode == 0
+    wait_until(lambda: value(scrape(d.metrics_port)[1],
+                             "perfectsched_alive_time_seconds") == 90, 10,
+               what="alive_time 90 in /metrics")
+    assert d.stop() == 0
+
+
 def _listening_tcp(pid: int) -> set[int]:
     """Inodes of the TCP sockets in LISTEN state that `pid` holds."""
     inodes = set()

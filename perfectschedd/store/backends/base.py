@@ -141,6 +141,11 @@ class Backend(ABC):
         broken one, and the next goes to whichever host is primary now."""
         return False
 
+    def timed_out(self, orig: BaseException | None) -> bool:
+        """Whether a driver error is the driver's own timeout, where that is this
+        backend's statement deadline (MySQL), as the watchdog's cut is elsewhere."""
+        return False
+
     def describe_error(self, exc: BaseException) -> str:
         """One line for logs and status: what a database error means (deadline.py)."""
         from perfectschedd.store.deadline import describe
@@ -259,6 +264,9 @@ class ServerBackend(Backend):
             if watch is not None and dbapi_conn is not None:
                 watch.disarm(dbapi_conn)
                 cut = watch.was_cut(dbapi_conn)
+            if not cut and self.timed_out(ctx.original_exception):
+                cut = True
+                metrics.db_deadline_expired()  # the watchdog counts its own cuts
             if cut and ctx.sqlalchemy_exception is not None:
                 ctx.sqlalchemy_exception.perfectsched_deadline = self.deadline
             if cut or self.not_primary(ctx.original_exception):

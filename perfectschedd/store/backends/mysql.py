@@ -55,6 +55,13 @@ class MySQLBackend(ServerBackend):
         args = getattr(orig, "args", ())
         return bool(args) and isinstance(args[0], int) and args[0] in _NOT_PRIMARY_ERRORS
 
+    def timed_out(self, orig: BaseException | None) -> bool:
+        # PyMySQL turns a socket timeout into "lost connection" (2013: a read) or "gone
+        # away" (2006: a write), raised while handling the TimeoutError.
+        args = getattr(orig, "args", ())
+        return bool(args) and args[0] in (2013, 2006) and \
+            isinstance(getattr(orig, "__context__", None), TimeoutError)
+
     def data_type(self) -> sa.types.TypeEngine[Any]:
         """MySQL's TEXT stops at 65535 bytes.  Imported here: every dialect module loaded
         costs each process about a megabyte."""
