@@ -402,10 +402,14 @@ class MasterDatabase:
             snap = self.snapshot
             return snap is not before and (snap.ok is False or (snap.read_at or 0) >= asked)
 
+        # A database known not to answer gives no figures: the request is left for the
+        # housekeeping thread, and status answers at once with what is known.
+        unanswered = self.health()[0] is False
         with self._refreshed:
             self._states_asked = True
             self._refresh.set()
-            self._refreshed.wait_for(answered, timeout=wait)
+            if not unanswered:
+                self._refreshed.wait_for(answered, timeout=wait)
         return self.snapshot
 
     def _mark(self, ok: bool, error: str | None = None, asked_at: float | None = None
