@@ -167,6 +167,11 @@ class LeasePipeline:
         assert self.sc is not None
         return self.sc.store
 
+    def _queued(self) -> int:
+        """Runs claimed and waiting for a thread (not those waiting for their group's
+        turn); the caller holds the lock."""
+        return len(self.running) - self.active - len(self.waiting)
+
     def running_count(self) -> int:
         """Runs this worker has started or will start (queued for their turn in a group
         not counted: a stop gives them back at once)."""
@@ -230,7 +235,7 @@ class LeasePipeline:
         capacity = threads * (1 + queue_depth)
         with self.lock:
             free = capacity - len(self.running)
-            queued = len(self.running) - self.active - len(self.waiting)
+            queued = self._queued()
         if self.finished and queued >= threads:
             # Every thread has work waiting: let finishes gather (not long).
             age = time.monotonic() - self.first_finish
@@ -520,7 +525,7 @@ class LeasePipeline:
                 self.running.pop(task.key, None)
                 self.controls.pop(task.key, None)
                 # This run's thread is still counted active: it takes the next task.
-                queued = len(self.running) - self.active + 1 - len(self.waiting)
+                queued = self._queued() + 1
             if task.group is not None and task not in self.finished:
                 # Ended otherwise than by a finish (retry, release, stopped), or finished
                 # and already written: the group's next run may start (a finish still
