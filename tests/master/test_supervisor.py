@@ -63,7 +63,9 @@ def test_ready_after_workers_run_and_status_kept_current(daemon_factory: Any,
     msgs = d.messages()
     ready = next(m for m in msgs if "READY=1" in m)
     assert f"MAINPID={d.pid}" in ready
-    # READY only once every worker proved it runs.
+    # READY only once every worker proved it runs.  The master logs "ready" before it
+    # sends READY=1, but through its log writer thread: the line may still be queued.
+    d.wait_log(" ready")
     log = d.log()
     ready_at = log.index(" ready")
     assert len(re.findall(r"worker \d started", log[:ready_at])) == 3, log
