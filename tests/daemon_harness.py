@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -68,6 +69,14 @@ def wait_until(pred: Callable[[], Any], timeout: float = 20.0, interval: float =
 
 
 YEARLY = "0 0 1 1 *"  # due once via --at 0, then not again during a test
+
+
+def log_stamp(text: str) -> float:
+    """A log line's time ("2026-11-22 15:40:01,123") as Unix seconds.  Lines of different
+    processes are in the file in the order their log writer threads wrote them, not in
+    the order they were logged: compare these times, not positions."""
+    whole, ms = text.split(",")
+    return time.mktime(time.strptime(whole, "%Y-%m-%d %H:%M:%S")) + int(ms) / 1000
 
 
 def sh(task_type: str, script: str, **extra: Any) -> dict[str, Any]:
@@ -262,6 +271,11 @@ class Daemon:
 
     def wait_log(self, text: str, timeout: float = 20.0, count: int = 1) -> None:
         wait_until(lambda: self.log().count(text) >= count, timeout, what=f"log {text!r}")
+
+    def logged_at(self, pattern: str) -> list[float]:
+        """The times of the log lines matching the regular expression (after the time)."""
+        return [log_stamp(t) for t in
+                re.findall(rf"^(\S+ \S+) .*?{pattern}", self.log(), re.M)]
 
     def children(self) -> list[int]:
         """Direct children of the master (the workers)."""

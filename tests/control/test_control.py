@@ -339,7 +339,7 @@ def test_stale_socket_from_a_crash_is_replaced(daemon_factory: Any) -> None:
     assert stat.S_ISSOCK(os.lstat(d.socket_path).st_mode)
     d.start()
     assert call(d.socket_path, "list") == {"ok": True, "result": []}
-    assert "removing stale control socket" in d.log()
+    d.wait_log("removing stale control socket")
 
 
 def test_a_file_at_the_socket_path_is_left_alone(daemon_factory: Any) -> None:

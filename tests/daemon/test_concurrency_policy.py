@@ -193,7 +193,9 @@ def test_run_key_behind_a_running_occurrence_goes_next(daemon_factory: Any, url:
     first_end = next(at for w, k, t, at in log if w == "end" and t == due[0])
     assert 0 <= starts[1][2] - first_end <= POLL + 3.0, (first_end, starts[1])
     assert not overlapping(spans(out)), spans(out)
-    about = [ln for ln in d.log().splitlines() if run_key in ln and "end key=" not in ln]
+    about = wait_until(lambda: a if len(a := [ln for ln in d.log().splitlines()
+                                               if run_key in ln and "end key=" not in ln]) >= 2
+                       else None, what="the extra run's lines in the log")
     assert len(about) == 2, about
     assert "queued" in about[0] and "start key=" in about[1], about
     assert d.stop() == 0

@@ -93,7 +93,7 @@ def test_killed_worker_takes_its_whole_job_tree_with_it(daemon_factory: Any,
     assert not running(job) and not running(escapee)
     starts = [e for e in ev if e[0] == "start"]
     assert [s[1] for s in starts] == ["1", "2"]
-    assert f"(pid {victim}) died (signal 9)" in d.log()
+    d.wait_log(f"(pid {victim}) died (signal 9)")
     runs = wait_until(lambda: h if len(h := history(d, "k")) == 2 else None,
                       what="both attempts in history")
     assert sorted(r["outcome"] for r in runs) == ["lost", "success"], runs
@@ -214,7 +214,7 @@ def test_lease_not_renewable_stops_the_job_before_it_expires(daemon_factory: Any
                what="the occurrence again, after its lease expired")
     second = [e for e in events(out) if e[0] == "start"][1]
     assert float(second[2]) > term_at
-    assert "lease could not be renewed in time" in d.log()
+    d.wait_log("lease could not be renewed in time")
     assert d.stop() == 0
 
 

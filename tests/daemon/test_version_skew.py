@@ -76,7 +76,7 @@ def test_this_client_with_a_0_1_0_daemon(daemon_factory: Any, old_release: Any) 
     field, so the client asks again without it and what both know works; a command
     0.1.0 does not know is refused in one line naming both versions."""
     old: Daemon = daemon_factory(command=old_release.daemon_command).start()
-    assert "perfectschedd 0.1.0 starting" in old.log()
+    old.wait_log("perfectschedd 0.1.0 starting")
     old.ctl("add", "k", "t", "@daily")
     assert [s["key"] for s in old.ctl_json("list")] == ["k"]
     assert old.ctl_json("status")["version"] == "0.1.0"

@@ -471,6 +471,7 @@ def test_the_daemon_refuses_the_file_and_runs_the_rest(daemon_factory: Any, tmp_
     assert d.stop() == 0
     mixed = daemon_factory({"routes": [ROUTE, {"type": "plain-t", "exec": [
         "/bin/sh", "-c", f"echo route >> {out}"]}]}).start()
+    mixed.wait_log("this route is refused")
     errors = [x for x in mixed.log().splitlines() if "executor" in x]
     assert len(errors) == 1 and "routes[0].executor: systemd is not running on this " \
         "host" in errors[0] and "this route is refused, the other routes run" in errors[0]

@@ -86,6 +86,7 @@ def test_postgresql_stopped_30s(postgres_server: object, pg_url: str,
     c.wait_settled(cutoff, timeout=90)
     c.assert_all_alive()
     for d in c.nodes:
+        d.wait_log("database reachable again")
         log = d.log()
         # Logged once per state change (per worker process), not once per poll.
         n_workers = len(set(re.findall(r"worker (\d+) spawned", log))) or 2

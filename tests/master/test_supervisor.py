@@ -63,12 +63,13 @@ def test_ready_after_workers_run_and_status_kept_current(daemon_factory: Any,
     msgs = d.messages()
     ready = next(m for m in msgs if "READY=1" in m)
     assert f"MAINPID={d.pid}" in ready
-    # READY only once every worker proved it runs.  The master logs "ready" before it
-    # sends READY=1, but through its log writer thread: the line may still be queued.
+    # READY only once every worker proved it runs.  Each process logs through its own
+    # writer thread: wait for the lines, and compare their times, not their places.
     d.wait_log(" ready")
-    log = d.log()
-    ready_at = log.index(" ready")
-    assert len(re.findall(r"worker \d started", log[:ready_at])) == 3, log
+    d.wait_log("started", count=3)
+    (ready_at,) = d.logged_at(r": ready$")
+    started = d.logged_at(r"worker \d started")
+    assert len(started) == 3 and max(started) <= ready_at, d.log()
     assert len(d.children()) == 3
     # No WATCHDOG=1 without WATCHDOG_USEC.
     assert not any("WATCHDOG=1" in m for m in msgs)
@@ -218,11 +219,13 @@ def test_reload_starts_new_workers_before_retiring_old(daemon_factory: Any, tmp_
     # gone from /proc once reaped, a moment before the master logs its exit.)
     wait_until(lambda: all(f"(pid {p}) exited" in d.log() for p in old_workers),
                what="the old workers' exits in the log")
+    for p in new_workers:
+        d.wait_log(f"[{p}]: worker {_index(d.log(), p)} started")
+    last_new_start = max(max(d.logged_at(rf"\[{p}\]: worker \d+ started"))
+                         for p in new_workers)
+    first_old_exit = min(min(d.logged_at(rf"\(pid {p}\) exited")) for p in old_workers)
+    assert last_new_start <= first_old_exit
     log = d.log()
-    last_new_start = max(log.index(f"[{p}]: worker {i} started")
-                         for p, i in ((p, _index(log, p)) for p in new_workers))
-    first_old_exit = min(log.index(f"(pid {p}) exited") for p in old_workers)
-    assert last_new_start < first_old_exit
     assert "died" not in log
     # The new configuration is in force.
     d.ctl("add", "k", "new", YEARLY, "--at", "0")
@@ -325,7 +328,8 @@ def test_killed_worker_is_replaced_and_its_task_runs_again(daemon_factory: Any,
     assert not pid_alive(first_job)
     assert lines(out)[1].split()[0] == "2"
     d.wait_log("attempt=2 duration")
-    assert re.search(rf"worker \d \(pid {victim}\) died \(signal 9\)", d.log())
+    wait_until(lambda: re.search(rf"worker \d \(pid {victim}\) died \(signal 9\)", d.log()),
+               what="the master's line on the death")
     code, _ = stop_keep_messages(d)
     assert code == 0
 

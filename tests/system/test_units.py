@@ -119,6 +119,18 @@ def journal(ns: Namespace, unit: str = UNIT, lines: int = 60) -> str:
                   check=False).stdout
 
 
+def journal_showing(ns: Namespace, *patterns: str, unit: str = UNIT, lines: int = 400,
+                    timeout: float = 30) -> str:
+    """The journal once every regular expression matches it.  The daemon's lines reach
+    journald through its log writer thread, so they can come after what a test saw of
+    the same moment (the unit active, a reply, a unit stopped)."""
+    def found() -> str | None:
+        text = journal(ns, unit, lines)
+        return text if all(re.search(p, text, re.M) for p in patterns) else None
+    return wait_for(found, timeout, f"{patterns} in the journal of {unit}",
+                    lambda: journal(ns, unit, 60))
+
+
 def history(ns: Namespace, key: str) -> list[dict[str, Any]]:
     return json.loads(ns.ctl("history", key, "--json").stdout)
 
@@ -188,7 +200,7 @@ def test_u00_no_grant_after_install(ns: Namespace, installed) -> None:
     ns.write(CONF, json.dumps(config, indent=2) + "\n")
     ns.run("systemctl", "restart", UNIT, timeout=150)
     ensure_active(ns)
-    assert "polkit grant to start units: not held" in journal(ns)
+    journal_showing(ns, "polkit grant to start units: not held")
     key = f"escape-{TOKEN}"
     ns.ctl("add", key, f"escape-{TOKEN}", "17 3 * * *")
     ns.ctl("run", key)
@@ -279,12 +291,11 @@ def test_u10_with_the_grant_no_job_runs_as_the_daemon_s_user(ns: Namespace, unit
     """With the grant on: the exec route and the unit without another user are refused
     alone (journal and status), the other units run, and a unit job cannot become root
     through systemd (it runs as nobody, whom polkit grants nothing)."""
-    log = journal(ns, lines=400)
-    assert "polkit grant to start units: held" in log, log
-    assert re.search(r"routes\[0\]\.executor: an exec job runs as perfectsched, the "
-                     r"daemon's user, which holds the polkit grant", log), log
-    assert re.search(rf"schedules file entry {KEYS['asdaemon']}: user: the unit would run "
-                     r"as perfectsched", log), log
+    journal_showing(ns, "polkit grant to start units: held",
+                    r"routes\[0\]\.executor: an exec job runs as perfectsched, the "
+                    r"daemon's user, which holds the polkit grant",
+                    rf"schedules file entry {KEYS['asdaemon']}: user: the unit would run "
+                    r"as perfectsched")
     refused = json.loads(ns.ctl("--json", "status").stdout)["refused_routes"]
     assert len(refused) == 2, refused
     ns.ctl("run", KEYS["whoami"])
@@ -359,7 +370,7 @@ def test_u05_timeout_stops_the_unit(ns: Namespace, units) -> None:
     unit = runs[0]["unit"]
     assert not active_units(ns, key)
     assert "timeout-start" in journal(ns, unit)
-    assert re.search(r"timed out after 2s", journal(ns, UNIT, 400))
+    journal_showing(ns, r"timed out after 2s")
     # max_attempts 1 holds for the extra run too: no retry after retry_wait (2 s), and
     # its row is gone (0.2.0's first cut retried it without end).
     time.sleep(5)
@@ -394,8 +405,8 @@ def test_u06_a_killed_worker_s_unit_stops_before_the_occurrence_runs_again(
     stopped_at = max(unit_times(ns, first))
     started_at = min(unit_times(ns, second))
     assert stopped_at < started_at, (stopped_at, started_at)
-    assert re.search(rf"stopped 1 systemd unit\(s\) of worker \d+ \(pid {worker}\): "
-                     rf"{re.escape(first)}", journal(ns, UNIT, 400)), journal(ns)
+    journal_showing(ns, rf"stopped 1 systemd unit\(s\) of worker \d+ \(pid {worker}\): "
+                    rf"{re.escape(first)}")
     runs = history(ns, key)
     assert runs[0]["outcome"] == "lost" or any(r["outcome"] == "lost" for r in runs), runs
 
@@ -433,8 +444,8 @@ def test_u07_a_crashed_daemon_s_units_stop_and_leftovers_are_stopped_at_start(
     ensure_active(ns)
     assert ns.out("systemctl", "is-active", mine, check=False) != "active"
     assert ns.out("systemctl", "is-active", theirs, check=False) == "active"
-    assert re.search(r"stopped 1 systemd unit\(s\) of a previous daemon of this host: "
-                     + re.escape(mine), journal(ns, UNIT, 400)), journal(ns)
+    journal_showing(ns, r"stopped 1 systemd unit\(s\) of a previous daemon of this host: "
+                    + re.escape(mine))
     ns.run("systemctl", "stop", theirs)
 
 
@@ -489,8 +500,8 @@ def test_u09_a_frozen_bus_stops_neither_the_master_nor_the_rule(ns: Namespace, u
                       "the occurrence running again", lambda: journal(ns, UNIT, 200))[0]
     assert max(unit_times(ns, first)) < min(unit_times(ns, second))
     # Runs of other tests may run on the same worker: "stopped N ...: a, b, c".
-    assert re.search(rf"stopped \d+ systemd unit\(s\) of worker \d+ \(pid {worker}\): "
-                     rf".*{re.escape(first)}", journal(ns, UNIT, 400)), journal(ns)
+    journal_showing(ns, rf"stopped \d+ systemd unit\(s\) of worker \d+ \(pid {worker}\): "
+                    rf".*{re.escape(first)}")
     wait_for(lambda: ns.show("StatusText")["StatusText"].startswith("2 workers"), 30,
              "the replacement worker", lambda: journal(ns))
     ns.ctl("delete", key, "--force")  # a schedules file's: root forces it

@@ -100,6 +100,17 @@ def main_pid(ns: Namespace) -> int:
     return int(ns.show("MainPID")["MainPID"])
 
 
+def pid_journal(ns: Namespace, pid: int | str, *patterns: str) -> str:
+    """What process `pid` of the unit logged, once every regular expression matches it:
+    its lines reach journald through its log writer thread, so they can come after the
+    unit is active (or stopped)."""
+    def found() -> str | None:
+        text = ns.run("journalctl", "--no-pager", "-o", "cat", "-u", UNIT, f"_PID={pid}",
+                      check=False).stdout
+        return text if all(re.search(p, text, re.M) for p in patterns) else None
+    return wait_for(found, 30, f"{patterns} logged by {pid}", lambda: ns.journal(60))
+
+
 def ctl_json(ns: Namespace, *args: str) -> Any:
     return json.loads(ns.ctl("--json", *args).stdout)
 
@@ -166,9 +177,7 @@ def before(old_deb_file: Path, ns: Namespace) -> dict[str, Any]:
         "exec": "echo file-entry", "misfire": "skip", "max_attempts": 2}], indent=2) + "\n")
     ns.run("systemctl", "restart", UNIT, timeout=150)
     st = ensure_active(ns)
-    journal = ns.run("journalctl", "--no-pager", "-o", "cat", "-u", UNIT,
-                     f"_PID={st['MainPID']}", check=False).stdout
-    assert f"perfectschedd {OLD_VERSION} starting" in journal, journal[-3000:]
+    pid_journal(ns, st["MainPID"], f"perfectschedd {re.escape(OLD_VERSION)} starting")
 
     # A past --start: the occurrences since then run at once, oldest first.
     ns.ctl("add", KEYS["every"], ROUTE_TYPE, "* * * * *", json.dumps({"token": TOKEN}),
@@ -253,19 +262,14 @@ def test_up03_the_daemon_runs_the_new_code(
     new_pid = int(st["MainPID"])
     assert new_pid != before["main_pid"], f"not restarted: MainPID still {new_pid}"
     assert ns.out("perfectschedd", "--version") == f"perfectschedd {version}"
-    journal = ns.run("journalctl", "--no-pager", "-o", "cat", "-u", UNIT, f"_PID={new_pid}",
-                     check=False).stdout
-    assert f"perfectschedd {version} starting" in journal, journal[-3000:]
     # the old daemon was stopped gracefully (leases released), not killed
-    old = ns.run("journalctl", "--no-pager", "-o", "cat", "-u", UNIT,
-                 f"_PID={before['main_pid']}", check=False).stdout
-    assert re.search(r"^master\[\d+\]: stopped$", old, re.M), old[-3000:]
+    pid_journal(ns, before["main_pid"], r"^master\[\d+\]: stopped$")
     workers = ns.children(new_pid)
     assert workers and not set(workers) & set(before["workers"]), (workers, before["workers"])
     # the new daemon brought the database to its schema by itself (no init) and records
     # itself among the hosts
-    assert re.search(r"database schema updated from 1 \(perfectsched 0\.1\.0\) to \d+",
-                     journal), journal[-3000:]
+    pid_journal(ns, new_pid, f"perfectschedd {re.escape(version)} starting",
+                r"database schema updated from 1 \(perfectsched 0\.1\.0\) to \d+")
     status = ns.ctl("status")
     print(status.stdout)
     hosts = ctl_json(ns, "status")["hosts"]
@@ -356,7 +360,8 @@ def test_up09_the_polkit_grant_is_off_after_the_upgrade(
                   check=False).returncode != 0
     r = ns.run("perfectsched-grant", "status", check=False)
     assert r.returncode == 3 and "disabled" in r.stdout, r.stdout + r.stderr
-    assert "polkit grant to start units: not held" in ns.journal(200)
+    wait_for(lambda: "polkit grant to start units: not held" in ns.journal(200), 30,
+             "the daemon's word on the grant", lambda: ns.journal(60))
 
 
 def test_up08_no_traceback_in_the_journal(ns: Namespace, before, upgraded) -> None:

@@ -129,6 +129,10 @@ def test_exec_exit_codes_timeouts_and_sched_later(daemon_factory: Any, tmp_path:
     d.ctl("add", "later", "later", YEARLY, "--at", "0")
     for key in ("fail", "slow", "later"):
         wait_until(lambda key=key: len(runs(out, key)) == 2, timeout=30, what=f"{key} retried")
+    # The first attempts' end lines were logged a second before, but by a log writer
+    # thread that a loaded machine may hold up longer.
+    for end in ("end key=ok ", "outcome=failed exit=3", "outcome=timeout", "outcome=later"):
+        d.wait_log(end)
     log = d.log()
 
     # exit 0: finished once, data on stdin, signals not left ignored, schedule advanced.
