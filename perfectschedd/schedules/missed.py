@@ -39,7 +39,10 @@ def skip(row: Row, now: float) -> Skip | None:
         return None
     shift = row.delay + policy_mod.from_text(row.policy).offset(row.key)
     try:
-        target = cron.first_at_or_after(row.cron, row.timezone, math.ceil(now - shift))
+        # An interval's grid runs through its stored occurrence: without the anchor,
+        # first_at_or_after starts a new grid at `now`.
+        target = cron.first_at_or_after(row.cron, row.timezone, math.ceil(now - shift),
+                                        anchor=row.next_time)
     except InvalidInputError:  # no occurrence left: its next finish pauses it, as always
         return None
     if target <= row.next_time:

@@ -198,6 +198,21 @@ def test_resume_skip_missed_moves_on_and_records_skipped(sc: ScheduleCollection)
     assert one["next_time"] >= now
 
 
+def test_resume_skip_missed_keeps_an_interval_s_grid(sc: ScheduleCollection) -> None:
+    # @every 7s from a start off every round number: the next occurrence after the
+    # resume is still start + k * 7, not the moment of the resume.
+    start = int(time.time()) - 600 + 3
+    sc.add("grid", "t", "@every 7s", start=start)
+    run(sc, "pause", key="grid")
+    done = run(sc, "resume", key="grid", skip_missed=True)
+    row = sc.store.get("grid")
+    assert row is not None and row.next_time >= time.time() - 1
+    assert (row.next_time - start) % 7 == 0, (row.next_time, start)
+    missed = sorted(h["scheduled_time"] for h in sc.history("grid", 1000))
+    assert done["skipped_occurrences"] == len(missed) >= 80
+    assert missed == list(range(start, row.next_time, 7))
+
+
 def test_signals_name_what_changed() -> None:
     pause = registry.COMMANDS["pause"]
     assert pause.changes({"keys": ["a", "b"]}, {"paused": ["a", "b"], "count": 2}) == [
