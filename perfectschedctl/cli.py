@@ -430,7 +430,26 @@ def _import_legacy(ns: argparse.Namespace, send: Callable[[str, dict[str, Any]],
     return EXIT_OK
 
 
+# The exit status of a command whose reader went away (`show KEY | head -1`): as a
+# shell tool killed by SIGPIPE.
+EXIT_BROKEN_PIPE = 128 + 13
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # here, where a closed pipe can still be answered quietly
+        return code
+    except BrokenPipeError:
+        # What the reader did not read is not wanted; no traceback, and nothing more
+        # written.  Python's advice: stdout onto /dev/null, or its flush at exit fails
+        # again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser(lazy=True)
     ns = parser.parse_args(argv)
     try:
@@ -484,6 +503,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"perfectschedctl: {exc}", file=sys.stderr)
         return protocol.refusal(protocol.error_type(exc)).exit_status if isinstance(
             exc, ScheduleError) else EXIT_REFUSED
+    except BrokenPipeError:
+        raise  # the reader of our output went away (main)
     except Exception as exc:  # noqa: BLE001 - database errors in direct mode, one line
         print(f"perfectschedctl: {type(exc).__name__}: {str(exc).splitlines()[0]}",
               file=sys.stderr)

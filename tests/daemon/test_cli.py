@@ -189,6 +189,24 @@ def test_history_names_units_and_logs_prints_the_newest_run_s_output_or_journal(
     assert res.stdout == "output\n", res
 
 
+def test_a_reader_that_goes_away_gets_no_traceback(direct: list[str], ctl: Ctl) -> None:
+    """`perfectschedctl show KEY | head -1`: the rest of the output is not wanted.  Exit
+    141 as a shell tool killed by SIGPIPE, nothing on stderr, nothing changed."""
+    ctl(*direct, "add", "k", "t", "@daily", "-d", "60")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PERFECTSCHED_")}
+    for args in (["show", "k"], ["list"], ["next", "k"], ["history", "k"],
+                 ["--json", "list"], ["next", "--cron", "@hourly", "-n", "100"]):
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # the reader is gone before the first byte
+        try:
+            res = subprocess.run([*CTL, *direct, *args], stdout=write_end,
+                                 stderr=subprocess.PIPE, text=True, timeout=60, env=env)
+        finally:
+            os.close(write_end)
+        assert (res.returncode, res.stderr) == (cli.EXIT_BROKEN_PIPE, ""), (args, res)
+    assert [r["key"] for r in json.loads(ctl(*direct, "--json", "list").stdout)] == ["k"]
+
+
 def test_bad_config_and_unreachable_database(tmp_path: Path, ctl: Ctl) -> None:
     refused(ctl("-c", str(tmp_path / "missing.yml"), "list"), "cannot read")
     bad = tmp_path / "bad.yml"
