@@ -82,6 +82,12 @@ def check(fields: list[str]) -> list[str]:
         raise _refuse(f"day of week {fields[4]!r}: {special[0]} cannot be listed "
                       "with plain days (croniter releases read that differently): make "
                       "two schedules")
+    if special and fields[2] != "*":
+        # croniter runs such a schedule on the day of week alone, whatever the day of
+        # month says; cron's rule (either may match) is what a reader expects.
+        raise _refuse(f"day of month {fields[2]!r} with day of week {fields[4]!r}: "
+                      f"croniter ignores the day of month beside {special[0]}: make two "
+                      "schedules")
     return checked
 
 

@@ -53,6 +53,11 @@ def refusal(expr: str) -> str:
     ("0 0 15W * *", "W (nearest weekday) is not supported"),
     ("0 0 ? * *", "cron: day of month '?' is not supported: write *"),
     ("0 0 * * 5L,1", "cannot be listed with plain days"),
+    # croniter would run these on the day of week alone (cron: either day)
+    ("0 0 10 * 5#2", "cron: day of month '10' with day of week '5#2': croniter ignores the "
+                     "day of month beside 5#2: make two schedules"),
+    ("0 0 L * 5L", "day of month 'L' with day of week '5L'"),
+    ("0 0 */10 * L5", "day of month '*/10' with day of week 'L5'"),
     ("0 0 * * 1-5L", "L takes one day"),
     ("* * * *", "must have five fields"),
     ("@fortnightly", "unknown alias"),
@@ -114,7 +119,7 @@ def test_stored_text_is_kept_unless_rewritten() -> None:
 def test_rows_stored_before_still_evaluate() -> None:
     # What croniter reads but a new schedule may no longer use keeps working for rows
     # that hold it (they were stored by an older release or another host).
-    for legacy in ("0 0 1-L * *",):
+    for legacy in ("0 0 1-L * *", "0 0 10 * 5#2"):
         with pytest.raises(InvalidInputError):
             cron.check(legacy)
         assert cron.next_after(legacy, "UTC", 1_700_000_000) > 1_700_000_000
