@@ -20,7 +20,7 @@ from perfectschedd.paths import DEFAULT_SOCKET
 from perfectschedd.schedules.fields import PREVIEW_MAX
 
 from .client import DaemonUnavailable, SocketClient
-from .output import print_result
+from .output import format_time, print_result
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE = 0, protocol.EXIT_REFUSED, 2
 
@@ -376,8 +376,9 @@ def _logs(ns: argparse.Namespace, send: Callable[[str, dict[str, Any]], Any]) ->
     output = run.get("output")
     if output is None:
         # Said on stderr: stdout holds only what the run printed.
-        print(f"perfectschedctl: {ns.key}: attempt {run.get('attempt')} of "
-              f"{run.get('scheduled_time')} ({run.get('outcome')}) has no output recorded"
+        print(f"perfectschedctl: {ns.key}: attempt {run.get('attempt')} of the occurrence "
+              f"of {format_time(run.get('scheduled_time'))} ({run.get('outcome')}) has no "
+              "output recorded"
               + (f": {run['error']}" if run.get("error") else ""), file=sys.stderr)
         return EXIT_OK
     if ns.lines is not None:

@@ -172,8 +172,10 @@ def _failing_lines(result: dict[str, Any]) -> list[str]:
                     f"{format_time(f.get('since'), tz)}; next try "
                     f"{format_time(f.get('next_try'), tz)}")
         else:
-            what = (f"failed ({f.get('last_outcome')}) at {format_time(f.get('since'), tz)};"
-                    " given up, the schedule moved on")
+            outcome = f.get("last_outcome")
+            how = f" ({outcome})" if outcome not in (None, "failed") else ""  # timeout, lost
+            what = (f"failed{how} at {format_time(f.get('since'), tz)}; given up, the "
+                    "schedule moved on")
         lines.append(f"  {f.get('key')}: {what}")
         if f.get("error"):
             lines.append(f"    error: {f['error']}")

@@ -453,3 +453,15 @@ def test_bash_completion_matches_the_parser() -> None:
     for name, sp in commands.items():
         args = {"add": ["k", "t", "c"]}.get(name, [])
         assert _complete("perfectschedctl", name, *args, "-") == _options(sp), name
+
+
+def test_status_says_how_a_given_up_occurrence_ended() -> None:
+    from perfectschedctl import output
+
+    def line(outcome: str | None) -> str:
+        return output._failing_lines({"failing": [
+            {"key": "k", "state": "failed", "last_outcome": outcome, "since": T2030}]})[1]
+    given_up = "at 2030-01-01 00:00:00 +0000; given up, the schedule moved on"
+    assert line("failed") == f"  k: failed {given_up}"  # not "failed (failed)"
+    assert line(None) == f"  k: failed {given_up}"
+    assert line("timeout") == f"  k: failed (timeout) {given_up}"

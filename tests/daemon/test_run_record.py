@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -131,7 +132,9 @@ def test_python_exception_and_a_lost_run_are_recorded(
     assert lost["output"] is None and lost["exit_code"] is None
     logs = d.ctl("logs", "long", "--attempt", "1")
     assert logs.returncode == 0 and logs.stdout == ""
-    assert "attempt 1" in logs.stderr and "(lost) has no output recorded" in logs.stderr
+    when = time.strftime("%Y-%m-%d %H:%M:%S +0000", time.gmtime(lost["scheduled_time"]))
+    assert f"long: attempt 1 of the occurrence of {when} (lost) has no output recorded" \
+        in logs.stderr, logs.stderr
     assert d.stop() == 0
 
 
