@@ -10,6 +10,7 @@ parse is {} - both as the gem reads them.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -90,7 +91,11 @@ def read(url: str, table: str) -> tuple[list[LegacySchedule], list[str]]:
     over.  Reads only."""
     if not _IDENTIFIER.match(table):
         raise ConfigError(f"--table: must be an SQL identifier, got {table!r}")
-    engine = sa.create_engine(engine_url(url))
+    legacy = engine_url(url)
+    if legacy.get_backend_name() == "sqlite" and not os.path.isfile(legacy.database or ""):
+        # SQLite would create an empty file, and report the table missing from it.
+        raise ConfigError(f"{legacy.database or url}: no such SQLite database file")
+    engine = sa.create_engine(legacy)
     t = sa.table(table, *(sa.column(c) for c in LEGACY_COLUMNS))
     found: list[LegacySchedule] = []
     problems: list[str] = []

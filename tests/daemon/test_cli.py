@@ -214,7 +214,14 @@ def test_bad_config_and_unreachable_database(tmp_path: Path, ctl: Ctl) -> None:
     refused(ctl("-c", str(bad), "list"), "workerz")
     nodir = tmp_path / "nodir.yml"
     nodir.write_text(f"type: rdb_compat\nurl: sqlite:///{tmp_path}/no/such/dir/x.db\n")
-    refused(ctl("-c", str(nodir), "list"))
+    refused(ctl("-c", str(nodir), "list"), f"url: the SQLite database's directory "
+            f"{tmp_path}/no/such/dir does not exist")
+    # A relative path is read from the current directory: the message says which.
+    relative = tmp_path / "relative.yml"
+    relative.write_text("type: rdb_compat\nurl: sqlite:///no-such-dir/x.db\n")
+    res = ctl_process("-c", str(relative), "list")  # run from /
+    refused(res, "url: the SQLite database's directory /no-such-dir does not exist "
+            "(sqlite:///no-such-dir/x.db is relative to the current directory, /)")
 
 
 @pytest.mark.parametrize("args", [

@@ -143,6 +143,14 @@ def test_import_legacy_refuses_bad_rows_and_tables(tmp_path: Path, db_url: str) 
         assert res.returncode == 1
         assert res.stderr.startswith(f"perfectschedctl: {message}"), res.stderr
         assert len(res.stderr.strip().splitlines()) == 1
+    # A SQLite file that does not exist is not created (empty) to be read.
+    missing = tmp_path / "gone" / "legacy.db"
+    res = ctl("-c", str(conf), "import-legacy", f"sqlite:///{missing}")
+    assert (res.returncode, res.stderr) == (
+        1, f"perfectschedctl: {missing}: no such SQLite database file\n"), res.stderr
+    res = ctl("-c", str(conf), "import-legacy", f"sqlite:///{tmp_path}/legacy.db")
+    assert res.returncode == 1 and "no such SQLite database file" in res.stderr
+    assert not missing.parent.exists() and not (tmp_path / "legacy.db").exists()
 
 
 @pytest.mark.parametrize("backend", ["sqlite"])

@@ -13,6 +13,7 @@ driver errors leave as SQLAlchemy's exceptions, so the store's retries see no di
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -46,6 +47,13 @@ class SQLiteBackend(Backend):
         db = url.database or ""
         if db in ("", ":memory:"):
             raise ConfigError("url: the SQLite database must be a file (sqlite:///path)")
+        folder = os.path.dirname(os.path.abspath(db))
+        if not os.path.isdir(folder):
+            # SQLite's own word is "unable to open database file", naming nothing.
+            relative = "" if os.path.isabs(db) else \
+                f" (sqlite:///{db} is relative to the current directory, {os.getcwd()})"
+            raise ConfigError(f"url: the SQLite database's directory {folder} does not "
+                              f"exist{relative}")
         if sqlite3.sqlite_version_info < MIN_SQLITE:
             raise ConfigError(
                 f"url: SQLite {'.'.join(map(str, MIN_SQLITE))} or newer is needed"
