@@ -187,8 +187,10 @@ def convert(text: str, *, name: str, system: bool, user: str | None = None,
     shell = "/bin/sh"
     mailto: str | None = None  # None: no MAILTO line yet (cron mails the owner)
     out: list[str] = [f"# Imported from {name} by perfectschedctl import-crontab.",
-                      "# Review, then drop into schedules_dir (and reload) or run"
-                      " perfectschedctl apply.", ""]
+                      "# Review, then put it into schedules_dir on each host that should"
+                      " run these commands,",
+                      "# and reload: a command runs only on hosts whose schedules_dir"
+                      " holds its file.", ""]
     result = Imported(text="")
     seen: dict[str, int] = {}
     for number, raw in enumerate(text.splitlines(), 1):
