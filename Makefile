@@ -23,7 +23,8 @@ run: $(BIN)/perfectschedd
 	$(BIN)/perfectschedctl -c $(DEVCFG) init
 	@$(BIN)/perfectschedctl -c $(DEVCFG) add demo-hello demo '* * * * *' '{"who": "world"}' \
 	  2>/dev/null || true
-	@echo "perfectschedctl: export PERFECTSCHED_SOCKET=$(CURDIR)/var/perfectschedd.sock PATH=$(CURDIR)/$(BIN):\$$PATH"
+	@echo "In another terminal, to use perfectschedctl:"
+	@echo "  export PERFECTSCHED_SOCKET=$(CURDIR)/var/perfectschedd.sock PATH=$(CURDIR)/$(BIN):\$$PATH"
 	$(BIN)/perfectschedd -c $(DEVCFG) -I etc/demo
 
 lint: $(BIN)/perfectschedd

@@ -66,7 +66,8 @@ class SocketClient:
                 sock.connect(self.path)
             except FileNotFoundError:
                 raise DaemonUnavailable(
-                    f"perfectschedd is not running (no socket at {self.path})") from None
+                    f"perfectschedd is not running (no socket at {self.path}; another "
+                    "daemon's socket: --socket PATH or PERFECTSCHED_SOCKET)") from None
             except PermissionError:
                 raise DaemonUnavailable(
                     f"permission denied on {self.path}: run as root or as a member of the "

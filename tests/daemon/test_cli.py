@@ -256,7 +256,8 @@ def test_help_and_version(ctl: Ctl) -> None:
 def test_daemon_not_running_messages(tmp_path: Path, ctl: Ctl) -> None:
     path = tmp_path / "ctl.sock"
     refused(ctl("--socket", str(path), "list"), "perfectschedd is not running",
-            f"no socket at {path}")
+            f"no socket at {path}; another daemon's socket: --socket PATH or "
+            "PERFECTSCHED_SOCKET")
     # the socket file of a crashed daemon: nothing listens
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.bind(str(path))
