@@ -36,7 +36,7 @@ def _cell(column: str, row: dict[str, Any]) -> str:
         return format_time(value, row.get("timezone", "UTC"))
     if column in ("started_at", "finished_at"):
         return format_time(value)
-    if column == "data":
+    if column == "data" or isinstance(value, list | dict):  # show's extra_runs: not a repr
         return json.dumps(value, separators=(",", ":"), sort_keys=True)
     if value is None:
         return "-"

@@ -473,3 +473,12 @@ def test_status_says_how_a_given_up_occurrence_ended() -> None:
     assert line("failed") == f"  k: failed {given_up}"  # not "failed (failed)"
     assert line(None) == f"  k: failed {given_up}"
     assert line("timeout") == f"  k: failed (timeout) {given_up}"
+
+
+def test_show_prints_lists_as_json(capsys: pytest.CaptureFixture[str]) -> None:
+    from perfectschedctl import output
+
+    output.print_result("show", {"key": "k", "extra_runs": [
+        {"run_key": "k@run-1-ab", "queued": True}]}, as_json=False)
+    assert capsys.readouterr().out.splitlines()[1] == \
+        'extra_runs  [{"queued":true,"run_key":"k@run-1-ab"}]'
