@@ -21,7 +21,13 @@ from perfectschedd.notify import spec as notify_spec
 from perfectschedd.schedules import deletions
 from perfectschedd.schedules import policy as policy_mod
 from perfectschedd.schedules.collection import ScheduleCollection, ScheduleInfo, waits_its_turn
-from perfectschedd.schedules.fields import RUN_NOW_MARK, SOURCE_API, SOURCE_FILE, detached_source
+from perfectschedd.schedules.fields import (
+    RUN_NOW_MARK,
+    SOURCE_API,
+    SOURCE_FILE,
+    detached_source,
+    schedule_key,
+)
 from perfectschedd.schedules.ownership import known_user_name
 from perfectschedd.schedules.policy import OPTIONS as POLICY_OPTIONS
 from perfectschedd.schedules.validate import check_key, check_type, lookup_key
@@ -116,15 +122,35 @@ def _list(sc: ScheduleCollection, a: Args, now: float, access: Access) -> list[d
         lookup_key(after, "after")
     limit = check_limit(a.get("limit"))
     fields = SHOW_FIELDS if a.get("verbose") else LIST_FIELDS
-    return [{**_info(i, fields), **state_fields(i, last)} for i, last in
-            sc.list_with_last_run(prefix=prefix, limit=limit, after_key=after)]
+    listed = sc.list_with_last_run(prefix=prefix, limit=limit, after_key=after)
+    queued = _queued_runs(sc, [i for i, _ in listed], now)
+    return [{**_info(i, fields), **state_fields(i, last, queued=i.key in queued)}
+            for i, last in listed]
 
 
-def state_fields(info: ScheduleInfo, last: Mapping[str, Any] | None) -> dict[str, Any]:
+def _queued_runs(sc: ScheduleCollection, infos: Sequence[ScheduleInfo], now: float
+                 ) -> set[str]:
+    """The extra runs of `infos` that a worker holds but that wait for their schedule's
+    running occurrence to end (as status and show tell them apart): one query, only when
+    the page holds such a run."""
+    held = [i for i in infos if RUN_NOW_MARK in i.key and i.owner is not None
+            and i.next_run_time > now]
+    if not held:
+        return set()
+    holders = sc.group_holders({schedule_key(i.key) for i in held})
+    return {i.key for i in held
+            if waits_its_turn(i.key, i.concurrency, holders.get(schedule_key(i.key)))}
+
+
+def state_fields(info: ScheduleInfo, last: Mapping[str, Any] | None,
+                 queued: bool = False) -> dict[str, Any]:
     """What `list --json` and `show` say of a schedule's state (store/states.py): paused,
-    the outcome of its latest run, the attempts of its current occurrence, the state."""
+    the outcome of its latest run, the attempts of its current occurrence, the state
+    (`queued`: an extra run held until its schedule's running occurrence ends)."""
     outcome = last["outcome"] if last else None
     state = states.state_of(info.paused, info.owner, info.attempt, outcome)
+    if queued and state == states.RUNNING:
+        state = states.QUEUED
     return {"paused": bool(info.paused), "last_outcome": outcome, "attempt": info.attempt,
             "state": states.shown(state, info.attempt)}
 
@@ -149,7 +175,8 @@ def _show(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[s
     shown["extra_runs"] = []
     for r in extra:
         held = r.owner is not None and r.next_run_time > now
-        running = held and not waits_its_turn(r.key, r.policy, holder)
+        running = held and not waits_its_turn(
+            r.key, policy_mod.from_text(r.policy).concurrency, holder)
         shown["extra_runs"].append({"run_key": r.key, "run_at": r.next_run_time,
                                     "running": running, "queued": held and not running})
     return shown

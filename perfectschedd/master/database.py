@@ -547,7 +547,8 @@ class MasterDatabase:
         running: list[dict[str, Any]] = []
         queued: list[dict[str, Any]] = []
         for r in rows:
-            waits = waits_its_turn(r.key, r.policy, holders.get(schedule_key(r.key)))
+            waits = waits_its_turn(r.key, policy_mod.from_text(r.policy).concurrency,
+                                   holders.get(schedule_key(r.key)))
             (queued if waits else running).append({
                 "key": r.key, "type": r.type, "scheduled_time": r.next_time,
                 "timezone": r.timezone, "owner": r.owner,

@@ -11,7 +11,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from perfectschedd import __version__
@@ -436,12 +436,11 @@ class Schedule:
         return run_key
 
 
-def waits_its_turn(key: str, policy_text: str | None, holder: str | None) -> bool:
+def waits_its_turn(key: str, concurrency: str, holder: str | None) -> bool:
     """Whether a claimed run waits for its schedule's running one to end: an extra run
     (`run KEY`) that is not its group's holder (`holder`: Store.group_holder of its
-    schedule), unless the schedule's runs may overlap (allow)."""
-    return RUN_NOW_MARK in key and key != holder and \
-        policy_mod.from_text(policy_text).concurrency != "allow"
+    schedule), unless the schedule's runs may overlap (`concurrency` allow)."""
+    return RUN_NOW_MARK in key and key != holder and concurrency != "allow"
 
 
 def extra_run_policy(schedule: policy_mod.Policy) -> policy_mod.Policy:
@@ -662,6 +661,10 @@ class ScheduleCollection:
         due = row.next_time + row.delay + policy_mod.from_text(row.policy).offset(key)
         if due <= now_s:
             self.store.wake(key, row.fence, now_s)
+
+    def group_holders(self, keys: Collection[str]) -> dict[str, str | None]:
+        """group_holder of each of `keys` (schedules) that exists, in one query."""
+        return self.store.group_holders(keys)
 
     def group_holder(self, key: str) -> str | None:
         """The run of `key`'s group (itself or a row KEY@run-...) that runs now, or ran

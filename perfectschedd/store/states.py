@@ -2,7 +2,8 @@
 and notifications"): one rule, read from the schedule's row and its latest history row.
 
 - `paused`: paused (by a user, or by the daemon when it has no next occurrence).
-- `running`: a worker holds it.
+- `running`: a worker holds it (`list` says `queued` of an extra run it holds until its
+  schedule's running occurrence ends).
 - `retrying`: its current occurrence failed and waits for another attempt (`attempt` on
   the row counts the attempts made; the latest run did not ask to run later).
 - `failed`: its latest run failed and the occurrence was given up (max_attempts): the
@@ -21,6 +22,10 @@ LATER = "later"
 
 OK, PAUSED, RUNNING, RETRYING, FAILED = "ok", "paused", "running", "retrying", "failed"
 STATES = (OK, PAUSED, RUNNING, RETRYING, FAILED)
+# What `list` says of an extra run (`run KEY`) a worker holds while it waits for its
+# schedule's running occurrence to end (control/commands.py tells it from RUNNING; the
+# counts of status and /metrics keep it under RUNNING).
+QUEUED = "queued"
 
 
 def state_of(paused: Any, owner: str | None, attempt: int, last_outcome: str | None) -> str:

@@ -220,6 +220,11 @@ def test_a_queued_run_is_given_back_when_the_daemon_stops(daemon_factory: Any,
     assert [r["key"] for r in status["running"]] == ["k"], status["running"]
     assert [r["key"] for r in status["queued"]] == [run_key], status["queued"]
     assert "queued behind a running occurrence of their schedule: 1" in d.ctl("status").stdout
+    # ... and list says so too (it said running)
+    states = {r["key"]: r["state"] for r in d.ctl_json("list")}
+    assert states == {"k": "running", run_key: "queued"}, states
+    assert [line.split()[-2] for line in d.ctl("list", "--prefix", run_key).stdout
+            .splitlines()[1:-1]] == ["queued"]
     assert d.stop() == 0
     with perfectschedd.open(str(d.config_path)) as sc:
         rows = sc.extra_runs("k")
