@@ -370,7 +370,9 @@ def _logs(ns: argparse.Namespace, send: Callable[[str, dict[str, Any]], Any]) ->
 
         sys.stdout.flush()
         try:
-            return subprocess.run(argv, check=False).returncode
+            code = subprocess.run(argv, check=False).returncode
+            # Killed by a signal (SIGPIPE under `| head`): the shell's 128 + N.
+            return 128 - code if code < 0 else code
         except OSError as exc:
             raise _BadArgument(f"cannot run journalctl: {exc.strerror or exc}") from None
     output = run.get("output")

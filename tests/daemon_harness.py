@@ -275,7 +275,7 @@ class Daemon:
     def logged_at(self, pattern: str) -> list[float]:
         """The times of the log lines matching the regular expression (after the time)."""
         return [log_stamp(t) for t in
-                re.findall(rf"^(\S+ \S+) .*?{pattern}", self.log(), re.M)]
+                re.findall(rf"^(\S+ \S+) .*?(?:{pattern})", self.log(), re.M)]
 
     def children(self) -> list[int]:
         """Direct children of the master (the workers)."""

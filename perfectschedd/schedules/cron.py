@@ -64,7 +64,7 @@ def normalize(expr: str) -> str:
         return _alias(text)
     fields = _five(expr, text)
     try:
-        fields = cronsyntax.check(fields)
+        fields = cronsyntax.check(fields, new=False)
     except InvalidInputError:
         if _croniter_reads(text):
             return text

@@ -71,9 +71,11 @@ def _refuse(message: str) -> InvalidInputError:
     return InvalidInputError("cron", message)
 
 
-def check(fields: list[str]) -> list[str]:
+def check(fields: list[str], new: bool = True) -> list[str]:
     """The five fields as they are stored (InvalidInputError naming the first problem):
-    each as given, but for the items rewritten for croniter (`5L` as `L5`)."""
+    each as given, but for the items rewritten for croniter (`5L` as `L5`).  `new`: the
+    expression of a new schedule; False for a stored one, which keeps evaluating as it
+    did where a rule came later (a day of month beside 5#2)."""
     checked = [",".join(_item(field, item, text) for item in text.split(","))
                for field, text in zip(FIELDS, fields, strict=True)]
     days = fields[4].split(",")
@@ -82,12 +84,13 @@ def check(fields: list[str]) -> list[str]:
         raise _refuse(f"day of week {fields[4]!r}: {special[0]} cannot be listed "
                       "with plain days (croniter releases read that differently): make "
                       "two schedules")
-    if special and fields[2] != "*":
-        # croniter runs such a schedule on the day of week alone, whatever the day of
-        # month says; cron's rule (either may match) is what a reader expects.
+    if new and special and fields[2] != "*":
+        # croniter runs such a schedule on the day of week alone, or never (`1 * 5#2`),
+        # whatever the day of month says; cron's rule (either day) is what a reader
+        # expects.
         raise _refuse(f"day of month {fields[2]!r} with day of week {fields[4]!r}: "
-                      f"croniter ignores the day of month beside {special[0]}: make two "
-                      "schedules")
+                      f"croniter does not read {special[0]} beside a day of month as cron "
+                      "would (either day): make two schedules")
     return checked
 
 

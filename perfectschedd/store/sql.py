@@ -23,6 +23,7 @@ from perfectschedd.schedules.fields import ROW_FIELDS, SCHEDULE_FIELDS, dumps_da
 from perfectschedd.store import states
 from perfectschedd.store import version as schemaversion
 from perfectschedd.store.backends.choice import open_backend
+from perfectschedd.store.backends.sqlite import missing_directory as sqlite_missing_directory
 from perfectschedd.store.deadline import DEADLINE_MAX, statement_deadline
 from perfectschedd.store.schema import (
     CRON_MAX,
@@ -92,11 +93,13 @@ def engine_url(url: str) -> URL:
 
 def check_url(url: str) -> None:
     """Refuse, as ConfigError, a URL no Store could be made of: unparsable, an in-memory
-    SQLite database (each process would have its own), a driver that is not installed.
-    Connects to nothing."""
+    SQLite database (each process would have its own) or one in a directory that does
+    not exist, a driver that is not installed.  Connects to nothing."""
     u = engine_url(url)
     if u.get_backend_name() == "sqlite" and (u.database or "") in ("", ":memory:"):
         raise ConfigError("url: the SQLite database must be a file (sqlite:///path)")
+    if u.get_backend_name() == "sqlite" and (missing := sqlite_missing_directory(u)):
+        raise ConfigError(missing)
     try:
         dialect = u.get_dialect()
         load_dbapi = getattr(dialect, "import_dbapi", None) or dialect.dbapi

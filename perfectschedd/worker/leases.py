@@ -27,7 +27,7 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from perfectschedd import logsetup
 from perfectschedd.config import Config
-from perfectschedd.errors import InvalidInputError, PreemptedError
+from perfectschedd.errors import ConfigError, InvalidInputError, PreemptedError, SchemaError
 from perfectschedd.executors.base import RunControl, RunResult, StopReason, error_line
 from perfectschedd.executors.command import ExecHandler
 from perfectschedd.executors.router import Router, run_task
@@ -226,7 +226,11 @@ class LeasePipeline:
                 self.store.keep_connection()  # step() runs on the worker's main loop
                 self.store.warm_up()
                 self._set_db(True)
-            except (SQLAlchemyError, OSError) as exc:
+            except SchemaError:
+                raise  # waiting will not change it: the master stops the daemon
+            except (SQLAlchemyError, OSError, ConfigError) as exc:
+                # ConfigError: e.g. the SQLite file's directory is missing (not mounted
+                # yet): retried as the master's own open is.
                 self._set_db(False, exc)
                 return self._backoff()
         sc = self.sc

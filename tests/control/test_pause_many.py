@@ -204,6 +204,12 @@ def test_resume_skip_missed_keeps_an_interval_s_grid(sc: ScheduleCollection) -> 
     start = int(time.time()) - 600 + 3
     sc.add("grid", "t", "@every 7s", start=start)
     run(sc, "pause", key="grid")
+    # At a fixed moment: start + 598.5 moves on to start + 602 (86 x 7), not to 599.
+    from perfectschedd.schedules import missed
+    stored = sc.store.get("grid")
+    assert stored is not None
+    plan = missed.skip(stored, start + 598.5)
+    assert plan is not None and plan.next_time == start + 602, plan
     done = run(sc, "resume", key="grid", skip_missed=True)
     row = sc.store.get("grid")
     assert row is not None and row.next_time >= time.time() - 1

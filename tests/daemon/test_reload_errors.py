@@ -179,3 +179,34 @@ def test_a_reload_onto_a_database_this_version_refuses_keeps_the_running_one(
     d.write_config({**d.config, "url": running_url})
     assert d.ctl("reload", check=False).returncode == 0
     assert d.alive() and d.status()["last_error"] is None
+
+
+def test_a_sqlite_directory_that_does_not_exist_yet(daemon_factory: Any,
+                                                    tmp_path: Path) -> None:
+    """Started on a SQLite file whose directory is missing (a disk not mounted yet): the
+    master and the workers wait for it, saying why, and no worker crashes; once it exists
+    the daemon runs.  A reload onto such a url is refused in one line."""
+    later = tmp_path / "later"
+    out = tmp_path / "out"
+    d: Daemon = daemon_factory({"routes": [sh("t", f"echo ran >> {out}")]},
+                               url=f"sqlite:///{later}/sched.db")
+    d.start(wait_ready=False)
+    missing = f"url: the SQLite database's directory {later} does not exist"
+    d.wait_log(f"database unreachable: {missing}")
+    workers = wait_until(lambda: (c := sorted(d.children())) and len(c) == 2 and c,
+                         what="two workers")
+    time.sleep(3)  # a worker that crashed on it would have been replaced by now
+    assert sorted(d.children()) == workers and "crashed" not in d.log(), d.log()[-3000:]
+    later.mkdir()
+    wait_until(lambda: d.status().get("database_ok") is True, 30, what="the database open")
+    d.ctl("add", "k", "t", "@yearly", "--at", "0")
+    wait_until(lambda: lines(out) == ["ran"], 30, what="a run")
+    assert sorted(d.children()) == workers, "no worker was replaced"
+    # A reload onto a missing directory: refused, the daemon runs on its database.
+    d.write_config({**d.config, "url": f"sqlite:///{tmp_path}/nowhere/sched.db"})
+    res = d.ctl("reload", check=False)
+    assert res.returncode == 1 and res.stderr.count("\n") == 1, res.stderr
+    assert f"the SQLite database's directory {tmp_path}/nowhere does not exist" in res.stderr
+    assert d.alive() and d.status()["database_ok"] is True
+    assert [s["key"] for s in d.ctl_json("list")] == ["k"]
+    assert d.stop() == 0

@@ -54,8 +54,9 @@ def refusal(expr: str) -> str:
     ("0 0 ? * *", "cron: day of month '?' is not supported: write *"),
     ("0 0 * * 5L,1", "cannot be listed with plain days"),
     # croniter would run these on the day of week alone (cron: either day)
-    ("0 0 10 * 5#2", "cron: day of month '10' with day of week '5#2': croniter ignores the "
-                     "day of month beside 5#2: make two schedules"),
+    ("0 0 10 * 5#2", "cron: day of month '10' with day of week '5#2': croniter does not "
+                     "read 5#2 beside a day of month as cron would (either day): make two "
+                     "schedules"),
     ("0 0 L * 5L", "day of month 'L' with day of week '5L'"),
     ("0 0 */10 * L5", "day of month '*/10' with day of week 'L5'"),
     ("0 0 * * 1-5L", "L takes one day"),
@@ -123,6 +124,9 @@ def test_rows_stored_before_still_evaluate() -> None:
         with pytest.raises(InvalidInputError):
             cron.check(legacy)
         assert cron.next_after(legacy, "UTC", 1_700_000_000) > 1_700_000_000
+    # ... rewritten for croniter as before the rule came: every croniter release reads
+    # 9-9 as 9 (croniter 7 alone would read `0 9-9 10 * 5#2` as every hour).
+    assert cron.normalize("0 9-9 10 * 5#2") == "0 9 10 * 5#2"
 
 
 def test_import_crontab_warns_with_the_same_reason() -> None:

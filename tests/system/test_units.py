@@ -120,12 +120,15 @@ def journal(ns: Namespace, unit: str = UNIT, lines: int = 60) -> str:
 
 
 def journal_showing(ns: Namespace, *patterns: str, unit: str = UNIT, lines: int = 400,
-                    timeout: float = 30) -> str:
-    """The journal once every regular expression matches it.  The daemon's lines reach
-    journald through its log writer thread, so they can come after what a test saw of
-    the same moment (the unit active, a reply, a unit stopped)."""
+                    timeout: float = 30, pid: str | int | None = None) -> str:
+    """The journal (of process `pid` alone, if given) once every regular expression
+    matches it.  The daemon's lines reach journald through its log writer thread, so
+    they can come after what a test saw of the same moment (the unit active, a reply, a
+    unit stopped)."""
     def found() -> str | None:
-        text = journal(ns, unit, lines)
+        text = journal(ns, unit, lines) if pid is None else ns.run(
+            "journalctl", "--no-pager", "-o", "cat", "-u", unit, f"_PID={pid}",
+            check=False).stdout
         return text if all(re.search(p, text, re.M) for p in patterns) else None
     return wait_for(found, timeout, f"{patterns} in the journal of {unit}",
                     lambda: journal(ns, unit, 60))
@@ -199,8 +202,8 @@ def test_u00_no_grant_after_install(ns: Namespace, installed) -> None:
     config["routes"] = [{"type": f"escape-{TOKEN}", "exec": ["/bin/sh", "-c", ESCAPE]}]
     ns.write(CONF, json.dumps(config, indent=2) + "\n")
     ns.run("systemctl", "restart", UNIT, timeout=150)
-    ensure_active(ns)
-    journal_showing(ns, "polkit grant to start units: not held")
+    pid = ensure_active(ns)["MainPID"]
+    journal_showing(ns, "polkit grant to start units: not held", pid=pid)  # this daemon's
     key = f"escape-{TOKEN}"
     ns.ctl("add", key, f"escape-{TOKEN}", "17 3 * * *")
     ns.ctl("run", key)

@@ -39,6 +39,25 @@ MIN_SQLITE = (3, 35, 0)
 CLAIMED_COLUMNS = CLAIMED_FIELDS
 
 
+def missing_directory(url: URL) -> str | None:
+    """Why the database file of `url` cannot be made: its directory does not exist
+    (SQLite's own word is "unable to open database file", naming nothing).  None when it
+    exists, or cannot be looked at (SQLite then says what it finds), or for a file: URI."""
+    db = url.database or ""
+    if db.startswith("file:") or url.query.get("uri"):
+        return None
+    folder = os.path.dirname(os.path.abspath(db))
+    try:
+        os.stat(folder)
+    except (FileNotFoundError, NotADirectoryError):
+        relative = "" if os.path.isabs(db) else \
+            f" (sqlite:///{db} is relative to the current directory, {os.getcwd()})"
+        return f"url: the SQLite database's directory {folder} does not exist{relative}"
+    except OSError:
+        pass
+    return None
+
+
 class SQLiteBackend(Backend):
     name = "sqlite"
     partial_index_dialect = "sqlite"
@@ -47,13 +66,9 @@ class SQLiteBackend(Backend):
         db = url.database or ""
         if db in ("", ":memory:"):
             raise ConfigError("url: the SQLite database must be a file (sqlite:///path)")
-        folder = os.path.dirname(os.path.abspath(db))
-        if not os.path.isdir(folder):
-            # SQLite's own word is "unable to open database file", naming nothing.
-            relative = "" if os.path.isabs(db) else \
-                f" (sqlite:///{db} is relative to the current directory, {os.getcwd()})"
-            raise ConfigError(f"url: the SQLite database's directory {folder} does not "
-                              f"exist{relative}")
+        missing = missing_directory(url)
+        if missing is not None:
+            raise ConfigError(missing)
         if sqlite3.sqlite_version_info < MIN_SQLITE:
             raise ConfigError(
                 f"url: SQLite {'.'.join(map(str, MIN_SQLITE))} or newer is needed"
