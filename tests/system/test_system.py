@@ -155,6 +155,23 @@ def wait_for(cond: Callable[[], object], timeout: float, what: str,
         time.sleep(interval)
 
 
+def journal_showing(ns: Namespace, *patterns: str, unit: str = UNIT, lines: int = 400,
+                    timeout: float = 30, pid: str | int | None = None) -> str:
+    """The unit's journal (its last `lines`, or all of process `pid`) once every regular
+    expression matches it.  The daemon's lines reach journald through its log writer
+    thread, so they can come after what a test saw of the same moment (the unit active
+    or stopped, a reply, a job's unit stopped)."""
+    argv = ["journalctl", "--no-pager", "-o", "cat", "-u", unit,
+            *(["-n", str(lines)] if pid is None else [f"_PID={pid}"])]
+
+    def found() -> str | None:
+        text = ns.run(*argv, check=False).stdout
+        return text if all(re.search(p, text, re.M) for p in patterns) else None
+    return wait_for(found, timeout, f"{patterns} in the journal of {unit}"
+                    + (f", process {pid}" if pid is not None else ""),
+                    lambda: ns.journal(60))
+
+
 def _running(pid: int) -> bool:
     """True if pid is a live (not zombie) process."""
     try:

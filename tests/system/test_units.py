@@ -22,7 +22,16 @@ from typing import Any
 import pytest
 import test_system as base
 import yaml
-from test_system import CONF, SOCK, TOKEN, UNIT, Namespace, ensure_active, wait_for
+from test_system import (
+    CONF,
+    SOCK,
+    TOKEN,
+    UNIT,
+    Namespace,
+    ensure_active,
+    journal_showing,
+    wait_for,
+)
 
 # The module-scoped fixtures of test_system.py: this module boots a namespace of its own
 # and installs the package there.
@@ -117,21 +126,6 @@ def reload_refusing_routes(ns: Namespace) -> None:
 def journal(ns: Namespace, unit: str = UNIT, lines: int = 60) -> str:
     return ns.run("journalctl", "--no-pager", "-o", "cat", "-u", unit, "-n", str(lines),
                   check=False).stdout
-
-
-def journal_showing(ns: Namespace, *patterns: str, unit: str = UNIT, lines: int = 400,
-                    timeout: float = 30, pid: str | int | None = None) -> str:
-    """The journal (of process `pid` alone, if given) once every regular expression
-    matches it.  The daemon's lines reach journald through its log writer thread, so
-    they can come after what a test saw of the same moment (the unit active, a reply, a
-    unit stopped)."""
-    def found() -> str | None:
-        text = journal(ns, unit, lines) if pid is None else ns.run(
-            "journalctl", "--no-pager", "-o", "cat", "-u", unit, f"_PID={pid}",
-            check=False).stdout
-        return text if all(re.search(p, text, re.M) for p in patterns) else None
-    return wait_for(found, timeout, f"{patterns} in the journal of {unit}",
-                    lambda: journal(ns, unit, 60))
 
 
 def history(ns: Namespace, key: str) -> list[dict[str, Any]]:

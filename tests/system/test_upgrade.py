@@ -31,7 +31,16 @@ from typing import Any
 
 import pytest
 import test_system as base
-from test_system import CONF, REPO, TOKEN, UNIT, Namespace, ensure_active, wait_for
+from test_system import (
+    CONF,
+    REPO,
+    TOKEN,
+    UNIT,
+    Namespace,
+    ensure_active,
+    journal_showing,
+    wait_for,
+)
 
 # test_system.py's module-scoped fixtures: a namespace of this module's own.
 deb_file, ns = base.deb_file, base.ns
@@ -100,17 +109,6 @@ def main_pid(ns: Namespace) -> int:
     return int(ns.show("MainPID")["MainPID"])
 
 
-def pid_journal(ns: Namespace, pid: int | str, *patterns: str) -> str:
-    """What process `pid` of the unit logged, once every regular expression matches it:
-    its lines reach journald through its log writer thread, so they can come after the
-    unit is active (or stopped)."""
-    def found() -> str | None:
-        text = ns.run("journalctl", "--no-pager", "-o", "cat", "-u", UNIT, f"_PID={pid}",
-                      check=False).stdout
-        return text if all(re.search(p, text, re.M) for p in patterns) else None
-    return wait_for(found, 30, f"{patterns} logged by {pid}", lambda: ns.journal(60))
-
-
 def ctl_json(ns: Namespace, *args: str) -> Any:
     return json.loads(ns.ctl("--json", *args).stdout)
 
@@ -177,7 +175,7 @@ def before(old_deb_file: Path, ns: Namespace) -> dict[str, Any]:
         "exec": "echo file-entry", "misfire": "skip", "max_attempts": 2}], indent=2) + "\n")
     ns.run("systemctl", "restart", UNIT, timeout=150)
     st = ensure_active(ns)
-    pid_journal(ns, st["MainPID"], f"perfectschedd {re.escape(OLD_VERSION)} starting")
+    journal_showing(ns, f"perfectschedd {re.escape(OLD_VERSION)} starting", pid=st["MainPID"])
 
     # A past --start: the occurrences since then run at once, oldest first.
     ns.ctl("add", KEYS["every"], ROUTE_TYPE, "* * * * *", json.dumps({"token": TOKEN}),
@@ -263,13 +261,14 @@ def test_up03_the_daemon_runs_the_new_code(
     assert new_pid != before["main_pid"], f"not restarted: MainPID still {new_pid}"
     assert ns.out("perfectschedd", "--version") == f"perfectschedd {version}"
     # the old daemon was stopped gracefully (leases released), not killed
-    pid_journal(ns, before["main_pid"], r"^master\[\d+\]: stopped$")
+    journal_showing(ns, r"^master\[\d+\]: stopped$", pid=before["main_pid"])
     workers = ns.children(new_pid)
     assert workers and not set(workers) & set(before["workers"]), (workers, before["workers"])
     # the new daemon brought the database to its schema by itself (no init) and records
     # itself among the hosts
-    pid_journal(ns, new_pid, f"perfectschedd {re.escape(version)} starting",
-                r"database schema updated from 1 \(perfectsched 0\.1\.0\) to \d+")
+    journal_showing(ns, f"perfectschedd {re.escape(version)} starting",
+                    r"database schema updated from 1 \(perfectsched 0\.1\.0\) to \d+",
+                    pid=new_pid)
     status = ns.ctl("status")
     print(status.stdout)
     hosts = ctl_json(ns, "status")["hosts"]
