@@ -22,16 +22,7 @@ from typing import Any
 import pytest
 import test_system as base
 import yaml
-from test_system import (
-    CONF,
-    SOCK,
-    TOKEN,
-    UNIT,
-    Namespace,
-    ensure_active,
-    journal_showing,
-    wait_for,
-)
+from test_system import CONF, SOCK, TOKEN, UNIT, Namespace, ensure_active, wait_for
 
 # The module-scoped fixtures of test_system.py: this module boots a namespace of its own
 # and installs the package there.
@@ -197,7 +188,7 @@ def test_u00_no_grant_after_install(ns: Namespace, installed) -> None:
     ns.write(CONF, json.dumps(config, indent=2) + "\n")
     ns.run("systemctl", "restart", UNIT, timeout=150)
     pid = ensure_active(ns)["MainPID"]
-    journal_showing(ns, "polkit grant to start units: not held", pid=pid)  # this daemon's
+    base.journal_showing(ns, "polkit grant to start units: not held", pid=pid)  # this daemon's
     key = f"escape-{TOKEN}"
     ns.ctl("add", key, f"escape-{TOKEN}", "17 3 * * *")
     ns.ctl("run", key)
@@ -288,11 +279,11 @@ def test_u10_with_the_grant_no_job_runs_as_the_daemon_s_user(ns: Namespace, unit
     """With the grant on: the exec route and the unit without another user are refused
     alone (journal and status), the other units run, and a unit job cannot become root
     through systemd (it runs as nobody, whom polkit grants nothing)."""
-    journal_showing(ns, "polkit grant to start units: held",
-                    r"routes\[0\]\.executor: an exec job runs as perfectsched, the "
-                    r"daemon's user, which holds the polkit grant",
-                    rf"schedules file entry {KEYS['asdaemon']}: user: the unit would run "
-                    r"as perfectsched")
+    base.journal_showing(ns, "polkit grant to start units: held",
+                         r"routes\[0\]\.executor: an exec job runs as perfectsched, the "
+                         r"daemon's user, which holds the polkit grant",
+                         rf"schedules file entry {KEYS['asdaemon']}: user: the unit would run "
+                         r"as perfectsched")
     refused = json.loads(ns.ctl("--json", "status").stdout)["refused_routes"]
     assert len(refused) == 2, refused
     ns.ctl("run", KEYS["whoami"])
@@ -367,7 +358,7 @@ def test_u05_timeout_stops_the_unit(ns: Namespace, units) -> None:
     unit = runs[0]["unit"]
     assert not active_units(ns, key)
     assert "timeout-start" in journal(ns, unit)
-    journal_showing(ns, r"timed out after 2s")
+    base.journal_showing(ns, r"timed out after 2s")
     # max_attempts 1 holds for the extra run too: no retry after retry_wait (2 s), and
     # its row is gone (0.2.0's first cut retried it without end).
     time.sleep(5)
@@ -402,8 +393,8 @@ def test_u06_a_killed_worker_s_unit_stops_before_the_occurrence_runs_again(
     stopped_at = max(unit_times(ns, first))
     started_at = min(unit_times(ns, second))
     assert stopped_at < started_at, (stopped_at, started_at)
-    journal_showing(ns, rf"stopped 1 systemd unit\(s\) of worker \d+ \(pid {worker}\): "
-                    rf"{re.escape(first)}")
+    base.journal_showing(ns, rf"stopped 1 systemd unit\(s\) of worker \d+ \(pid {worker}\): "
+                         rf"{re.escape(first)}")
     runs = history(ns, key)
     assert runs[0]["outcome"] == "lost" or any(r["outcome"] == "lost" for r in runs), runs
 
@@ -441,8 +432,8 @@ def test_u07_a_crashed_daemon_s_units_stop_and_leftovers_are_stopped_at_start(
     ensure_active(ns)
     assert ns.out("systemctl", "is-active", mine, check=False) != "active"
     assert ns.out("systemctl", "is-active", theirs, check=False) == "active"
-    journal_showing(ns, r"stopped 1 systemd unit\(s\) of a previous daemon of this host: "
-                    + re.escape(mine))
+    base.journal_showing(ns, r"stopped 1 systemd unit\(s\) of a previous daemon of this host: "
+                         + re.escape(mine))
     ns.run("systemctl", "stop", theirs)
 
 
@@ -497,8 +488,8 @@ def test_u09_a_frozen_bus_stops_neither_the_master_nor_the_rule(ns: Namespace, u
                       "the occurrence running again", lambda: journal(ns, UNIT, 200))[0]
     assert max(unit_times(ns, first)) < min(unit_times(ns, second))
     # Runs of other tests may run on the same worker: "stopped N ...: a, b, c".
-    journal_showing(ns, rf"stopped \d+ systemd unit\(s\) of worker \d+ \(pid {worker}\): "
-                    rf".*{re.escape(first)}")
+    base.journal_showing(ns, rf"stopped \d+ systemd unit\(s\) of worker \d+ \(pid {worker}\): "
+                         rf".*{re.escape(first)}")
     wait_for(lambda: ns.show("StatusText")["StatusText"].startswith("2 workers"), 30,
              "the replacement worker", lambda: journal(ns))
     ns.ctl("delete", key, "--force")  # a schedules file's: root forces it

@@ -31,16 +31,7 @@ from typing import Any
 
 import pytest
 import test_system as base
-from test_system import (
-    CONF,
-    REPO,
-    TOKEN,
-    UNIT,
-    Namespace,
-    ensure_active,
-    journal_showing,
-    wait_for,
-)
+from test_system import CONF, REPO, TOKEN, UNIT, Namespace, ensure_active, wait_for
 
 # test_system.py's module-scoped fixtures: a namespace of this module's own.
 deb_file, ns = base.deb_file, base.ns
@@ -175,7 +166,7 @@ def before(old_deb_file: Path, ns: Namespace) -> dict[str, Any]:
         "exec": "echo file-entry", "misfire": "skip", "max_attempts": 2}], indent=2) + "\n")
     ns.run("systemctl", "restart", UNIT, timeout=150)
     st = ensure_active(ns)
-    journal_showing(ns, f"perfectschedd {re.escape(OLD_VERSION)} starting", pid=st["MainPID"])
+    base.journal_showing(ns, f"perfectschedd {re.escape(OLD_VERSION)} starting", pid=st["MainPID"])
 
     # A past --start: the occurrences since then run at once, oldest first.
     ns.ctl("add", KEYS["every"], ROUTE_TYPE, "* * * * *", json.dumps({"token": TOKEN}),
@@ -261,14 +252,14 @@ def test_up03_the_daemon_runs_the_new_code(
     assert new_pid != before["main_pid"], f"not restarted: MainPID still {new_pid}"
     assert ns.out("perfectschedd", "--version") == f"perfectschedd {version}"
     # the old daemon was stopped gracefully (leases released), not killed
-    journal_showing(ns, r"^master\[\d+\]: stopped$", pid=before["main_pid"])
+    base.journal_showing(ns, r"^master\[\d+\]: stopped$", pid=before["main_pid"])
     workers = ns.children(new_pid)
     assert workers and not set(workers) & set(before["workers"]), (workers, before["workers"])
     # the new daemon brought the database to its schema by itself (no init) and records
     # itself among the hosts
-    journal_showing(ns, f"perfectschedd {re.escape(version)} starting",
-                    r"database schema updated from 1 \(perfectsched 0\.1\.0\) to \d+",
-                    pid=new_pid)
+    base.journal_showing(ns, f"perfectschedd {re.escape(version)} starting",
+                         r"database schema updated from 1 \(perfectsched 0\.1\.0\) to \d+",
+                         pid=new_pid)
     status = ns.ctl("status")
     print(status.stdout)
     hosts = ctl_json(ns, "status")["hosts"]
