@@ -182,15 +182,25 @@ def daemon_factory(tmp_path: pathlib.Path) -> Iterator[object]:
 #               history (commit 0ffb1ea), run with this interpreter; FAILS (not skips) when
 #               the checkout does not hold that commit.  Its daemon runs in the harness:
 #               daemon_factory(cfg, command=old.daemon_command, ctl_command=old.ctl_command).
+# release_0_2_0 the same for release 0.2.0 (commit ea31003).
 
 from old_release import OldRelease, OldReleaseUnavailable, materialise  # noqa: E402
 
 
-@pytest.fixture(scope="session")
-def old_release(tmp_path_factory: pytest.TempPathFactory) -> OldRelease:
+def _release(tmp_path_factory: pytest.TempPathFactory, version: str) -> OldRelease:
     error = None
     try:
-        return materialise(tmp_path_factory.mktemp("release-0.1.0"), "0.1.0")
+        return materialise(tmp_path_factory.mktemp(f"release-{version}"), version)
     except OldReleaseUnavailable as exc:
         error = str(exc)
-    pytest.fail(f"cannot run release 0.1.0: {error}", pytrace=False)
+    pytest.fail(f"cannot run release {version}: {error}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def old_release(tmp_path_factory: pytest.TempPathFactory) -> OldRelease:
+    return _release(tmp_path_factory, "0.1.0")
+
+
+@pytest.fixture(scope="session")
+def release_0_2_0(tmp_path_factory: pytest.TempPathFactory) -> OldRelease:
+    return _release(tmp_path_factory, "0.2.0")

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("perfectschedd", "perfectschedctl")
 
 # Released versions (packaging/debian/changelog) and their commits on main (SPEC "Upgrades").
-RELEASES = {"0.1.0": "0ffb1ea"}
+RELEASES = {"0.1.0": "0ffb1ea", "0.2.0": "ea31003"}
 
 
 class OldReleaseUnavailable(RuntimeError):

@@ -1,7 +1,7 @@
-"""A rolling upgrade from release 0.1.0 (SPEC "Upgrades": hosts of the previous release and
-of this one share a database with every guarantee intact), on PostgreSQL.
+"""A rolling upgrade from release 0.1.0 and from 0.2.0 (SPEC "Upgrades": hosts of a previous
+release and of this one share a database with every guarantee intact), on PostgreSQL.
 
-Two hosts (node_name n0 and n1) run 0.1.0 (tests/old_release.py); n1 is upgraded (stopped
+Two hosts (node_name n0 and n1) run the old release (tests/old_release.py); n1 is upgraded (stopped
 with SIGTERM, this tree's daemon started in its place), then n0.  Work flows all along:
 schedules `* * * * *` started two hours ago catch up minute after minute (misfire all,
 oldest first), each run 0.1-0.3 s, so occurrences are in flight at every switch; more
@@ -22,6 +22,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 from daemon_harness import Daemon, wait_until
 from dbservers import driver_url
@@ -50,9 +51,11 @@ log E
 BEHIND = 7200  # schedules start two hours ago: 120 missed minutes each
 
 
-def test_rolling_upgrade_from_0_1_0_loses_and_repeats_nothing(
-        pg_url: str, old_release: OldRelease, daemon_factory: Any, tmp_path: Path) -> None:
-    old = old_release
+@pytest.mark.parametrize("release", ["old_release", "release_0_2_0"])
+def test_rolling_upgrade_loses_and_repeats_nothing(
+        pg_url: str, release: str, request: pytest.FixtureRequest, daemon_factory: Any,
+        tmp_path: Path) -> None:
+    old: OldRelease = request.getfixturevalue(release)
     log_path = tmp_path / "executions.log"
     log_path.touch()
     script = tmp_path / "job.sh"
@@ -141,14 +144,14 @@ def test_rolling_upgrade_from_0_1_0_loses_and_repeats_nothing(
     logs: list[str] = []
     new = perfectschedd.__version__
     old_label, new_label = f"@{old.version}", f"@{new}"
-    # -- phase A: two hosts of 0.1.0 ------------------------------------------------------
+    # -- phase A: two hosts of the old release --------------------------------------------------
     hosts = [n0.start(wait_ready=False), host("n1", old.version).start(wait_ready=False)]
     for d in hosts:  # both start at once
         d.wait_notify(lambda m: "READY=1" in m, timeout=30, what="READY=1")
     add(hosts[0], "n0" + old_label, 6)
     add(hosts[1], "n1" + old_label, 6)
     work(["n0" + old_label, "n1" + old_label], Counter())
-    # -- phase B: n1 runs this release, n0 still 0.1.0 ------------------------------------
+    # -- phase B: n1 runs this release, n0 still the old one --------------------------------
     upgrade(1)
     add(hosts[1], "n1" + new_label, 3)
     add(hosts[0], "n0" + old_label, 3)
