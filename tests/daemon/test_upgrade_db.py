@@ -29,6 +29,7 @@ from perfectschedctl import cli
 from perfectschedd.control import commands
 from perfectschedd.schedules import collection as schedules
 from perfectschedd.schedules import cron
+from perfectschedd.store.version import SCHEMA_VERSION
 
 TABLE = "perfectsched"
 HISTORY_ALL = "1000"  # protocol.HISTORY_MAX: every row the database keeps
@@ -307,3 +308,86 @@ def test_new_daemon_keeps_and_runs_a_database_of_0_1_0(
     # The new daemon recorded the schema it brought the database to (versioned schema).
     rows = meta(db_url)
     assert rows is not None and rows.get("schema_version") == "3", rows
+
+
+def test_new_daemon_keeps_and_runs_a_database_of_0_2_0(
+        db_url: str, release_0_2_0: OldRelease, daemon_factory: Any, tmp_path: Path) -> None:
+    """0.2.0's own schema and what only 0.2.0 stores (concurrency policies, @every, a
+    paused schedule with its reason, a forced delete of a file's entry, creators) are
+    kept by this release's daemon, which carries on where 0.2.0 stopped."""
+    old = release_0_2_0
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "upgradejobs.py").write_text(JOBS)
+    sdir = tmp_path / "schedules.d"
+    sdir.mkdir()
+    (sdir / "jobs.yml").write_text(yaml.safe_dump(FILE_ENTRIES, sort_keys=False))
+    py = {"type": "py", "python": "upgradejobs:Work"}
+    fail = sh("fail", "echo planned failure; exit 3")
+    d_old: Daemon = daemon_factory(
+        {"node_name": "old-host", "schedules_dir": str(sdir), "routes": [py, fail]},
+        url=db_url, extra_args=["-I", str(mods)],
+        command=old.daemon_command, ctl_command=old.ctl_command)
+    old.ctl("-c", str(d_old.config_path), "init")
+    d_old.start()
+    now = int(time.time())
+    for args in (
+            ["add", "plain", "t", "*/5 * * * *", '{"n": [1, 2.5, null]}'],
+            ["add", "every", "t", "@every 7s", "-s", str(now + 3600)],
+            ["add", "allowing", "t", "0 3 * * *", "--concurrency", "allow"],
+            ["add", "held", "t", "@daily", "-t", "America/New_York"],
+            ["pause", "held"],
+            ["add", "ticking", "py", "* * * * *", '{"sleep": 0.1}', "-s", str(now - 600)],
+            ["add", "failing", "fail", "* * * * *", "-s", str(now - 180),
+             "--max-attempts", "1"],
+            ["delete", "--force", "file-report"],
+            ["run", "plain"]):
+        d_old.ctl(*args)
+    old_socket = ctl_many(old.ctl_command, ["--socket", d_old.socket_path], home=old.path)
+
+    def first_runs() -> bool:
+        ticking, failing = old_socket([["history", k, "-n", HISTORY_ALL]
+                                       for k in ("ticking", "failing")])
+        return len(ticking) >= 3 and len(failing) >= 2
+    wait_until(first_runs, timeout=30, interval=0.2, what="0.2.0's first runs")
+    assert d_old.stop() == 0, d_old.log()[-3000:]
+    assert "Traceback" not in d_old.log(), d_old.log()[-3000:]
+    before = snapshot(ctl_many(old.ctl_command, ["-c", str(d_old.config_path)],
+                               home=old.path))
+    shown, runs = before["show"], before["history"]
+    run_key = next(k for k in shown if k.startswith("plain@run-"))
+    kept = set(shown) - {run_key}
+    assert kept == {"plain", "every", "allowing", "held", "ticking", "failing",
+                    "file-exec"}, kept
+    assert shown["held"]["paused"] is True and shown["allowing"]["concurrency"] == "allow"
+
+    d_new: Daemon = daemon_factory(
+        {"node_name": "new-host", "schedules_dir": str(sdir),
+         "routes": [py, fail, sh("t", "true")]},
+        url=db_url, extra_args=["-I", str(mods)]).start()
+    new_socket = ctl_many(CTL, ["--socket", d_new.socket_path])
+
+    def caught_up() -> bool:
+        s, plain = new_socket([["show", "ticking"], ["history", "plain"]])
+        return s["next_time"] > time.time() - 60 and s["owner"] is None and \
+            any(r["key"] == run_key for r in plain)
+    wait_until(caught_up, timeout=40, interval=0.5,
+               what="ticking's backlog and plain's extra run, on the new daemon")
+    after = snapshot(new_socket)
+    assert d_new.stop() == 0, d_new.log()[-3000:]
+    assert "Traceback" not in d_new.log(), d_new.log()[-3000:]
+
+    # Every schedule kept with every field no run changes; the forced delete of the
+    # file's entry still holds (the reload of the same file does not bring it back).
+    assert set(after["show"]) == kept, set(after["show"]) ^ kept
+    for key in sorted(kept):
+        static = {f: shown[key][f] for f in (*STATIC, "concurrency", "creator")}
+        assert projected(after["show"][key], static) == static, key
+        now_runs = after["history"][key]
+        assert now_runs[len(now_runs) - len(runs[key]):] == [
+            {**n, **o} for n, o in zip(now_runs[len(now_runs) - len(runs[key]):], runs[key],
+                                       strict=True)], key
+    assert [r["outcome"] for r in after["history"]["plain"] if r["key"] == run_key] == \
+        ["success"]
+    rows = meta(db_url)
+    assert rows is not None and rows.get("schema_version") == str(SCHEMA_VERSION), rows
