@@ -26,6 +26,8 @@ from typing import Any
 
 import yaml
 
+from perfectschedd.executors import guard
+
 DAEMON = [sys.executable, "-m", "perfectschedd"]
 CTL = [sys.executable, "-m", "perfectschedctl"]
 _foreign: list[str] = []
@@ -278,8 +280,13 @@ class Daemon:
                 re.findall(rf"^(\S+ \S+) .*?(?:{pattern})", self.log(), re.M)]
 
     def children(self) -> list[int]:
-        """Direct children of the master (the workers)."""
-        return _children(self.pid)
+        """Direct children of the master: the workers (not its job guard)."""
+        return [p for p in _children(self.pid) if not _is_guard(p)]
+
+    def guard(self) -> int:
+        """The pid of the master's job guard (executors/guard.py)."""
+        [pid] = [p for p in _children(self.pid) if _is_guard(p)]
+        return pid
 
     def descendants(self) -> list[int]:
         if self.proc is None:
@@ -311,6 +318,13 @@ class Daemon:
 
     def status(self) -> dict[str, Any]:
         return dict(self.ctl_json("status"))
+
+
+def _is_guard(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/comm").read_bytes().strip() == guard.NAME
+    except OSError:
+        return False
 
 
 def _children(pid: int) -> list[int]:

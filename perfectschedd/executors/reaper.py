@@ -1,7 +1,8 @@
 """Find and kill what is left of exec runs whose lease is gone.
 
 A run's command leads its own process group, and every process it starts inherits
-``PERFECTSCHED_RUN_ID=<worker pid>.<n>`` from its environment.  A process that left the
+``PERFECTSCHED_RUN_ID=<worker pid>.<stamp>.<instance>.<n>`` from its environment
+(`instance`: the daemon instance and incarnation, see set_instance).  A process that left the
 group (``setsid``, a double fork) is still recognised by that variable, and once its
 parent dies it is re-parented to the master (a child subreaper): so whatever a run left
 behind is either in the run's group, or marked, or a child of the master.
@@ -25,6 +26,7 @@ from collections.abc import Callable, Iterable
 from typing import Protocol, TypeVar
 
 from perfectschedd.executors.command import RUN_ID_ENV
+from perfectschedd.executors.systemd.props import socket_digest
 
 _MARK = f"{RUN_ID_ENV}=".encode()
 # A dead worker's runs are killed in rounds: each round's victims re-parent their
@@ -165,6 +167,38 @@ def kill_marked(belongs: Callable[[str], bool], *, me: int) -> int:
         count += len(victims)
         time.sleep(_ROUND_PAUSE)
     return count
+
+
+# This daemon's instance: set by the master before it forks anything, inherited by its
+# workers, which write it into their run ids.
+_instance: str | None = None
+
+
+def set_instance(control_socket: str, master_pid: int) -> str:
+    """Name this daemon in the run ids of its workers: its control socket (one daemon per
+    socket on a host) and its master's pid (this incarnation of it)."""
+    global _instance
+    _instance = f"{socket_digest(control_socket)}:{master_pid}"
+    return _instance
+
+
+def instance() -> str:
+    """This daemon's instance, or "-" outside a daemon (the library's own runs)."""
+    return _instance or "-"
+
+
+def instance_of(run: str) -> str | None:
+    """The daemon instance in a run id; None in a run id of 0.2.0 or older."""
+    fields = run.split(".")
+    return fields[2] if len(fields) == 4 else None
+
+
+def left_by_earlier_incarnations(run: str) -> bool:
+    """Whether a run id is of this daemon (the same control socket), but of a master that
+    is not this one: what a daemon killed with all its processes left running."""
+    theirs, mine = instance_of(run), instance()
+    return theirs is not None and theirs != mine and \
+        theirs.partition(":")[0] == mine.partition(":")[0]
 
 
 def worker_of(run: str) -> int | None:

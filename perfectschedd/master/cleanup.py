@@ -208,12 +208,13 @@ class RunCleanup:
                 log.warning("killing pid %d, left behind by run %s that has ended", pid, run)
             jobreaper.kill(pid)
 
-    def kill_orphans(self) -> None:
-        """Job processes re-parented to us (their worker died) must not outlive us."""
+    def kill_orphans(self, spare: int | None = None) -> None:
+        """Job processes re-parented to us (their worker died) must not outlive us.  The
+        guard (`spare`) ends by itself once we are gone (executors/guard.py)."""
         me = str(os.getpid())
         pids = []
         for entry in os.listdir("/proc"):
-            if not entry.isdigit():
+            if not entry.isdigit() or int(entry) == spare:
                 continue
             try:
                 with open(f"/proc/{entry}/stat") as f:

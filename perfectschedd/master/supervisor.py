@@ -36,6 +36,8 @@ from perfectschedd.errors import (
     SchemaError,
     first_line,
 )
+from perfectschedd.executors import guard, reaper
+from perfectschedd.executors.base import signal_name
 from perfectschedd.executors.systemd import props as unitprops
 from perfectschedd.master import heap
 from perfectschedd.master.cleanup import RunCleanup, UnitStopper, stop_units_over_dbus
@@ -73,6 +75,7 @@ class Supervisor:
         self.table = WorkerTable(config.workers, config.worker_timeout)
         self.procs = processes or Processes()
         self.master_pid = os.getpid()
+        self.guard: guard.Guard | None = None
         self.signals: list[int] = []
         self.wake_pending = False
         self.selfpipe_r, self.selfpipe_w = os.pipe()
@@ -222,6 +225,8 @@ class Supervisor:
         for pid, code in self.procs.reap():
             proc = self.table.get(pid)
             if proc is None:
+                if self.guard is not None and pid == self.guard.pid:
+                    self._guard_died(code)
                 continue  # an orphaned job process re-parented to us (child subreaper)
             self.read_alive(pid)  # its last run events
             ended = self.table.exited(pid, time.monotonic(), self.state == "stopping")
@@ -598,6 +603,17 @@ class Supervisor:
                 log.info("worker %d (pid %d, generation %d) drains: %d running", proc.index,
                          proc.pid, proc.generation, proc.running)
 
+    def _guard_died(self, code: int) -> None:
+        """Only KILL stops the guard (guard.py): say that a death of the whole daemon
+        would now leave its jobs running, until the next start kills them."""
+        assert self.guard is not None
+        reaper.end_helper(self.guard.pid)
+        self.procs.close(self.guard.lifeline)
+        self.guard = None
+        log.error("the job guard died (%s): if master and workers die together now, their "
+                  "jobs run on until the daemon starts again", signal_name(-code)
+                  if code < 0 else f"exit status {code}")
+
     def stop(self) -> None:
         self.state = "stopping"
         log.info("stopping")
@@ -616,7 +632,7 @@ class Supervisor:
             self.reap()
             time.sleep(0.02)
         self.unit_cleanups.join(25.0)  # their give-backs need the database, still open
-        self.cleanup.kill_orphans()
+        self.cleanup.kill_orphans(spare=self.guard.pid if self.guard else None)
         self.db.stop(timeout=5.0)  # lets the killed workers' leases be given back
         log.info("stopped")
 
@@ -644,6 +660,10 @@ class Supervisor:
             libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         except OSError:
             pass
+        # First, while the master holds no listening socket and runs no thread but the
+        # log writer's: the guard inherits nothing it could keep open.
+        self.guard = reaper.start_helper(lambda: guard.start(reaper.set_instance(
+            self.config.control_socket, self.master_pid)))
         self._install_signals()
         self.listener_fds = self.listeners.fds
         # The control socket first: its lock refuses a second daemon before anything of the
@@ -661,6 +681,7 @@ class Supervisor:
         # A previous daemon of this host that died without stopping its jobs: its units
         # stop before any worker exists.
         self.cleanup.stop_previous_units(self.config)
+        guard.kill_earlier_incarnations(self.master_pid)
         log.info("perfectschedd %s starting: %d worker(s), database %s", __version__,
                  self.config.workers, engine_url(self.config.url).render_as_string(
                      hide_password=True))

@@ -28,6 +28,7 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from perfectschedd import logsetup
 from perfectschedd.config import Config
 from perfectschedd.errors import ConfigError, InvalidInputError, PreemptedError, SchemaError
+from perfectschedd.executors import reaper
 from perfectschedd.executors.base import RunControl, RunResult, StopReason, error_line
 from perfectschedd.executors.command import ExecHandler
 from perfectschedd.executors.router import Router, run_task
@@ -144,7 +145,8 @@ class LeasePipeline:
         self.fence_grace = max(0.1, self.fence_lead - alive / 10)
         # Task threads take ids at once: a generator raises "already executing" when two
         # threads resume it together; itertools.count's next() is one C call (atomic).
-        self.run_id_prefix = f"{os.getpid()}.{time.time_ns() // 1_000_000 % 10**9}."
+        self.run_id_prefix = (f"{os.getpid()}.{time.time_ns() // 1_000_000 % 10**9}."
+                              f"{reaper.instance()}.")
         self.run_numbers = itertools.count(1)
         self.lock = threading.Lock()
         self.history: list[dict[str, Any]] = []

@@ -105,8 +105,13 @@ def daemon_tag(control_socket: str) -> str:
     """What a unit's Description says of the daemon instance that started it: two
     daemons of one host (one node name, other tables or databases) never stop each
     other's units.  Its control socket names it: one daemon per socket (its lock)."""
+    return f"[daemon {socket_digest(control_socket)}]"
+
+
+def socket_digest(control_socket: str) -> str:
+    """Twelve hex digits naming a daemon instance of this host by its control socket."""
     digest = hashlib.sha256(control_socket.encode("utf-8", "surrogateescape")).hexdigest()
-    return f"[daemon {digest[:12]}]"
+    return digest[:12]
 
 
 def started_by(description: str, tag: str) -> bool:
