@@ -17,7 +17,7 @@ from perfectschedd import ConfigError, ScheduleError, __version__
 from perfectschedd.control import protocol, registry
 from perfectschedd.control.protocol import HISTORY_MAX
 from perfectschedd.paths import DEFAULT_SOCKET
-from perfectschedd.schedules.fields import PREVIEW_MAX
+from perfectschedd.schedules.fields import MAX_DEPTH, PREVIEW_MAX, json_depth
 
 from .client import DaemonUnavailable, SocketClient
 from .output import format_time, print_result
@@ -282,10 +282,17 @@ class _BadArgument(Exception):
 
 
 def _json_arg(name: str, text: str) -> Any:
+    # The depth is checked here, not only by the daemon: there the request around the
+    # value is deeper than the value, and the error would name the request.
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise _BadArgument(f"{name}: not valid JSON: {exc.msg}") from None
+    except RecursionError:
+        raise _BadArgument(f"{name}: nested deeper than {MAX_DEPTH} levels") from None
+    if json_depth(value) > MAX_DEPTH:
+        raise _BadArgument(f"{name}: nested deeper than {MAX_DEPTH} levels")
+    return value
 
 
 def _direct(ns: argparse.Namespace, cmd: str, args: dict[str, Any]) -> Any:

@@ -159,8 +159,14 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def loads_bounded(text: bytes | str, what: str = "request") -> Any:
-    """json.loads with the limits every entry point applies: MAX_FRAME bytes, MAX_DEPTH
+# The levels a request puts around a schedule's data: the request, its args, add_many's
+# list and its item.  Data within MAX_DEPTH passes the frame's check, so that the
+# schedule's own check refuses deeper data naming `data`, not the request.
+REQUEST_ENVELOPE = 4
+
+
+def loads_bounded(text: bytes | str, what: str = "request", depth: int = MAX_DEPTH) -> Any:
+    """json.loads with the limits every entry point applies: MAX_FRAME bytes, `depth`
     levels, no NaN/Infinity.  Raises ProtocolError with a one-line reason."""
     if len(text) > MAX_FRAME:
         raise ProtocolError(f"{what} larger than {MAX_FRAME} bytes")
@@ -171,9 +177,9 @@ def loads_bounded(text: bytes | str, what: str = "request") -> Any:
     except ValueError as exc:  # NaN, Infinity
         raise ProtocolError(f"{what}: invalid JSON: {exc}") from None
     except RecursionError:
-        raise ProtocolError(f"{what}: nested deeper than {MAX_DEPTH} levels") from None
-    if json_depth(msg) > MAX_DEPTH:
-        raise ProtocolError(f"{what}: nested deeper than {MAX_DEPTH} levels")
+        raise ProtocolError(f"{what}: nested deeper than {depth} levels") from None
+    if json_depth(msg, depth) > depth:
+        raise ProtocolError(f"{what}: nested deeper than {depth} levels")
     return msg
 
 
@@ -184,7 +190,7 @@ def parse_request(line: bytes) -> tuple[str, dict[str, Any]]:
 
 def parse_request_from(line: bytes) -> tuple[str, dict[str, Any], str | None]:
     """(command, arguments, the client's version or None when it did not say)."""
-    msg = loads_bounded(line)
+    msg = loads_bounded(line, depth=MAX_DEPTH + REQUEST_ENVELOPE)
     if not isinstance(msg, dict):
         raise ProtocolError("a request must be a JSON object")
     unknown = set(msg) - {"cmd", "args", "client"}

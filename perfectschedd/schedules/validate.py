@@ -51,14 +51,17 @@ def check_text(field: str, value: Any, limit: int) -> str:
 # surrogates.
 _KEY_FORBIDDEN = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs"})
 _ASCII_CONTROL = re.compile("[\x00-\x1f\x7f]")
+# Any space (str patterns match Unicode's): a key is one column of `list` and one word of
+# the command lines that name it.
+_SPACE = re.compile(r"\s")
 
 
 def check_key(key: Any) -> str:
     """A key for a new schedule: the one place that says what a key may be (socket,
     D-Bus, CLI and library all add through here).  A key reaches exec jobs as their last
     argument, so it never starts with `-` (GNU tools read options after operands), and it
-    is written to logs, so it holds no control or separator character; `@run-` is kept
-    for the keys of extra runs."""
+    is written to logs, so it holds no control or separator character, and it is a column
+    of `list`, so no space; `@run-` is kept for the keys of extra runs."""
     check_text("key", key, KEY_MAX)
     if key.startswith("-"):
         raise InvalidInputError("key", "must not start with '-' (it reaches jobs as an "
@@ -69,6 +72,9 @@ def check_key(key: Any) -> str:
             unicodedata.category(c) in _KEY_FORBIDDEN for c in key):
         raise InvalidInputError("key", "contains control, format or line-separator "
                                 "characters")
+    if _SPACE.search(key):
+        raise InvalidInputError("key", "must not contain spaces (a key is one column of "
+                                "`list` and one word of a command line)")
     if RUN_NOW_MARK in key:
         raise InvalidInputError("key", f"must not contain {RUN_NOW_MARK!r} (the mark of "
                                 "extra runs)")

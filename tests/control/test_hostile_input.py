@@ -101,6 +101,10 @@ def test_deep_or_odd_data_is_refused_before_anything_is_stored(daemon_factory: A
         {"key": "fine", "type": "t", "cron": YEARLY},
         {"key": "bad", "type": "t", "cron": YEARLY, "data": deep_text}]}),
         "InvalidInputError", "data")
+    # data one level past the limit is refused naming data, not the request around it
+    refused(call(d, "add", {"key": "k", "type": "t", "cron": YEARLY,
+                            "data": json.loads('{"a": ' + "[" * 64 + "]" * 64 + "}")}),
+            "InvalidInputError", "data: nested deeper than 64 levels")
     # a request nested past the limit is refused as a frame
     refused(call(d, "", raw=b'{"cmd":"add","args":' + b"[" * 5000 + b"]" * 5000 + b"}\n"),
             "ProtocolError", "nested deeper")
@@ -109,9 +113,11 @@ def test_deep_or_odd_data_is_refused_before_anything_is_stored(daemon_factory: A
     assert "Traceback" not in d.log()
     # and direct mode (-c) refuses the same way, with one line
     deep_arg = json.dumps({"a": json.loads("[" * 70 + "]" * 70)})
-    res = subprocess.run([*CTL, "-c", str(d.config_path), "add", "k", "t", YEARLY, deep_arg],
-                         capture_output=True, text=True, timeout=60)
-    assert res.returncode == 1 and len(res.stderr.strip().splitlines()) == 1, res
+    for via in (["-c", str(d.config_path)], ["--socket", d.socket_path]):
+        res = subprocess.run([*CTL, *via, "add", "k", "t", YEARLY, deep_arg],
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 1 and res.stderr.strip().splitlines() == [
+            "perfectschedctl: DATA: nested deeper than 64 levels"], res
     assert stored(d) == before
 
 

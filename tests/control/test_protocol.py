@@ -154,11 +154,14 @@ def nested(depth: int) -> Any:
 
 
 def test_nesting_limit() -> None:
-    # args is level 2 of the request; nested(n) adds n levels.
-    ok_frame = encode({"cmd": "add", "args": {"data": nested(MAX_DEPTH - 2)}})
+    # args is level 2 of the request; nested(n) adds n levels.  The request may hold
+    # data of MAX_DEPTH levels inside add_many's list (REQUEST_ENVELOPE), so that deeper
+    # data is refused by the schedule's check, naming `data`.
+    limit = MAX_DEPTH + protocol.REQUEST_ENVELOPE
+    ok_frame = encode({"cmd": "add", "args": {"data": nested(limit - 2)}})
     assert parse_request(ok_frame)[0] == "add"
-    deep = encode({"cmd": "add", "args": {"data": nested(MAX_DEPTH - 1)}})
-    with pytest.raises(ProtocolError, match=f"nested deeper than {MAX_DEPTH} levels"):
+    deep = encode({"cmd": "add", "args": {"data": nested(limit - 1)}})
+    with pytest.raises(ProtocolError, match=f"nested deeper than {limit} levels"):
         parse_request(deep)
     # Far deeper than the interpreter's recursion limit: still a ProtocolError.
     very = b'{"cmd":"x","args":{"a":' + b"[" * 200_000 + b"]" * 200_000 + b"}}"

@@ -23,6 +23,8 @@ HOSTILE = [
     ("esc\x1b[31m", "control"),
     ("del\x7f", "control"),
     ("other@run-1-abc", "'@run-'"),
+    ("with space", "spaces"),
+    ("nbsp\u00a0key", "spaces"),
 ]
 
 
@@ -57,7 +59,7 @@ def test_keys_stored_before_the_rule_keep_working_and_are_listed(daemon_factory:
     d.ctl("add", "ok", "t", YEARLY)
     db = d.config["url"].removeprefix("sqlite:///")
     with sqlite3.connect(db) as con:  # as an older version would have stored them
-        for key in ("-old", "tab\tkey"):
+        for key in ("-old", "tab\tkey", "a space"):
             con.execute("INSERT INTO perfectsched (key, type, cron, delay, timezone, data,"
                         " next_time, next_run_time, paused, fence, attempt)"
                         " SELECT ?, type, cron, delay, timezone, data, next_time,"
@@ -66,7 +68,7 @@ def test_keys_stored_before_the_rule_keep_working_and_are_listed(daemon_factory:
     d.stop()
     d.start()
     st = d.status()
-    assert {k["key"] for k in st["keys_to_rename"]} == {"-old", "tab\tkey"}
+    assert {k["key"] for k in st["keys_to_rename"]} == {"-old", "tab\tkey", "a space"}
     assert "key to rename: '-old': key: must not start with '-'" in d.ctl("status").stdout
     assert d.ctl_json("show", "--", "-old")["key"] == "-old"  # still works
     d.ctl("delete", "--", "-old")
@@ -84,6 +86,9 @@ def test_every_ascii_control_character_is_refused_and_the_rest_accepted() -> Non
         key = f"k{chr(code)}k"
         if unicodedata.category(chr(code)) == "Cc":
             with pytest.raises(InvalidInputError, match="^key: .*control"):
+                check_key(key)
+        elif chr(code) == " ":
+            with pytest.raises(InvalidInputError, match="^key: must not contain spaces"):
                 check_key(key)
         else:
             assert check_key(key) == key
