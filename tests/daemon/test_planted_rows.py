@@ -156,6 +156,10 @@ def test_a_row_a_database_peer_plants_is_refused_by_the_worker(
     d.wait_log("schedule 'mallory' refused and paused: type exec:rootjob, creator uid 4242")
     assert "mallory" in refused_rows(d)
     assert not [line for line in lines(out) if "mallory" in line or "planted" in line]
+    # The entry's own extra runs (rootjob@run-...) still run its command.
+    run_key = d.ctl_json("run", "rootjob")["run_key"]
+    wait_until(lambda: any(line.startswith(f"{run_key} ") for line in lines(out)),
+               timeout=15, what="rootjob's extra run")
 
     # One not due yet is refused by the next reload's convergence, before any claim.
     plant(d, "mallory-later", now + 3600)
