@@ -67,6 +67,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 log = logging.getLogger("perfectschedd")
 
+# Store.group_turn's answers: the member starts (it is the group's holder now), waits, or
+# no longer holds its row.
+TURN_START, TURN_WAIT, TURN_LOST = "start", "wait", "lost"
+
 
 class RefusedRow(NamedTuple):
     """A row whose type names a schedules file's exec entry whose own row it is not
@@ -79,9 +83,8 @@ class RefusedRow(NamedTuple):
 
     def line(self) -> str:
         return refused_line(self.key, self.type, self.creator, self.reason)
-# Store.group_turn's answers: the member starts (it is the group's holder now), waits, or
-# no longer holds its row.
-TURN_START, TURN_WAIT, TURN_LOST = "start", "wait", "lost"
+
+
 SA_MAJOR = int(sa.__version__.split(".")[0])
 
 
