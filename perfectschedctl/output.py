@@ -137,6 +137,12 @@ def _status(result: dict[str, Any]) -> str:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(w["since"])))
         lines.append(f"draining since {since}: worker pid {w.get('pid')} (generation "
                      f"{w.get('generation')}), running: {' '.join(w.get('keys') or []) or '-'}")
+    for row in result.get("refused_rows") or []:
+        creator = row.get("creator")
+        lines.append(f"refused schedule, paused, never runs: {row.get('key')!r} (type "
+                     f"{row.get('type')}, creator "
+                     f"{'unknown' if creator is None else f'uid {creator}'}): "
+                     f"{row.get('reason')}")
     for bad in result.get("keys_to_rename") or []:
         lines.append(f"key to rename: {bad.get('key')!r}: {bad.get('why')}")
     for u in result.get("unclaimed") or []:

@@ -54,6 +54,9 @@ class RouteConfig:
     # Who hears of this route's failures (notify_spec.SILENT: nobody); None: the
     # configuration's default.
     notify: Notifier | None = None
+    # A schedules file's exec entry: its file (file:NAME), whose own row alone it runs
+    # (fields.foreign_exec_row); None for the configuration's routes.
+    source: str | None = None
 
     @property
     def regexp(self) -> re.Pattern[str] | None:

@@ -113,6 +113,9 @@ class Snapshot:
     beyond_period_total: int = 0
     # While everything is paused (pause --all): since, by, and the schedules it holds.
     paused_all: dict[str, Any] | None = None
+    # Rows paused as not their file entry's own (fields.foreign_exec_row): key, type,
+    # creator, why.
+    refused_rows: list[dict[str, Any]] = field(default_factory=list)
     read_at: float | None = None       # Unix time of `counts`/`running`
     ok: bool | None = None             # None: not asked yet
     unreachable_since: float | None = None
@@ -531,6 +534,7 @@ class MasterDatabase:
             if paused_all is not None:
                 paused_all = {**paused_all, "schedules": store.count_paused(with_all=True)}
             counts = store.counts(int(now))
+            refused_rows = [r._asdict() for r in store.refused_rows()]
             if states or self._states is None:
                 began = time.monotonic()
                 self._states = store.state_summary(int(now), overdue=0)
@@ -569,6 +573,7 @@ class MasterDatabase:
                               beyond_period=beyond[:FAILING_SHOWN],
                               beyond_period_total=len(beyond),
                               unclaimed=unclaimed, hosts=hosts, paused_all=paused_all,
+                              refused_rows=refused_rows,
                               unrecorded_nodes=sorted(at_work - recorded),
                               read_at=now, ok=True,
                               unreachable_since=None, error=None))

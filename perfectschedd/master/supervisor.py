@@ -420,6 +420,8 @@ class Supervisor:
                            "routed_here": self._routed_here(t)}
                           for t, n in snap.unclaimed.items()],
             "keys_to_rename": [{"key": k, "why": why} for k, why in snap.rename.items()],
+            # Rows paused because they are not their file entry's own: they never run.
+            "refused_rows": list(snap.refused_rows),
             "last_error": self.last_error or (f"database: {why}" if why else None) or (
                 "; ".join(problems)[:LAST_ERROR_MAX] if problems else None),
             "refused_routes": list(self.refused_routes), "refused": problems,

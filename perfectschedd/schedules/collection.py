@@ -306,6 +306,14 @@ class Task:
                                                  count_attempt=True):
             raise PreemptedError(f"task {self.key!r} lost its lease before release")
 
+    def refuse(self, reason: str) -> None:
+        """The daemon refuses to run this occurrence (fields.foreign_exec_row): its row is
+        paused with `reason`, its lease ended, and nothing runs."""
+        self._end()
+        if self._collection.store.pause_exhausted([Advance(self.key, self.fence, None, None,
+                                                           pause_reason=reason)]):
+            raise PreemptedError(f"task {self.key!r} lost its lease before it was refused")
+
     def give_back(self, now: float | None = None, wait: float = 0) -> None:
         """The daemon gives the occurrence back untried (it stops, or cannot run it): it
         runs again after `wait` seconds, on any worker, and this attempt does not count."""

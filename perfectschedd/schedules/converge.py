@@ -15,6 +15,8 @@ Rules (SPEC "Declarative schedules and migration"):
   disagreement once instead of writing it back, so that hosts never flap.
 - A key root deleted with --force is not added again while its entry is as it was
   (deletions.py: a marker in the database, read by every host, at start and on apply).
+- A row whose type names an entry's command (exec:K) but is not that entry's own
+  (fields.foreign_exec_row) is paused with the reason, at start and on every reload.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from perfectschedd.errors import (
 )
 from perfectschedd.schedules import cron, deletions
 from perfectschedd.schedules.collection import INTERVAL_FEATURE, ScheduleCollection, ScheduleInfo
-from perfectschedd.schedules.fields import SOURCE_API, SOURCE_MAX, detached_source
+from perfectschedd.schedules.fields import EXEC_TYPE, SOURCE_API, SOURCE_MAX, detached_source
 from perfectschedd.schedules.files import (
     SOURCE_FILE,
     Entry,
@@ -308,14 +310,21 @@ class FileSchedules:
         with self.lock:
             loaded, previous, loads = self.loaded, self.applied, self.loads
         remove_from = (loaded.sources | self.applied_sources) - loaded.broken
+        # Rows that name an entry of these files (exec:K) but are not its own: whatever
+        # wrote them (0.1.0 stored any type; a database peer), they never run.
+        entry_files = {k: e.source for k, e in loaded.entries.items()
+                       if e.type == f"{EXEC_TYPE}{k}"}
         try:
             changes = converge(sc, loaded.entries, remove_from, previous=previous,
                                creators=loaded.owners)
+            refused = sc.store.refuse_foreign_exec_rows(entry_files)
         except Exception:
             with self.lock:
                 if self.due_at is None:
                     self.due_at = time.monotonic() + RETRY_AFTER
             raise
+        for row in refused:
+            log.warning("schedules files: %s", row.line())
         counts = {a: sum(c.action == a for c in changes) for a in (ADDED, CHANGED, REMOVED)}
         for c in changes:
             if c.action in (ADDED, CHANGED, REMOVED):

@@ -51,6 +51,65 @@ def schedule_key(key: str) -> str:
     return key.split(RUN_NOW_MARK, 1)[0]
 
 
+# The paused_reason of a row refused because its type names a schedules file's exec entry
+# whose own row it is not (foreign_exec_row): status lists the rows it starts, `resume
+# --all` leaves them paused, and a worker that claims one anyway refuses it again.
+REFUSED_ROW_REASON = "refused by perfectschedd: "
+
+
+def exec_entry_key(task_type: str) -> str | None:
+    """K for a type exec:K (a schedules file's exec entry), else None."""
+    return task_type[len(EXEC_TYPE):] if task_type.startswith(EXEC_TYPE) else None
+
+
+def foreign_exec_row(key: str, task_type: str, schedule: tuple[str, str | None] | None,
+                     entry_source: str | None = None) -> str | None:
+    """Why a stored row must not run, or None: its type exec:K runs entry K's command,
+    as K's user, and it is not entry K's own row.  The one rule (SPEC "Privilege model":
+    a row is trusted no more than its writer, whatever version wrote it), used by the
+    upgrade (store/sql.py), the daemon's start and reloads (schedules/converge.py) and
+    the worker before each run (worker/leases.py).
+
+    Entry K's own: key K or one of K's extra runs (K@run-...), whose schedule, the row
+    keyed K (`schedule`: its type and source, None when there is none; an extra run
+    records no source: it is its schedule's), is of type exec:K and came from a schedules
+    file: `entry_source` (file:NAME, the file that holds K on this host, or root's
+    --force of it), any file when that is not known here (None)."""
+    entry = exec_entry_key(task_type)
+    if entry is None:
+        return None
+    if schedule_key(key) != entry:
+        return (f"its type {task_type} runs schedules file entry {entry!r}'s command, and "
+                f"it is not that entry's row nor one of its extra runs")
+    if schedule is None or schedule[0] != task_type:
+        return (f"its type {task_type} runs schedules file entry {entry!r}'s command, and "
+                f"no row {entry!r} of that type exists")
+    source = schedule[1]
+    if entry_source is not None:
+        ok = source in (entry_source, detached_source(entry_source))
+    else:
+        ok = source is not None and (source.startswith(SOURCE_FILE) or
+                                     source.startswith(SOURCE_FORCED + SOURCE_FILE))
+    if not ok:
+        return (f"its type {task_type} runs schedules file entry {entry!r}'s command, and "
+                f"the row {entry!r} came from {source or SOURCE_API}, not from "
+                + (entry_source if entry_source is not None else "a schedules file"))
+    return None
+
+
+def refused_reason(why: str) -> str:
+    """The paused_reason stored for a row foreign_exec_row refuses."""
+    text = f"{REFUSED_ROW_REASON}{why}; it never runs (delete it)"
+    return text if len(text) <= PAUSED_REASON_MAX else text[:PAUSED_REASON_MAX - 3] + "..."
+
+
+def refused_line(key: str, task_type: str, creator: int | None, reason: str) -> str:
+    """The journal's WARNING line for a refused row (one per row)."""
+    who = "unknown (before 0.2.0)" if creator is None else f"uid {creator}"
+    return (f"schedule {key!r} refused and paused: type {task_type}, creator {who}: "
+            f"{reason.removeprefix(REFUSED_ROW_REASON)}")
+
+
 def detached_source(source: str) -> str:
     """The source recorded for a schedule of `source` (file:NAME) changed with --force."""
     return f"{SOURCE_FORCED}{source}"[:SOURCE_MAX]

@@ -78,7 +78,8 @@ class Entry:
             return None
         return RouteConfig(pattern=self.type, exec=self.exec, timeout=self.policy.timeout,
                            env=self.env, user=self.user, append_key=False,
-                           executor=self.executor, unit=self.unit, refused=refused)
+                           executor=self.executor, unit=self.unit, refused=refused,
+                           source=self.source)
 
 
 @dataclass

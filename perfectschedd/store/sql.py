@@ -8,10 +8,11 @@ The tables and their rules are in schema.py.
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -19,7 +20,18 @@ from sqlalchemy.engine.url import URL, make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
 from perfectschedd.errors import ConfigError, SchemaError, first_line
-from perfectschedd.schedules.fields import ROW_FIELDS, SCHEDULE_FIELDS, dumps_data, schedule_key
+from perfectschedd.schedules.fields import (
+    EXEC_TYPE,
+    REFUSED_ROW_REASON,
+    ROW_FIELDS,
+    SCHEDULE_FIELDS,
+    dumps_data,
+    exec_entry_key,
+    foreign_exec_row,
+    refused_line,
+    refused_reason,
+    schedule_key,
+)
 from perfectschedd.store import states
 from perfectschedd.store import version as schemaversion
 from perfectschedd.store.backends.choice import open_backend
@@ -52,9 +64,27 @@ __all__ = ["CRON_MAX", "DATA_MAX", "KEY_MAX", "POLICY_MAX", "RUN_NOW_MARK", "TUR
            "Store", "check_url", "dumps_data", "engine_url"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+log = logging.getLogger("perfectschedd")
+
 # Store.group_turn's answers: the member starts (it is the group's holder now), waits, or
 # no longer holds its row.
 TURN_START, TURN_WAIT, TURN_LOST = "start", "wait", "lost"
+
+
+class RefusedRow(NamedTuple):
+    """A row whose type names a schedules file's exec entry whose own row it is not
+    (fields.foreign_exec_row): paused with `reason`, never run."""
+
+    key: str
+    type: str
+    creator: int | None
+    reason: str
+
+    def line(self) -> str:
+        return refused_line(self.key, self.type, self.creator, self.reason)
+
+
 SA_MAJOR = int(sa.__version__.split(".")[0])
 
 
@@ -216,6 +246,11 @@ class Store:
         self._refuse_missing_required()
         self._create_missing_tables()
         self._add_missing_columns()
+        if 0 < found.version < schemaversion.SCHEMA_VERSION:
+            # Rows an older release let any client write (0.1.0 stored any exec:KEY type):
+            # paused before a worker can claim one (SPEC "Privilege model").
+            for refused in self.refuse_foreign_exec_rows():
+                log.warning("upgrade: %s", refused.line())
         schemaversion.record(self.engine, self.backend.meta, found)
         if found.version < schemaversion.SCHEMA_VERSION:
             self.backend.sync()
@@ -491,6 +526,52 @@ class Store:
         with self._tx(readonly=True) as conn:
             return int(conn.execute(sa.select(sa.func.count()).select_from(t).where(
                 t.c.paused == 1, which)).scalar() or 0)
+
+    # -- rows refused: not their file entry's own ------------------------------------------
+
+    @_retried
+    def refuse_foreign_exec_rows(self, entry_sources: Mapping[str, str] | None = None
+                                 ) -> list[RefusedRow]:
+        """Pause, with the reason, every row whose type names a schedules file's exec
+        entry (exec:K) and that is not that entry's own (fields.foreign_exec_row;
+        `entry_sources`: K -> the file holding entry K on this host, where known).
+        Returns the rows it refused now; those refused before stay so, unreported."""
+        t = self.t
+        q = sa.select(t.c.key, t.c.type, t.c.source, t.c.paused, t.c.paused_reason,
+                      t.c.creator).where(_starts_with(t.c.type, EXEC_TYPE))
+        with self._tx(readonly=True) as conn:
+            rows = conn.execute(q).all()
+        origin = {r.key: (r.type, r.source) for r in rows}
+        sources = entry_sources or {}
+        refused: list[RefusedRow] = []
+        for r in rows:
+            why = foreign_exec_row(r.key, r.type, origin.get(schedule_key(r.key)),
+                                   sources.get(exec_entry_key(r.type) or ""))
+            if why is None or (r.paused and (r.paused_reason or "").startswith(
+                    REFUSED_ROW_REASON)):
+                continue
+            refused.append(RefusedRow(r.key, r.type, r.creator, refused_reason(why)))
+        if not refused:
+            return []
+        done = []
+        with self._tx(durable=True) as conn:
+            for item in refused:
+                if conn.execute(t.update().where(t.c.key == item.key, t.c.type == item.type)
+                                .values(paused=1, paused_reason=item.reason)).rowcount:
+                    done.append(item)
+        return done
+
+    @_retried
+    def refused_rows(self, limit: int = 100) -> list[RefusedRow]:
+        """Up to `limit` rows paused as refused (refuse_foreign_exec_rows, or a worker's
+        refusal), by key."""
+        t = self.t
+        q = (sa.select(t.c.key, t.c.type, t.c.creator, t.c.paused_reason)
+             .where(t.c.paused == 1, _starts_with(t.c.paused_reason, REFUSED_ROW_REASON))
+             .order_by(t.c.key).limit(limit))
+        with self._tx(readonly=True) as conn:
+            return [RefusedRow(r.key, r.type, r.creator, r.paused_reason)
+                    for r in conn.execute(q)]
 
     # -- reads ----------------------------------------------------------------------------
 

@@ -36,6 +36,14 @@ from perfectschedd.executors.systemd import props as unitprops
 from perfectschedd.metrics import counters as metrics
 from perfectschedd.schedules import catchup
 from perfectschedd.schedules.collection import ScheduleCollection, Task
+from perfectschedd.schedules.fields import (
+    EXEC_TYPE,
+    exec_entry_key,
+    foreign_exec_row,
+    refused_line,
+    refused_reason,
+    schedule_key,
+)
 from perfectschedd.store.schema import RUN_NOW_MARK, lease_until
 from perfectschedd.store.sql import TURN_LOST, TURN_START, Store
 from perfectschedd.worker import pipe
@@ -127,6 +135,9 @@ class LeasePipeline:
         self.kill_event = threading.Event()  # the heartbeat thread ends
         self.sc: ScheduleCollection | None = None
         self.router = Router(config.routes, log=log)
+        # exec:K -> the file of this host's entry K, whose own row alone runs its command.
+        self.entry_sources = {r.pattern[len(EXEC_TYPE):]: r.source for r in config.routes
+                              if r.source is not None and r.pattern.startswith(EXEC_TYPE)}
         self.unit_tag = unitprops.daemon_tag(config.control_socket)  # units' Description
         self.node = config.node  # read once: socket.gethostname() is a system call per run
         self.running: dict[str, Task] = {}
@@ -448,6 +459,11 @@ class LeasePipeline:
         result: RunResult | None = None
         error: str | None = None
         try:
+            refusal = self._refusal(task) if task.type.startswith(EXEC_TYPE) else None
+            if refusal is not None:
+                task.refuse(refusal)
+                outcome, error = "refused", error_line(refusal)
+                return
             handler = self.router.match(task.type)
             if handler is None:
                 # Claims ask for routed types only; this one slipped through (a database
@@ -542,6 +558,25 @@ class LeasePipeline:
             # per run of a burst of exec runs); it wakes by itself at deferred_until.
             if queued < self.config.concurrency or time.monotonic() >= self.deferred_until:
                 self.nudge()
+
+    def _refusal(self, task: Task) -> str | None:
+        """Why this occurrence of a schedules file's exec entry must not run (it is not
+        that entry's own row: fields.foreign_exec_row, whatever wrote it, a database peer
+        included), as its paused_reason; logged.  None: it runs."""
+        base = schedule_key(task.key)
+        rows = {r.key: r for r in self.store.rows_of(keys=list({task.key, base}))}
+        schedule = rows.get(base)
+        entry = exec_entry_key(task.type) or ""
+        why = foreign_exec_row(task.key, task.type,
+                               None if schedule is None else (schedule.type, schedule.source),
+                               self.entry_sources.get(entry))
+        if why is None:
+            return None
+        reason = refused_reason(why)
+        row = rows.get(task.key)
+        log.warning("%s", refused_line(task.key, task.type,
+                                       None if row is None else row.creator, reason))
+        return reason
 
     def _record(self, task: Task, started: float, duration: float, outcome: str,
                 unit: str | None = None, result: RunResult | None = None,

@@ -46,6 +46,11 @@ ROUTE_TYPE = "upgrade-tick"
 TICKS = "/var/lib/perfectsched/upgrade-ticks.log"
 SCHEDULES_FILE = "/etc/perfectsched/schedules.d/upgrade.yml"
 KEYS = {name: f"upgrade-{name}-{TOKEN}" for name in ("every", "paused", "zoned", "file")}
+# Issue 38's High: under 0.1.0 a client stores a row of its own key with the type of a
+# root-owned file entry (exec:ROOTJOB); it must never run that entry's command after the
+# upgrade.  The entry writes each run's key and time where the test reads them.
+ROOTJOB, PLANTED = f"upgrade-rootjob-{TOKEN}", f"upgrade-planted-{TOKEN}"
+ROOTJOB_RAN = "/var/lib/perfectsched/upgrade-rootjob.log"
 # What a run (or a run in flight at a snapshot) changes in `show --json`.
 RUN_FIELDS = {"next_time", "next_run_time", "owner", "claimed_at", "attempt"}
 # unattended-upgrades' dpkg options: keep an edited conffile, never ask.
@@ -163,7 +168,9 @@ def before(old_deb_file: Path, ns: Namespace) -> dict[str, Any]:
     # A schedules file is the administrator's too (not a conffile: dpkg never owns it).
     ns.write(SCHEDULES_FILE, json.dumps([{
         "key": KEYS["file"], "cron": "45 4 * * 1", "timezone": "Europe/Berlin",
-        "exec": "echo file-entry", "misfire": "skip", "max_attempts": 2}], indent=2) + "\n")
+        "exec": "echo file-entry", "misfire": "skip", "max_attempts": 2}, {
+        "key": ROOTJOB, "cron": "0 0 1 1 *",
+        "exec": f'echo "$PERFECTSCHED_KEY $(date +%s)" >> {ROOTJOB_RAN}'}], indent=2) + "\n")
     ns.run("systemctl", "restart", UNIT, timeout=150)
     st = ensure_active(ns)
     base.journal_showing(ns, f"perfectschedd {re.escape(OLD_VERSION)} starting", pid=st["MainPID"])
@@ -177,8 +184,13 @@ def before(old_deb_file: Path, ns: Namespace) -> dict[str, Any]:
            json.dumps({"nested": {"list": [1, 2.5, "drei"], "none": None}}),
            "-t", "Asia/Tokyo", "-d", "45", "--misfire", "latest", "--grace", "600",
            "--max-attempts", "3", "--retry-wait", "7", "--jitter", "20", "--timeout", "99")
+    # The planted row (0.1.0 accepted any exec: type): it runs the entry's command there.
+    ns.ctl("add", PLANTED, f"exec:{ROOTJOB}", "* * * * *", '{"planted": "under 0.1.0"}',
+           "--start", str(int(time.time()) - 60))
     wait_for(lambda: len(history(ns, KEYS["every"])) >= 2, 30,
              "the every-minute schedule's catch-up runs", lambda: ns.journal(30))
+    wait_for(lambda: history(ns, PLANTED), 30, "the planted row's run under 0.1.0",
+             lambda: ns.journal(30))
     snap = snapshot(ns)
     assert set(KEYS.values()) <= set(snap["list"]), snap["list"]
     assert snap["show"][KEYS["paused"]]["paused"] is True, snap["show"]
@@ -188,6 +200,8 @@ def before(old_deb_file: Path, ns: Namespace) -> dict[str, Any]:
     # the runs went through the administrator's route: one line each in the file
     assert {f"tick {KEYS['every']} {r['scheduled_time']} 1" for r in runs} <= set(
         snap["ticks"]), (runs, snap["ticks"])
+    assert any(line.startswith(f"{PLANTED} ") for line in ns.run(
+        "cat", ROOTJOB_RAN, check=False).stdout.splitlines()), "0.1.0 ran no planted row"
     return {"conf_sha256": sha256(ns, CONF), "file_sha256": sha256(ns, SCHEDULES_FILE),
             "main_pid": main_pid(ns), "workers": ns.children(main_pid(ns)), **snap}
 
@@ -203,7 +217,7 @@ def upgraded(ns: Namespace, before: dict[str, Any], deb_file: Path) -> dict[str,
     # debconf, its dpkg options.  Anything that asks fails or hangs here.
     cmd = shlex.join(["apt-get", "install", "-y", "-q", *UNATTENDED,
                       f"{INNER_SHARE}/{deb_file.name}"])
-    t0 = time.monotonic()
+    t0, started = time.monotonic(), time.time()
     r = ns.run("setsid", "-w", "sh", "-c", f"exec {cmd} </dev/null",
                check=False, timeout=600)
     took = time.monotonic() - t0
@@ -211,7 +225,7 @@ def upgraded(ns: Namespace, before: dict[str, Any], deb_file: Path) -> dict[str,
     print(f"upgrade {OLD_VERSION} -> {new_version}: apt-get took {took:.1f}s\n"
           + "\n".join(x for x in output.splitlines() if "Reading database" not in x))
     assert r.returncode == 0, f"unattended upgrade failed (exit {r.returncode}):\n{output}"
-    return {"version": new_version, "output": output, "seconds": took}
+    return {"version": new_version, "output": output, "seconds": took, "started": started}
 
 
 # --------------------------------------------------------------------------------------
@@ -318,6 +332,30 @@ def test_up06_the_every_minute_schedule_runs_again(
     assert all(r["outcome"] == "success" for r in runs), runs
     lines = ticks(ns)
     assert {f"tick {key} {r['scheduled_time']} 1" for r in runs} <= set(lines), (runs, lines)
+
+
+def test_up10_a_row_planted_under_0_1_0_is_paused_and_never_runs(
+        ns: Namespace, before: dict[str, Any], upgraded: dict[str, Any]) -> None:
+    """After up06: a minute boundary has passed under the new daemon, when the planted
+    row (* * * * *) would have run again."""
+    row = ctl_json(ns, "show", PLANTED)
+    assert row["paused"] is True, row
+    assert row["paused_reason"].startswith("refused by perfectschedd: "), row
+    since = upgraded["started"]
+    assert not [r for r in history(ns, PLANTED)
+                if r["outcome"] != "refused" and r["started_at"] >= since]
+    ran = ns.run("cat", ROOTJOB_RAN, check=False).stdout.splitlines()
+    late = [x for x in ran if x.startswith(f"{PLANTED} ") and int(x.split()[1]) >= since]
+    assert not late, ran
+    refused = ctl_json(ns, "status")["refused_rows"]
+    assert [r["key"] for r in refused] == [PLANTED], refused
+    assert f"refused schedule, paused, never runs: {PLANTED!r}" in ns.ctl("status").stdout
+    base.journal_showing(ns, rf"schedule '{re.escape(PLANTED)}' refused and paused: "
+                         rf"type exec:{re.escape(ROOTJOB)}, creator unknown",
+                         pid=main_pid(ns))
+    # NEWS.Debian tells the administrator what was paused and how to look.
+    debian_news = ns.run("zcat", "/usr/share/doc/perfectsched/NEWS.Debian.gz").stdout
+    assert "perfectschedctl status" in debian_news and "exec:" in debian_news, debian_news
 
 
 def test_up07_release_notes(ns: Namespace, before, upgraded: dict[str, Any]) -> None:
