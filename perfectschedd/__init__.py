@@ -16,7 +16,7 @@ from perfectschedd.errors import (
     ScheduleError,
 )
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "AlreadyExistsError", "AlreadyFinishedError", "Application", "Config", "ConfigError",
