@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
+from perfectschedd import secretfile
 from perfectschedd.errors import ConfigError, InvalidInputError, NotSupportedError, describe
 from perfectschedd.executors import runas
 from perfectschedd.executors.systemd import props as unitprops
@@ -153,7 +154,8 @@ CONFIG_MAX = 1 << 20
 _NUMBER_MAX = 315_360_000
 
 _KNOWN_KEYS = {
-    "type", "url", "table", "log", "poll_interval", "timezone", "alive_time", "retry_wait",
+    "type", "url", "password_file", "table", "log", "poll_interval", "timezone", "alive_time",
+    "retry_wait",
     "retry_wait_max", "max_attempts",
     "workers", "concurrency", "control_socket", "control_group", "metrics_listen", "dbus",
     "dbus_address",
@@ -306,6 +308,37 @@ def _allow(where: str, raw: Any) -> tuple[str, ...]:
     return tuple(seen)
 
 
+def _with_password(url: str, ref: Any) -> str:
+    """`url` with the password of `password_file:` (read now: at every load, so a reload
+    and perfectschedctl -c see the file as it is), or `url` as written without one."""
+    if ref is None:
+        return url
+    try:
+        ref = secretfile.check_ref(ref, "password_file")
+        if url.startswith("sqlite"):
+            raise ConfigError("password_file: a SQLite database takes no password")
+        from sqlalchemy.engine.url import make_url  # here: only a client with one loads it
+
+        try:
+            parsed = make_url(url)
+        except Exception:  # noqa: BLE001 - its message would print the URL
+            raise ConfigError("url: not a database URL") from None
+        if parsed.password is not None:
+            raise ConfigError("password_file: url: holds a password as well; keep it in "
+                              "the file only (a password in url: is readable by whoever "
+                              "reads this configuration)")
+        password = secretfile.read(ref, "password_file")
+    except secretfile.SecretError as exc:
+        raise ConfigError(str(exc)) from None
+    for written in (password, password.replace("%", "%25")):
+        # SQLAlchemy 1.4 (Debian 12) writes a '%' as it is, and reads "%41" back as "A".
+        rendered: str = parsed.set(password=written).render_as_string(hide_password=False)
+        if make_url(rendered).password == password:
+            return rendered
+    raise ConfigError("password_file: this SQLAlchemy cannot carry the password in a URL "
+                      "(choose one without '%')")
+
+
 def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
     """Validate a mapping (one environment's section) into a Config."""
     if not isinstance(raw, Mapping):
@@ -325,6 +358,7 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
         raise ConfigError("url: required (a SQLAlchemy URL such as sqlite:///path.db)")
     if url.split(":", 1)[0].split("+", 1)[0] not in ("sqlite", "postgresql", "postgres", "mysql"):
         raise ConfigError(f"url: unsupported database {describe(url.split(':', 1)[0])}")
+    url = _with_password(url, raw.get("password_file"))
     table = raw.get("table", "perfectsched")
     if not isinstance(table, str) or not _IDENTIFIER.match(table):
         raise ConfigError(f"table: must be an SQL identifier, got {describe(table)}")
@@ -406,7 +440,15 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
 
 def notify_refusal(config: Config) -> str | None:
     """What only the daemon's host can check of the notifiers (at start and on reload):
-    a mail notifier needs the sendmail program.  One line, or None."""
+    a mail notifier needs the sendmail program, and a webhook's secret files must be
+    readable here (they are read again at each sending).  One line, or None."""
+    for notifier in config.all_notifiers():
+        for name, ref in notifier.secret_files():
+            try:
+                secretfile.read(ref, name)
+            except secretfile.SecretError as exc:
+                where = f"{config.source}: " if config.source else ""
+                return f"{where}notifier {notifier.name}: {exc}"
     if any(n.kind == "mail" for n in config.all_notifiers()) and \
             not os.access(config.sendmail, os.X_OK):
         where = f"{config.source}: " if config.source else ""

@@ -22,6 +22,7 @@ class Receiver:
         self.location = location
         self.docs: list[dict[str, Any]] = []
         self.requests: list[tuple[str, str]] = []  # (method, path)
+        self.authorizations: list[str | None] = []  # each POST's Authorization header
         self.lock = threading.Lock()
         self.closing = threading.Event()
         outer = self
@@ -31,6 +32,7 @@ class Receiver:
                 body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
                 with outer.lock:
                     outer.requests.append(("POST", self.path))
+                    outer.authorizations.append(self.headers.get("Authorization"))
                     if outer.mode != "redirect":
                         outer.docs.append(json.loads(body))
                 if outer.mode == "hang":

@@ -178,6 +178,11 @@ def test_the_daemon_example_is_a_configuration_it_takes(tmp_path: Path) -> None:
     text = sections(DAEMON_PAGE.read_text(), ".SH")["EXAMPLES"]
     body = text.split(".nf\n", 1)[1].split(".fi\n", 1)[0]
     path = tmp_path / "perfectsched.yml"
-    path.write_text(body.replace("\\-", "-"))
+    # its password_file, here
+    secret = tmp_path / "dbpass"
+    secret.write_text("pw\n")
+    secret.chmod(0o640)
+    path.write_text(body.replace("\\-", "-").replace("/etc/perfectsched/dbpass", str(secret)))
     loaded = config.load(str(path))
     assert [r.pattern for r in loaded.routes] == ["backup", "/^report-.*$/"]
+    assert loaded.url == "postgresql://sched:pw@db.example.com/sched"

@@ -21,6 +21,7 @@ LAYERS: dict[str, int] = {
     "perfectschedd.fdguard": 0,
     "perfectschedd.logsetup": 0,
     "perfectschedd.paths": 0,  # the config's default paths; perfectschedctl needs the socket's
+    "perfectschedd.secretfile": 0,  # secrets in files: the config and the notifiers read them
     "perfectschedd.schedules.fields": 0,
     "perfectschedd.executors.runas": 1,
     "perfectschedd.executors.systemd.props": 1,

@@ -22,7 +22,7 @@ from typing import Any
 
 from perfectschedd import __version__
 from perfectschedd.executors import reaper
-from perfectschedd.notify.spec import Notifier
+from perfectschedd.notify.spec import Notifier, webhook_secrets
 
 # Bounds: a notifier must not hold the notification thread for long.
 EXEC_TIMEOUT = 30.0
@@ -100,8 +100,11 @@ def send(notifier: Notifier, message: Message, *, sendmail: str) -> None:
         assert isinstance(notifier.target, str)
         send_mail(notifier.target, message, sendmail)
     elif notifier.kind == "webhook":
-        assert isinstance(notifier.target, str)
-        send_webhook(notifier.target, message)
+        try:
+            url, token = webhook_secrets(notifier)
+        except ValueError as exc:
+            raise SendError(str(exc)) from None
+        send_webhook(url, message, token=token)
     else:
         raise SendError(f"unknown notifier kind {notifier.kind!r}")
 
@@ -158,14 +161,19 @@ def send_mail(address: str, message: Message, sendmail: str) -> None:
     _run([sendmail, "-t", "-oi"], mail.as_bytes(), dict(os.environ), MAIL_TIMEOUT)
 
 
-def send_webhook(url: str, message: Message, timeout: float = WEBHOOK_TIMEOUT) -> None:
+def send_webhook(url: str, message: Message, timeout: float = WEBHOOK_TIMEOUT,
+                 token: str | None = None) -> None:
     """POST the JSON document; 2xx is delivered.  A redirect is followed only to the same
     scheme, host and port (307/308: the POST stays a POST): a receiver cannot send the
-    run's output to another host."""
+    run's output, or the token (`Authorization: Bearer`), to another host."""
     body = json.dumps(message.document(), separators=(",", ":")).encode()
     origin = urllib.parse.urlsplit(url)
+    headers = {"Content-Type": "application/json",
+               "User-Agent": f"perfectsched/{__version__}"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
     for _ in range(REDIRECTS_MAX + 1):
-        status, location = _post(url, body, timeout)
+        status, location = _post(url, body, timeout, headers)
         if 200 <= status < 300:
             return
         if status in (307, 308) and location:
@@ -182,7 +190,8 @@ def send_webhook(url: str, message: Message, timeout: float = WEBHOOK_TIMEOUT) -
     raise SendError(f"webhook: more than {REDIRECTS_MAX} redirects")
 
 
-def _post(url: str, body: bytes, timeout: float) -> tuple[int, str | None]:
+def _post(url: str, body: bytes, timeout: float,
+          headers: dict[str, str]) -> tuple[int, str | None]:
     parts = urllib.parse.urlsplit(url)
     cls = http.client.HTTPSConnection if parts.scheme == "https" else \
         http.client.HTTPConnection
@@ -190,9 +199,7 @@ def _post(url: str, body: bytes, timeout: float) -> tuple[int, str | None]:
     conn = cls(parts.hostname, parts.port, timeout=timeout)
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     try:
-        conn.request("POST", path, body=body, headers={
-            "Content-Type": "application/json",
-            "User-Agent": f"perfectsched/{__version__}"})
+        conn.request("POST", path, body=body, headers=headers)
         resp = conn.getresponse()
         resp.read(65536)  # a bounded read: the answer's body means nothing to us
         return resp.status, resp.getheader("Location")

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from perfectschedd import secretfile
 from perfectschedd.errors import describe
 
 KINDS = ("exec", "mail", "webhook")
@@ -33,18 +34,29 @@ NONE_WORDS = ("none",)
 # line breaks: the value becomes a To: header, and nothing may be injected after it.
 _ADDRESS = re.compile(r"^[^\s<>,;:\"()\[\]\\@]+(@[^\s<>,;:\"()\[\]\\@]+)?$")
 _URL_MAX = 2048
+# A webhook's secrets in files of their own (secretfile.py): read when it is sent, so a
+# new token needs no reload; the daemon reads them at start and on reload as well.
+WEBHOOK_FILES = ("webhook_file", "token_file")
 
 
 @dataclass(frozen=True)
 class Notifier:
     """One checked notifier.  `target`: the argv (exec), the address (mail), the URL
-    (webhook).  `name`: its name in `notifiers:`, or a label of where an inline one was
-    written (for logs)."""
+    (webhook; "" when `url_file` holds it).  `name`: its name in `notifiers:`, or a label
+    of where an inline one was written (for logs).  `url_file`, `token_file`: a webhook's
+    URL and bearer token, as secretfile references (the files are read when sent)."""
 
     kind: str
     target: tuple[str, ...] | str
     when: str = DEFAULT_WHEN
     name: str = "inline"
+    url_file: str | None = None
+    token_file: str | None = None
+
+    def secret_files(self) -> list[tuple[str, str]]:
+        """(field, reference) of each secret file this notifier reads."""
+        return [(f, ref) for f, ref in (("webhook_file", self.url_file),
+                                        ("token_file", self.token_file)) if ref is not None]
 
 
 # `notify: none`: no notification for what it applies to, whatever a lower level says.
@@ -70,16 +82,26 @@ def parse(raw: Any, name: str = "inline") -> Notifier:
     if not isinstance(raw, Mapping):
         raise ValueError(f": must be a mapping with one of {', '.join(KINDS)}, "
                          f"got {describe(raw)}")
-    unknown = sorted(str(k) for k in raw if k not in (*KINDS, "when"))
+    unknown = sorted(str(k) for k in raw if k not in (*KINDS, *WEBHOOK_FILES, "when"))
     if unknown:
-        raise ValueError(f"{unknown[0]}: unknown key (known: {', '.join(KINDS)}, when)")
+        raise ValueError(f"{unknown[0]}: unknown key (known: {', '.join(KINDS)}, "
+                         f"{', '.join(WEBHOOK_FILES)}, when)")
     kinds = [k for k in KINDS if k in raw]
+    if "webhook_file" in raw:
+        if "webhook" in raw:
+            raise ValueError("webhook_file: the URL comes from webhook or from "
+                             "webhook_file, not both")
+        kinds.append("webhook")
     if len(kinds) != 1:
-        raise ValueError(f": needs exactly one of {', '.join(KINDS)}")
+        raise ValueError(f": needs exactly one of {', '.join(KINDS)} (or webhook_file)")
     kind = kinds[0]
+    if "token_file" in raw and kind != "webhook":
+        raise ValueError("token_file: only for a webhook")
     when = raw.get("when", DEFAULT_WHEN)
     if when not in WHENS:
         raise ValueError(f"when: must be one of {', '.join(WHENS)}, got {describe(when)}")
+    if kind == "webhook":
+        return _webhook(raw, str(when), name)
     value = raw[kind]
     target: tuple[str, ...] | str
     if kind == "exec":
@@ -99,9 +121,36 @@ def parse(raw: Any, name: str = "inline") -> Notifier:
                              f"user, separated by commas, "
                              f"got {describe(value)}")
         target = value
-    else:
-        target = check_url(value)
     return Notifier(kind=kind, target=target, when=str(when), name=name)
+
+
+def _webhook(raw: Mapping[str, Any], when: str, name: str) -> Notifier:
+    """A webhook: its URL written (`webhook`) or in a file (`webhook_file`, for a URL that
+    is itself the secret), and a bearer token from a file (`token_file`)."""
+    refs = {f: secretfile.check_ref(raw[f], f) for f in WEBHOOK_FILES if f in raw}
+    url = check_url(raw["webhook"]) if "webhook" in raw else ""
+    return Notifier(kind="webhook", target=url, when=when, name=name,
+                    url_file=refs.get("webhook_file"), token_file=refs.get("token_file"))
+
+
+def webhook_secrets(notifier: Notifier) -> tuple[str, str | None]:
+    """A webhook's URL and bearer token (None: none), its files read now.  Raises
+    ValueError("field: reason")."""
+    url = notifier.target
+    assert isinstance(url, str)
+    if notifier.url_file is not None:
+        try:
+            url = check_url(secretfile.read(notifier.url_file, "webhook_file"))
+        except secretfile.SecretError:
+            raise
+        except ValueError:
+            # check_url's message would print the URL, which is the secret here.
+            raise ValueError(f"webhook_file: {notifier.url_file} does not hold an http:// "
+                             "or https:// URL with a host and a good port") from None
+    token = None
+    if notifier.token_file is not None:
+        token = secretfile.read(notifier.token_file, "token_file")
+    return url, token
 
 
 def check_url(value: Any) -> str:

@@ -56,6 +56,7 @@ ENV_IN = [f"PATH={SYS_PATH}", "LANG=C.UTF-8", "DEBIAN_FRONTEND=noninteractive",
 
 UNIT = "perfectschedd.service"
 CONF = "/etc/perfectsched/perfectsched.yml"
+SCHEDULES_DIR = "/etc/perfectsched/schedules.d"
 SOCK = "/run/perfectsched/perfectschedd.sock"
 DROPIN_DIR = "/etc/systemd/system/perfectschedd.service.d"
 DEFAULT_METRICS_PORT = 9839
@@ -412,6 +413,20 @@ def test_02_install_creates_user_enables_and_starts(ns: Namespace, installed) ->
     ns.ctl("list")  # root may use the socket
 
 
+def test_02b_the_configuration_is_not_world_readable(ns: Namespace, installed) -> None:
+    """The configuration and the schedules files may hold the database password and
+    webhook secrets: root's, readable by the daemon's group only (issue 38), as dpkg
+    statoverrides that later upgrades keep.  Before the systest fixture rewrites CONF."""
+    assert ns.out("stat", "-c", "%a %U:%G", CONF) == "640 root:perfectsched"
+    assert ns.out("stat", "-c", "%a %U:%G", SCHEDULES_DIR) == "750 root:perfectsched"
+    overrides = ns.out("dpkg-statoverride", "--list")
+    assert f"root perfectsched 0640 {CONF}" in overrides, overrides
+    r = ns.run("runuser", "-u", "nobody", "--", "cat", CONF, check=False)
+    assert r.returncode != 0 and "Permission denied" in r.stderr, r
+    # ...and the daemon, in its group, read it: test_02 saw it active.
+    assert ns.show("ActiveState")["ActiveState"] == "active", ns.journal(20)
+
+
 def test_03_start_returns_only_after_ready(ns: Namespace, systest) -> None:
     ns.run("systemctl", "stop", UNIT, timeout=150)
     t0 = time.monotonic()
@@ -649,6 +664,8 @@ def test_12_purge_removes_cleanly(ns: Namespace, installed) -> None:
         "/etc/logrotate.d/perfectsched", "/usr/lib/sysusers.d/perfectsched.conf",
     ).stdout.split()
     assert not left, f"left after purge: {left}"
+    overrides = ns.out("dpkg-statoverride", "--list")
+    assert "/etc/perfectsched" not in overrides, overrides
     assert ns.show("LoadState")["LoadState"] == "not-found"
     procs = ns.run("pgrep", "-a", "-u", "perfectsched", check=False).stdout.strip()
     assert not procs, procs

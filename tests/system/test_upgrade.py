@@ -255,6 +255,19 @@ def test_up02_the_edited_configuration_is_kept_byte_for_byte(
     assert CONF in conffiles, conffiles
 
 
+def test_up02b_the_configuration_is_no_longer_world_readable(
+        ns: Namespace, before: dict[str, Any], upgraded) -> None:
+    """0.1.0 installed the configuration 0644: the administrator's edited one (which may
+    hold the database password), still of the package's mode and owner, is now root's
+    and the daemon's group's only, and so is the schedules directory (issue 38)."""
+    assert ns.out("stat", "-c", "%a %U:%G", CONF) == "640 root:perfectsched"
+    assert ns.out("stat", "-c", "%a %U:%G", base.SCHEDULES_DIR) == "750 root:perfectsched"
+    r = ns.run("runuser", "-u", "nobody", "--", "cat", CONF, check=False)
+    assert r.returncode != 0 and "Permission denied" in r.stderr, r
+    r = ns.run("runuser", "-u", "nobody", "--", "cat", SCHEDULES_FILE, check=False)
+    assert r.returncode != 0 and "Permission denied" in r.stderr, r
+
+
 def test_up03_the_daemon_runs_the_new_code(
         ns: Namespace, before: dict[str, Any], upgraded: dict[str, Any]) -> None:
     version = upgraded["version"]
