@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable
 
 CHECK_EVERY = 2.0
-SETTLE = 6.0
+SETTLE = 10.0
 RETRY = 30.0
 
 
