@@ -286,7 +286,9 @@ def shipped_config() -> str:
     return out
 
 
-def test_u02_the_grant_takes_effect_at_once(ns: Namespace, installed) -> None:
+# Before the `units` fixture (which restarts the daemon with its own configuration): this
+# test writes configurations of its own.
+def test_u15_the_grant_takes_effect_at_once(ns: Namespace, installed) -> None:
     """Issue 39 item 6: with the shipped configuration the documented steps work
     (`perfectsched-grant enable && systemctl reload perfectschedd`).  Issue 38: a running
     exec job (as perfectsched) is stopped by `perfectsched-grant enable`, which returns
