@@ -1,10 +1,11 @@
 """Whether this daemon may start systemd units: the polkit grant (docs/security.md).
 
 A process that may start transient units may start one with User=root, so the uid that
-holds the grant is as good as root.  The daemon therefore asks, at start and on reload,
-whether it holds it, and refuses what would let a job run under that uid
+holds the grant is as good as root.  The daemon therefore asks, at start, on reload and
+whenever what it watches changes (master/grantwatch.py: the mark below, the polkit rules
+directories), whether it holds it, and refuses what would let a job run under that uid
 (config.host_refusals): jobs of the exec executor (they run as the daemon's user), and
-units that would run as the daemon's user.
+units that would run as the daemon's user.  No answer counts as a yes (grant_state).
 
 The question is asked the only way that gives systemd's own answer, whatever polkit
 rules a site wrote: the daemon starts a unit that does nothing (/bin/true, as the
