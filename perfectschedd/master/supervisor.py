@@ -619,9 +619,8 @@ class Supervisor:
         else:
             log.warning("the polkit grant to start units is now off: routes that run as "
                         "%s run again; those with executor: systemd are refused", user)
+        # The watch keeps its own answer (and asks again if that was not sure).
         self.config = self.host_config(self.loaded_config, held)
-        if self.grant_watch is not None:
-            self.grant_watch.settled(True, time.monotonic())
         if held:
             self._send_grants()
         elif self.table.begin_reload(self.config.workers, self.config.worker_timeout,
