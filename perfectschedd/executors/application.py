@@ -34,7 +34,6 @@ from perfectschedd.executors.base import (
     RunOptions,
     RunResult,
     Stop,
-    StopReason,
     TaskLike,
     error_line,
     output_tail,
@@ -411,7 +410,7 @@ def _run_application(task: TaskLike, handler: PythonHandler, log: Log,
         reason = stop_reason(stop_event)
         log.warning("%s: %s; %s interrupted", task.key, REASON_TEXT[reason],
                     handler.route.python)
-        if reason is not StopReason.SHUTDOWN:
+        if not reason.gives_back:
             return Outcome.PREEMPTED  # the lease is not ours to write
         task.give_back()
         return Outcome.STOPPED

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
+import pwd
 import signal
 import threading
 import time
@@ -222,6 +224,14 @@ class StopReason(enum.StrEnum):
     SHUTDOWN = "stop"        # the daemon stops: the occurrence is given back untried
     PREEMPTED = "preempted"  # the lease was lost (deleted, modified, taken over)
     FENCED = "fenced"        # the lease could not be renewed and is about to expire
+    GRANT = "grant"          # the polkit grant came on: no job may run as the daemon's
+    #                          user (given back untried, as at a stop)
+
+    @property
+    def gives_back(self) -> bool:
+        """The occurrence is still ours and goes back (outcome stopped); the others lost
+        their lease (outcome preempted, nothing to write)."""
+        return self in (StopReason.SHUTDOWN, StopReason.GRANT)
 
 
 class RunControl:
@@ -275,10 +285,20 @@ def stop_grace(stop_event: RunControl | threading.Event | None, kill_grace: floa
     return kill_grace
 
 
+def _daemon_user() -> str:
+    """This process's user name (the daemon's: workers are its forks)."""
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        return f"uid {os.geteuid()}"
+
+
 REASON_TEXT = {
     StopReason.SHUTDOWN: "daemon stopping",
     StopReason.PREEMPTED: "lease lost (schedule deleted, modified or taken over)",
     StopReason.FENCED: "lease could not be renewed in time (database unreachable)",
+    StopReason.GRANT: "the polkit grant was enabled (jobs may not run as "
+                      f"{_daemon_user()})",
 }
 
 

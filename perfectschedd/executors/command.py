@@ -39,7 +39,6 @@ from perfectschedd.executors.base import (
     RunOptions,
     RunResult,
     Stop,
-    StopReason,
     TaskLike,
     error_line,
     status_text,
@@ -244,7 +243,7 @@ def _run_exec(task: TaskLike, handler: ExecHandler, log: Log, stop_event: Stop |
     if why == "stop":
         reason = stop_reason(stop_event)
         error = error_line(f"stopped: {REASON_TEXT[reason]}", tail.last_line)
-        if reason is StopReason.SHUTDOWN:
+        if reason.gives_back:
             task.give_back()
             return RunResult(Outcome.STOPPED, 0.0, code, None, output, error)
         # Nothing to write: the lease is not ours.

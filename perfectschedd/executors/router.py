@@ -31,7 +31,6 @@ from perfectschedd.executors.base import (
     RunOptions,
     RunResult,
     Stop,
-    StopReason,
     TaskLike,
     error_line,
     stop_reason,
@@ -201,7 +200,7 @@ def run_task(task: TaskLike, handler: Handler, *, log: Log = logger,
 
 def _stopped_before_start(task: TaskLike, stop: Stop, log: Log) -> Outcome:
     reason = stop_reason(stop)
-    if reason is StopReason.SHUTDOWN:
+    if reason.gives_back:
         task.give_back()
         return Outcome.STOPPED
     log.warning("%s: not started: %s", task.key, REASON_TEXT[reason])

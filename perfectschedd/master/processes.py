@@ -93,6 +93,18 @@ class Processes:
         return True
 
     @staticmethod
+    def grant(pid: int, fd: int) -> bool:
+        """Tell worker `pid` that the polkit grant came on (pipe.GRANT); False when its
+        pipe is full (try again)."""
+        try:
+            os.write(fd, pipe.GRANT)
+        except BlockingIOError:
+            return False
+        except OSError:
+            pass  # gone: reaped soon
+        return True
+
+    @staticmethod
     def close(*fds: int) -> None:
         for fd in fds:
             try:

@@ -36,12 +36,13 @@ from perfectschedd.errors import (
     SchemaError,
     first_line,
 )
-from perfectschedd.executors import guard, reaper
+from perfectschedd.executors import guard, reaper, runas
 from perfectschedd.executors.base import signal_name
-from perfectschedd.executors.systemd import props as unitprops
+from perfectschedd.executors.systemd import grant as unitgrant
 from perfectschedd.master import heap
 from perfectschedd.master.cleanup import RunCleanup, UnitStopper, stop_units_over_dbus
 from perfectschedd.master.database import HOST_EVERY, MasterDatabase, refusal_of
+from perfectschedd.master.grantwatch import GrantWatch
 from perfectschedd.master.listeners import Listeners
 from perfectschedd.master.processes import Processes
 from perfectschedd.master.workertable import DRAIN_ROOM, WorkerProc, WorkerTable
@@ -95,10 +96,17 @@ class Supervisor:
         self.fatal: str | None = None
         # The routes of the configuration this host refuses (config.refuse_routes).
         self.refused_routes: list[str] = []
-        # Whether this daemon may start systemd units (the polkit grant; host_grant).
+        # Whether this daemon may start systemd units (the polkit grant; host_grant),
+        # re-checked by itself while it runs (grantwatch.py; a root daemon holds every
+        # right anyway).
         self.unit_grant = False
+        self.grant_watch = None if os.geteuid() == 0 else GrantWatch(
+            self._poke, unitgrant.grant_state, unitgrant.signature)
         self.db = MasterDatabase(config)
         self.files = FileSchedules()
+        # The configuration as read, before host_config: what a change of the grant
+        # applies again.
+        self.loaded_config = config
         self.config = self.host_config(config)
         self.spawn_postponed = False
         self.gc_frozen = False
@@ -426,6 +434,9 @@ class Supervisor:
                 "; ".join(problems)[:LAST_ERROR_MAX] if problems else None),
             "refused_routes": list(self.refused_routes), "refused": problems,
             "unit_grant": self.unit_grant,
+            # After the grant came on: the workers still stopping their runs as the
+            # daemon's user (perfectsched-grant enable waits for none).
+            "grant_stopping": self._grant_stopping(procs, snap.running),
             # What `perfectschedctl apply` needs to check files as this daemon does
             # (files.HostChecks.of_status).
             "daemon_uid": os.geteuid(), "sendmail": self.config.sendmail,
@@ -453,6 +464,13 @@ class Supervisor:
                  "keys": [r["key"] for r in running if r.get("owner") == f"{node}:{p.pid}"]}
                 for p in sorted(procs, key=lambda p: (p.generation, p.index))
                 if p.draining_since is not None]
+
+    def _grant_stopping(self, procs: list[WorkerProc], running: list[dict[str, Any]]
+                        ) -> list[dict[str, Any]]:
+        node = self.config.node
+        return [{"pid": p.pid, "index": p.index,
+                 "keys": [r["key"] for r in running if r.get("owner") == f"{node}:{p.pid}"]}
+                for p in procs if p.grant_pending]
 
     def _routed_here(self, task_type: str) -> bool:
         route = next((r for r in self.config.routes if r.matches(task_type)), None)
@@ -511,10 +529,15 @@ class Supervisor:
 
     # -- reload / stop --------------------------------------------------------------------
 
-    def host_config(self, config: Config) -> Config:
+    def host_config(self, config: Config, grant: bool | None = None) -> Config:
         """The configuration as this host runs it: the schedules files' entries first,
-        and every route or entry it cannot run marked refused (reported once)."""
-        grant = self.unit_grant = host_grant()
+        and every route or entry it cannot run marked refused (reported once).  `grant`:
+        whether this daemon holds the polkit grant; None: ask (host_grant)."""
+        if grant is None:
+            grant, sure = host_grant()
+            if self.grant_watch is not None:
+                self.grant_watch.settled(sure, time.monotonic())
+        self.unit_grant = grant
         config, refused = config_mod.refuse_routes(config, grant)
         # The checks `perfectschedctl apply` runs too, with this daemon's facts.
         config = self.files.load(config, HostChecks(os.geteuid(), config.sendmail, grant))
@@ -559,6 +582,7 @@ class Supervisor:
             return why
         if self.last_error is not None and self.last_error.startswith("reload: "):
             self.last_error = None  # that error is over: this configuration loaded
+        self.loaded_config = new
         new = self.host_config(new)  # a bad schedules file is its own error, never fatal
         self.config = new
         if (new.url, new.table) != (old.url, old.table):
@@ -572,6 +596,55 @@ class Supervisor:
         else:
             self._say_reload_pending()
         return None
+
+    def _watch_grant(self) -> None:
+        """Apply a change of the polkit grant seen by the watch (grantwatch.py)."""
+        if self.grant_watch is None or self.state == "stopping":
+            return
+        held = self.grant_watch.poll(time.monotonic())
+        if held is not None and held != self.unit_grant:
+            self._grant_changed(held)
+
+    def _grant_changed(self, held: bool) -> None:
+        """The grant came on or went off while the daemon ran: its routes are refused or
+        taken again as a reload would (from the configuration running, not re-read).
+        Coming on, the jobs that run as the daemon's user stop at once, not at their
+        end: each worker stops them and drains (pipe.GRANT), and workers of the new
+        refusals take their places."""
+        user = runas.daemon_user(os.geteuid())
+        if held:
+            now = time.monotonic()
+            for proc in self.table:
+                proc.grant_pending, proc.grant_sent = True, False
+                if proc.draining_since is None:
+                    proc.draining_since = now
+                proc.drain_sent = True  # GRANT drains it too
+            log.warning("the polkit grant to start units is now held: no job may run as "
+                        "%s, the daemon's user; its routes are refused and their running "
+                        "jobs stopped", user)
+        else:
+            log.warning("the polkit grant to start units is now off: routes that run as "
+                        "%s run again; those with executor: systemd are refused", user)
+        # The watch keeps its own answer (and asks again if that was not sure).
+        self.config = self.host_config(self.loaded_config, held)
+        if held:
+            self._send_grants()
+        elif self.table.begin_reload(self.config.workers, self.config.worker_timeout,
+                                     time.monotonic()):
+            log.info("grant off: starting %d new worker(s)", self.config.workers)
+        else:
+            self._say_reload_pending()
+        self.last_status = 0.0
+
+    def _send_grants(self) -> None:
+        """pipe.GRANT to each worker told of the grant, once; a full pipe is tried again
+        next turn."""
+        for proc in self.table:
+            if proc.grant_pending and not proc.grant_sent and \
+                    self.procs.grant(proc.pid, proc.wake_w):
+                proc.grant_sent = True
+                log.info("worker %d (pid %d) stops its runs as the daemon's user and "
+                         "drains: %d running", proc.index, proc.pid, proc.running)
 
     def _say_reload_pending(self) -> None:
         """The new generation waits for drains to end (workertable.DRAIN_ROOM): the
@@ -760,6 +833,8 @@ class Supervisor:
         if self.db.sc is not None and self.files.take_pending():
             self.db.in_background("applying schedules files", self.files.apply)
         self._finish_reload()
+        self._watch_grant()
+        self._send_grants()
         if not self.ready and self.table.all_pinged() and (
                 self.db.first_open.is_set()
                 or time.monotonic() - self.started_mono > READY_DATABASE_WAIT):
@@ -773,18 +848,15 @@ class Supervisor:
         return False
 
 
-def host_grant() -> bool:
-    """Whether this daemon may start systemd units (the polkit grant).  Asked only where
-    it decides something: a daemon that is not root, on a host systemd runs."""
-    if os.geteuid() == 0 or not unitprops.systemd_booted():
-        return False
-    from perfectschedd.executors.systemd import (
-        grant as unitgrant,  # D-Bus: loaded only where it is used
-    )
-
-    held = unitgrant.grant_state()
+def host_grant() -> tuple[bool, bool]:
+    """Whether this daemon may start systemd units (the polkit grant), and whether that
+    is a sure answer (grant.grant_state).  Asked only where it decides something: a
+    daemon that is not root."""
+    if os.geteuid() == 0:
+        return False, True
+    held, sure = unitgrant.grant_state()
     log.info("polkit grant to start units: %s", "held" if held else "not held")
-    return held
+    return held, sure
 
 
 # READY=1 waits this long at most for the first try to open the database: a database

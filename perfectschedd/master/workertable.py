@@ -52,6 +52,10 @@ class WorkerProc:
     # Its unit runs (executor systemd): run id -> unit name.
     units: dict[str, str] = field(default_factory=dict)
     refused_line: bool = False  # it wrote a line that is no message (logged once)
+    # The polkit grant came on: it must stop its runs as the daemon's user (pipe.GRANT
+    # sent: grant_sent) and has not yet said none is left (pipe.GrantDone).
+    grant_pending: bool = False
+    grant_sent: bool = False
 
     def report(self, line: bytes, now: float) -> None:
         """One line of its alive pipe (worker/pipe.py): a ping or a run event.  A line
@@ -78,6 +82,8 @@ class WorkerProc:
             self.units[msg.run] = msg.unit
         elif isinstance(msg, pipe.GaveBack):
             self.wake_others = True
+        elif isinstance(msg, pipe.GrantDone):
+            self.grant_pending = False
         else:
             self.runs.pop(msg.run, None)
             self.units.pop(msg.run, None)

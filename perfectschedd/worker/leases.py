@@ -26,7 +26,7 @@ from typing import Any
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from perfectschedd import logsetup
-from perfectschedd.config import Config
+from perfectschedd.config import Config, privilege_refusal
 from perfectschedd.errors import ConfigError, InvalidInputError, PreemptedError, SchemaError
 from perfectschedd.executors import reaper
 from perfectschedd.executors.base import RunControl, RunResult, StopReason, error_line
@@ -737,6 +737,33 @@ class LeasePipeline:
             controls = list(self.controls.values())
         for control in controls:
             control.stop(reason)
+
+    def _as_daemon_user(self, task: Task) -> bool:
+        """Whether `task` runs as this process's user where that user holds the polkit
+        grant: what the grant refuses (config.privilege_refusal), exec and python runs
+        and units without another user."""
+        handler = self.router.match(task.type)
+        return handler is not None and privilege_refusal(
+            handler.route.executor, handler.route.user, True) is not None
+
+    def stop_runs_as_daemon_user(self) -> int:
+        """The polkit grant came on (pipe.GRANT): stop every run, started or queued,
+        that runs as the daemon's user (StopReason.GRANT: given back untried, its history
+        says why); how many were told."""
+        with self.lock:
+            held = [(t, self.controls.get(k)) for k, t in self.running.items()]
+        stopped = 0
+        for task, control in held:
+            if control is not None and self._as_daemon_user(task):
+                control.stop(StopReason.GRANT)
+                stopped += 1
+        return stopped
+
+    def runs_as_daemon_user(self) -> list[str]:
+        """The keys of the runs held here that run as the daemon's user."""
+        with self.lock:
+            tasks = list(self.running.values())
+        return [t.key for t in tasks if self._as_daemon_user(t)]
 
     def give_back_queued(self, tasks: list[Task]) -> int:
         """A draining worker's claimed occurrences that no thread started (`tasks`, and

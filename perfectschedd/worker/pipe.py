@@ -13,6 +13,8 @@ written with one os.write, shorter than PIPE_BUF, so lines of different threads 
     e RUN                          it ended
     b                              it drains and gave back occurrences it had claimed
                                    but not started: the other workers should look now
+    n                              after GRANT: none of its runs runs as the daemon's
+                                   user any more
 
 A line that is none of these is refused (PipeError): it is not a ping, and the master
 says so once per worker.
@@ -22,6 +24,8 @@ The other way, the master writes single bytes to a worker's `wake` pipe:
     WAKE  (w)   look for due work now
     DRAIN (d)   a reload: claim nothing more, give back what waits, run the running
                 jobs to their end, then exit
+    GRANT (g)   the polkit grant came on: stop every run that runs as the daemon's user
+                (they may not, docs/security.md), then drain
 
 A byte, not a signal: INT, HUP and USR1 may reach the whole process group (a Ctrl-C, a
 `kill -HUP -PGID`), so workers ignore them; a byte in its own pipe reaches one worker
@@ -93,10 +97,19 @@ class GaveBack:
         return "b"
 
 
-Message = Ping | Spawning | Spawned | UnitStarting | Ended | GaveBack
+@dataclass(frozen=True)
+class GrantDone:
+    """After GRANT: no run of this worker runs as the daemon's user any more."""
+
+    def line(self) -> str:
+        return "n"
+
+
+Message = Ping | Spawning | Spawned | UnitStarting | Ended | GaveBack | GrantDone
 
 WAKE = b"w"
 DRAIN = b"d"
+GRANT = b"g"
 
 
 def encode(line: str) -> bytes:
@@ -135,6 +148,8 @@ def parse(line: bytes) -> Message:
             return Ended(_word(args[0]))
         if kind == b"b" and not args:
             return GaveBack()
+        if kind == b"n" and not args:
+            return GrantDone()
         if kind.isdigit() and len(args) == 1:
             return Ping(int(kind), _flag(args[0]))
         if kind.isdigit() and len(args) == 3:

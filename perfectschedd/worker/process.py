@@ -114,6 +114,9 @@ class Worker:
         self.master_pid = master_pid
         self.stopping = threading.Event()  # no new claims; runs stop (bounded)
         self.draining = False  # no new claims; runs go on to their end (main loop only)
+        # pipe.GRANT came: its runs as the daemon's user were stopped; the master is told
+        # once none is left (_grant_done).
+        self.grant_pending = False
         # Notifications only where some notifier is configured: without one, the
         # pipeline's history path is exactly as before.
         self.notices: Dispatcher | None = None
@@ -263,8 +266,11 @@ class Worker:
             data = os.read(key.fd, 4096)
             if key.fd == self.wake_fd and not data:
                 self._master_gone()
-            elif key.fd == self.wake_fd and pipe.DRAIN in data:
-                self.draining = True
+            elif key.fd == self.wake_fd:
+                if pipe.DRAIN in data:
+                    self.draining = True
+                if pipe.GRANT in data:
+                    self._grant()
         if os.getppid() != self.master_pid:
             self._master_gone()
         return bool(events) or self.stopping.is_set() or time.monotonic() >= deadline
@@ -274,6 +280,26 @@ class Worker:
             log.warning("master process gone; worker stops its runs and exits")
         self.master_gone = True
         self.stopping.set()
+
+    # -- the polkit grant came on ---------------------------------------------------------
+
+    def _grant(self) -> None:
+        """Stop the runs that run as the daemon's user (they may not while it holds the
+        grant: one could start a unit as root), then drain: this worker's routes are the
+        configuration's from before, the master starts workers that refuse those."""
+        self.draining = True
+        if not self.grant_pending:
+            self.grant_pending = True
+            stopped = self.pipeline.stop_runs_as_daemon_user()
+            log.warning("worker %d: the polkit grant is on: stopping %d run(s) as the "
+                        "daemon's user; then it drains", self.index, stopped)
+        self._grant_done()
+
+    def _grant_done(self) -> None:
+        """Tell the master once no run as the daemon's user is left here."""
+        if self.grant_pending and not self.pipeline.runs_as_daemon_user():
+            self.grant_pending = False
+            self._report(pipe.GrantDone().line())
 
     # -- drain (a reload) -------------------------------------------------------------------
 
@@ -291,6 +317,7 @@ class Worker:
         log.info("worker %d drains (a reload): %d running task(s) go on to their end, "
                  "%d queued given back", self.index, self.pipeline.running_count(), gave)
         while self.pipeline.running_count() and not self.stopping.is_set():
+            self._grant_done()
             self.loop_at = time.monotonic()
             self._ping()
             self.in_db = True
@@ -299,6 +326,7 @@ class Worker:
             finally:
                 self.in_db = False
             self._sleep(sel, time.monotonic() + PING_INTERVAL)  # a run's end wakes it
+        self._grant_done()
         if not self.stopping.is_set():
             log.info("worker %d drained", self.index)
 

@@ -17,6 +17,7 @@ import json
 import os
 import re
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -273,6 +274,74 @@ def test_u01_the_polkit_rule(ns: Namespace, installed) -> None:
     finally:
         ns.run("perfectsched-grant", "enable")
         ns.run("systemctl", "restart", "polkit.service")
+
+
+def shipped_config() -> str:
+    """etc/perfectsched.yml as the package installs it; only its metrics port changed
+    (the namespace shares the host's network, where the packaged port may be taken)."""
+    text = (Path(__file__).resolve().parents[2] / "etc" / "perfectsched.yml").read_text()
+    port = base._free_port()
+    out = re.sub(r"(?m)^metrics_listen: .*$", f"metrics_listen: 127.0.0.1:{port}", text)
+    assert out != text, text
+    return out
+
+
+# Before the `units` fixture (which restarts the daemon with its own configuration): this
+# test writes configurations of its own.
+def test_u15_the_grant_takes_effect_at_once(ns: Namespace, installed) -> None:
+    """Issue 39 item 6: with the shipped configuration the documented steps work
+    (`perfectsched-grant enable && systemctl reload perfectschedd`).  Issue 38: a running
+    exec job (as perfectsched) is stopped by `perfectsched-grant enable`, which returns
+    only once it is gone, its history saying why; a rule linked by hand, without the
+    script, is noticed within seconds."""
+    ns.run("perfectsched-grant", "disable")
+    ns.write(CONF, shipped_config())
+    ns.run("systemctl", "restart", UNIT, timeout=150)
+    ensure_active(ns)
+    r = ns.sh("perfectsched-grant enable && systemctl reload perfectschedd", check=False,
+              timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr + journal(ns)
+    status = json.loads(ns.ctl("--json", "status").stdout)
+    assert status["unit_grant"] is True and status["refused"] == [], status
+
+    # A running exec job, as perfectsched, while the grant is off.
+    ns.run("perfectsched-grant", "disable")
+    config = yaml.safe_load(ns.out("cat", CONF))
+    config["routes"] = [{"type": f"held-{TOKEN}",
+                         "exec": ["/bin/sh", "-c", 'echo "held-job $$"; exec sleep 300']}]
+    ns.write(CONF, json.dumps(config, indent=2) + "\n")
+    ns.run("systemctl", "restart", UNIT, timeout=150)
+    ensure_active(ns)
+    key = f"held-{TOKEN}"
+    ns.ctl("add", key, f"held-{TOKEN}", "17 3 * * *")
+    ns.ctl("run", key)
+    text = base.journal_showing(ns, r"held-job \d+")
+    pid = re.findall(r"held-job (\d+)", text)[-1]
+    assert ns.out("ps", "-o", "user=", "-p", pid) == "perfectsched"
+    t0 = time.monotonic()
+    r = ns.run("perfectsched-grant", "enable", timeout=60)
+    assert time.monotonic() - t0 < 30
+    assert "no job runs as its user" in r.stdout, r.stdout + r.stderr
+    assert ns.run("kill", "-0", pid, check=False).returncode != 0, "the job still runs"
+    runs = runs_until(ns, key, bool, 30, "the stopped run's history")
+    assert runs[0]["outcome"] == "stopped", runs
+    assert runs[0]["error"].startswith("stopped: the polkit grant was enabled (jobs may not "
+                                       "run as perfectsched)"), runs
+    base.journal_showing(ns, r"the polkit grant to start units is now held",
+                         r"routes\[0\]\.executor: an exec job runs as perfectsched")
+
+    # By hand: the rule linked without the script (no mark).
+    ns.run("perfectsched-grant", "disable")
+    base.journal_showing(ns, r"the polkit grant to start units is now off")
+    before = ns.journal().count("the polkit grant to start units is now held")
+    systemd = int(ns.out("systemctl", "--version").split()[1])
+    rule = "perfectsched.rules" if systemd >= 257 else "perfectsched-before-257.rules"
+    ns.run("ln", "-s", f"/usr/share/perfectsched/polkit-1/{rule}",
+           "/etc/polkit-1/rules.d/60-perfectsched.rules")
+    wait_for(lambda: ns.journal().count("the polkit grant to start units is now held")
+             > before, 30, "the daemon noticing the rule linked by hand",
+             lambda: journal(ns))
+    ns.run("perfectsched-grant", "enable")  # as test_u01 leaves it
 
 
 def test_u10_with_the_grant_no_job_runs_as_the_daemon_s_user(ns: Namespace, units) -> None:

@@ -19,6 +19,7 @@ MESSAGES = [
     pipe.UnitStarting("4242.123456789.2", "perfectsched-k-1.service"),
     pipe.Ended("4242.123456789.1"),
     pipe.GaveBack(),
+    pipe.GrantDone(),
 ]
 
 
@@ -67,9 +68,18 @@ def test_an_unknown_line_is_no_ping_and_is_logged_once_per_worker(
 
 
 def test_the_master_to_worker_bytes_cannot_be_taken_for_each_other() -> None:
-    """The wake pipe carries single bytes: a drain is its own byte, never a wake-up."""
-    assert len(pipe.WAKE) == len(pipe.DRAIN) == 1 and pipe.WAKE != pipe.DRAIN
+    """The wake pipe carries single bytes: a drain is its own byte, never a wake-up, and
+    so is the polkit grant's."""
+    assert len(pipe.WAKE) == len(pipe.DRAIN) == len(pipe.GRANT) == 1
+    assert len({pipe.WAKE, pipe.DRAIN, pipe.GRANT}) == 3
     assert pipe.DRAIN not in pipe.WAKE * 4096
+    assert pipe.GRANT not in (pipe.WAKE + pipe.DRAIN) * 4096
+
+
+def test_a_grant_done_line_ends_the_worker_s_grant_stop() -> None:
+    p = WorkerProc(101, 0, 0, -1, -1, started=0.0, last_seen=0.0, grant_pending=True)
+    p.report(pipe.GrantDone().line().encode(), now=3)
+    assert not p.grant_pending and p.last_seen == 3
 
 
 def test_a_gave_back_line_asks_the_master_to_wake_the_others() -> None:

@@ -34,7 +34,6 @@ from perfectschedd.executors.base import (
     Outcome,
     RunOptions,
     RunResult,
-    StopReason,
     TaskLike,
     error_line,
     stop_grace,
@@ -205,7 +204,7 @@ def end_task(task: TaskLike, name: str, state: dict[str, Any], last: str, why: s
     result = str(state.get("Result", "unknown"))
     code = exit_code(state)
     if why == "stop":
-        if stop_reason(stop) is StopReason.SHUTDOWN:
+        if stop_reason(stop).gives_back:
             task.give_back()
             return Outcome.STOPPED
         return Outcome.PREEMPTED  # nothing to write: the lease is not ours
