@@ -473,7 +473,7 @@ def test_the_daemon_refuses_the_file_and_runs_the_rest(daemon_factory: Any, tmp_
     wait_until(lambda: out.exists() and "ok" in out.read_text(), 20, what="the exec entry")
     assert d.stop() == 0
     mixed = daemon_factory({"routes": [ROUTE, {"type": "plain-t", "exec": [
-        "/bin/sh", "-c", f"echo route >> {out}"]}]}).start()
+        "/bin/sh", "-c", f"echo route >> {out}"], "user": "root"}]}).start()
     mixed.wait_log("this route is refused")
     errors = [x for x in mixed.log().splitlines() if "executor" in x]
     assert len(errors) == 1 and "routes[0].executor: systemd is not running on this " \
