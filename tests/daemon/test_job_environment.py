@@ -17,8 +17,6 @@ import yaml
 from daemon_harness import YEARLY, Daemon, lines, sh, shared_dir, wait_until
 from notify_receivers import mails, sendmail_stand_in
 
-from perfectschedd.executors.runas import JOB_PATH
-
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a root daemon, "
                                 "jobs as nobody)")
 
@@ -30,6 +28,8 @@ DUMP = "tr '\\0' '\\n' < /proc/$$/environ"
 RUN_VARS = {"PERFECTSCHED_KEY", "PERFECTSCHED_SCHEDULE_KEY", "PERFECTSCHED_TYPE",
             "PERFECTSCHED_SCHEDULED_TIME", "PERFECTSCHED_ATTEMPT", "PERFECTSCHED_RUN_ID"}
 CRON_VARS = {"HOME", "LOGNAME", "USER", "SHELL", "PATH", "LANG"}
+# systemd's default PATH of services (documented: perfectschedd(8), docs/security.md).
+JOB_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 def output_env(d: Daemon, key: str) -> dict[str, str]:

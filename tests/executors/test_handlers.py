@@ -17,7 +17,7 @@ import pytest
 
 from perfectschedd.config import RouteConfig
 from perfectschedd.errors import PreemptedError
-from perfectschedd.executors import base, command, runas
+from perfectschedd.executors import base, command
 from perfectschedd.executors.application import Application, HandlerTimeout, PythonHandler
 from perfectschedd.executors.base import Outcome
 from perfectschedd.executors.command import ExecHandler
@@ -171,7 +171,8 @@ def test_exec_never_inherits_the_daemon_s_environment(tmp_path: Path,
     env = dict(line.split("=", 1) for line in (tmp_path / "out").read_text().splitlines())
     me = pwd.getpwuid(os.geteuid())
     assert env == {"HOME": me.pw_dir, "LOGNAME": me.pw_name, "USER": me.pw_name,
-                   "SHELL": me.pw_shell, "PATH": runas.JOB_PATH, "LANG": "C.UTF-8",
+                   "SHELL": me.pw_shell, "LANG": "C.UTF-8",
+                   "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
                    "EXTRA": "1", "PERFECTSCHED_KEY": "k@run-1-ab",
                    "PERFECTSCHED_SCHEDULE_KEY": "k", "PERFECTSCHED_TYPE": "t",
                    "PERFECTSCHED_SCHEDULED_TIME": str(FakeTask().scheduled_time),
