@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 DEVCFG := etc/dev.yml
+# Its section: a root daemon needs every route to say who it runs as (etc/dev.yml).
+DEVENV := $(if $(filter 0,$(shell id -u)),root,user)
 # pytest-xdist processes: the tests mostly wait on daemons' timers and database servers,
 # so twice the cores keeps a 2-core machine busy without starving those timers.
 TEST_WORKERS ?= $(shell echo $$(( $$(nproc) * 2 )))
@@ -20,12 +22,12 @@ $(BIN)/perfectschedd: pyproject.toml
 
 run: $(BIN)/perfectschedd
 	mkdir -p var
-	$(BIN)/perfectschedctl -c $(DEVCFG) init
-	@$(BIN)/perfectschedctl -c $(DEVCFG) add demo-hello demo '* * * * *' '{"who": "world"}' \
+	$(BIN)/perfectschedctl -c $(DEVCFG) -e $(DEVENV) init
+	@$(BIN)/perfectschedctl -c $(DEVCFG) -e $(DEVENV) add demo-hello demo '* * * * *' '{"who": "world"}' \
 	  2>/dev/null || true
 	@echo "In another terminal, to use perfectschedctl:"
 	@echo "  export PERFECTSCHED_SOCKET=$(CURDIR)/var/perfectschedd.sock PATH=$(CURDIR)/$(BIN):\$$PATH"
-	$(BIN)/perfectschedd -c $(DEVCFG) -I etc/demo
+	$(BIN)/perfectschedd -c $(DEVCFG) -e $(DEVENV) -I etc/demo
 
 lint: $(BIN)/perfectschedd
 	$(BIN)/ruff check .

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
-from daemon_harness import NotifyListener  # noqa: E402
+from daemon_harness import RUNNER, NotifyListener  # noqa: E402
 
 import perfectschedd  # noqa: E402
 
@@ -87,7 +87,8 @@ class Bench:
             "poll_interval": args.poll_interval,
             "alive_time": 60,
             "retry_wait": 10,
-            "routes": [{"type": "fire", "python": "benchjob:Fire"}],
+            # user: a root daemon refuses a route without one.
+            "routes": [{"type": "fire", "python": "benchjob:Fire", "user": RUNNER}],
         }
         if args.notify:
             # A notifier every run could use, none of them failing: what notifications

@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pwd
 import resource
 import statistics
 import subprocess
@@ -131,7 +132,9 @@ def perfectsched(ps_class: Any, url: str, n: int, work: Path, lead: float,
     log = work / "ps.log"
     log.unlink(missing_ok=True)
     ps = ps_class(url, work / "ps", extra={"routes": [
-        {"type": "bench", "exec": argv(log)}]}, pythonpath=pythonpath)
+        # user: a root daemon refuses a route without one (older trees take it too).
+        {"type": "bench", "exec": argv(log),
+         "user": pwd.getpwuid(os.geteuid()).pw_name}]}, pythonpath=pythonpath)
     try:
         ps.start()
         due = float(math.ceil(time.time() + lead))

@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
-from daemon_harness import NotifyListener, free_port  # noqa: E402
+from daemon_harness import RUNNER, NotifyListener, free_port  # noqa: E402
 from dbservers import PostgresServer  # noqa: E402
 
 import perfectschedd  # noqa: E402
@@ -237,7 +237,10 @@ class PS:
             "control_socket": str(self.dir / "ctl.sock"),
             "metrics_listen": f"127.0.0.1:{free_port()}",
             "workers": self.workers, "poll_interval": 1,
-            "routes": [{"type": "bench", "python": "benchapp:Fire"}],
+            # user: a root daemon refuses a route without one (a tree before 0.3.0 takes
+            # no user: on a python route, and needs none).
+            "routes": [{"type": "bench", "python": "benchapp:Fire",
+                        **({} if self.pythonpath else {"user": RUNNER})}],
             **self.extra,
         }
         (self.dir / "perfectsched.yml").write_text(yaml.safe_dump(self.config))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import pwd
 import re
 import socket
 from collections.abc import Mapping
@@ -39,7 +40,9 @@ class RouteConfig:
     python: str | None = None
     timeout: float | None = None
     env: tuple[tuple[str, str], ...] = ()  # added to the job's environment
-    # Run the job as this user: the daemon is root, or systemd sets it (executor systemd).
+    # Run the job as this user: the daemon is root, or systemd sets it (executor systemd);
+    # a python route's runs inside the daemon, so it can only name the daemon's own user.
+    # Under a root daemon a route without one is refused (route_refusal).
     user: str | None = None
     # Who besides root may schedule this route's types when it has a `user` (user names,
     # @group names; auth.Access.check_route).  A route without `user` is the group's.
@@ -125,6 +128,12 @@ class Config:
     notifiers: tuple[tuple[str, Notifier], ...] = ()
     notify: Notifier | None = None
     sendmail: str = notify_spec.DEFAULT_SENDMAIL
+    # Who runs exec notifiers and sendmail when the daemon's uid may start units (root);
+    # set by refuse_routes: notify_as (None: as the daemon itself) and, when they cannot
+    # run on this host at all (the grant is on), notify_refused saying why.
+    notify_user: str = "nobody"
+    notify_as: str | None = None
+    notify_refused: str | None = None
     # Schedules files' entries' own `notify:` (inline or none), by key: on this host only,
     # as their commands (set by converge.FileSchedules.load).
     entry_notify: tuple[tuple[str, Notifier], ...] = ()
@@ -161,7 +170,7 @@ _KNOWN_KEYS = {
     "dbus_address",
     "shutdown_timeout", "kill_grace", "worker_timeout", "routes", "history_limit",
     "output_limit",
-    "node_name", "schedules_dir", "notifiers", "notify", "sendmail",
+    "node_name", "schedules_dir", "notifiers", "notify", "sendmail", "notify_user",
 }
 
 # The keys of an entry of `routes` (perfectschedd(8) has an entry for each).
@@ -251,9 +260,9 @@ def _routes(raw: Any, notifiers: Mapping[str, Notifier]) -> tuple[RouteConfig, .
             unit = unitprops.convert(entry.get("unit"))
         except unitprops.UnitPropertyError as exc:
             raise ConfigError(f"{where}.unit: {exc}") from None
-        for name in ("user", "env"):
-            if entry.get(name) is not None and route_exec is None:
-                raise ConfigError(f"{where}.{name}: only for exec routes")
+        if entry.get("env") is not None and route_exec is None:
+            raise ConfigError(f"{where}.env: only for exec routes (a python handler runs "
+                              "inside the daemon, in its environment)")
         try:
             # Whether the user exists and may be used here is check_host's, as above.
             user = (runas.check_user(entry["user"], False)
@@ -396,6 +405,9 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
                           if raw.get("notify") is not None else None)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    notify_user = raw.get("notify_user", "nobody")
+    if not isinstance(notify_user, str) or not _ACCOUNT_NAME.match(notify_user):
+        raise ConfigError(f"notify_user: must be a user name, got {describe(notify_user)}")
     sendmail = raw.get("sendmail", notify_spec.DEFAULT_SENDMAIL)
     if not isinstance(sendmail, str) or not sendmail.startswith("/") or "\0" in sendmail:
         raise ConfigError(f"sendmail: must be an absolute path, got {describe(sendmail)}")
@@ -434,6 +446,7 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
         notifiers=tuple(notifiers.items()),
         notify=default_notify,
         sendmail=sendmail,
+        notify_user=notify_user,
         source=source,
     )
 
@@ -476,6 +489,8 @@ def host_refusals(config: Config, grant: bool = False) -> list[tuple[int, str]]:
 
 def route_refusal(route: RouteConfig, grant: bool) -> str | None:
     """Why this host cannot run `route` ("field: reason"), or None."""
+    if route.python is not None:
+        return python_refusal(route.user, grant)
     try:
         unitprops.check_executor(route.executor)
     except ValueError as exc:
@@ -488,6 +503,27 @@ def route_refusal(route: RouteConfig, grant: bool) -> str | None:
     return privilege_refusal(route.executor, route.user, grant)
 
 
+def python_refusal(user: str | None, grant: bool) -> str | None:
+    """A python route's rule: its handler runs inside the worker, as the daemon's user, so
+    its `user:` may name only that user, and under a root daemon must (root runs it only
+    where root wrote `user: root`); under the grant it runs as a uid that may start units
+    (privilege_refusal)."""
+    me = runas.daemon_user()
+    if grant and os.geteuid() != 0:
+        return (f"python: a python handler runs inside the daemon, as {me}, which holds "
+                "the polkit grant to start units (it could become root): use executor: "
+                "systemd with a user:, or turn the grant off (perfectsched-grant disable)")
+    if user is None:
+        if os.geteuid() == 0:
+            return ("user: missing; a python handler runs inside the daemon, and this one "
+                    "runs as root: write user: root to run it as root")
+        return None
+    if user != me:
+        return (f"user: a python handler runs inside the daemon, as {me}: user: may only "
+                f"name {me}, not {user!r} (use an exec route to run as another user)")
+    return None
+
+
 def privilege_refusal(executor: str, user: str | None, grant: bool,
                       daemon_uid: int | None = None) -> str | None:
     """The privilege model's rule for one route or entry ("field: reason"), or None: no
@@ -497,6 +533,9 @@ def privilege_refusal(executor: str, user: str | None, grant: bool,
     uid = os.geteuid() if daemon_uid is None else daemon_uid
     root = uid == 0
     daemon_user = runas.daemon_user(uid)
+    if root and user is None and executor == "exec":
+        return ("user: missing; an exec job without user: runs as the daemon's user, and "
+                "this daemon runs as root: name the user (user: root only if meant)")
     if executor == "systemd":
         if root:
             if user is None:
@@ -529,12 +568,45 @@ def refuse_routes(config: Config, grant: bool = False) -> tuple[Config, list[str
     that what this host can still run keeps running: after an upgrade that refuses
     something an older version took, a reload, or a host that differs from the others."""
     refusals = host_refusals(config, grant)
+    config = _notify_host(config, grant)
+    lines = [why for _, why in refusals]
+    if config.notify_refused is not None and any(
+            n.kind in ("exec", "mail") for n in config.all_notifiers()):
+        lines.append(config.notify_refused)
     if not refusals:
-        return config, []
+        return config, lines
     routes = list(config.routes)
     for i, why in refusals:
         routes[i] = replace(routes[i], refused=why)
-    return replace(config, routes=tuple(routes)), [why for _, why in refusals]
+    return replace(config, routes=tuple(routes)), lines
+
+
+def _notify_host(config: Config, grant: bool) -> Config:
+    """Who runs this host's exec notifiers and sendmail: never a uid that may start units
+    (docs/security.md).  A root daemon runs them as `notify_user`; a daemon holding the
+    polkit grant cannot change its uid, so it sends none of them (webhooks still go);
+    otherwise they run as the daemon's user, as its jobs do."""
+    where = f"{config.source}: " if config.source else ""
+    if os.geteuid() == 0:
+        try:
+            uid = pwd.getpwnam(config.notify_user).pw_uid
+        except KeyError:
+            return replace(config, notify_refused=(
+                f"{where}notify_user: no such user {config.notify_user!r} on this host: "
+                "exec and mail notifiers are not sent"))
+        if uid == 0:
+            return replace(config, notify_refused=(
+                f"{where}notify_user: {config.notify_user} is root, which may start units: "
+                "name an unprivileged user (default nobody); exec and mail notifiers are "
+                "not sent"))
+        return replace(config, notify_as=config.notify_user)
+    if grant:
+        return replace(config, notify_refused=(
+            f"{where}notifiers: exec and mail notifiers would run as "
+            f"{runas.daemon_user()}, the daemon's user, which holds the polkit grant to "
+            "start units: they are not sent while it is on (webhooks are); turn the "
+            "grant off (perfectsched-grant disable) or use webhooks"))
+    return config
 
 
 def _environments(data: Any) -> list[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import pwd
 import re
 import shutil
 import signal
@@ -81,9 +82,26 @@ def log_stamp(text: str) -> float:
     return time.mktime(time.strptime(whole, "%Y-%m-%d %H:%M:%S")) + int(ms) / 1000
 
 
+# Who runs the tests, and so the daemons they start: a route's `user:` that keeps a job
+# running as the daemon's user (a root daemon refuses a route without one).
+RUNNER = pwd.getpwuid(os.geteuid()).pw_name
+
+
 def sh(task_type: str, script: str, **extra: Any) -> dict[str, Any]:
-    """An exec route running `script` with /bin/sh; the task key is $1."""
-    return {"type": task_type, "exec": ["/bin/sh", "-c", script, "sh"], **extra}
+    """An exec route running `script` with /bin/sh as the daemon's user; the task key is
+    $1."""
+    return {"type": task_type, "exec": ["/bin/sh", "-c", script, "sh"], "user": RUNNER,
+            **extra}
+
+
+def shared_dir() -> Path:
+    """A directory every user may write to (sticky, as /tmp), for jobs and notifiers that
+    run as another user (nobody): pytest's tmp_path is its runner's alone.  Removed at
+    exit."""
+    path = Path(tempfile.mkdtemp(prefix="perfectsched-shared-"))
+    path.chmod(0o1777)
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 def lines(path: Path) -> list[str]:

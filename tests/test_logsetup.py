@@ -200,7 +200,8 @@ def test_journald_detected_only_when_stderr_is_the_named_stream(
 
 
 def _start_with_stream(daemon_factory: Any, tmp_path: Path, match: bool) -> Any:
-    d = daemon_factory({"routes": [{"type": "broken", "exec": ["/nonexistent/job"]}]})
+    d = daemon_factory({"routes": [{"type": "broken", "exec": ["/nonexistent/job"],
+                                    "user": "root"}]})
     d.log_path.touch()  # the harness appends to it: same inode as the daemon's stderr
     st = d.log_path.stat()
     stream = f"{st.st_dev}:{st.st_ino}" if match else f"{st.st_dev}:{st.st_ino + 12345}"
@@ -238,7 +239,8 @@ def test_daemon_not_under_journald_writes_plain_lines(daemon_factory: Any,
 def test_log_option_sends_everything_to_the_file(daemon_factory: Any, tmp_path: Path) -> None:
     logfile = tmp_path / "perfectschedd.log"
     d = daemon_factory({"log": str(logfile),
-                        "routes": [{"type": "t", "exec": ["/bin/sh", "-c", "echo hi"]}]})
+                        "routes": [{"type": "t", "exec": ["/bin/sh", "-c", "echo hi"],
+                                    "user": "root"}]})
     d.start()
     d.ctl("add", "k", "t", YEARLY, "--at", "0")
     wait_until(lambda: logfile.exists() and "outcome=success" in logfile.read_text(),

@@ -11,16 +11,16 @@ lease not renewable in time), the whole group gets SIGTERM, then SIGKILL after
 :func:`kill_all_groups` can leave no orphans behind when the worker exits.  Every
 process of a run carries ``PERFECTSCHED_RUN_ID`` (:data:`RUN_ID_ENV`) in its
 environment, so that descendants that left the group can still be found (reaper.py)
-once the run, or its worker, is gone.
+once the run, or its worker, is gone.  A command starts from cron's environment
+(runas.job_environment: HOME, LOGNAME, USER, SHELL, PATH, LANG of its user), never the
+daemon's, plus its route's or entry's ``env:`` and the run's ``PERFECTSCHED_*``.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
-import pwd
 import re
 import select
 import signal
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from perfectschedd.config import RouteConfig
+from perfectschedd.executors import runas
 from perfectschedd.executors.base import (
     REASON_TEXT,
     Log,
@@ -46,6 +47,7 @@ from perfectschedd.executors.base import (
     stop_reason,
 )
 from perfectschedd.executors.spawn import Child, spawn
+from perfectschedd.schedules.fields import schedule_key
 
 __all__ = ["RUN_ID_ENV", "ExecHandler", "exec_error", "exec_verdict", "kill_all_groups",
            "running_groups"]
@@ -159,41 +161,44 @@ class _Lines:
         self.emit("%s: %s", self.key, text)
 
 
-_NOT_INHERITED = (b"PROMETHEUS_MULTIPROC_DIR", RUN_ID_ENV.encode())
+# The base environment of jobs of the daemon's own user (no `user:`, or user: naming it),
+# encoded once per process: a passwd lookup per run showed in a burst of short runs.
+_own_env: dict[bytes, bytes] | None = None
 
 
-def _exec_env(task: TaskLike, run_id: str | None) -> dict[bytes, bytes]:
-    # os.environ's own bytes-to-bytes dict, copied in C: dict(os.environ) decodes every
-    # variable and Popen encodes it again, a tenth of an exec run's CPU in the worker.
-    env: dict[bytes, bytes] = os.environ._data.copy()  # type: ignore[attr-defined]
-    # The daemon's own metric files (metrics.py): a job using prometheus_client must not
-    # write into them; and a job run by a job is not that job's run.
-    for name in _NOT_INHERITED:
-        env.pop(name, None)
+def _encoded(env: dict[str, str]) -> dict[bytes, bytes]:
+    return {os.fsencode(k): os.fsencode(v) for k, v in env.items()}
+
+
+def _job_base(user: str | None) -> tuple[dict[bytes, bytes], dict[str, Any]]:
+    """A run's environment before its PERFECTSCHED_* and `env:` (runas.job_environment:
+    cron's, never the daemon's), and Popen's arguments to run it as `user`."""
+    global _own_env
+    if user is None and _own_env is not None:
+        return _own_env.copy(), {}
+    pw = runas.account(user)
+    env = _encoded(runas.job_environment(pw))
+    if user is None:
+        _own_env = env.copy()
+    return env, runas.as_user_args(pw)
+
+
+def _exec_env(task: TaskLike, run_id: str | None, route: RouteConfig
+              ) -> tuple[dict[bytes, bytes], dict[str, Any]]:
+    """The run's environment and Popen's user arguments: the job user's base, the route's
+    or entry's `env:`, then the run's PERFECTSCHED_* (which `env:` cannot replace:
+    PERFECTSCHED_RUN_ID is how a run's processes are found, reaper.py)."""
+    env, as_user = _job_base(route.user)
+    for name, value in route.env:
+        env[os.fsencode(name)] = os.fsencode(value)
     env[b"PERFECTSCHED_KEY"] = os.fsencode(task.key)
+    env[b"PERFECTSCHED_SCHEDULE_KEY"] = os.fsencode(schedule_key(task.key))
     env[b"PERFECTSCHED_TYPE"] = os.fsencode(task.type)
     env[b"PERFECTSCHED_SCHEDULED_TIME"] = b"%d" % int(task.scheduled_time)
     env[b"PERFECTSCHED_ATTEMPT"] = b"%d" % int(task.attempt)
     if run_id is not None:
         env[RUN_ID_ENV.encode()] = run_id.encode()
-    return env
-
-
-def _as_user(name: str, env: dict[bytes, bytes]) -> dict[str, Any]:
-    """Popen's arguments to run a job as user `name` (a schedules file's `user:`), as
-    cron does: its uid, primary and supplementary groups, HOME/USER/LOGNAME, and its home
-    as working directory.  Nothing when the daemon already runs as that user."""
-    try:
-        pw = pwd.getpwnam(name)
-    except KeyError:  # removed since the file was read: this run fails, logged
-        raise OSError(errno.ESRCH, f"no such user {name!r}") from None
-    if pw.pw_uid == os.geteuid():
-        return {}
-    env[b"HOME"] = os.fsencode(pw.pw_dir)
-    env[b"USER"] = env[b"LOGNAME"] = os.fsencode(pw.pw_name)
-    return {"user": pw.pw_uid, "group": pw.pw_gid,
-            "extra_groups": os.getgrouplist(pw.pw_name, pw.pw_gid),
-            "cwd": pw.pw_dir if os.path.isdir(pw.pw_dir) else "/"}
+    return env, as_user
 
 
 def _later(line: str) -> float | None:
@@ -212,10 +217,7 @@ def _run_exec(task: TaskLike, handler: ExecHandler, log: Log, stop_event: Stop |
     argv = [*handler.argv, key] if route.append_key else list(handler.argv)
     try:
         payload = json.dumps(task.data).encode()
-        env = _exec_env(task, run_id)
-        for name, value in route.env:
-            env[os.fsencode(name)] = os.fsencode(value)
-        as_user = _as_user(route.user, env) if route.user is not None else {}
+        env, as_user = _exec_env(task, run_id, route)
         proc, fds = _spawn(argv, env, as_user)
     except OSError as exc:
         log.error("%s: cannot run %s: %s", key, argv[0], exc.strerror or exc)

@@ -3,6 +3,7 @@ schedules file's exec entry, checked the same way for both."""
 
 from __future__ import annotations
 
+import errno
 import os
 import pwd
 import re
@@ -61,3 +62,49 @@ def daemon_user(uid: int | None = None) -> str:
         return pwd.getpwuid(uid).pw_name
     except KeyError:
         return str(uid)
+
+
+# -- a job's environment: cron's, never the daemon's ------------------------------------
+
+# systemd's default PATH for services (units get it too): exec jobs and units find the
+# same programs.  An `env: {PATH: ...}` of the route or entry replaces it, as a crontab's
+# PATH= line does.
+JOB_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# The locale of a job when the daemon was started without LANG (a container, `env -i`).
+DEFAULT_LANG = "C.UTF-8"
+
+
+def job_lang() -> str:
+    """LANG of every job: the daemon's own (under systemd, the system's locale, which
+    PID 1 gives every service and so every unit too), else C.UTF-8.  LANG only, not the
+    daemon's LC_* or LANGUAGE: cron's jobs get no more."""
+    return os.environ.get("LANG") or DEFAULT_LANG
+
+
+def job_environment(pw: pwd.struct_passwd) -> dict[str, str]:
+    """The environment a job of user `pw` starts from (cron's and systemd's): HOME,
+    LOGNAME, USER, SHELL (its login shell), PATH and LANG, nothing of the daemon's own
+    (which may hold PGPASSWORD, a D-Bus address, PERFECTSCHED_CONFIG...).  The run's
+    PERFECTSCHED_* variables and the route's `env:` are the caller's to add."""
+    return {"HOME": pw.pw_dir, "LOGNAME": pw.pw_name, "USER": pw.pw_name,
+            "SHELL": pw.pw_shell or "/bin/sh", "PATH": JOB_PATH, "LANG": job_lang()}
+
+
+def account(user: str | None) -> pwd.struct_passwd:
+    """The passwd entry of `user`, or of this process's user when None; OSError (ESRCH)
+    when the user is gone (removed since the configuration was read)."""
+    try:
+        return pwd.getpwnam(user) if user is not None else pwd.getpwuid(os.geteuid())
+    except KeyError:
+        raise OSError(errno.ESRCH, f"no such user {user!r}") from None
+
+
+def as_user_args(pw: pwd.struct_passwd) -> dict[str, Any]:
+    """Popen's arguments to run a process as `pw`, as cron does: its uid, primary and
+    supplementary groups, and its home as working directory (/ when it has none).
+    Nothing when this process already runs as that user."""
+    if pw.pw_uid == os.geteuid():
+        return {}
+    return {"user": pw.pw_uid, "group": pw.pw_gid,
+            "extra_groups": os.getgrouplist(pw.pw_name, pw.pw_gid),
+            "cwd": pw.pw_dir if os.path.isdir(pw.pw_dir) else "/"}

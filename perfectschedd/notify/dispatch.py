@@ -88,7 +88,9 @@ class Dispatcher:
         self.unverified: collections.OrderedDict[str, Run] = collections.OrderedDict()
         self.last_recorded = 0.0  # monotonic time of the pipeline's last on_recorded
         self.host = config.node
-        self._send = send or (lambda n, m: senders.send(n, m, sendmail=config.sendmail))
+        self._send = send or (lambda n, m: senders.send(
+            n, m, sendmail=config.sendmail, user=config.notify_as,
+            refused=config.notify_refused))
         self.watch_output = any(n.when == "output" for n in config.all_notifiers())
         self.entry_notify = dict(config.entry_notify)
         # The pipeline's thread only: what it last queued or dropped per key.

@@ -5,6 +5,11 @@ SendError with one line saying why; retries and counting are dispatch.py's.
 Everything here runs on the worker's notification thread, never on the lease pipeline's,
 so a slow command or a receiver that hangs delays other notifications at most, each call
 bounded by its timeout.
+
+Commands (exec notifiers, sendmail) start from cron's environment of the user they run as
+(runas.job_environment), never the daemon's, and never run as a uid that may start units:
+under a root daemon as `notify_user` (config._notify_host), and not at all under a daemon
+holding the polkit grant (`refused`).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from perfectschedd import __version__
-from perfectschedd.executors import reaper
+from perfectschedd.executors import reaper, runas
 from perfectschedd.notify.spec import Notifier, webhook_secrets
 
 # Bounds: a notifier must not hold the notification thread for long.
@@ -92,13 +97,18 @@ def _duration(run: dict[str, Any]) -> float | None:
         else None
 
 
-def send(notifier: Notifier, message: Message, *, sendmail: str) -> None:
+def send(notifier: Notifier, message: Message, *, sendmail: str, user: str | None = None,
+         refused: str | None = None) -> None:
+    """`user`: who runs commands (None: this process's user); `refused`: why commands may
+    not run here at all (Config.notify_as, .notify_refused)."""
+    if notifier.kind in ("exec", "mail") and refused is not None:
+        raise SendError(refused)
     if notifier.kind == "exec":
         assert isinstance(notifier.target, tuple)
-        send_exec(notifier.target, message)
+        send_exec(notifier.target, message, user)
     elif notifier.kind == "mail":
         assert isinstance(notifier.target, str)
-        send_mail(notifier.target, message, sendmail)
+        send_mail(notifier.target, message, sendmail, user)
     elif notifier.kind == "webhook":
         try:
             url, token = webhook_secrets(notifier)
@@ -110,13 +120,16 @@ def send(notifier: Notifier, message: Message, *, sendmail: str) -> None:
 
 
 def _run(argv: list[str] | tuple[str, ...], stdin: bytes, env: dict[str, str],
-         timeout: float) -> None:
+         timeout: float, user: str | None = None) -> None:
     try:
+        pw = runas.account(user)
+        env = {**runas.job_environment(pw), **env}
+        as_user = runas.as_user_args(pw)
         # A session of its own: a timeout kills the notifier's whole group, not only it.
         # Known as ours: in the master, its sweep kills children no worker accounts for.
         proc = reaper.start_helper(lambda: subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            env=env, start_new_session=True, close_fds=True))
+            env=env, start_new_session=True, close_fds=True, **as_user))
     except OSError as exc:
         raise SendError(f"cannot run {argv[0]}: {exc.strerror}") from None
     try:
@@ -136,14 +149,15 @@ def _run(argv: list[str] | tuple[str, ...], stdin: bytes, env: dict[str, str],
         raise SendError(f"{argv[0]} exited with status {proc.returncode}{tail}")
 
 
-def send_exec(argv: tuple[str, ...], message: Message) -> None:
-    """The command, as the daemon's user, with the run in PERFECTSCHED_* and the output
-    tail on stdin."""
-    env = {**os.environ, **message.environment()}
-    _run(argv, message.output().encode("utf-8", "replace"), env, EXEC_TIMEOUT)
+def send_exec(argv: tuple[str, ...], message: Message, user: str | None = None) -> None:
+    """The command, as `user` (None: the daemon's user), with the run in PERFECTSCHED_*
+    and the output tail on stdin."""
+    _run(argv, message.output().encode("utf-8", "replace"), message.environment(),
+         EXEC_TIMEOUT, user)
 
 
-def send_mail(address: str, message: Message, sendmail: str) -> None:
+def send_mail(address: str, message: Message, sendmail: str, user: str | None = None
+              ) -> None:
     """As cron mails: `sendmail -t` reads the recipients from the headers; -oi so that a
     line holding a single dot does not end the message early."""
     mail = email.message.EmailMessage()
@@ -158,7 +172,7 @@ def send_mail(address: str, message: Message, sendmail: str) -> None:
     out = message.output()
     body = "\n".join(lines) + ("\n\noutput (tail):\n" + out if out else "") + "\n"
     mail.set_content(body)
-    _run([sendmail, "-t", "-oi"], mail.as_bytes(), dict(os.environ), MAIL_TIMEOUT)
+    _run([sendmail, "-t", "-oi"], mail.as_bytes(), {}, MAIL_TIMEOUT, user)
 
 
 def send_webhook(url: str, message: Message, timeout: float = WEBHOOK_TIMEOUT,

@@ -165,6 +165,13 @@ class Task:
         self.gave_up = False  # its last failed attempt was its last (max_attempts)
 
     @property
+    def schedule_key(self) -> str:
+        """The key of the schedule this run belongs to: KEY for an extra run or an
+        allow/replace occurrence (key KEY@run-...), else the key itself.  Exec jobs get
+        it as PERFECTSCHED_SCHEDULE_KEY."""
+        return schedule_key(self.key)
+
+    @property
     def group(self) -> str | None:
         """The schedule whose runs must not overlap this one's, when that may happen: its
         own key if it has had extra runs, the schedule's key for an extra run (or an

@@ -188,7 +188,8 @@ def test_each_schedule_records_its_creator(open_dir: Path, bus: Bus) -> None:
 
 # -- the exec: prefix is the schedules files' ------------------------------------------------
 
-ROOTJOB = "- {key: rootjob, cron: '0 0 1 1 *', exec: 'echo $PERFECTSCHED_KEY'}\n"
+ROOTJOB = ("- {key: rootjob, cron: '0 0 1 1 *', exec: 'echo $PERFECTSCHED_KEY', "
+           "user: root}\n")
 EXEC_KEPT = "type: 'exec:' is kept for the exec entries of schedules files"
 
 

@@ -365,7 +365,8 @@ def test_a_change_wakes_the_workers(daemon_factory: Any, tmp_path: Path) -> None
     marker = tmp_path / "ran"
     d = daemon_factory({
         "poll_interval": 60,  # without a wake-up nothing would run for a minute
-        "routes": [{"type": "mark", "exec": ["sh", "-c", f'echo "$0" >> {marker}']}],
+        "routes": [{"type": "mark", "exec": ["sh", "-c", f'echo "$0" >> {marker}'],
+                    "user": "root"}],
     }).start()
     time.sleep(1.0)  # let the workers go to sleep on their poll interval
     started = time.monotonic()

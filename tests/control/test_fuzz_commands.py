@@ -121,7 +121,7 @@ class Tally:
 
 
 def _daemon(daemon_factory: Any, **overrides: Any) -> Daemon:
-    return daemon_factory({"routes": [{"type": UNROUTED, "exec": ["true"]}],
+    return daemon_factory({"routes": [{"type": UNROUTED, "exec": ["true"], "user": "root"}],
                            "history_limit": 0, **overrides}).start()
 
 

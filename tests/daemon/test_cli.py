@@ -276,7 +276,8 @@ def test_every_command_through_the_socket(daemon_factory: Any, tmp_path: Path,
                                           ctl: Ctl) -> None:
     marker = tmp_path / "runs"
     d: Daemon = daemon_factory({
-        "routes": [{"type": "quick", "exec": ["sh", "-c", f'echo "$0" >> {marker}']}],
+        "routes": [{"type": "quick", "exec": ["sh", "-c", f'echo "$0" >> {marker}'],
+                    "user": "root"}],
     }).start()
     env = {"PERFECTSCHED_SOCKET": d.socket_path}
 
@@ -356,7 +357,7 @@ def test_every_command_through_the_socket(daemon_factory: Any, tmp_path: Path,
 
 
 def test_status_shows_running_tasks_with_age(daemon_factory: Any) -> None:
-    route = {"type": "slow", "exec": ["sh", "-c", "sleep 30"]}
+    route = {"type": "slow", "exec": ["sh", "-c", "sleep 30"], "user": "root"}
     d: Daemon = daemon_factory({"routes": [route]}).start()
     d.ctl("add", "long", "slow", "* * * * *", "-a", str(int(time.time()) - 1))
 

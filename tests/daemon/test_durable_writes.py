@@ -106,7 +106,7 @@ def synced_before_reply(calls: list[tuple[str, str, str]]) -> bool:
 def test_an_acknowledged_change_is_synced_before_the_reply(
         daemon_factory: object, tmp_path: Path, change: str) -> None:
     d: Daemon = daemon_factory(  # type: ignore[operator]
-        {"routes": [{"type": "t", "exec": ["/bin/sleep", "30"]}]}).start()
+        {"routes": [{"type": "t", "exec": ["/bin/sleep", "30"], "user": "root"}]}).start()
     if change != "add":
         d.ctl("add", "k1", "t", "0 0 1 1 *", "--at", str(int(time.time()) + 86400))
     if change == "resume":
@@ -148,7 +148,7 @@ def test_finishing_occurrences_defers_its_syncs(daemon_factory: object,
     """The hot path keeps synchronous=NORMAL: a burst of finished occurrences writes the
     WAL many times and syncs it (at checkpoints) far fewer times."""
     d: Daemon = daemon_factory(  # type: ignore[operator]
-        {"routes": [{"type": "t", "exec": ["/bin/true"]}], "workers": 1}).start()
+        {"routes": [{"type": "t", "exec": ["/bin/true"], "user": "root"}], "workers": 1}).start()
     traced = Traced(d, tmp_path / "strace.out")
     try:
         start = int(time.time()) - 200 * 60

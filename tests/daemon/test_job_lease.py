@@ -234,7 +234,7 @@ class Releases(Application):
         self.task.release()
 """)
     d = daemon_factory({"retry_wait": 3, "routes": [
-        {"type": "rel", "python": "releasing:Releases"}]},
+        {"type": "rel", "python": "releasing:Releases", "user": "root"}]},
         extra_args=["-I", str(mods)]).start()
     d.ctl("add", "k", "rel", YEARLY, "--at", "0")
     wait_until(lambda: len(lines(out)) >= 2, what="first release and its immediate rerun")

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_harness import YEARLY, Daemon, sh, wait_until
+from daemon_harness import YEARLY, Daemon, sh, shared_dir, wait_until
 from notify_receivers import Receiver, mails, sendmail_stand_in
 from scrape import scrape, value
 
@@ -85,8 +85,10 @@ def test_a_receiver_that_hangs_or_fails_delays_no_run(daemon_factory: Any, tmp_p
 
 
 def test_mail_and_exec_notifiers(daemon_factory: Any, tmp_path: Path) -> None:
-    sendmail, mailbox = sendmail_stand_in(tmp_path)
-    told = tmp_path / "told"
+    # A root daemon runs notifiers as notify_user (nobody): a directory it may write to.
+    shared = shared_dir()
+    sendmail, mailbox = sendmail_stand_in(shared)
+    told = shared / "told"
     d: Daemon = daemon_factory({
         "sendmail": str(sendmail),
         "notifiers": {

@@ -119,7 +119,8 @@ class Long(Application):
         with open({str(stamps)!r}, "a") as f:
             f.write(f"end {{self.task.key}} {{os.getpid()}} {{int(time.time())}}\\n")
 """)
-    d = daemon_factory({**BASE, "routes": [{"type": "long", "python": "longjob:Long"}]},
+    d = daemon_factory({**BASE, "routes": [{"type": "long", "python": "longjob:Long",
+                                                     "user": "root"}]},
                        extra_args=["-I", str(mods)]).start()
     _survives_three_reloads(d, stamps, "pyjob")
 

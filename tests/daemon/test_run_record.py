@@ -102,7 +102,7 @@ def test_python_exception_and_a_lost_run_are_recorded(
         daemon_factory: Any, db_url: str, tmp_path: Path) -> None:
     marker = tmp_path / "long-started"
     d = start(daemon_factory, db_url, tmp_path, [
-        {"type": "py", "python": "recordjobs:Broken"},
+        {"type": "py", "python": "recordjobs:Broken", "user": "root"},
         sh("long", f"echo $PERFECTSCHED_ATTEMPT >> {marker}; echo working; exec sleep 60"),
     ])
     d.ctl("add", "report", "py", YEARLY, '{"path": "/srv/r.csv"}', "--at", "0",

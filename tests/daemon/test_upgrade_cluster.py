@@ -66,12 +66,14 @@ def test_rolling_upgrade_loses_and_repeats_nothing(
         """A daemon of `version` standing for host `node` (one config per host)."""
         cfg = {"node_name": node, "workers": 2, "concurrency": 4, "alive_time": 10,
                "poll_interval": 0.5, "shutdown_timeout": 10, "history_limit": 1000,
-               "routes": [{"type": JOB, "exec": ["/bin/sh", str(script)]}]}
+               # A job sees its route's env:, never the daemon's environment.
+               "routes": [{"type": JOB, "exec": ["/bin/sh", str(script)], "user": "root",
+                           "env": {"UPGRADE_LOG": str(log_path),
+                                   "UPGRADE_LABEL": f"{node}@{version}"}}]}
         programs = {} if version == perfectschedd.__version__ else {
             "command": old.daemon_command, "ctl_command": old.ctl_command}
         assert version in (perfectschedd.__version__, old.version)
-        env = {"UPGRADE_LOG": str(log_path), "UPGRADE_LABEL": f"{node}@{version}"}
-        return daemon_factory(cfg, url=pg_url, env=env, **programs)
+        return daemon_factory(cfg, url=pg_url, **programs)
 
     started: dict[str, int] = {}  # key -> its -s (start)
     via: dict[str, str] = {}      # key -> the host@version whose socket added it

@@ -51,7 +51,7 @@ FILE_ENTRIES = [
     {"key": "file-report", "cron": "15 4 * * *", "type": "t", "timezone": "Europe/Paris",
      "delay": 30, "data": {"format": "pdf"}, "misfire": "latest", "grace": 900,
      "max_attempts": 2, "retry_wait": 60, "jitter": 10, "timeout": 120},
-    {"key": "file-exec", "cron": "@hourly", "exec": "true"},
+    {"key": "file-exec", "cron": "@hourly", "exec": "true", "user": "root"},
 ]
 
 # Fields of a schedule that no run changes (a run moves its times, attempt and lease).
@@ -232,7 +232,8 @@ def test_new_daemon_keeps_and_runs_a_database_of_0_1_0(
     t_upgrade = time.time()
     d_new: Daemon = daemon_factory(
         {"node_name": "new-host", "schedules_dir": str(sdir),
-         "routes": [py, fail, sh("t", "true")]},
+         # This version runs a python route under root only as its user: says.
+         "routes": [{**py, "user": "root"}, fail, sh("t", "true")]},
         url=db_url, extra_args=["-I", str(mods)]).start()
 
     new_socket = ctl_many(CTL, ["--socket", d_new.socket_path])

@@ -158,11 +158,25 @@ def test_exec_stdin_argv_env(tmp_path: Path) -> None:
     ]
 
 
-def test_exec_inherits_daemon_environment(tmp_path: Path,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HANDLERS_TEST_VAR", "inherited")
-    run(FakeTask(), sh(f'echo "$HANDLERS_TEST_VAR" > {tmp_path}/out'))
-    assert (tmp_path / "out").read_text() == "inherited\n"
+def test_exec_never_inherits_the_daemon_s_environment(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cron's environment of the job's user, the route's env: and the run's variables;
+    nothing of the daemon's (which holds PGPASSWORD and the like)."""
+    monkeypatch.setenv("PGPASSWORD", "secret")
+    monkeypatch.setenv("PERFECTSCHED_CONFIG", "/etc/secret.yml")
+    monkeypatch.setenv("LANG", "C.UTF-8")
+    argv = ("/bin/sh", "-c", f"tr '\\0' '\\n' < /proc/$$/environ > {tmp_path}/out", "sh")
+    route = RouteConfig(pattern="t", exec=argv, env=(("EXTRA", "1"), ("PERFECTSCHED_KEY", "x")))
+    run(FakeTask(key="k@run-1-ab"), ExecHandler(route, argv, None), run_id="1.2")
+    env = dict(line.split("=", 1) for line in (tmp_path / "out").read_text().splitlines())
+    me = pwd.getpwuid(os.geteuid())
+    assert env == {"HOME": me.pw_dir, "LOGNAME": me.pw_name, "USER": me.pw_name,
+                   "SHELL": me.pw_shell, "LANG": "C.UTF-8",
+                   "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                   "EXTRA": "1", "PERFECTSCHED_KEY": "k@run-1-ab",
+                   "PERFECTSCHED_SCHEDULE_KEY": "k", "PERFECTSCHED_TYPE": "t",
+                   "PERFECTSCHED_SCHEDULED_TIME": str(FakeTask().scheduled_time),
+                   "PERFECTSCHED_ATTEMPT": "1", "PERFECTSCHED_RUN_ID": "1.2"}
 
 
 def test_exec_output_is_logged_with_key(caplog: pytest.LogCaptureFixture) -> None:
@@ -623,7 +637,8 @@ def test_exec_as_another_user_gets_its_identity_stdin_and_output(
     # the pipes _spawn makes: the payload arrives, the output is logged and kept.
     caplog.set_level(logging.INFO, LOGGER)
     user = pwd.getpwnam("nobody")
-    argv = ("/bin/sh", "-c", 'read -r data; echo "$(id -u) $(id -g) $USER $data"', "sh")
+    argv = ("/bin/sh", "-c", 'read -r data; echo "$(id -u) $(id -g) $USER $data"; '
+            'echo "$HOME $LOGNAME $SHELL"', "sh")
     handler = ExecHandler(RouteConfig(pattern="t", exec=argv, user="nobody",
                                       append_key=False), argv, None)
     result = run(FakeTask(key="k-user", data={"n": 7}), handler)
@@ -631,6 +646,7 @@ def test_exec_as_another_user_gets_its_identity_stdin_and_output(
     line = f'{user.pw_uid} {user.pw_gid} nobody {{"n": 7}}'
     assert f"k-user: {line}" in caplog.text
     assert result.output is not None and line in result.output
+    assert f"k-user: {user.pw_dir} nobody {user.pw_shell}" in caplog.text
 
 
 def test_exec_run_id_is_in_the_environment(tmp_path: Path) -> None:

@@ -301,14 +301,16 @@ def test_executor_systemd_is_refused_where_systemd_does_not_run(without_systemd:
     """The daemon checks the host (config.refuse_routes, at start and on reload); a client
     reading the same file (perfectschedctl -c) runs no job and takes it.  The route is
     refused alone: the others keep their place and run."""
-    config = from_mapping({**BASE, "routes": [{"type": "t", "exec": ["/bin/true"]}, ROUTE]},
-                          source="/etc/perfectsched/perfectsched.yml")
+    config = from_mapping({**BASE, "routes": [
+        {"type": "t", "exec": ["/bin/true"], "user": "root"}, {**ROUTE, "user": "root"}]},
+        source="/etc/perfectsched/perfectsched.yml")
     marked, refused = refuse_routes(config)
     assert refused == [
         "/etc/perfectsched/perfectsched.yml: routes[1].executor: systemd is not running on "
         f"this host ({unitprops.SYSTEMD_MARKER} is missing); use executor exec"]
     assert marked.routes[0] == config.routes[0] and marked.routes[1].refused == refused[0]
-    check_host(from_mapping({**BASE, "routes": [{**ROUTE, "executor": "exec"}]}))
+    check_host(from_mapping({**BASE, "routes": [{**ROUTE, "executor": "exec",
+                                                 "user": "root"}]}))
 
 
 def test_a_host_with_systemd_passes_the_check(with_systemd: None) -> None:
@@ -375,8 +377,8 @@ def test_a_route_s_user_and_env(with_systemd: None, monkeypatch: pytest.MonkeyPa
 
 
 @pytest.mark.parametrize("route,error", [
-    ({"type": "t", "python": "m:C", "user": "nobody"}, "routes[0].user: only for exec routes"),
-    ({"type": "t", "python": "m:C", "env": {"A": "1"}}, "routes[0].env: only for exec routes"),
+    ({"type": "t", "python": "m:C", "env": {"A": "1"}}, "routes[0].env: only for exec routes "
+     "(a python handler runs inside the daemon, in its environment)"),
     ({**ROUTE, "user": ""}, "routes[0].user: must be a user name"),
     ({**ROUTE, "user": 0}, "routes[0].user: must be a user name"),
     ({**ROUTE, "env": ["A=1"]}, "routes[0].env: must be a mapping of NAME: value"),
@@ -458,7 +460,8 @@ def test_the_daemon_refuses_the_file_and_runs_the_rest(daemon_factory: Any, tmp_
     out = tmp_path / "ran"
     (sched_dir / "units.yml").write_text(yaml.safe_dump([ENTRY]))
     (sched_dir / "plain.yml").write_text(yaml.safe_dump([
-        {"key": "plain", "cron": "* * * * *", "exec": f"echo ok >> {out}"}]))
+        {"key": "plain", "cron": "* * * * *", "exec": f"echo ok >> {out}",
+         "user": "root"}]))
     d: Daemon = daemon_factory({"schedules_dir": str(sched_dir)})
     d.start()
     d.wait_log("units.yml")
@@ -470,7 +473,7 @@ def test_the_daemon_refuses_the_file_and_runs_the_rest(daemon_factory: Any, tmp_
     wait_until(lambda: out.exists() and "ok" in out.read_text(), 20, what="the exec entry")
     assert d.stop() == 0
     mixed = daemon_factory({"routes": [ROUTE, {"type": "plain-t", "exec": [
-        "/bin/sh", "-c", f"echo route >> {out}"]}]}).start()
+        "/bin/sh", "-c", f"echo route >> {out}"], "user": "root"}]}).start()
     mixed.wait_log("this route is refused")
     errors = [x for x in mixed.log().splitlines() if "executor" in x]
     assert len(errors) == 1 and "routes[0].executor: systemd is not running on this " \
@@ -502,3 +505,28 @@ def test_a_reload_with_a_number_past_uint64_is_refused_in_one_line(daemon_factor
     assert "routes[0].unit: MemoryMax: out of range: " in res.stderr, res.stderr
     assert "Overflow" not in d.log() and "Traceback" not in d.log()
     assert d.alive() and d.stop() == 0
+
+
+def test_a_python_route_runs_only_as_the_daemon_s_user(monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    """A python handler runs inside the worker: its `user:` can only name the daemon's
+    user, and under a root daemon must (root runs one only where root wrote user: root)."""
+    py = {"type": "p", "python": "m:C"}
+
+    def refused(route: dict[str, Any], grant: bool = False) -> list[str]:
+        return refuse_routes(from_mapping({**BASE, "routes": [route]}), grant=grant)[1]
+
+    if os.geteuid() == 0:
+        assert refused(py) == ["routes[0].user: missing; a python handler runs inside the "
+                               "daemon, and this one runs as root: write user: root to run "
+                               "it as root"]
+        assert refused({**py, "user": "root"}) == []
+        assert refused({**py, "user": "nobody"}) == [
+            "routes[0].user: a python handler runs inside the daemon, as root: user: may only "
+            "name root, not 'nobody' (use an exec route to run as another user)"]
+    monkeypatch.setattr(os, "geteuid", lambda: 65534)  # nobody: a daemon user, not root
+    assert refused(py) == refused({**py, "user": "nobody"}) == []
+    assert refused(py, grant=True) == [
+        "routes[0].python: a python handler runs inside the daemon, as nobody, which holds "
+        "the polkit grant to start units (it could become root): use executor: systemd with "
+        "a user:, or turn the grant off (perfectsched-grant disable)"]

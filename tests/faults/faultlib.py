@@ -95,7 +95,10 @@ class Cluster:
                 "routes": [{"type": JOB_TYPE, "exec": ["/bin/sh", str(script)]}],
                 **(overrides or {}),
             }
+            # A job sees its route's env:, never the daemon's environment.
             env = {"FAULT_LOG": str(self.log_path), "FAULT_NODE": name}
+            cfg["routes"] = [{"user": "root", **r, "env": {**env, **r.get("env", {})}}
+                             for r in cfg["routes"]]
             self.nodes.append(Daemon(self.base, cfg, url=url, name=name,
                                      watchdog_usec=watchdog_usec, env=env))
         self.faults: list[Fault] = []

@@ -64,9 +64,11 @@ def _daemon(make: Any, tmp_path: Path, url: str, alive_time: int, long_job: floa
     d: Daemon = make({
         "alive_time": alive_time, "workers": 2, "kill_grace": 1, "worker_timeout": 10,
         "retry_wait": 1, "routes": [
-            {"type": "long", "exec": ["/bin/sh", str(script), str(long_job)]},
-            {"type": "quick", "exec": ["/bin/sh", str(script), "0"]}]},
-        url=url, env={"JOB_LOG": str(log)})
+            {"type": "long", "exec": ["/bin/sh", str(script), str(long_job)],
+             "user": "root", "env": {"JOB_LOG": str(log)}},
+            {"type": "quick", "exec": ["/bin/sh", str(script), "0"],
+             "user": "root", "env": {"JOB_LOG": str(log)}}]},
+        url=url)
     return d
 
 

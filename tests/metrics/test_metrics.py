@@ -92,9 +92,10 @@ def test_metrics_summed_over_workers_and_kept_across_worker_replacement(
     (multiproc / "counter_1.db").write_bytes(b"stale garbage of a previous run")
     d = daemon_factory({
         "workers": 2, "concurrency": 2, "retry_wait": 3600,
-        "routes": [{"type": "job", "python": "metricsjob:Job"},
-                   {"type": "fail", "python": "metricsjob:Fail"},
-                   {"type": "envdump", "exec": ["/bin/sh", "-c", 'env > "$0"', str(env_file)]}],
+        "routes": [{"type": "job", "python": "metricsjob:Job", "user": "root"},
+                   {"type": "fail", "python": "metricsjob:Fail", "user": "root"},
+                   {"type": "envdump", "exec": ["/bin/sh", "-c", 'env > "$0"', str(env_file)],
+                    "user": "root"}],
     }, extra_args=["-I", str(tmp_path)],
         env={"METRICS_TEST_PIDS": str(pids_file), "RUNTIME_DIRECTORY": str(runtime)})
     t0 = time.time()
@@ -430,7 +431,7 @@ def test_dead_workers_files_are_folded_and_totals_never_go_down(
     # take 15 reloads, not 30 (and 4 dead workers' files are folded at the same time).
     workers = 4
     d = daemon_factory({"workers": workers, "poll_interval": 0.2,
-                        "routes": [{"type": "t", "exec": ["/bin/true"]}]},
+                        "routes": [{"type": "t", "exec": ["/bin/true"], "user": "root"}]},
                        env={"RUNTIME_DIRECTORY": str(runtime)}).start()
     multiproc = runtime / "metrics"
     d.ctl("add", "k", "t", "0 0 1 1 *")

@@ -150,7 +150,7 @@ def test_exec_entry_runs_on_the_hosts_that_hold_it(daemon_factory: Any, db_url: 
     write(sdir / "exec.yml", [{
         "key": "shell-job", "cron": "0 0 1 1 *",
         "exec": f'echo "$GREETING $PERFECTSCHED_KEY $0" >> {out}',
-        "env": {"GREETING": "hello from the file"}}])
+        "env": {"GREETING": "hello from the file"}, "user": "root"}])
     holder: Daemon = daemon_factory({"schedules_dir": str(sdir), "node_name": "holder",
                                      "workers": 1}, url=db_url).start()
     other: Daemon = daemon_factory({"schedules_dir": str(tmp_path / "none"),

@@ -198,8 +198,8 @@ class Boom(Application):
     (mods / "preload_mod.py").write_text(
         f"import os\nopen({str(tmp_path / 'preloaded')!r}, 'w').write(str(os.getpid()))\n")
     routes = [
-        {"type": "py-exact", "python": "jobs_mod:Finish"},
-        {"type": "/^py-.*$/", "python": "jobs_mod:Boom"},
+        {"type": "py-exact", "python": "jobs_mod:Finish", "user": "root"},
+        {"type": "/^py-.*$/", "python": "jobs_mod:Boom", "user": "root"},
     ]
     d = daemon_factory({"retry_wait": 1, "routes": routes},
                        extra_args=["-I", str(mods), "-r", "preload_mod"]).start()

@@ -42,6 +42,7 @@ from perfectschedd.executors.base import (
 from perfectschedd.executors.command import ExecHandler, exec_error, exec_verdict
 from perfectschedd.executors.systemd import props as unitprops
 from perfectschedd.executors.systemd.bus import Systemd, SystemdError, Watch
+from perfectschedd.schedules.fields import schedule_key
 
 logger = logging.getLogger(__name__)
 
@@ -109,10 +110,14 @@ def properties(task: TaskLike, handler: UnitHandler, name: str, *, node: str, ki
     # package would load the whole library (SQLAlchemy...) into every job, and count
     # against MemoryMax.
     wrapped = [python, "-I", _WRAPPER, "--", *argv]
-    env = [f"PERFECTSCHED_KEY={task.key}", f"PERFECTSCHED_TYPE={task.type}",
+    # systemd gives the unit HOME, LOGNAME, USER, SHELL (of User=), PATH and the system's
+    # LANG, never the daemon's environment; `env:` first, so that it cannot replace ours.
+    env = [*(f"{k}={v}" for k, v in route.env),
+           f"PERFECTSCHED_KEY={task.key}",
+           f"PERFECTSCHED_SCHEDULE_KEY={schedule_key(task.key)}",
+           f"PERFECTSCHED_TYPE={task.type}",
            f"PERFECTSCHED_SCHEDULED_TIME={int(task.scheduled_time)}",
-           f"PERFECTSCHED_ATTEMPT={int(task.attempt)}", f"PERFECTSCHED_UNIT={name}",
-           *(f"{k}={v}" for k, v in route.env)]
+           f"PERFECTSCHED_ATTEMPT={int(task.attempt)}", f"PERFECTSCHED_UNIT={name}"]
     props: list[tuple[str, Variant]] = [
         ("Description", Variant("s", " ".join(filter(None, (
             f"PerfectSched job {task.key}", tag, owner_mark(node, os.getpid())))))),
