@@ -390,7 +390,12 @@ def _logs(ns: argparse.Namespace, send: Callable[[str, dict[str, Any]], Any]) ->
               + (f": {run['error']}" if run.get("error") else ""), file=sys.stderr)
         return EXIT_OK
     if ns.lines is not None:
-        output = "".join(output.splitlines(keepends=True)[-ns.lines:] if ns.lines else [])
+        # Lines end at \n only: a \r (or another control character splitlines takes
+        # for a line end) is shown escaped, within its line.
+        import re
+
+        lines = re.findall(r"[^\n]*\n|[^\n]+$", output)
+        output = "".join(lines[-ns.lines:] if ns.lines else [])
     sys.stdout.write(output if ns.raw else terminal_text(output))
     return EXIT_OK
 
