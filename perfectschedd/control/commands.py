@@ -405,7 +405,10 @@ def _history(sc: ScheduleCollection, a: Args, now: float, access: Access) -> lis
                                 or not 1 <= attempt <= ATTEMPT_MAX):
         raise InvalidInputError("attempt", f"must be a whole number from 1 to {ATTEMPT_MAX}")
     readable = _readable(sc, key, access)
-    runs = sc.history(key, limit, attempt)
+    # Those who do not read everything see the runs of the schedule the key names now,
+    # not of those it named before (deleted, then added again, perhaps by another).
+    after = None if access.reads_all else sc.history_start(schedule_key(key))
+    runs = sc.history(key, limit, attempt, after_id=after)
     if not runs and not sc[key].exists():
         sc[key].info()  # raises NotFoundError with the usual message
     if not readable:

@@ -138,6 +138,21 @@ def test_a_member_is_refused_another_s_output_and_data(daemon: Daemon, bus: Bus)
     name, message = bus.call(AS_NOBODY, "history", "gone", 5)
     assert name.endswith("NotFoundError") and "shown to root only" in message
 
+    # Deleted and added again, by someone else: the key's earlier runs are not the new
+    # schedule's (one add, and a batch); root still reads them.
+    ok(ctl_as(d, STRANGER, "delete", "mine"))
+    ok(ctl_as(d, STRANGER, "add", "mine", "t", "0 0 1 1 *"))
+    d.ctl("delete", "rootjob")
+    name, _ = bus.call(STRANGER, "call", "add_many", json.dumps({"schedules": [
+        {"key": "rootjob", "type": "t", "cron": "0 0 1 1 *"}]}))
+    assert name == "OK"
+    for key in ("mine", "rootjob"):
+        assert member_json(d, STRANGER, "history", key) == []
+        refused(ctl_as(d, STRANGER, "logs", key), f"{key}: no run in its history")
+        assert [r["output"] for r in d.ctl_json("history", key)] == [f"{key}: {HOSTILE}"]
+    record_run(d, "mine", "new\n", "exit status 1")
+    assert ok(ctl_as(d, STRANGER, "logs", "mine")) == "new\n"
+
 
 @needs_root
 @needs_dbus
