@@ -20,7 +20,7 @@ from perfectschedd.paths import DEFAULT_SOCKET
 from perfectschedd.schedules.fields import MAX_DEPTH, PREVIEW_MAX, json_depth
 
 from .client import DaemonUnavailable, SocketClient
-from .output import format_time, print_result
+from .output import format_time, print_result, terminal_text
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE = 0, protocol.EXIT_REFUSED, 2
 
@@ -360,15 +360,21 @@ def _logs(ns: argparse.Namespace, send: Callable[[str, dict[str, Any]], Any]) ->
     was attempt N): the tail its history row holds, or for a run as a systemd unit its
     journal (journalctl prints it; reading the journal needs what journalctl needs: root,
     or the adm/systemd-journal group).  History comes through the daemon, or the database
-    of -c."""
+    of -c.  What the run printed is shown with its control characters escaped, unless
+    --raw (root's only: the daemon refuses it to anyone else)."""
     args: dict[str, Any] = {"key": ns.key, "limit": LOGS_LOOK_BACK}
     if ns.attempt is not None:
         args.update(attempt=ns.attempt, limit=1)
+    if ns.raw:
+        args["raw"] = True
     runs = send("history", args)
     run = next((r for r in runs if r.get("outcome") != "skipped"), None)
     if run is None:
         which = f"attempt {ns.attempt}" if ns.attempt is not None else "run"
         raise _BadArgument(f"{ns.key}: no {which} in its history")
+    if run.get("withheld"):
+        # One line, as any refusal: the runs are this caller's to list, not to read.
+        raise _BadArgument(f"{ns.key}: output {run['withheld']}")
     if run.get("unit"):
         argv = ["journalctl", "--no-pager", "--unit", run["unit"]]
         if ns.lines is not None:
@@ -391,8 +397,13 @@ def _logs(ns: argparse.Namespace, send: Callable[[str, dict[str, Any]], Any]) ->
               + (f": {run['error']}" if run.get("error") else ""), file=sys.stderr)
         return EXIT_OK
     if ns.lines is not None:
-        output = "".join(output.splitlines(keepends=True)[-ns.lines:] if ns.lines else [])
-    sys.stdout.write(output)
+        # Lines end at \n only: a \r (or another control character splitlines takes
+        # for a line end) is shown escaped, within its line.
+        import re
+
+        lines = re.findall(r"[^\n]*\n|[^\n]+$", output)
+        output = "".join(lines[-ns.lines:] if ns.lines else [])
+    sys.stdout.write(output if ns.raw else terminal_text(output))
     return EXIT_OK
 
 
@@ -519,7 +530,7 @@ def _main(argv: Sequence[str] | None) -> int:
         print(f"perfectschedctl: {type(exc).__name__}: {str(exc).splitlines()[0]}",
               file=sys.stderr)
         return EXIT_REFUSED
-    print_result(cmd, result, as_json=ns.json)
+    print_result(cmd, result, as_json=ns.json, raw=bool(getattr(ns, "raw", False)))
     if cmd == "reload" and isinstance(result, dict):
         if result.get("files_applied") is False:
             print("perfectschedctl: note: the schedules files are not applied yet (the "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 from collections.abc import Sequence
@@ -11,8 +12,37 @@ from typing import Any
 
 LIST_COLUMNS = ("key", "type", "cron", "delay", "timezone", "next_time", "next_run_time", "data",
                 "state", "source")
+# Fields a reader who may not read a schedule gets as null (with a `withheld` note).
+WITHHELD_FIELDS = ("data", "output", "error")
 HISTORY_COLUMNS = ("scheduled_time", "started_at", "outcome", "attempt", "exit", "duration",
                    "worker", "unit", "error")
+
+
+# What a terminal would act on rather than show: C0 and C1 controls (ESC starts colour
+# changes, cursor moves, OSC 52 clipboard writes; \r overwrites a line), DEL, and the
+# bidi and line-separator characters that reorder or split what is shown.  Newlines and
+# tabs are output's own, kept where output is printed whole (terminal_text).
+_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e"
+                       "\u2066-\u2069]")
+_CONTROLS_AND_LINES = re.compile(f"[\t\n{_CONTROLS.pattern[1:-1]}]")
+_NAMED = {"\t": "\\t", "\n": "\\n", "\r": "\\r", "\x1b": "\\e"}
+
+
+def _escape(match: re.Match[str]) -> str:
+    c = match.group()
+    return _NAMED.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+
+
+def terminal_text(text: str) -> str:
+    """`text` (a run's output) safe to print on a terminal: every control character
+    shown as an escape (ESC as \\e, \\r, \\x07, \\u202e...), newlines and tabs kept."""
+    return _CONTROLS.sub(_escape, text)
+
+
+def terminal_cell(text: str) -> str:
+    """One table cell or line safe to print: as terminal_text, newlines and tabs escaped
+    too (a cell stays on its row)."""
+    return _CONTROLS_AND_LINES.sub(_escape, text)
 
 
 def format_time(ts: float | None, tz: str = "UTC") -> str:
@@ -31,7 +61,13 @@ def format_time(ts: float | None, tz: str = "UTC") -> str:
 
 
 def _cell(column: str, row: dict[str, Any]) -> str:
+    return terminal_cell(_cell_text(column, row))
+
+
+def _cell_text(column: str, row: dict[str, Any]) -> str:
     value = row.get(column)
+    if value is None and row.get("withheld") and column in WITHHELD_FIELDS:
+        return "(withheld)"
     if column in ("next_time", "next_run_time", "scheduled_time", "claimed_at"):
         return format_time(value, row.get("timezone", "UTC"))
     if column in ("started_at", "finished_at"):
@@ -43,8 +79,11 @@ def _cell(column: str, row: dict[str, Any]) -> str:
     return str(value)
 
 
-def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
-    cells = [[_cell(c, r) for c in columns] for r in rows]
+def table(rows: Sequence[dict[str, Any]], columns: Sequence[str], raw: bool = False) -> str:
+    """Rows under their column names; `raw`: cells as they are, control characters
+    unescaped (--raw)."""
+    cell = _cell_text if raw else _cell
+    cells = [[cell(c, r) for c in columns] for r in rows]
     widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
     lines = [" ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip()]
     for r in cells:
@@ -237,7 +276,9 @@ def _paused_many(cmd: str, result: dict[str, Any]) -> str:
             + (f"; {own} paused on their own stay paused" if own else ""))
 
 
-def print_result(cmd: str, result: Any, *, as_json: bool) -> None:
+def print_result(cmd: str, result: Any, *, as_json: bool, raw: bool = False) -> None:
+    """`result` for people (control characters escaped unless `raw`), or as JSON (which
+    escapes them itself)."""
     if as_json:
         print(json.dumps(result, indent=None if cmd == "list" else 2, sort_keys=False))
         return
@@ -245,10 +286,10 @@ def print_result(cmd: str, result: Any, *, as_json: bool) -> None:
         print(table(result, LIST_COLUMNS))
         print(f"{len(result)} entries.")
     elif cmd == "history":
-        print(table([_history_row(r) for r in result], HISTORY_COLUMNS))
+        print(table([_history_row(r) for r in result], HISTORY_COLUMNS, raw=raw))
         print(f"{len(result)} runs.")
     elif cmd == "status":
-        print(_status(result))
+        print(terminal_text(_status(result)))
     elif cmd in ("pause", "resume") and ("count" in result or "all" in result):
         print(_paused_many(cmd, result))
     elif cmd in ("show", "modify", "pause", "resume"):

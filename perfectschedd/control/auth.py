@@ -12,12 +12,19 @@ The rules (docs/security.md):
 - Access: what one caller's request may do (commands.execute makes one per request, for
   the socket, D-Bus and direct mode alike), and the uid it records as the creator of
   what it adds:
-  - a route with `user:` is schedulable (add, modify, run, apply) only by root and the
-    users and groups its `allow:` names; other routes are the group's (the `exec:`
-    prefix of types is schedules.check_type's, refused to every caller);
+  - a route with `user:` is schedulable and changeable (add, modify, run, apply, pause,
+    resume, delete) only by root and the users and groups its `allow:` names; other
+    routes are the group's (the `exec:` prefix of types is schedules.check_type's,
+    refused to every caller);
   - a schedules file's schedule (source file:NAME) changes through its file, or by root
-    with force; `apply` by anyone but root changes or prunes only what they made
+    with force; once forced (source forced:file:NAME) it is root's: no one else undoes
+    root's change.  `apply` by anyone but root changes or prunes only what they made
     (schedules.ownership.owns, which the convergence of files applies);
+  - reading is a right too (may_read): a schedule's data, its runs' output and error
+    lines go to root, the daemon's user, its creator and its route's `allow:`;
+    everyone admitted sees every key and state.  Direct mode (perfectschedctl -c)
+    holds the database's credentials, so it reads everything, as root does.  Output
+    unescaped (`raw`) is root's only (and direct mode's);
   - `pause --all` and `resume --all` are every admitted caller's, schedules files'
     schedules included, with no force: they change no schedule (each is held with a
     marker that resume --all releases, and its file still owns it), and they are the
@@ -36,7 +43,7 @@ from typing import Any
 from perfectschedd.config import RouteConfig
 from perfectschedd.errors import InvalidInputError, PermissionDeniedError
 from perfectschedd.schedules import ownership
-from perfectschedd.schedules.fields import EXEC_TYPE, SOURCE_FILE
+from perfectschedd.schedules.fields import EXEC_TYPE, SOURCE_FILE, SOURCE_FORCED
 from perfectschedd.schedules.ownership import user_name
 
 
@@ -111,12 +118,21 @@ def check_force(caller: Caller, force: Any) -> bool:
     return force
 
 
+# What a reader who may not read a schedule's data and output gets in their place.
+WITHHELD = ("withheld: a schedule's data and its runs' output are shown to root, its "
+            "creator and its route's allow: only")
+
+
 @dataclass(frozen=True)
 class Access:
-    """One caller, and the routes of the configuration it reaches."""
+    """One caller, and the routes of the configuration it reaches.  `reads_all`: the
+    caller reads every schedule's data and output (root, the daemon's own user, and
+    direct mode, which holds the database's credentials)."""
 
     caller: Caller
     routes: Sequence[RouteConfig] = ()
+    reads_all: bool = False
+    raw_ok: bool = False  # may have output unescaped (root; direct mode)
 
     @property
     def creator(self) -> int:
@@ -152,7 +168,15 @@ class Access:
         its file says what it is (`schedules_dir`: where the files are, to name it).
         Root may force it (check_force), which detaches it from the file.  Whether the
         change is one of those: the schedule must then record its new source
-        (fields.detached_source)."""
+        (fields.detached_source).  One root detached (forced:file:NAME) is root's: a
+        member's change would undo root's."""
+        if source is not None and source.startswith(SOURCE_FORCED + SOURCE_FILE) \
+                and not self.caller.root:
+            name = source[len(SOURCE_FORCED + SOURCE_FILE):]
+            path = f"{schedules_dir.rstrip('/')}/{name}" if schedules_dir else name
+            raise PermissionDeniedError(
+                f"{key} was changed by root with --force (detached from {path}): only "
+                f"root may change it, not {self.caller.name}")
         if source is None or not source.startswith(SOURCE_FILE):
             return False
         if force:
@@ -167,3 +191,25 @@ class Access:
         """Whether this caller's `apply` may change or prune a schedules file's schedule
         made by `creator` (the rule is schedules.ownership's: converge obeys it)."""
         return ownership.owns(self.caller.uid, creator)
+
+    def may_read(self, creator: int | None, task_type: str) -> bool:
+        """Whether this caller may read the data and the runs' output of a schedule made
+        by `creator` (None: unknown, before 0.2.0) of type `task_type`: root, the
+        daemon's user and direct mode (reads_all), its creator, its route's allow:."""
+        if self.reads_all or (creator is not None and creator == self.caller.uid):
+            return True
+        route = route_of(task_type, self.routes)
+        return route is not None and route.user is not None and \
+            allowed_by(route.allow, self.caller)
+
+    def check_raw(self, raw: Any) -> bool:
+        """A request's `raw` argument (output unescaped): false when absent; true only
+        from root (and direct mode)."""
+        if raw is None:
+            return False
+        if not isinstance(raw, bool):
+            raise InvalidInputError("raw", "must be true or false")
+        if raw and not self.raw_ok:
+            raise PermissionDeniedError(f"--raw: only root may read output unescaped, not "
+                                        f"{self.caller.name}")
+        return raw

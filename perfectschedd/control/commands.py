@@ -8,13 +8,14 @@ those that run on the database.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from perfectschedd.config import RouteConfig
 from perfectschedd.control import registry
-from perfectschedd.control.auth import Access, Caller, check_force
+from perfectschedd.control.auth import WITHHELD, Access, Caller, check_force
 from perfectschedd.control.protocol import ATTEMPT_MAX, HISTORY_MAX, HISTORY_OUTPUT_BYTES
 from perfectschedd.errors import InvalidInputError, NotFoundError, ScheduleError
 from perfectschedd.notify import spec as notify_spec
@@ -44,6 +45,28 @@ SHOW_FIELDS = LIST_FIELDS + ("paused", "paused_reason", "attempt", "owner", "cla
 def _info(info: ScheduleInfo, fields: tuple[str, ...]) -> dict[str, Any]:
     d = info.as_dict()
     return {f: d[f] for f in fields}
+
+
+def _shown(access: Access, info: ScheduleInfo, fields: tuple[str, ...],
+           readable: bool | None = None) -> dict[str, Any]:
+    """A schedule as `access`'s caller may see it: its data withheld (null, and a note
+    saying why) unless they may read it (auth.Access.may_read; `readable`: already
+    known).  Every answer that holds a schedule's data goes through here."""
+    shown = _info(info, fields)
+    if readable is None:
+        readable = access.may_read(info.creator, info.type)
+    if not readable and "data" in shown:
+        shown["data"] = None
+        shown["withheld"] = WITHHELD
+    return shown
+
+
+def _withhold_runs(runs: list[dict[str, Any]]) -> None:
+    """History rows a reader may not read: what the run printed (output, and the error
+    line, which holds its last line) is withheld; when and how it ended stays."""
+    for r in runs:
+        r["output"] = r["error"] = None
+        r["withheld"] = WITHHELD
 
 
 def _arg(args: Mapping[str, Any], name: str, required: bool = True) -> Any:
@@ -91,7 +114,7 @@ def _add(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[st
     _check_notify(sc, a.get("notify"))
     _check_concurrency(sc, a.get("concurrency"), now)
     sc.add(a["key"], a["type"], _arg(a, "cron"), now=now, creator=access.creator, **options)
-    return _info(sc[a["key"]].info(), LIST_FIELDS)
+    return _shown(access, sc[a["key"]].info(), LIST_FIELDS)
 
 
 def _add_many(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
@@ -124,8 +147,13 @@ def _list(sc: ScheduleCollection, a: Args, now: float, access: Access) -> list[d
     fields = SHOW_FIELDS if a.get("verbose") else LIST_FIELDS
     listed = sc.list_with_last_run(prefix=prefix, limit=limit, after_key=after)
     queued = _queued_runs(sc, [i for i, _ in listed], now)
-    return [{**_info(i, fields), **state_fields(i, last, queued=i.key in queued)}
-            for i, last in listed]
+    # allow: lists are looked up once per creator and type, not once per row.
+    readable: dict[tuple[int | None, str], bool] = {}
+    for i, _ in listed:
+        if (i.creator, i.type) not in readable:
+            readable[(i.creator, i.type)] = access.may_read(i.creator, i.type)
+    return [{**_shown(access, i, fields, readable[(i.creator, i.type)]),
+             **state_fields(i, last, queued=i.key in queued)} for i, last in listed]
 
 
 def _queued_runs(sc: ScheduleCollection, infos: Sequence[ScheduleInfo], now: float
@@ -165,7 +193,7 @@ def check_limit(limit: Any) -> int | None:
 
 def _show(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
     info = sc[_arg(a, "key")].info()
-    shown = _info(info, SHOW_FIELDS)
+    shown = _shown(access, info, SHOW_FIELDS)
     shown["creator_name"] = known_user_name(info.creator)
     # Extra runs (`run KEY`) and occurrences on rows of their own (allow, replace) not
     # ended yet.  Unless allowed to overlap, a held one runs only as its group's holder;
@@ -184,10 +212,12 @@ def _show(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[s
 
 def _changing(sc: ScheduleCollection, a: Args, access: Access) -> ScheduleInfo:
     """The schedule a change (modify, pause, resume, delete) is about, once the caller may
-    change it: a schedules file's only with root's `force` (auth.py)."""
+    change it: a schedules file's only with root's `force`, a route's with `user:` only
+    as its allow: says (auth.py)."""
     force = check_force(access.caller, a.get("force"))
     info = sc[_arg(a, "key")].info()
     access.check_change(info.key, info.source, force, sc.config.schedules_dir)
+    access.check_route(info.key, info.type)
     return info
 
 
@@ -231,14 +261,13 @@ def _delete(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict
 def _modify(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
     changes = {k: a[k] for k in ("type", "cron", "delay", "timezone", "data", *POLICY_OPTIONS)
                if k in a}
-    info = _changing(sc, a, access)
-    access.check_route(info.key, info.type)  # what runs as its route's user changes
+    info = _changing(sc, a, access)  # what runs as its route's user changes: allow:
     _check_notify(sc, a.get("notify"))
     _check_concurrency(sc, a.get("concurrency"), now)
     if "type" in changes:
         access.check_route(info.key, check_type(changes["type"]))
     sc[a["key"]].modify(now=now, **changes, **_detaching(info))
-    return _info(sc[a["key"]].info(), SHOW_FIELDS)
+    return _shown(access, sc[a["key"]].info(), SHOW_FIELDS)
 
 
 def _pause(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
@@ -250,7 +279,7 @@ def _pause(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[
                 **(sc.paused_all() or {})}
     keys, detached = _pausing(sc, a, which, access)
     sc.pause_keys(keys, sources=detached)
-    return _paused_result(sc, which, keys, "paused")
+    return _paused_result(sc, which, keys, "paused", access)
 
 
 def _resume(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
@@ -266,7 +295,7 @@ def _resume(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict
                 "paused_on_their_own": sc.count_paused(with_all=False)}
     keys, detached = _pausing(sc, a, which, access)
     skipped = sc.resume_keys(keys, skip_missed=skip_missed, now=now, sources=detached)
-    return {**_paused_result(sc, which, keys, "resumed"),
+    return {**_paused_result(sc, which, keys, "resumed", access),
             **({"skipped_occurrences": skipped} if skip_missed else {})}
 
 
@@ -328,16 +357,17 @@ def _pausing(sc: ScheduleCollection, a: Args, which: str, access: Access
     detached: dict[str, str] = {}
     for key in keys:
         access.check_change(key, rows[key].source, force, sc.config.schedules_dir)
+        access.check_route(key, rows[key].type)
         source = _detaching_source(rows[key].source)
         if source is not None:
             detached[key] = source
     return keys, detached
 
 
-def _paused_result(sc: ScheduleCollection, which: str, keys: list[str], verb: str
-                   ) -> dict[str, Any]:
+def _paused_result(sc: ScheduleCollection, which: str, keys: list[str], verb: str,
+                   access: Access) -> dict[str, Any]:
     if which == "key":  # as before several keys could be given
-        return _info(sc[keys[0]].info(), SHOW_FIELDS)
+        return _shown(access, sc[keys[0]].info(), SHOW_FIELDS)
     return {verb: keys, "count": len(keys)}
 
 
@@ -362,8 +392,11 @@ def _run(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[st
 
 def _history(sc: ScheduleCollection, a: Args, now: float, access: Access) -> list[dict[str, Any]]:
     """The newest runs of a schedule, each with what it did (exit status or signal,
-    duration, output tail, error); `attempt`: only the runs that were that attempt."""
+    duration, output tail, error); `attempt`: only the runs that were that attempt.
+    Their output and error lines only to those who may read the schedule (_readable);
+    `raw` (the client prints output unescaped) only to root."""
     key = lookup_key(_arg(a, "key"))
+    access.check_raw(a.get("raw"))
     limit = a.get("limit", 20)
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= HISTORY_MAX:
         raise InvalidInputError("limit", f"must be a whole number from 1 to {HISTORY_MAX}")
@@ -371,9 +404,15 @@ def _history(sc: ScheduleCollection, a: Args, now: float, access: Access) -> lis
     if attempt is not None and (isinstance(attempt, bool) or not isinstance(attempt, int)
                                 or not 1 <= attempt <= ATTEMPT_MAX):
         raise InvalidInputError("attempt", f"must be a whole number from 1 to {ATTEMPT_MAX}")
-    runs = sc.history(key, limit, attempt)
+    readable = _readable(sc, key, access)
+    # Those who do not read everything see the runs of the schedule the key names now,
+    # not of those it named before (deleted, then added again, perhaps by another).
+    after = None if access.reads_all else sc.history_start(schedule_key(key))
+    runs = sc.history(key, limit, attempt, after_id=after)
     if not runs and not sc[key].exists():
         sc[key].info()  # raises NotFoundError with the usual message
+    if not readable:
+        _withhold_runs(runs)
     budget = HISTORY_OUTPUT_BYTES
     for r in runs:
         r.pop("id", None)
@@ -385,6 +424,46 @@ def _history(sc: ScheduleCollection, a: Args, now: float, access: Access) -> lis
             if budget < 0:
                 r["output"], r["output_omitted"] = None, True
     return runs
+
+
+def _readable(sc: ScheduleCollection, key: str, access: Access) -> bool:
+    """Whether the caller may read the runs of `key` (an extra run's: its schedule's).
+    A deleted schedule names no creator and no type to judge by: its runs are for those
+    who read everything, and to anyone else it is not found."""
+    if access.reads_all:
+        return True
+    schedule = sc[schedule_key(key)]
+    if not schedule.exists():
+        raise NotFoundError(f"schedule {schedule_key(key)!r} not found (the history of a "
+                            "deleted schedule is shown to root only)")
+    info = schedule.info()
+    return access.may_read(info.creator, info.type)
+
+
+def access_of(caller: Caller | None, routes: Sequence[RouteConfig], where: str) -> Access:
+    """What `caller` (None: this process) may do and read, reaching us `where`: direct
+    mode holds the database's credentials, so it reads everything, as root does; so
+    does the daemon's own user, through the daemon."""
+    caller = caller or Caller.this_process()
+    direct = where != registry.DAEMON
+    return Access(caller, routes,
+                  reads_all=direct or caller.root or caller.uid == os.geteuid(),
+                  raw_ok=direct or caller.root)
+
+
+def withhold_status(status: dict[str, Any], access: Access) -> dict[str, Any]:
+    """`status` as `access`'s caller may see it: every key and state, and the error lines
+    (a run's last line of output) of the failing schedules it may read."""
+    failing = status.get("failing")
+    if access.reads_all or not failing:
+        return status
+    shown = []
+    for f in failing:
+        f = dict(f)
+        if f.get("error") and not access.may_read(f.get("creator"), str(f.get("type"))):
+            f["error"], f["withheld"] = None, WITHHELD
+        shown.append(f)
+    return {**status, "failing": shown}
 
 
 def _init(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
@@ -445,6 +524,5 @@ def execute(sc: ScheduleCollection, command: str, args: Mapping[str, Any] | None
     if not isinstance(args, Mapping):
         raise InvalidInputError("args", "must be an object")
     registry.check_args(cmd, args)
-    access = Access(caller or Caller.this_process(),
-                    sc.config.routes if routes is None else routes)
+    access = access_of(caller, sc.config.routes if routes is None else routes, where)
     return handler(sc, args, time.time() if now is None else now, access)

@@ -116,6 +116,10 @@ KEY = Arg(("key",), "key")
 FORCE = Arg(("--force",), "force", "change a schedule from a schedules file (root only): "
             "it is detached from the file (source forced:file:NAME), whose entry no "
             "reload or apply writes back", kind="flag")
+# Output as the run printed it, control characters and all (the terminal escapes them
+# otherwise); root's only: sent, so that the daemon refuses it to anyone else.
+RAW = Arg(("--raw",), "raw", "print output as stored, control characters unescaped "
+          "(root only)", kind="flag")
 _EVERYWHERE = frozenset({DAEMON, DIRECT})
 # What pause and resume act on: one of these (a request may also carry one `key`, as
 # 0.1.0 clients and D-Bus Pause/Resume send it).
@@ -167,7 +171,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
     Command("history", "recent runs of a schedule: outcome, exit status or signal, "
                        "duration, error (--json: and the output's tail)", (
         KEY, Arg(("-n", "--limit"), "limit", f"at most this many runs, newest first "
-                 f"(1-{HISTORY_MAX}, default 20)", kind="limit", default=20)),
+                 f"(1-{HISTORY_MAX}, default 20)", kind="limit", default=20), RAW),
         # attempt: only the runs that were that attempt of their occurrence (logs).
         extra_args=frozenset({"attempt"}), required=frozenset({"key"})),
     Command("logs", "print the output of a schedule's newest run (its stored tail; for "
@@ -176,7 +180,8 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
         Arg(("--attempt",), "attempt", "that attempt of the newest occurrence that had "
             "one (1 is the first try)", kind="attempt", sent=False, metavar="N"),
         Arg(("-n", "--lines"), "lines", "only the last N lines (default: the whole run)",
-            kind="count", sent=False)),
+            kind="count", sent=False),
+        RAW._replace(sent=False)),  # sent in logs' history request
         where=frozenset({LOCAL})),
     Command("apply", "converge the database to schedules files "
                      "(added|changed|removed|unchanged KEY)", (

@@ -619,5 +619,5 @@ def _failing(row: Row, last: dict[str, Any] | None, now: float) -> dict[str, Any
             "scheduled_time": row.next_time, "timezone": row.timezone,
             "since": round(since, 3) if since is not None else None,
             "next_try": row.next_run_time if state == states.RETRYING else None,
-            "last_outcome": outcome,
+            "last_outcome": outcome, "creator": row.creator,  # who may read the error
             "error": states.first_line(last.get("error")) if last else None}

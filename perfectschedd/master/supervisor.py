@@ -348,11 +348,12 @@ class Supervisor:
         """One request of `caller` (as the socket or D-Bus knows it)."""
         command = registry.command(cmd, registry.DAEMON)
         registry.check_args(command, args)
-        if command.name == "status":
-            return self.status()
+        routes = self.config.routes  # the configuration running now (reload swaps it)
+        if command.name == "status":  # every key and state; errors to their readers
+            return commands.withhold_status(
+                self.status(), commands.access_of(caller, routes, registry.DAEMON))
         if command.name == "reload":
             return self._request_reload()
-        routes = self.config.routes  # the configuration running now (reload swaps it)
         result = self.db.call(lambda sc: commands.execute(
             sc, cmd, args, where=registry.DAEMON, caller=caller, routes=routes))
         if command.wakes:

@@ -654,11 +654,17 @@ class ScheduleCollection:
 
     # -- what the commands read beside the schedules themselves ----------------------------
 
-    def history(self, key: str, limit: int, attempt: int | None = None
-                ) -> list[dict[str, Any]]:
+    def history(self, key: str, limit: int, attempt: int | None = None,
+                after_id: int | None = None) -> list[dict[str, Any]]:
         """The latest `limit` runs of `key`, newest first (`attempt`: only those that
-        were that attempt of their occurrence)."""
-        return self.store.history(key, limit, attempt)
+        were that attempt of their occurrence; `after_id`: only those recorded after
+        that row, history_start)."""
+        return self.store.history(key, limit, attempt, after_id=after_id)
+
+    def history_start(self, key: str) -> int | None:
+        """Where the runs of the schedule `key` names now begin in its history (the
+        newest history row of those it named before it was last added), or None."""
+        return self.store.history_start(key)
 
     def extra_runs(self, key: str) -> list[Row]:
         """The pending extra runs (`run KEY`) of `key`."""

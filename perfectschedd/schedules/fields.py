@@ -115,6 +115,18 @@ def detached_source(source: str) -> str:
     return f"{SOURCE_FORCED}{source}"[:SOURCE_MAX]
 
 
+# The meta row that records, for a key added again, the newest history row of the
+# schedules it named before (history_from_name): its new readers see only what follows.
+HISTORY_FROM_META = "history-from:"
+
+
+def history_from_name(key: str) -> str:
+    """The meta row's name of `key`'s history start (HISTORY_FROM_META)."""
+    import hashlib  # as deleted_marker_name
+
+    return HISTORY_FROM_META + hashlib.sha256(key.encode()).hexdigest()[:50]
+
+
 def deleted_marker_name(key: str) -> str:
     """The meta row's name of a forced delete of `key` (DELETED_META)."""
     import hashlib  # here: OpenSSL's library takes 2-3 ms to load, at every perfectschedctl start

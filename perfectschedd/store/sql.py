@@ -28,6 +28,7 @@ from perfectschedd.schedules.fields import (
     dumps_data,
     exec_entry_key,
     foreign_exec_row,
+    history_from_name,
     refused_line,
     refused_reason,
     schedule_key,
@@ -333,6 +334,7 @@ class Store:
             with self._tx(durable=True) as conn:
                 conn.execute(self.t.insert().values(**values))
                 self._drop_deleted(conn, [row.key])
+                self._mark_history_start(conn, [row.key])
         except IntegrityError:
             return False
         return True
@@ -344,6 +346,43 @@ class Store:
         with self._tx(durable=True) as conn:
             conn.execute(self.t.insert(), payload)
             self._drop_deleted(conn, [r.key for r in rows])
+            self._mark_history_start(conn, [r.key for r in rows])
+
+    def _mark_history_start(self, conn: Connection, keys: Sequence[str]) -> None:
+        """Keys added again: the runs of the schedules they named before are not the new
+        schedules' (its creator may be another user, who may not read them).  Where such
+        runs exist, the newest history id is recorded (history_from_name): history's
+        `after_id` shows a reader what follows it.  One key: its runs and its extra
+        runs'; a batch: runs under the keys themselves, one query per 500 keys."""
+        h, m = self.h, self.backend.meta
+        keys = [k for k in keys if RUN_NOW_MARK not in k]
+        if len(keys) == 1:
+            found = [keys[0]] if conn.execute(
+                sa.select(h.c.id).where(_runs_of(h.c.key, keys[0])).limit(1)).first() \
+                else []
+        else:
+            found = [k for i in range(0, len(keys), 500) for (k,) in conn.execute(
+                sa.select(h.c.key).where(h.c.key.in_(keys[i:i + 500])).distinct())]
+        if not found:
+            return
+        newest = str(conn.execute(sa.select(sa.func.max(h.c.id))).scalar())
+        names = [history_from_name(k) for k in found]
+        for i in range(0, len(names), 500):
+            conn.execute(m.delete().where(m.c.name.in_(names[i:i + 500])))
+        conn.execute(m.insert(), [{"name": n, "value": newest} for n in names])
+
+    @_retried
+    def history_start(self, key: str) -> int | None:
+        """The newest history id of the schedules `key` named before it was last added
+        (_mark_history_start), or None."""
+        m = self.backend.meta
+        with self._tx(readonly=True) as conn:
+            found = conn.execute(sa.select(m.c.value).where(
+                m.c.name == history_from_name(key))).scalar()
+        try:
+            return None if found is None else int(found)
+        except ValueError:
+            return None
 
     def _drop_deleted(self, conn: Connection, keys: Sequence[str]) -> None:
         """A key added again, by whatever way, ends its forced delete's marker (delete)."""
@@ -1117,16 +1156,19 @@ class Store:
         self.backend.record_runs(payload)
 
     @_retried
-    def history(self, key: str, limit: int, attempt: int | None = None
-                ) -> list[dict[str, Any]]:
+    def history(self, key: str, limit: int, attempt: int | None = None,
+                after_id: int | None = None) -> list[dict[str, Any]]:
         """Newest runs of `key`, including its extra runs (`run`: keys KEY@run-...);
-        with `attempt`, only the runs that were that attempt of their occurrence."""
+        with `attempt`, only the runs that were that attempt of their occurrence; with
+        `after_id`, only those recorded after that row (history_start)."""
         h = self.h
         q = (sa.select(h).where(sa.or_(h.c.key == key,
                                        _starts_with(h.c.key, f"{key}{RUN_NOW_MARK}")))
              .order_by(h.c.id.desc()).limit(limit))
         if attempt is not None:
             q = q.where(h.c.attempt == attempt)
+        if after_id is not None:
+            q = q.where(h.c.id > after_id)
         with self._tx(readonly=True) as conn:
             return [dict(r._mapping) for r in conn.execute(q)]
 
