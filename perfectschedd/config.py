@@ -83,6 +83,10 @@ class RouteConfig:
 DEFAULT_OUTPUT_LIMIT = 4096
 OUTPUT_LIMIT_MIN = 64
 OUTPUT_LIMIT_MAX = 1 << 20
+# log_output_limit: the bytes of an exec run's output its worker logs (stdout and stderr
+# together; 0: none).  The default shows the start of an ordinary job's output whole and
+# keeps a job printing without end from filling the log's disk and the workers' memory.
+DEFAULT_LOG_OUTPUT_LIMIT = 65536
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,8 @@ class Config:
     history_limit: int = 100
     # Bytes of each run's output kept in its history row (the tail); 0: none.
     output_limit: int = DEFAULT_OUTPUT_LIMIT
+    # Bytes of each exec run's output written to the daemon's log (the first); 0: none.
+    log_output_limit: int = DEFAULT_LOG_OUTPUT_LIMIT
     # Schedules files (*.yml) the daemon converges the database to; None: none.
     schedules_dir: str | None = DEFAULT_SCHEDULES_DIR
     # This host's name in lease owners ("node:pid") and status; default: the hostname.
@@ -169,7 +175,7 @@ _KNOWN_KEYS = {
     "workers", "concurrency", "control_socket", "control_group", "metrics_listen", "dbus",
     "dbus_address",
     "shutdown_timeout", "kill_grace", "worker_timeout", "routes", "history_limit",
-    "output_limit",
+    "output_limit", "log_output_limit",
     "node_name", "schedules_dir", "notifiers", "notify", "sendmail", "notify_user",
 }
 
@@ -441,6 +447,8 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
         routes=_routes(raw.get("routes"), notifiers),
         history_limit=_number(raw, "history_limit", 100, minimum=0, integer=True),
         output_limit=_output_limit(raw),
+        log_output_limit=_number(raw, "log_output_limit", DEFAULT_LOG_OUTPUT_LIMIT,
+                                 minimum=0, integer=True),
         node_name=node_name,
         schedules_dir=schedules_dir,
         notifiers=tuple(notifiers.items()),

@@ -111,11 +111,44 @@ WRITE_BATCH = 512  # most records written with one flush
 # The writer's rest after a batch smaller than WRITE_BATCH, in seconds: lines logged
 # meanwhile wait at most this long, and go out together.
 WRITE_PAUSE = 0.005
+# The most records waiting for the writer.  Past it, records are dropped, not queued: a log
+# that cannot keep up (a stalled journald, a terminal's stderr pipe nobody reads, a flood of
+# lines) must cost neither memory without bound nor the time of the thread that logs (a
+# job's output reader, the master's loop).  The drops are counted (dropped(): /metrics)
+# and said in one line once the queue drained.  10,000 records are a few MB.
+QUEUE_MAX = 10_000
+# Records this process dropped since it started (a forked child counts its own from 0).
+# Incremented without a lock: `+= 1` on a global is not interrupted by another thread or a
+# signal handler (CPython switches threads at calls and jumps), and a lock here could be
+# held by the very thread a signal handler that logs interrupts.
+_dropped = 0
+# How long a fork waits for a log write in progress (_before_fork): a stalled log output
+# must not stall the master's loop, which forks workers.
+FORK_WAIT = 1.0
+
+
+def dropped() -> int:
+    """Log records this process dropped (its queue was full) since it started or forked."""
+    return _dropped
+
+
+def _offer(q: queue.SimpleQueue[logging.LogRecord | None], record: logging.LogRecord) -> None:
+    """Queue a record for the writer, or drop it (counted) when QUEUE_MAX wait already.
+    qsize() is read without a lock: threads logging at the same instant may each add one
+    past the bound, no more."""
+    global _dropped
+    if q.qsize() >= QUEUE_MAX:
+        _dropped += 1
+        return
+    q.put(record)
 
 
 class _Enqueue(logging.handlers.QueueHandler):
     """The root logger's only handler: records are completed here and formatted by the
     writer thread."""
+
+    def enqueue(self, record: logging.LogRecord) -> None:
+        _offer(self.queue, record)  # type: ignore[arg-type]
 
     def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
         if record.exc_info or record.exc_text or record.stack_info:
@@ -169,6 +202,7 @@ class _Writer:
                  output: logging.Handler) -> None:
         self.queue = q
         self.output = output
+        self.reported = _dropped  # drops said in the log so far
         self.thread = threading.Thread(target=self._run, name="log-writer", daemon=True)
         self.thread.start()
 
@@ -187,6 +221,7 @@ class _Writer:
             if not self._write(batch):
                 return
             if len(batch) < WRITE_BATCH:
+                self._say_dropped()
                 # Let the next lines gather: woken by each record, the writer cost a burst
                 # of exec runs a thread switch (and a GIL hand-over) per line.  A line
                 # logged when none was for WRITE_PAUSE is still written at once.
@@ -214,6 +249,23 @@ class _Writer:
         self._emit(lines)
         return True
 
+    def _say_dropped(self) -> None:
+        """Once the queue drained: one line for the records dropped since the last one.
+        (The queue may have filled during the write that emptied it: then later.)"""
+        count = _dropped - self.reported
+        if count <= 0 or self.queue.qsize():
+            return
+        self.reported += count
+        record = logging.LogRecord(
+            "perfectschedd", logging.WARNING, "", 0,
+            f"log: {count} record(s) dropped: the log output did not keep up ({QUEUE_MAX} "
+            "records waiting); /metrics counts them (perfectsched_log_records_dropped_total)",
+            None, None)
+        record.process = _pid
+        record.processName = _process_name
+        if record.levelno >= self.output.level:
+            self._emit([self.output.format(record)])
+
     def _emit(self, lines: list[str]) -> None:
         if not lines:
             return
@@ -228,22 +280,29 @@ class _Writer:
 
 
 _held_at_fork: logging.Handler | None = None
+_busy_at_fork = False  # a write was in progress at the fork: the child needs a new stream
 
 
 def _before_fork() -> None:
     # A fork in the middle of the writer's write() would leave the child a stream whose
     # internal lock is held by a thread that does not exist there: every line the
-    # child writes would fail.  So no fork happens while a batch is being written.
-    global _held_at_fork
-    _held_at_fork = _output
-    if _held_at_fork is not None:
-        _held_at_fork.acquire()
+    # child writes would fail.  So no fork happens while a batch is being written, unless
+    # the write hangs (a stalled output): then the fork goes on, and the child writes
+    # through a stream of its own (after_fork).
+    global _held_at_fork, _busy_at_fork
+    _held_at_fork = None
+    _busy_at_fork = False
+    if _output is not None:
+        if _output.lock is not None and _output.lock.acquire(timeout=FORK_WAIT):
+            _held_at_fork = _output
+        else:
+            _busy_at_fork = True
 
 
 def _after_fork_in_parent() -> None:
     global _held_at_fork
-    if _held_at_fork is not None:
-        _held_at_fork.release()
+    if _held_at_fork is not None and _held_at_fork.lock is not None:
+        _held_at_fork.lock.release()
     _held_at_fork = None
 
 
@@ -306,7 +365,7 @@ def info(logger: logging.Logger, msg: str) -> None:
     fields["relativeCreated"] = (now - logging._startTime) * 1000
     fields["process"] = _pid
     fields["processName"] = _process_name
-    q.put(record)
+    _offer(q, record)
 
 
 def _mark(action: object) -> bool:
@@ -326,12 +385,27 @@ def flush(timeout: float = 5.0) -> None:
 
 def after_fork() -> None:
     """In a forked child: the writer thread did not survive the fork; start a new one."""
-    global _listener, _pid
+    global _listener, _pid, _dropped
     _pid = os.getpid()
+    _dropped = 0  # the parent's drops are the parent's (/metrics sums the processes)
     if _output is None:
         return
+    if _busy_at_fork:
+        _new_stream(_output)
     _listener = None  # its thread and queue belong to the parent
     _start_listener()
+
+
+def _new_stream(handler: logging.Handler) -> None:
+    """The child of a fork made during a hung write: the stream's own lock stays held by
+    the parent's writer, so the child writes through another file object, on another
+    descriptor of the same file or pipe."""
+    if isinstance(handler, ReopenableFileHandler):
+        handler.stream = handler._open()
+    elif isinstance(handler, logging.StreamHandler):
+        fd = os.dup(handler.stream.fileno())
+        handler.stream = open(fd, "w", buffering=1, encoding="utf-8",  # noqa: SIM115
+                              errors="backslashreplace")
 
 
 def shutdown() -> None:

@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -270,3 +271,105 @@ def test_the_log_file_is_the_daemon_s_user_s_alone(daemon_factory: Any, tmp_path
     rotate = (Path(__file__).resolve().parents[1] / "etc" / "logrotate.d" /
               "perfectsched").read_text()
     assert "create 0600 perfectsched perfectsched" in rotate
+
+
+class _StalledStream:
+    """A log output that stops taking lines until released (a stalled journald, a
+    terminal's pipe nobody reads); then it writes them to `stream`."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.go = threading.Event()
+        self.entered = threading.Event()
+
+    def write(self, text: str) -> int:
+        self.entered.set()
+        self.go.wait()
+        return int(self.stream.write(text))
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def fileno(self) -> int:
+        return int(self.stream.fileno())
+
+
+def test_a_stalled_log_drops_records_past_the_bound_counts_and_says_so(
+        tmp_path: Path, restore_logging: None) -> None:
+    """Issue 38: records wait for the writer in a queue of at most QUEUE_MAX; past it
+    they are dropped, not queued (the thread logging never waits for the log), counted
+    (logsetup.dropped(): /metrics), and once the queue drained one line says how many."""
+    path = tmp_path / "d.log"
+    logsetup.setup(str(path))
+    assert isinstance(logsetup._output, logging.StreamHandler)
+    stalled = _StalledStream(logsetup._output.stream)
+    logsetup._output.stream = stalled
+    log = logging.getLogger("perfectschedd.test")
+    log.info("first")
+    assert stalled.entered.wait(10)  # the writer is stuck in its write
+    before = logsetup.dropped()
+    flood = 3 * logsetup.QUEUE_MAX
+
+    def log_flood() -> None:
+        for i in range(flood):
+            if i % 2:
+                log.info("flood %d", i)
+            else:
+                logsetup.info(log, f"flood {i}")
+
+    logger = threading.Thread(target=log_flood)
+    logger.start()
+    logger.join(60)
+    assert not logger.is_alive(), "logging waited for a stalled log"
+    queued = logsetup._queue.qsize() if logsetup._queue is not None else 0
+    dropped = logsetup.dropped() - before
+    assert queued <= logsetup.QUEUE_MAX
+    assert dropped == flood - queued >= flood - logsetup.QUEUE_MAX
+    stalled.go.set()
+    logsetup.flush()
+    wait_until(lambda: "dropped" in path.read_text(), 10, what="the drops' line")
+    lines = path.read_text().splitlines()
+    written = [line for line in lines if ": flood " in line]
+    assert len(written) == queued and written[-1].endswith(f": flood {queued - 1}")
+    said = [line for line in lines if "record(s) dropped" in line]
+    assert len(said) == 1 and "WARNING " in said[0] and \
+        f"[{os.getpid()}]: log: {dropped} record(s) dropped" in said[0], said
+    assert lines.index(said[0]) > lines.index(written[-1])  # said once the queue drained
+
+
+def test_a_fork_does_not_wait_for_a_stalled_log(tmp_path: Path,
+                                                restore_logging: None) -> None:
+    """The master forks workers: a log write that hangs delays a fork by FORK_WAIT at
+    most, and the child writes its lines through a stream of its own."""
+    path = tmp_path / "d.log"
+    logsetup.setup(str(path))
+    assert isinstance(logsetup._output, logging.StreamHandler)
+    stalled = _StalledStream(logsetup._output.stream)
+    logsetup._output.stream = stalled
+    logging.getLogger("perfectschedd.test").info("stuck")
+    assert stalled.entered.wait(10)
+    children: list[int] = []
+
+    def fork() -> None:  # on a thread: a fork that waits for the log fails, not hangs
+        pid = os.fork()
+        if pid == 0:
+            try:
+                logsetup.after_fork()
+                logging.getLogger("perfectschedd.test").warning("from the child")
+                logsetup.shutdown()
+            finally:
+                os._exit(0)
+        children.append(pid)
+
+    forking = threading.Thread(target=fork)
+    forking.start()
+    forking.join(getattr(logsetup, "FORK_WAIT", 1.0) + 5)
+    try:
+        assert children, "the fork waited for the stalled log"
+        assert os.waitpid(children[0], 0)[1] == 0
+        assert "from the child" in path.read_text()
+    finally:
+        stalled.go.set()
+        forking.join()
+    logsetup.flush()
+    assert "stuck" in path.read_text()

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from perfectschedd.config import RouteConfig
+from perfectschedd.config import DEFAULT_LOG_OUTPUT_LIMIT, RouteConfig
 from perfectschedd.schedules.fields import ERROR_MAX
 
 __all__ = [
@@ -315,6 +315,7 @@ class RunOptions:
     node: str = ""                                  # systemd: the unit's owner
     tag: str = ""                                   # systemd: this daemon instance
     output_limit: int = 4096                        # config.output_limit: tail kept
+    log_output_limit: int = DEFAULT_LOG_OUTPUT_LIMIT  # exec: output bytes logged a run
 
 
 class Handler(Protocol):

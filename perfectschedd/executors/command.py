@@ -1,7 +1,8 @@
 """The exec executor: a command per run, in its own session (process group).
 
 The task's data goes to the command's standard input as JSON; its output is logged line
-by line, each prefixed by the task key, and its last stdout line or else its exit status
+by line, each prefixed by the task key, up to ``log_output_limit`` bytes a run (then one
+line says how much was not logged), and its last stdout line or else its exit status
 ends the task (:func:`exec_verdict`: ``SCHED_LATER N``, ``SCHED_DONE``, ``SCHED_FAIL``).
 The tail of its stdout and stderr together (``output_limit`` bytes, a ring) and its last
 non-empty line go into the run's history row (RunResult.output, .error).
@@ -84,7 +85,8 @@ class ExecHandler:
 
     def run(self, task: TaskLike, options: RunOptions) -> RunResult:
         return _run_exec(task, self, options.log, options.stop_event, options.kill_grace,
-                         options.run_id, options.on_spawn, options.output_limit)
+                         options.run_id, options.on_spawn, options.output_limit,
+                         options.log_output_limit)
 
 
 # pgid -> task key of every exec group alive in this process. An entry is
@@ -123,42 +125,114 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
+class _LogBudget:
+    """What of a run's output goes to the daemon's log: its first `limit` bytes, stdout
+    and stderr together, in whole lines; from the first line that does not fit on,
+    nothing more (the log shows the output's beginning, history its end), only counted.
+    A job printing without end must not fill the log's disk, nor its queue."""
+
+    __slots__ = ("limit", "left", "cut_bytes", "cut_lines")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(0, limit)
+        self.left = self.limit
+        self.cut_bytes = 0
+        self.cut_lines = 0
+
+    @property
+    def spent(self) -> bool:
+        return self.cut_lines > 0 or not self.left
+
+    def take(self, size: int) -> bool:
+        """Whether a line of `size` bytes is logged (else it is counted as cut)."""
+        if not self.cut_lines and size <= self.left:
+            self.left -= size
+            return True
+        self.cut(size, 1)
+        return False
+
+    def cut(self, size: int, lines: int) -> None:
+        self.cut_bytes += size
+        self.cut_lines += lines
+
+    def report(self, log: Log, key: str) -> None:
+        """The run's last output line in the log: what was not logged, if anything (and
+        the log asked for some)."""
+        if self.cut_lines and self.limit:
+            log.warning("%s: %d bytes (%d lines) of output not logged (log_output_limit "
+                        "%d); history keeps its tail", key, self.cut_bytes, self.cut_lines,
+                        self.limit)
+
+
 class _Lines:
-    """Splits a pipe's bytes into lines and logs them; keeps only the last one.  The
-    bytes also go to `tail`, shared by stdout and stderr (the run's output as a
-    terminal would have shown it, in the order the chunks came)."""
+    """Splits a pipe's bytes into lines and logs them (within the run's `budget`); keeps
+    only the last one.  The bytes also go to `tail`, shared by stdout and stderr (the
+    run's output as a terminal would have shown it, in the order the chunks came).  What
+    is held stays bounded whatever the output: a partial line of at most _MAX_LINE bytes
+    and the tail's ring."""
 
-    __slots__ = ("emit", "key", "buf", "last", "tail")
+    __slots__ = ("emit", "key", "buf", "last", "tail", "budget")
 
-    def __init__(self, emit: Any, key: str, tail: OutputTail) -> None:
+    def __init__(self, emit: Any, key: str, tail: OutputTail, budget: _LogBudget) -> None:
         self.emit = emit
         self.key = key
         self.buf = b""
         self.last = ""  # last non-empty line (stdout: SCHED_LATER)
         self.tail = tail
+        self.budget = budget
 
     def feed(self, chunk: bytes) -> None:
         self.tail.add(chunk)
         data = self.buf + chunk if self.buf else chunk
-        *lines, self.buf = data.split(b"\n")
-        for line in lines:
-            self._line(line)
+        if self.budget.spent:
+            self._skip(data)
+        else:
+            *lines, self.buf = data.split(b"\n")
+            for line in lines:
+                self._line(line, len(line) + 1)
         while len(self.buf) > _MAX_LINE:  # a very long line is logged in pieces
-            self._line(self.buf[:_MAX_LINE])
+            self._line(self.buf[:_MAX_LINE], _MAX_LINE)
             self.buf = self.buf[_MAX_LINE:]
 
     def close(self) -> None:
         if self.buf:
-            self._line(self.buf)
+            self._line(self.buf, len(self.buf))
             self.buf = b""
 
-    def _line(self, raw: bytes) -> None:
+    def _line(self, raw: bytes, size: int) -> None:
         text = raw.decode("utf-8", "replace").rstrip("\r")
         if text.strip():
             self.last = text
             if not text.startswith("SCHED_"):  # the protocol's words say nothing of why
                 self.tail.last_line = text
-        self.emit("%s: %s", self.key, text)
+        if self.budget.take(size):
+            self.emit("%s: %s", self.key, text)
+
+    def _skip(self, data: bytes) -> None:
+        """Past the log's budget: count the whole lines of `data` as cut and keep what
+        _line would have kept of them (the last lines), without splitting or decoding
+        each: a flood costs a scan of its bytes, not an object per line."""
+        end = data.rfind(b"\n")
+        if end < 0:
+            self.buf = data
+            return
+        self.budget.cut(end + 1, data.count(b"\n", 0, end + 1))
+        self.buf = data[end + 1:]
+        seen_last = False
+        while True:  # the lines before `end`, the last first
+            start = data.rfind(b"\n", 0, end) + 1
+            if data[start:end].strip():
+                text = data[start:end].decode("utf-8", "replace").rstrip("\r")
+                if text.strip():
+                    if not seen_last:
+                        self.last = text
+                        seen_last = True
+                    if not text.startswith("SCHED_"):
+                        self.tail.last_line = text
+                        return
+            if not start:
+                return
+            end = start - 1
 
 
 # The base environment of jobs of the daemon's own user (no `user:`, or user: naming it),
@@ -211,7 +285,8 @@ def _later(line: str) -> float | None:
 
 def _run_exec(task: TaskLike, handler: ExecHandler, log: Log, stop_event: Stop | None,
               kill_grace: float, run_id: str | None,
-              on_spawn: Callable[[int], None] | None, output_limit: int) -> RunResult:
+              on_spawn: Callable[[int], None] | None, output_limit: int,
+              log_output_limit: int) -> RunResult:
     key = task.key
     route = handler.route
     argv = [*handler.argv, key] if route.append_key else list(handler.argv)
@@ -233,7 +308,8 @@ def _run_exec(task: TaskLike, handler: ExecHandler, log: Log, stop_event: Stop |
         if on_spawn is not None:
             on_spawn(pgid)
         why, last_line = _supervise(proc, fds, key, payload, handler.timeout, log,
-                                    stop_event, kill_grace, tail)
+                                    stop_event, kill_grace, tail,
+                                    _LogBudget(log_output_limit))
         completed = True
     finally:
         if not completed:  # an error of our own: no orphan, no wait on a live command
@@ -322,10 +398,11 @@ def exec_verdict(task: TaskLike, last: str, code: int, log: Log) -> Outcome:
 
 def _supervise(proc: Child, fds: tuple[int, int, int], key: str,
                payload: bytes, timeout: float | None, log: Log, stop_event: Stop | None,
-               kill_grace: float, tail: OutputTail) -> tuple[str | None, str]:
-    """Feed stdin, log output (and keep its `tail`), enforce timeout/stop; return
-    (reason, last stdout line).  `fds`: our ends of the command's stdin, stdout and
-    stderr (_spawn); all three are closed on return.
+               kill_grace: float, tail: OutputTail,
+               budget: _LogBudget) -> tuple[str | None, str]:
+    """Feed stdin, log output (within `budget`; and keep its `tail`), enforce
+    timeout/stop; return (reason, last stdout line).  `fds`: our ends of the command's
+    stdin, stdout and stderr (_spawn); all three are closed on return.
 
     Returns once the leader has exited (not reaped: its zombie keeps the pgid
     reserved, so signalling the group stays safe) and the pipes are drained.
@@ -334,8 +411,8 @@ def _supervise(proc: Child, fds: tuple[int, int, int], key: str,
     pgid = proc.pid
     start = time.monotonic()
     deadline = start + timeout if timeout is not None else None
-    out = _Lines(log.info, key, tail)
-    err = _Lines(log.warning, key, tail)
+    out = _Lines(log.info, key, tail, budget)
+    err = _Lines(log.warning, key, tail, budget)
     # poll(2) itself, not a selectors object: a few wake-ups per run, and the wrapper's
     # per-call bookkeeping showed in a burst of short runs.
     poller = select.poll()
@@ -448,6 +525,7 @@ def _supervise(proc: Child, fds: tuple[int, int, int], key: str,
                 os.close(fd)
         for lines in readers.values():
             lines.close()
+        budget.report(log, key)
     return reason, out.last
 
 

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from perfectschedd.config import RouteConfig
+from perfectschedd.config import DEFAULT_LOG_OUTPUT_LIMIT, RouteConfig
 from perfectschedd.errors import PreemptedError
 from perfectschedd.executors.application import PythonHandler
 from perfectschedd.executors.base import (
@@ -159,7 +159,8 @@ def run_task(task: TaskLike, handler: Handler, *, log: Log = logger,
              run_id: str | None = None,
              on_spawn: Callable[[int], None] | None = None,
              on_unit: Callable[[str], None] | None = None, node: str = "", tag: str = "",
-             output_limit: int = 4096) -> RunResult:
+             output_limit: int = 4096,
+             log_output_limit: int = DEFAULT_LOG_OUTPUT_LIMIT) -> RunResult:
     """Run ``task`` with ``handler`` and end it; never raises for handler failures.
 
     ``stop_event`` means "end now" (a :class:`RunControl` says why). An exec
@@ -174,7 +175,8 @@ def run_task(task: TaskLike, handler: Handler, *, log: Log = logger,
     calls ``on_unit(name)`` before its unit can exist; ``node`` names this host in the
     unit's Description (its owner: "worker NODE:PID"), and ``tag`` this daemon instance
     (unitprops.daemon_tag).  ``output_limit`` bounds the output tail the result keeps
-    (config.output_limit).
+    (config.output_limit), ``log_output_limit`` the output an exec run logs
+    (config.log_output_limit).
 
     Errors of the store other than ``PreemptedError`` (a database that is
     down) propagate to the caller.
@@ -186,7 +188,7 @@ def run_task(task: TaskLike, handler: Handler, *, log: Log = logger,
             return RunResult(outcome, time.monotonic() - start, error=error_line(
                 f"not started: {REASON_TEXT[stop_reason(stop_event)]}"))
         options = RunOptions(log, stop_event, kill_grace, run_id, on_spawn, on_unit, node,
-                             tag, output_limit)
+                             tag, output_limit, log_output_limit)
         result = handler.run(task, options)
     except PreemptedError:
         log.warning("%s: lease lost while running; the result was discarded", task.key)

@@ -32,13 +32,16 @@ from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from perfectschedd import __version__
+from perfectschedd import __version__, logsetup
 from perfectschedd.errors import ConfigError
 from perfectschedd.fdguard import AcceptGuard
 
 log = logging.getLogger("perfectschedd")
 
 PREFIX = "perfectsched"
+LOG_DROPPED = f"{PREFIX}_log_records_dropped"
+LOG_DROPPED_HELP = ("Log records dropped, not written: the log output did not keep up and "
+                    "a process' queue of them was full (logsetup.QUEUE_MAX).")
 # Lateness and duration: from a millisecond to a day.
 BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
            300.0, 600.0, 1800.0, 3600.0, 7200.0, 14400.0, 43200.0, 86400.0)
@@ -116,6 +119,9 @@ class _WorkerMetrics:
                            "1 if every live worker reached the database on its last try.",
                            multiprocess_mode="livemin", registry=None)
         self.db_up.set(1)
+        # This process' log drops (logsetup.dropped()), as far as counted here.
+        self.log_dropped = Counter(LOG_DROPPED, LOG_DROPPED_HELP, registry=None)
+        self.log_dropped_seen = 0
         # Labelled children by type (and outcome): .labels() per task cost as much as
         # the updates themselves.
         self._per_type: dict[str, tuple[Any, Any, Any, Any]] = {}
@@ -157,6 +163,12 @@ class _WorkerMetrics:
             self.finished_of(task_type, outcome).inc(n)
         for task_type, at in success.items():
             self.for_type(task_type)[3].set(at)
+
+    def count_log_drops(self) -> None:
+        dropped = logsetup.dropped()
+        if dropped > self.log_dropped_seen:
+            self.log_dropped.inc(dropped - self.log_dropped_seen)
+            self.log_dropped_seen = dropped
 
     def finished_of(self, task_type: str, outcome: str) -> Any:
         child = self._finished.get((task_type, outcome))
@@ -228,14 +240,17 @@ def task_finished(task_type: str, outcome: str, duration: float) -> None:
 
 
 def flush_tasks() -> None:
-    """Write the queued task starts and ends; any thread (one at a time here)."""
-    if _worker is None or not _task_events:
+    """Write the queued task starts and ends, and the log records dropped since; any
+    thread (one at a time here)."""
+    if _worker is None or not _task_events and \
+            logsetup.dropped() == _worker.log_dropped_seen:
         return
     with _flush_lock:
         # Copy, then delete what was copied: what a task thread appends meanwhile stays.
         batch = _task_events[:]
         del _task_events[:len(batch)]
         _worker.apply(batch)
+        _worker.count_log_drops()
 
 
 def occurrences_skipped(task_type: str, count: int) -> None:
@@ -513,7 +528,8 @@ def render() -> bytes:
 
     class WorkerFiles(MultiProcessCollector):  # type: ignore[misc]
         def collect(self) -> Any:
-            return self.merge(_complete_files(self._path), accumulate=True)
+            return _with_master_log_drops(self.merge(_complete_files(self._path),
+                                                     accumulate=True))
 
     from perfectschedd.metrics import archive as metrics_archive
 
@@ -524,6 +540,23 @@ def render() -> bytes:
         registry.register(_MasterCollector(_master))
     with metrics_archive.LOCK:  # no fold half-way: no total counted twice or missing
         return bytes(generate_latest(registry))
+
+
+def _with_master_log_drops(families: list[Any]) -> list[Any]:
+    """The workers' log drops plus the master's own (counted in memory: the master
+    writes no metric files), as one counter."""
+    if _master is None:
+        return families
+    from prometheus_client.core import CounterMetricFamily
+
+    mine = logsetup.dropped()
+    for family in families:
+        if family.name == LOG_DROPPED:
+            family.samples = [s._replace(value=s.value + mine) if s.name.endswith("_total")
+                              else s for s in family.samples]
+            return families
+    total = CounterMetricFamily(LOG_DROPPED, LOG_DROPPED_HELP, value=mine)
+    return [*families, total]
 
 
 # --------------------------------------------------------------------------- HTTP

@@ -501,7 +501,8 @@ class LeasePipeline:
                     on_unit=None if run_id is None else
                     (lambda name, r=run_id: self.report(pipe.UnitStarting(r, name).line())),
                     node=self.node,
-                    tag=self.unit_tag, output_limit=self.config.output_limit)
+                    tag=self.unit_tag, output_limit=self.config.output_limit,
+                    log_output_limit=self.config.log_output_limit)
             finally:
                 if run_id is not None:
                     self.report(pipe.Ended(run_id).line())

@@ -105,6 +105,49 @@ def test_exec_output_is_truncated_at_output_limit() -> None:
     assert nothing.output is None and nothing.error == "exit status 1: hi"
 
 
+class _Captured(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_exec_output_is_logged_up_to_log_output_limit_then_counted() -> None:
+    """Issue 38: the log gets the output's first log_output_limit bytes (stdout and stderr
+    together, whole lines), then one line says how much was not logged; what the run
+    decides by (its last line, SCHED_LATER) and its tail are read past the cap as before."""
+    log = logging.getLogger("test.run_output.cap")
+    captured = _Captured()
+    log.addHandler(captured)
+    log.setLevel(logging.INFO)
+    try:
+        # 30,000 lines of 6 bytes, a line on stderr, then the protocol's last word.
+        result = run(FakeTask(), sh("seq 100001 130000; echo 'last words' >&2; sleep 0.1; "
+                                    "echo 'SCHED_LATER 7'"),
+                     output_limit=64, log_output_limit=600, log=log)
+        nothing = run(FakeTask(), sh("seq 1 1000; exit 2"), log_output_limit=0, log=log)
+    finally:
+        log.removeHandler(captured)
+    assert result.outcome == Outcome.LATER  # the last stdout line, past the cap
+    assert result.output is not None and result.output.endswith("last words\nSCHED_LATER 7\n")
+    logged = [line for line in captured.lines if line.startswith("job-1: 1")]
+    shown = 600 // 7  # whole lines of 7 bytes
+    assert logged == [f"job-1: {n}" for n in range(100001, 100001 + shown)]
+    total = 30_000 * 7 + len("last words\n") + len("SCHED_LATER 7\n")
+    cut = f"job-1: {total - 7 * shown} bytes ({30_000 - shown + 2} lines) of output not " \
+        "logged (log_output_limit 600); history keeps its tail"
+    assert captured.lines.count(cut) == 1, captured.lines[-5:]
+    assert captured.lines.index(cut) > captured.lines.index(logged[-1])
+    # log_output_limit 0: nothing of the output, and no line about it; the error still
+    # names the last line.
+    assert nothing.error == "exit status 2: 1000"
+    assert not [line for line in captured.lines if line.startswith("job-1: ") and
+                line[7:].isdigit() and int(line[7:]) <= 1000]
+    assert len([line for line in captured.lines if "not logged" in line]) == 1
+
+
 def test_exec_killed_by_a_signal_records_the_signal() -> None:
     result = run(FakeTask(), sh("echo about to die; kill -KILL $$"))
     assert result.outcome == Outcome.FAILED

@@ -50,6 +50,9 @@ logger = logging.getLogger(__name__)
 _STOP_POLL = 0.1
 # How long the verdict pipe is read after the unit ended (its processes are gone by then).
 _VERDICT_WAIT = 2.0
+# The most of the verdict pipe kept: wrap.py writes one line of at most 4 KiB, but the
+# pipe's writer runs as the job's user, who may write anything into it.
+_VERDICT_MAX = 8192
 # Our own deadline, beyond RuntimeMaxSec + the stop grace: systemd should have ended it.
 _DEADLINE_SLACK = 5.0
 _CLD_EXITED = 1
@@ -301,5 +304,5 @@ def _read_verdict(fd: int) -> str:
             continue
         if not chunk:
             break
-        data += chunk
+        data = (data + chunk)[-_VERDICT_MAX:]
     return data.decode("utf-8", "replace").strip()
