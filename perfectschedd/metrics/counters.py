@@ -96,6 +96,15 @@ class _WorkerMetrics:
             "Notifications of failures and recoveries, by notifier kind (exec, mail, "
             "webhook; ? when dropped before one was chosen) and result (sent, failed, "
             "dropped).", ["kind", "result"], registry=None)
+        self.notifications_dropped = Counter(
+            f"{p}_notifications_dropped",
+            "Notifications dropped before they were sent, by reason: user_backlog (one "
+            "creator's pending keys at their bound), backlog (a lane's), unverified (first "
+            "successes waiting to be checked).", ["reason"], registry=None)
+        self.notifications_coalesced = Counter(
+            f"{p}_notifications_coalesced",
+            "Runs merged into their key's pending notification (its latest state is told "
+            "once).", registry=None)
         self.db_errors = Counter(f"{p}_database_errors",
                                  "Failed database operations of the workers.", registry=None)
         # A database that hangs or fails over (store/deadline.py).
@@ -251,6 +260,16 @@ def occurrence_given_up(task_type: str) -> None:
 def notification(kind: str, result: str) -> None:
     if _worker is not None:
         _worker.notifications.labels(kind, result).inc()
+
+
+def notification_dropped(reason: str) -> None:
+    if _worker is not None:
+        _worker.notifications_dropped.labels(reason).inc()
+
+
+def notification_coalesced() -> None:
+    if _worker is not None:
+        _worker.notifications_coalesced.inc()
 
 
 def lease_lost(task_type: str) -> None:

@@ -948,11 +948,13 @@ class Store:
         """A worker died and its runs were killed: record each attempt it held as `lost`
         (`error`: what happened to it) and give the occurrences back to run now; the
         attempt counts.  One transaction.  The history rows written, each with the
-        schedule's stored `policy` text beside them (not a column: who is notified)."""
+        schedule's stored `policy` text and `creator` beside them (not columns: who is
+        notified, in whose turn)."""
         t = self.t
         with self._tx() as conn:
             held = conn.execute(sa.select(t.c.key, t.c.type, t.c.next_time, t.c.attempt,
-                                          t.c.claimed_at, t.c.fence, t.c.policy)
+                                          t.c.claimed_at, t.c.fence, t.c.policy,
+                                          t.c.creator)
                                 .where(t.c.owner == owner)).all()
             if not held:
                 return []
@@ -967,7 +969,8 @@ class Store:
                                     t.c.fence == sa.bindparam("f")).values(
                 next_run_time=int(now), owner=None, claimed_at=None, fence=t.c.fence + 1)
             conn.execute(stmt, [{"k": r.key, "f": r.fence} for r in held])
-        return [{**row, "policy": r.policy} for row, r in zip(rows, held, strict=True)]
+        return [{**row, "policy": r.policy, "creator": r.creator}
+                for row, r in zip(rows, held, strict=True)]
 
     # -- hosts ----------------------------------------------------------------------------
 
