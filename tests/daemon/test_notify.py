@@ -6,7 +6,6 @@ member's flood of failures does not delay root's (issue 38)."""
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -269,12 +268,12 @@ class Fails(Application):
 
 def test_a_members_flood_does_not_delay_roots_failure(daemon_factory: Any,
                                                       tmp_path: Path) -> None:
-    """Issue 38: 3,000 failing schedules of one member (uid 1000) whose receiver is slow
-    (5 ms an answer); root's one failing schedule, run once the flood is being told, is
+    """Issue 38: 1,000 failing schedules of one member (uid 1000) whose receiver is slow
+    (10 ms an answer: 0.2.0 queued root's behind some 500 of them per worker); root's one failing schedule, run once the flood is being told, is
     told within 3 s of its run's end; the member is told every one of its failures, none
     dropped."""
-    count = int(os.environ.get("NF_COUNT", "3000"))
-    member_hook, root_hook = Receiver(delay=0.005), Receiver()
+    count = 1000
+    member_hook, root_hook = Receiver(delay=0.01), Receiver()
     mods = tmp_path / "mods"
     mods.mkdir()
     (mods / "floodjobs.py").write_text(FLOOD_JOBS)
@@ -301,7 +300,7 @@ def test_a_members_flood_does_not_delay_roots_failure(daemon_factory: Any,
         assert arrived - doc["finished_at"] < 3.0, arrived - doc["finished_at"]
         # The member's flood was still being told when root's arrived.
         assert len(member_hook.keys()) < count
-        wait_until(lambda: len(member_hook.keys()) >= count, 60,
+        wait_until(lambda: len(member_hook.keys()) >= count, 90,
                    what="every one of the member's notifications")
         time.sleep(0.5)  # nothing more comes
         assert sorted(member_hook.keys()) == sorted(f"alice-{i}" for i in range(count))
