@@ -269,9 +269,9 @@ class Fails(Application):
 def test_a_members_flood_does_not_delay_roots_failure(daemon_factory: Any,
                                                       tmp_path: Path) -> None:
     """Issue 38: 1,000 failing schedules of one member (uid 1000) whose receiver is slow
-    (10 ms an answer: 0.2.0 queued root's behind some 500 of them per worker); root's one failing schedule, run once the flood is being told, is
-    told within 3 s of its run's end; the member is told every one of its failures, none
-    dropped."""
+    (10 ms an answer: 0.2.0 queued root's behind some 500 of them per worker); root's one
+    failing schedule, run once the flood is being told, is told within 3 s of its run's
+    end; the member is told every one of its failures, none dropped."""
     count = 1000
     member_hook, root_hook = Receiver(delay=0.01), Receiver()
     mods = tmp_path / "mods"
