@@ -13,9 +13,9 @@ from daemon_harness import Daemon, wait_until
 from scrape import Samples, scrape, value
 
 from perfectschedd import config as config_mod
-from perfectschedd.metrics import counters as metrics
 from perfectschedd.schedules.collection import ScheduleCollection
 
+OTHER, LABELS_MAX = "_other", 100  # counters.OTHER_TYPE, counters.TYPE_LABELS_MAX
 ONCE = "0 0 1 1 *"  # with at=0: runs now, then not again for months
 JOB = """
 import perfectschedd
@@ -59,10 +59,16 @@ def test_300_types_of_a_regexp_route_make_at_most_100_labels(
     for metric in ("perfectsched_tasks_started_total", "perfectsched_tasks_finished_total",
                    "perfectsched_task_duration_seconds_count"):
         labels = types_in(text, metric)
-        assert "exact-job" in labels and metrics.OTHER_TYPE in labels, metric
-        assert len(labels - {"exact-job", metrics.OTHER_TYPE}) == metrics.TYPE_LABELS_MAX
-    assert value(s, "perfectsched_tasks_finished_total", type=metrics.OTHER_TYPE,
-                 outcome="success") == many - metrics.TYPE_LABELS_MAX
+        assert "exact-job" in labels and OTHER in labels, metric
+        assert len(labels - {"exact-job", OTHER}) == LABELS_MAX
+    assert value(s, "perfectsched_tasks_finished_total", type=OTHER,
+                 outcome="success") == many - LABELS_MAX
     assert value(s, "perfectsched_type_labels_folded_total") == \
-        many - metrics.TYPE_LABELS_MAX
+        many - LABELS_MAX
     assert len(text) < 500_000, len(text)  # 100 types: 380 kB; 0.2.0: over 1 MB
+
+
+def test_the_constants_the_test_above_names() -> None:
+    from perfectschedd.metrics import counters
+
+    assert (counters.OTHER_TYPE, counters.TYPE_LABELS_MAX) == (OTHER, LABELS_MAX)
