@@ -130,17 +130,6 @@ class TypeLabels:
                 continue  # a line cut by a crash: that type is simply not admitted
         return found
 
-    def known(self) -> set[str]:
-        """The types with a label of their own so far (the master's view)."""
-        if self.path is not None and not self.full:
-            try:
-                with open(self.path, "rb") as f:
-                    self.admitted = self.read(f.read())
-            except OSError:
-                pass
-            self.full = len(self.admitted) >= TYPE_LABELS_MAX
-        return set(self.exact) | self.admitted
-
 
 _types = TypeLabels(None)
 
@@ -513,14 +502,12 @@ class _MasterCollector:
 
 
 def fold_types(counts: dict[str, int]) -> dict[str, int]:
-    """The master's counts by type, those without a label of their own summed under
-    OTHER_TYPE (the workers' rule: their list is shared)."""
-    if len(counts) <= 1:
-        return counts
-    known = _types.known()
+    """The master's counts by type under the workers' rule (their list is shared, and
+    the master adds to it: a type no host routes is never run, and still worth its own
+    label while there is room)."""
     out: dict[str, int] = {}
     for task_type, n in counts.items():
-        label = task_type if task_type in known else OTHER_TYPE
+        label = _types.label(task_type)
         out[label] = out.get(label, 0) + n
     return out
 

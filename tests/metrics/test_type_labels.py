@@ -72,3 +72,23 @@ def test_the_constants_the_test_above_names() -> None:
     from perfectschedd.metrics import counters
 
     assert (counters.OTHER_TYPE, counters.TYPE_LABELS_MAX) == (OTHER, LABELS_MAX)
+
+
+def test_the_list_is_shared_by_the_processes_and_exact_types_stay_apart(
+        tmp_path: Path) -> None:
+    """Two processes (a worker and its sibling, or the master) share one list in the
+    metrics directory: the bound is theirs together, and survives either of them."""
+    from perfectschedd.metrics.counters import TypeLabels
+
+    path = str(tmp_path / "type-labels")
+    folded: list[int] = []
+    a, b = TypeLabels(path, ["exact"]), TypeLabels(path, ["exact"])
+    b.on_folded = lambda: folded.append(1)
+    assert [a.label(f"a{i}") for i in range(60)] == [f"a{i}" for i in range(60)]
+    got = [b.label(f"b{i}") for i in range(60)]
+    assert got == [f"b{i}" for i in range(LABELS_MAX - 60)] + [OTHER] * 20
+    assert b.label("a7") == "a7" and b.label("exact") == "exact"
+    assert a.label("b3") == "b3" and a.label("b59") == OTHER
+    b.label("b59")  # already folded here: counted once
+    assert len(folded) == 20
+    assert TypeLabels(path).label("a0") == "a0"  # a replacement worker
