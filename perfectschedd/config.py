@@ -122,6 +122,9 @@ class Config:
     worker_timeout: float = 30.0
     routes: tuple[RouteConfig, ...] = ()
     history_limit: int = 100
+    # Runs that ended longer ago than this are removed, of every key, deleted schedules'
+    # too (each existing schedule keeps its newest run); 0: no age limit.
+    history_keep_days: float = 90.0
     # Bytes of each run's output kept in its history row (the tail); 0: none.
     output_limit: int = DEFAULT_OUTPUT_LIMIT
     # Bytes of each exec run's output written to the daemon's log (the first); 0: none.
@@ -175,7 +178,7 @@ _KNOWN_KEYS = {
     "workers", "concurrency", "control_socket", "control_group", "metrics_listen", "dbus",
     "dbus_address",
     "shutdown_timeout", "kill_grace", "worker_timeout", "routes", "history_limit",
-    "output_limit", "log_output_limit",
+    "history_keep_days", "output_limit", "log_output_limit",
     "node_name", "schedules_dir", "notifiers", "notify", "sendmail", "notify_user",
 }
 
@@ -446,6 +449,7 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
         worker_timeout=_number(raw, "worker_timeout", 30.0, minimum=2),
         routes=_routes(raw.get("routes"), notifiers),
         history_limit=_number(raw, "history_limit", 100, minimum=0, integer=True),
+        history_keep_days=_number(raw, "history_keep_days", 90.0, minimum=0),
         output_limit=_output_limit(raw),
         log_output_limit=_number(raw, "log_output_limit", DEFAULT_LOG_OUTPUT_LIMIT,
                                  minimum=0, integer=True),

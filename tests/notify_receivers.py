@@ -15,10 +15,13 @@ from typing import Any
 
 class Receiver:
     """An HTTP server on 127.0.0.1: `mode` "ok" answers 204, "500" answers 500, "hang"
-    never answers (until closed), "redirect" answers 307 to `location`."""
+    never answers (until closed), "redirect" answers 307 to `location`; each answer
+    after `delay` seconds (a slow receiver)."""
 
-    def __init__(self, mode: str = "ok", location: str | None = None) -> None:
+    def __init__(self, mode: str = "ok", location: str | None = None,
+                 delay: float = 0.0) -> None:
         self.mode = mode
+        self.delay = delay
         self.location = location
         self.docs: list[dict[str, Any]] = []
         self.requests: list[tuple[str, str]] = []  # (method, path)
@@ -38,6 +41,8 @@ class Receiver:
                 if outer.mode == "hang":
                     outer.closing.wait(60)
                     return
+                if outer.delay:
+                    time.sleep(outer.delay)
                 if outer.mode == "redirect":
                     self.send_response(307)
                     self.send_header("Location", outer.location or "/")
@@ -56,6 +61,10 @@ class Receiver:
         self.port = self.server.server_address[1]
         self.url = f"http://127.0.0.1:{self.port}/hook"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def keys(self) -> list[str]:
+        with self.lock:
+            return [d["key"] for d in self.docs]
 
     def events(self) -> list[tuple[str, str]]:
         with self.lock:

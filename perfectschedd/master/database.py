@@ -55,6 +55,12 @@ COUNTS_EVERY = 15.0     # totals: a count over the table
 # about every 12 minutes at a million).  A status request always reads it afresh.
 STATES_SHARE = 0.001
 PRUNE_EVERY = 60.0
+# history_keep_days: rows read per step, steps per prune (each its own transaction, the
+# fork gate taken anew: 10,000 rows a minute at most), and how often the walk starts
+# again from the oldest row (the newest runs it kept may be old news by then).
+PRUNE_OLD_BATCH = 1000
+PRUNE_OLD_STEPS = 10
+PRUNE_OLD_RESTART = 3600.0
 OPEN_RETRY_MAX = 2.0  # cheap queries: the master may look again soon
 # Due and unclaimed for this long: no live worker takes it (shown by status and metrics).
 UNCLAIMED_AFTER = 60
@@ -153,6 +159,9 @@ class MasterDatabase:
         self._thread = threading.Thread(target=self._housekeeping, name="housekeeping",
                                         daemon=True)
         self.started_at = time.time()
+        # history_keep_days's walk: the id it goes on from, and when it started (monotonic).
+        self._prune_after = 0
+        self._prune_walk_started = time.monotonic()
         # Runs the master records itself (a dead worker's, as `lost`) are notified from
         # here; only where some notifier is configured.
         self.notices: Dispatcher | None = None
@@ -476,6 +485,7 @@ class MasterDatabase:
                     with self._gate():
                         assert self.store is not None
                         self.store.prune_history(self.config.history_limit)
+                    self._prune_old_history()
             except SchemaError as exc:
                 # Waiting will not fix it: the supervisor stops the daemon (and says why).
                 self.fatal = first_line(exc)
@@ -494,6 +504,29 @@ class MasterDatabase:
                 continue
             wake = min(next_probe, next_counts) - time.monotonic()
             self._refresh.wait(max(0.05, wake))
+
+    def _prune_old_history(self) -> None:
+        """history_keep_days: a bounded walk through the oldest history rows, every key's
+        (a deleted schedule's history goes too), on this thread, never the loop's."""
+        days = self.config.history_keep_days
+        if not days:
+            return
+        now = time.monotonic()
+        if now - self._prune_walk_started >= PRUNE_OLD_RESTART:
+            self._prune_walk_started, self._prune_after = now, 0
+        before = time.time() - days * 86400
+        removed = 0
+        for _ in range(PRUNE_OLD_STEPS):
+            with self._gate():
+                assert self.store is not None
+                gone, after = self.store.prune_old_history(before, self._prune_after,
+                                                           PRUNE_OLD_BATCH)
+            removed += gone
+            if after == self._prune_after:
+                break  # recent rows from here on
+            self._prune_after = after
+        if removed:
+            log.info("history: removed %d run(s) older than %g day(s)", removed, days)
 
     def _open(self) -> None:
         with self._gate():

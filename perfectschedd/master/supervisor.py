@@ -220,7 +220,7 @@ class Supervisor:
         for w in self.table:
             self.procs.close(w.wake_w, w.alive_r)
         self.db.after_fork()
-        metrics.after_fork_in_worker()
+        metrics.after_fork_in_worker(metrics.exact_types(self.config.routes))
 
     def _forget(self, proc: WorkerProc) -> None:
         try:
@@ -512,6 +512,7 @@ class Supervisor:
             line += "; everything paused"  # pause --all, on every host
         metrics.set_workers(self.config.workers, len(alive))
         metrics.set_alive_time(self.config.alive_time)  # a reload may change it alone
+        metrics.set_route_types(metrics.exact_types(self.config.routes))
         if line != self.status_line:
             self.status_line = line
             self.notify(f"STATUS={line}")

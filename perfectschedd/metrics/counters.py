@@ -19,6 +19,7 @@ import bisect
 import contextlib
 import fcntl
 import glob
+import json
 import logging
 import os
 import selectors
@@ -28,7 +29,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -54,6 +55,18 @@ HTTP_DEADLINE = 10.0
 # one; the cap keeps a local user with a loop from holding every thread and descriptor.
 HTTP_MAX_CONNECTIONS = 32
 
+# Distinct task types with a `type` label of their own, besides the exact types of this
+# host's routes: a /regexp/ route takes types that users choose, and each one adds series
+# to every scrape.  The rest are counted under OTHER_TYPE.
+TYPE_LABELS_MAX = 100
+OTHER_TYPE = "_other"
+# The types admitted so far, one JSON string a line, shared by the master and every
+# worker through the multiprocess directory: the bound holds across workers and their
+# replacements (their counts stay in the totals).
+TYPES_FILE = "type-labels"
+# Folded types a worker remembers (each is counted once per worker).
+FOLDED_REMEMBERED = 10_000
+
 _dir: str | None = None      # the multiprocess directory, once setup_master ran
 _dir_lock: int | None = None  # the master's lock on it
 _master: _MasterState | None = None
@@ -61,6 +74,84 @@ _worker: _WorkerMetrics | None = None
 
 
 # --------------------------------------------------------------------------- worker side
+
+class TypeLabels:
+    """Which `type` label a task type is counted under: its own (an exact route's type,
+    or one of the first TYPE_LABELS_MAX others admitted in `path`), else OTHER_TYPE."""
+
+    def __init__(self, path: str | None, exact: Iterable[str] = ()) -> None:
+        self.path = path
+        self.exact = frozenset(exact)
+        self.admitted: set[str] = set()
+        self.full = False  # the file holds TYPE_LABELS_MAX types: it never changes again
+        self.folded: set[str] = set()
+        self.on_folded: Callable[[], None] = lambda: None
+
+    def label(self, task_type: str) -> str:
+        if task_type in self.exact or task_type in self.admitted:
+            return task_type
+        if task_type in self.folded:
+            return OTHER_TYPE
+        if not self.full and self._admit(task_type):
+            return task_type
+        if len(self.folded) < FOLDED_REMEMBERED:
+            self.folded.add(task_type)
+            self.on_folded()
+        return OTHER_TYPE
+
+    def _admit(self, task_type: str) -> bool:
+        """Read the shared list (and add `task_type` while there is room), under its
+        lock: a new type costs this once per process."""
+        if self.path is None:
+            return False
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
+                         0o600)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            with os.fdopen(os.dup(fd), "rb") as f:
+                self.admitted = self.read(f.read())
+            if task_type not in self.admitted and len(self.admitted) < TYPE_LABELS_MAX:
+                os.write(fd, json.dumps(task_type).encode() + b"\n")
+                self.admitted.add(task_type)
+            self.full = len(self.admitted) >= TYPE_LABELS_MAX
+        except OSError:
+            return False
+        finally:
+            os.close(fd)  # and its lock
+        return task_type in self.admitted
+
+    @staticmethod
+    def read(data: bytes) -> set[str]:
+        found = set()
+        for line in data.splitlines():
+            try:
+                found.add(str(json.loads(line)))
+            except ValueError:
+                continue  # a line cut by a crash: that type is simply not admitted
+        return found
+
+
+_types = TypeLabels(None)
+
+
+def exact_types(routes: Iterable[Any]) -> list[str]:
+    """The exact (not /regexp/) types of a configuration's routes."""
+    return [r.pattern for r in routes if r.regexp is None]
+
+
+def set_route_types(exact: Iterable[str]) -> None:
+    """This process' exact route types, which always have a label of their own."""
+    exact = frozenset(exact)
+    if exact != _types.exact:
+        _types.exact = exact
+
+
+def type_label(task_type: str) -> str:
+    return _types.label(task_type)
+
 
 class _WorkerMetrics:
     """Created in each worker after fork; written to this process' multiprocess files."""
@@ -99,6 +190,20 @@ class _WorkerMetrics:
             "Notifications of failures and recoveries, by notifier kind (exec, mail, "
             "webhook; ? when dropped before one was chosen) and result (sent, failed, "
             "dropped).", ["kind", "result"], registry=None)
+        self.notifications_dropped = Counter(
+            f"{p}_notifications_dropped",
+            "Notifications dropped before they were sent, by reason: user_backlog (one "
+            "creator's pending keys at their bound), backlog (a lane's), unverified (first "
+            "successes waiting to be checked).", ["reason"], registry=None)
+        self.notifications_coalesced = Counter(
+            f"{p}_notifications_coalesced",
+            "Runs merged into their key's pending notification (its latest state is told "
+            "once).", registry=None)
+        self.types_folded = Counter(
+            f"{p}_type_labels_folded",
+            f"Distinct task types counted under type=\"{OTHER_TYPE}\" (beyond "
+            f"{TYPE_LABELS_MAX} types besides the routes' exact ones), summed over the "
+            "workers that met them.", registry=None)
         self.db_errors = Counter(f"{p}_database_errors",
                                  "Failed database operations of the workers.", registry=None)
         # A database that hangs or fails over (store/deadline.py).
@@ -131,9 +236,14 @@ class _WorkerMetrics:
         """(started, lateness, duration, last_success) of one task type."""
         children = self._per_type.get(task_type)
         if children is None:
-            children = self._per_type[task_type] = (
-                self.started.labels(task_type), self.lateness.labels(task_type),
-                self.duration.labels(task_type), self.last_success.labels(task_type))
+            label = type_label(task_type)
+            children = self._per_type.get(label)
+            if children is None:
+                children = (self.started.labels(label), self.lateness.labels(label),
+                            self.duration.labels(label), self.last_success.labels(label))
+            if label != OTHER_TYPE or len(self._per_type) < FOLDED_REMEMBERED:
+                self._per_type[task_type] = children
+            self._per_type[label] = children
         return children
 
     def apply(self, events: list[tuple[str, str | None, float, float]]) -> None:
@@ -173,8 +283,10 @@ class _WorkerMetrics:
     def finished_of(self, task_type: str, outcome: str) -> Any:
         child = self._finished.get((task_type, outcome))
         if child is None:
-            child = self._finished[task_type, outcome] = self.finished.labels(task_type,
-                                                                              outcome)
+            label = type_label(task_type)
+            child = self.finished.labels(label, outcome)
+            if label != OTHER_TYPE or len(self._finished) < FOLDED_REMEMBERED:
+                self._finished[task_type, outcome] = child
         return child
 
 
@@ -199,11 +311,13 @@ def _observe_many(histogram: Any, amounts: list[float]) -> None:
             bucket.inc(n)
 
 
-def after_fork_in_worker() -> None:
-    """In a freshly forked worker: count into files of its own pid."""
-    global _worker
+def after_fork_in_worker(exact: Iterable[str] = ()) -> None:
+    """In a freshly forked worker: count into files of its own pid.  `exact`: the exact
+    types of its routes."""
+    global _worker, _types
     if _dir is None:
         return
+    _types = TypeLabels(os.path.join(_dir, TYPES_FILE), exact)
     from prometheus_client import values
 
     # A fresh value class: new files for this pid, and a lock no master thread can hold
@@ -216,6 +330,7 @@ def after_fork_in_worker() -> None:
     values.ValueClass = values.MultiProcessValue(process_identifier=lambda: pid)
     del _task_events[:]
     _worker = _WorkerMetrics()
+    _types.on_folded = _worker.types_folded.inc
 
 
 # Task threads queue their starts and ends here (list.append is one step under the GIL)
@@ -255,12 +370,12 @@ def flush_tasks() -> None:
 
 def occurrences_skipped(task_type: str, count: int) -> None:
     if _worker is not None and count > 0:
-        _worker.skipped.labels(task_type).inc(count)
+        _worker.skipped.labels(type_label(task_type)).inc(count)
 
 
 def occurrence_given_up(task_type: str) -> None:
     if _worker is not None:
-        _worker.given_up.labels(task_type).inc()
+        _worker.given_up.labels(type_label(task_type)).inc()
 
 
 def notification(kind: str, result: str) -> None:
@@ -268,9 +383,19 @@ def notification(kind: str, result: str) -> None:
         _worker.notifications.labels(kind, result).inc()
 
 
+def notification_dropped(reason: str) -> None:
+    if _worker is not None:
+        _worker.notifications_dropped.labels(reason).inc()
+
+
+def notification_coalesced() -> None:
+    if _worker is not None:
+        _worker.notifications_coalesced.inc()
+
+
 def lease_lost(task_type: str) -> None:
     if _worker is not None:
-        _worker.leases_lost.labels(task_type).inc()
+        _worker.leases_lost.labels(type_label(task_type)).inc()
 
 
 def db_error() -> None:
@@ -386,9 +511,20 @@ class _MasterCollector:
             f"{p}_occurrences_unclaimed",
             "Occurrences due for over a minute that no worker claimed (no live host routes "
             "their type, or every worker is busy), by type.", labels=["type"])
-        for task_type, n in sorted(s.unclaimed.items()):
+        for task_type, n in sorted(fold_types(s.unclaimed).items()):
             unclaimed.add_metric([task_type], n)
         yield unclaimed
+
+
+def fold_types(counts: dict[str, int]) -> dict[str, int]:
+    """The master's counts by type under the workers' rule (their list is shared, and
+    the master adds to it: a type no host routes is never run, and still worth its own
+    label while there is room)."""
+    out: dict[str, int] = {}
+    for task_type, n in counts.items():
+        label = _types.label(task_type)
+        out[label] = out.get(label, 0) + n
+    return out
 
 
 def multiproc_dir(config: Any) -> str:
@@ -436,12 +572,14 @@ def master_fds() -> list[int]:
 
 def setup_master(config: Any) -> None:
     """Prepare and clear the multiprocess directory, set the environment, master metrics."""
-    global _dir, _master, _dir_lock
+    global _dir, _master, _dir_lock, _types
     path = multiproc_dir(config)
     _dir_lock = _lock_dir(path)
-    for f in glob.glob(os.path.join(path, "*.db")):
+    for f in [*glob.glob(os.path.join(path, "*.db")), os.path.join(path, TYPES_FILE)]:
         with contextlib.suppress(FileNotFoundError):
             os.remove(f)
+    _types = TypeLabels(os.path.join(path, TYPES_FILE),
+                        exact_types(getattr(config, "routes", ())))
     # Read by prometheus_client's value classes in every process forked from here on.
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
     _dir = path

@@ -17,7 +17,16 @@ of its occurrences on rows of their own (KEY@run-...) are KEY's.  The previous o
 schedule comes from this thread's memory, or once per schedule from the history table (the
 latest row recorded before this run) when the thread has not seen it yet.  Nothing here
 ever waits on the pipeline, and the pipeline never waits on this: a full queue drops
-notifications (counted, logged).
+notifications (counted by reason, logged).
+
+Fair under a flood (one user's thousands of failing schedules): root's runs (creator 0)
+go to a lane of their own, with its own thread, so they never wait behind another's
+send, retries or timeouts.  Everyone else's share the other lane, in turn by creator
+(one run of each creator with something pending, round and round).  In both, a key has
+at most one pending run: a newer run of a key still waiting takes the place of the one
+before it (its latest state is what is told, once; `coalesced` says how many runs it
+stands for).  The bounds are per creator and per lane, so one user's backlog drops
+(counted, reason `user_backlog`) only that user's notifications.
 
 A first success (attempt 1) of a key the pipeline has not seen is a recovery only if the
 history says the run before it failed: a burst of thousands of new keys must neither
@@ -50,7 +59,15 @@ FAILURES = frozenset({"failed", "timeout", "lost"})
 # The outcomes that make a key's state; the rest (later, skipped, preempted, released,
 # stopped, ...) change nothing.
 STATE_OUTCOMES = (SUCCESS, *sorted(FAILURES))
-QUEUE_MAX = 1000
+# Root's runs: a lane (and a thread) of their own.
+ROOT = 0
+# Keys pending at once, per creator and per lane; beyond, a new key's run is dropped.
+PENDING_PER_CREATOR = 5000
+PENDING_MAX = 20_000
+# Past this many pending runs in a lane, a run waits with only the tail of its output
+# (the history keeps it whole): bounded memory under a flood.
+PENDING_FULL_OUTPUT = 1000
+OUTPUT_WHILE_CROWDED = 1024
 # Tries of one notification, and the waits between them (seconds).
 TRIES = 3
 RETRY_WAITS = (1.0, 4.0)
@@ -77,6 +94,73 @@ UNKNOWN = "unknown"
 QUIET = 0.5
 
 
+class Lane:
+    """One sending thread's work: the runs pending, at most one per key, kept per creator
+    and taken in turn; the first successes waiting to be checked; and what the thread
+    knows of each key's state.  Touched under the dispatcher's condition, except `state`
+    (its thread's only)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.pending: dict[Any, collections.OrderedDict[str, Run]] = {}
+        self.turns: collections.deque[Any] = collections.deque()  # creators, in turn
+        self.size = 0
+        # First successes of keys the pipeline had not seen, by key (see the module doc).
+        self.unverified: collections.OrderedDict[str, Run] = collections.OrderedDict()
+        # Each key's last state outcome.
+        self.state: collections.OrderedDict[str, str] = collections.OrderedDict()
+        # Keys whose run was dropped: the history holds a state nobody was told, so
+        # their next run is told as if nothing came before it.
+        self.untold: set[str] = set()
+        self.busy = False
+        self.thread: threading.Thread | None = None
+
+    def put(self, run: Run) -> str | None:
+        """Queue a run, or merge it into its key's pending one; why it was dropped, or
+        None."""
+        key = schedule_of(run.get("key"))
+        creator = run.get("creator")
+        bucket = self.pending.get(creator)
+        if bucket is not None and key in bucket:
+            before = bucket[key]
+            run["coalesced"] = int(before.get("coalesced") or 0) + 1
+            # The state before the first of them is what this one changes (decide()).
+            run["state_since"] = before.get("state_since", before.get("started_at"))
+            bucket[key] = run  # in its predecessor's place in the line
+            metrics.notification_coalesced()
+            return None
+        if bucket is not None and len(bucket) >= PENDING_PER_CREATOR:
+            return "user_backlog"
+        if self.size >= PENDING_MAX:
+            return "backlog"
+        if bucket is None:
+            bucket = self.pending[creator] = collections.OrderedDict()
+            self.turns.append(creator)
+        if self.size >= PENDING_FULL_OUTPUT:
+            out = run.get("output")
+            if out and len(out) > OUTPUT_WHILE_CROWDED:
+                run["output"] = out[-OUTPUT_WHILE_CROWDED:]
+        bucket[key] = run
+        self.size += 1
+        return None
+
+    def take(self) -> Run:
+        """The next run: the oldest pending key of the creator whose turn it is."""
+        creator = self.turns[0]
+        bucket = self.pending[creator]
+        _, run = bucket.popitem(last=False)
+        self.size -= 1
+        if bucket:
+            self.turns.rotate(-1)
+        else:
+            self.turns.popleft()
+            del self.pending[creator]
+        return run
+
+    def idle(self) -> bool:
+        return not self.size and not self.unverified and not self.busy
+
+
 class Dispatcher:
     def __init__(self, config: Config, previous: PreviousOutcome, *,
                  previous_many: PreviousOutcomes | None = None,
@@ -84,8 +168,6 @@ class Dispatcher:
         self.config = config
         self.previous = previous  # (key, before) -> the latest state outcome before
         self.previous_many = previous_many
-        # First successes of keys the pipeline had not seen, by key (see the module doc).
-        self.unverified: collections.OrderedDict[str, Run] = collections.OrderedDict()
         self.last_recorded = 0.0  # monotonic time of the pipeline's last on_recorded
         self.host = config.node
         self._send = send or (lambda n, m: senders.send(
@@ -95,15 +177,29 @@ class Dispatcher:
         self.entry_notify = dict(config.entry_notify)
         # The pipeline's thread only: what it last queued or dropped per key.
         self.seen: dict[str, str] = {}
-        # The notification thread only: each key's last state outcome.
-        self.state: collections.OrderedDict[str, str] = collections.OrderedDict()
-        self.queue: collections.deque[Run] = collections.deque()
         self.cond = threading.Condition()
-        self.busy = False
         self.stopping = threading.Event()
         self.unknown_names: set[str] = set()
-        self.thread = threading.Thread(target=self._loop, name="notify", daemon=True)
-        self.thread.start()
+        # Root's runs, and everyone else's (see the module doc).
+        self.root = Lane("notify-root")
+        self.others = Lane("notify")
+        self.lanes = (self.root, self.others)
+        for lane in self.lanes:
+            lane.thread = threading.Thread(target=self._loop, args=(lane,), name=lane.name,
+                                           daemon=True)
+            lane.thread.start()
+
+    def lane_of(self, run: Run) -> Lane:
+        return self.root if run.get("creator") == ROOT else self.others
+
+    def pending(self) -> int:
+        """Runs waiting to be told (both lanes; first successes not counted)."""
+        with self.cond:
+            return sum(lane.size for lane in self.lanes)
+
+    def unverified(self) -> int:
+        with self.cond:
+            return sum(len(lane.unverified) for lane in self.lanes)
 
     # -- the pipeline's side ------------------------------------------------------------
 
@@ -137,76 +233,90 @@ class Dispatcher:
         if later:
             with self.cond:
                 for r in later:
-                    self.unverified[schedule_of(r["key"])] = r
-                    self.unverified.move_to_end(schedule_of(r["key"]))
-                while len(self.unverified) > STATE_MAX:
-                    self.unverified.popitem(last=False)
-                    metrics.notification("?", "dropped")
-                self.cond.notify()
+                    waiting = self.lane_of(r).unverified
+                    waiting[schedule_of(r["key"])] = r
+                    waiting.move_to_end(schedule_of(r["key"]))
+                    while len(waiting) > STATE_MAX:
+                        waiting.popitem(last=False)
+                        self._dropped("unverified")
+                self.cond.notify_all()
         if not keep:
             return
+        dropped: dict[str, int] = {}
         with self.cond:
-            room = QUEUE_MAX - len(self.queue)
-            if room < len(keep):
-                for r in keep[max(0, room):]:
+            for r in keep:
+                lane = self.lane_of(r)
+                why = lane.put(r)
+                if why is not None:
                     # A dropped run may be a failure: the next one must not be taken for
-                    # a success after a success.
+                    # a success after a success, nor for a failure already told.
                     seen.pop(schedule_of(r.get("key")), None)
-                    metrics.notification("?", "dropped")
-                log.warning("notification queue full: %d run(s) not told",
-                            len(keep) - max(0, room))
-                keep = keep[:max(0, room)]
-            self.queue.extend(keep)
-            self.cond.notify()
+                    if len(lane.untold) < STATE_MAX:
+                        lane.untold.add(schedule_of(r.get("key")))
+                    self._dropped(why)
+                    dropped[why] = dropped.get(why, 0) + 1
+            self.cond.notify_all()
+        for why, n in dropped.items():
+            log.warning("notification queue full (%s): %d run(s) not told", why, n)
 
-    # -- the thread ---------------------------------------------------------------------
+    @staticmethod
+    def _dropped(why: str) -> None:
+        metrics.notification("?", "dropped")
+        metrics.notification_dropped(why)
 
-    def _loop(self) -> None:
+    # -- the threads --------------------------------------------------------------------
+
+    def _loop(self, lane: Lane) -> None:
         unverified = False
         while True:
             batch: list[Run] = []
             with self.cond:
-                while not self.queue and not self.unverified and not self.stopping.is_set():
-                    self.busy = False
+                while not lane.size and not lane.unverified and not self.stopping.is_set():
+                    lane.busy = False
                     self.cond.notify_all()
                     self.cond.wait()
-                if not self.queue and not self.unverified:
-                    self.busy = False
+                if not lane.size and not lane.unverified:
+                    lane.busy = False
                     self.cond.notify_all()
                     return
-                if not self.queue and not self.stopping.is_set():
+                if not lane.size and not self.stopping.is_set():
                     quiet_in = self.last_recorded + QUIET - time.monotonic()
-                    if quiet_in > 0 and len(self.unverified) < STATE_MAX // 2:
-                        self.busy = False
+                    if quiet_in > 0 and len(lane.unverified) < STATE_MAX // 2:
+                        lane.busy = False
                         self.cond.notify_all()
                         self.cond.wait(quiet_in)
                         continue
-                self.busy = True
-                if self.queue:
-                    batch = [self.queue.popleft()]
+                lane.busy = True
+                if lane.size:
+                    batch = [lane.take()]
+                    if lane.untold:
+                        untold = schedule_of(batch[0].get("key"))
+                        if untold in lane.untold:
+                            lane.untold.discard(untold)
+                            batch[0]["untold_before"] = True
                 else:  # nothing else to do: first successes, many per query
-                    while self.unverified and len(batch) < VERIFY_BATCH:
-                        batch.append(self.unverified.popitem(last=False)[1])
+                    while lane.unverified and len(batch) < VERIFY_BATCH:
+                        batch.append(lane.unverified.popitem(last=False)[1])
                     unverified = True
             if unverified:
                 # Outside the lock: on_recorded never waits on a query.  Only a success
                 # after a failure has anything to tell; the rest cost a dict write each
                 # (a burst of new keys shares the GIL with the pipeline).
-                batch = self._learn(batch)
+                batch = self._learn(batch, lane.state)
                 unverified = False
             for run in batch:
                 try:
-                    self.handle(run)
+                    self.handle(run, lane.state)
                 except Exception:  # noqa: BLE001 - this thread must outlive any one run
                     log.exception("key=%s: notification not sent (internal error)",
                                   run.get("key"))
 
-    def _learn(self, runs: list[Run]) -> list[Run]:
+    def _learn(self, runs: list[Run], state: collections.OrderedDict[str, str]
+               ) -> list[Run]:
         """Of these first successes, those that may be recoveries: the history (one
         query, see the module doc) or this thread's memory says the run before failed.
         The others only mark their key a success."""
         assert self.previous_many is not None
-        state = self.state
         ask = [(str(r["key"]), float(r.get("started_at") or time.time()))
                for r in runs if schedule_of(r.get("key")) not in state]
         try:
@@ -234,9 +344,9 @@ class Dispatcher:
             state.popitem(last=False)
         return told
 
-    def handle(self, run: Run) -> None:
+    def handle(self, run: Run, state: collections.OrderedDict[str, str]) -> None:
         notifier = self.resolve(run)
-        event = self.decide(run, notifier)
+        event = self.decide(run, notifier, state)
         if notifier is None or event is None:
             return
         self.deliver(notifier, senders.Message(event, self.host, run))
@@ -266,23 +376,27 @@ class Dispatcher:
             chosen = self.config.notify
         return None if chosen is None or chosen is SILENT else chosen
 
-    def decide(self, run: Run, notifier: Notifier | None) -> str | None:
-        """The event to tell (failure, recovery, output) or None; keeps the key's state."""
+    def decide(self, run: Run, notifier: Notifier | None,
+               state: collections.OrderedDict[str, str]) -> str | None:
+        """The event to tell (failure, recovery, output) or None; keeps the key's state
+        (`state`: the lane's)."""
         run_key = str(run.get("key"))
         key = schedule_of(run_key)
         failed = run.get("outcome") in FAILURES
         now_state = "failed" if failed else SUCCESS
-        before = self.state.get(key)
-        if before is None and notifier is not None and notifier.when != "output":
-            # Once per schedule this thread has not seen: its last run before this one.
-            started = run.get("started_at")
+        before = None if run.get("untold_before") else state.get(key)
+        if before is None and notifier is not None and notifier.when != "output" \
+                and not run.get("untold_before"):
+            # Once per schedule this thread has not seen: its last run before this one
+            # (before the first of the runs it stands for, when coalesced).
+            started = run.get("state_since", run.get("started_at"))
             prior = self.previous(run_key,
                                   float(started if started is not None else time.time()))
             before = None if prior is None else ("failed" if prior in FAILURES else SUCCESS)
-        self.state[key] = now_state
-        self.state.move_to_end(key)
-        if len(self.state) > STATE_MAX:
-            self.state.popitem(last=False)
+        state[key] = now_state
+        state.move_to_end(key)
+        if len(state) > STATE_MAX:
+            state.popitem(last=False)
         if notifier is None:
             return None
         if notifier.when == "output":
@@ -321,10 +435,11 @@ class Dispatcher:
         number of runs left untold (logged)."""
         deadline = time.monotonic() + timeout
         with self.cond:
-            while (self.queue or self.unverified or self.busy) and \
+            while not all(lane.idle() for lane in self.lanes) and \
                     time.monotonic() < deadline:
                 self.cond.wait(max(0.0, min(0.1, deadline - time.monotonic())))
-            left = len(self.queue) + len(self.unverified) + (1 if self.busy else 0)
+            left = sum(lane.size + len(lane.unverified) + (1 if lane.busy else 0)
+                       for lane in self.lanes)
             self.stopping.set()
             self.cond.notify_all()
         if left:

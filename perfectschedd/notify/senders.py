@@ -64,6 +64,8 @@ class Message:
             "started_at": r.get("started_at"), "finished_at": r.get("finished_at"),
             "error": r.get("error"), "output": self.output(), "host": self.host,
             "worker": r.get("worker"), "version": __version__,
+            # Earlier runs of the key this one stands for, merged while it waited.
+            "coalesced": int(r.get("coalesced") or 0),
         }
 
     def output(self) -> str:
@@ -84,7 +86,7 @@ class Message:
         names = {"KEY": "key", "TYPE": "type", "SCHEDULED_TIME": "scheduled_time",
                  "ATTEMPT": "attempt", "OUTCOME": "outcome", "EXIT_CODE": "exit_code",
                  "SIGNAL": "signal", "DURATION": "duration", "HOST": "host",
-                 "EVENT": "event"}
+                 "EVENT": "event", "COALESCED": "coalesced"}
         return {f"PERFECTSCHED_{n}": "" if d[k] is None else str(d[k])
                 for n, k in names.items()}
 

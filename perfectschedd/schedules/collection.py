@@ -142,7 +142,7 @@ class Task:
 
     __slots__ = ("_collection", "key", "type", "cron", "delay", "timezone", "scheduled_time",
                  "attempt", "fence", "_data_text", "_data", "done", "claimed_at",
-                 "due_time", "has_extra", "_advance", "policy", "gave_up")
+                 "due_time", "has_extra", "_advance", "policy", "gave_up", "creator")
 
     def __init__(self, collection: ScheduleCollection, claimed: Claimed, claimed_at: float):
         self._collection = collection
@@ -163,6 +163,7 @@ class Task:
         self._advance: Advance | None = None
         self.policy = policy_mod.from_text(claimed.policy)
         self.gave_up = False  # its last failed attempt was its last (max_attempts)
+        self.creator = claimed.creator  # whose notifications its runs are (dispatch.py)
 
     @property
     def schedule_key(self) -> str:

@@ -205,8 +205,8 @@ ROW_OPTIONAL = ROW_FIELDS[ROW_FIELDS.index("paused_reason"):]
 # Claimed: a row just leased to a worker, as it is after the claim, in the order the
 # backends' claims return its columns.
 CLAIMED_FIELDS = ("key", "type", "cron", "delay", "timezone", "data", "next_time", "fence",
-                  "attempt", "due_time", "has_extra", "policy")
-CLAIMED_OPTIONAL = ("policy",)
+                  "attempt", "due_time", "has_extra", "policy", "creator")
+CLAIMED_OPTIONAL = ("policy", "creator")
 # ScheduleInfo: a schedule as users see it, in the order `list --json` shows it: `data`
 # decoded, `policy` as its options (policy.OPTIONS), `source` "api" for `add`'s.
 INFO_FIELDS = ("key", "type", "cron", "delay", "timezone", "next_time", "next_run_time",

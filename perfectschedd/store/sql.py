@@ -1068,11 +1068,13 @@ class Store:
         """A worker died and its runs were killed: record each attempt it held as `lost`
         (`error`: what happened to it) and give the occurrences back to run now; the
         attempt counts.  One transaction.  The history rows written, each with the
-        schedule's stored `policy` text beside them (not a column: who is notified)."""
+        schedule's stored `policy` text and `creator` beside them (not columns: who is
+        notified, in whose turn)."""
         t = self.t
         with self._tx() as conn:
             held = conn.execute(sa.select(t.c.key, t.c.type, t.c.next_time, t.c.attempt,
-                                          t.c.claimed_at, t.c.fence, t.c.policy)
+                                          t.c.claimed_at, t.c.fence, t.c.policy,
+                                          t.c.creator)
                                 .where(t.c.owner == owner)).all()
             if not held:
                 return []
@@ -1087,7 +1089,8 @@ class Store:
                                     t.c.fence == sa.bindparam("f")).values(
                 next_run_time=int(now), owner=None, claimed_at=None, fence=t.c.fence + 1)
             conn.execute(stmt, [{"k": r.key, "f": r.fence} for r in held])
-        return [{**row, "policy": r.policy} for row, r in zip(rows, held, strict=True)]
+        return [{**row, "policy": r.policy, "creator": r.creator}
+                for row, r in zip(rows, held, strict=True)]
 
     # -- hosts ----------------------------------------------------------------------------
 
@@ -1246,6 +1249,50 @@ class Store:
                 removed += conn.execute(
                     h.delete().where(runs, h.c.id < oldest_kept)).rowcount
         return removed
+
+
+    @_retried
+    def prune_old_history(self, before: float, after_id: int, limit: int
+                          ) -> tuple[int, int]:
+        """Remove history rows that ended before `before` (Unix time), of every key,
+        deleted schedules' too, except the newest run of each schedule that exists (its
+        state in `list` and `status`).  Reads at most `limit` rows in id order (the order
+        they were written in, so oldest first) from after id `after_id`: one bounded
+        step.  Returns (rows removed, the id to go on from: the last old row read; it
+        stays where it is once the rows read are recent)."""
+        h, t = self.h, self.t
+        with self._tx(readonly=True) as conn:
+            read = conn.execute(sa.select(h.c.id, h.c.key, h.c.finished_at)
+                                .where(h.c.id > after_id).order_by(h.c.id)
+                                .limit(limit)).all()
+        old = []
+        for row in read:
+            if row.finished_at is None or row.finished_at >= before:
+                break  # the rest are as recent, but for a straggler (next time round)
+            old.append(row)
+        if not old:
+            return 0, after_id
+        keys = sorted({str(r.key) for r in old})
+        kept: set[int] = set()
+        with self._tx(readonly=True) as conn:
+            for chunk in _chunks(keys, 500):
+                live = [str(k) for (k,) in conn.execute(
+                    sa.select(t.c.key).where(t.c.key.in_(chunk)))]
+                if live:
+                    kept.update(int(i) for (i,) in conn.execute(
+                        sa.select(sa.func.max(h.c.id)).where(h.c.key.in_(live))
+                        .group_by(h.c.key)))
+        doomed = [int(r.id) for r in old if int(r.id) not in kept]
+        removed = 0
+        for chunk in _chunks(doomed, 500):
+            with self._tx() as conn:
+                removed += conn.execute(h.delete().where(h.c.id.in_(chunk))).rowcount
+        return removed, int(old[-1].id)
+
+
+def _chunks(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
+    for i in range(0, len(items), size):
+        yield items[i:i + size]
 
 
 _HISTORY_ORDER = tuple(HISTORY_COLUMNS)

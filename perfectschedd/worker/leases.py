@@ -599,6 +599,8 @@ class LeasePipeline:
             row["output"] = result.output
         if task.policy.notify:  # not a column: the schedule's own notifier, for on_recorded
             row["notify"] = task.policy.notify
+        if self.on_recorded is not None:  # not a column: whose turn it is to be told
+            row["creator"] = task.creator
         self.history.append(row)  # one step under the GIL; flush_history takes a prefix
 
     def _take_finished(self) -> list[Task]:

@@ -1,7 +1,8 @@
 """Notifications against a real daemon (issue #27): a schedule failing five times then
 recovering is told twice by default and 5 + 1 times with every-failure; a webhook that
 hangs or fails delays no run; mail through a sendmail stand-in and an exec notifier;
-refusals of unknown names and of mail without sendmail, at start and on reload."""
+refusals of unknown names and of mail without sendmail, at start and on reload; a
+member's flood of failures does not delay root's (issue 38)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ import pytest
 from daemon_harness import YEARLY, Daemon, sh, shared_dir, wait_until
 from notify_receivers import Receiver, mails, sendmail_stand_in
 from scrape import scrape, value
+
+from perfectschedd import config as config_mod
+from perfectschedd.schedules.collection import ScheduleCollection
 
 # A job that fails its first five runs, then succeeds: a counter in a file.
 FLAKY = ('n=$(cat {c} 2>/dev/null || echo 0); n=$((n+1)); echo $n > {c}; '
@@ -252,3 +256,60 @@ def test_an_allow_schedule_failing_then_recovering_is_told_twice(daemon_factory:
         assert all(doc["key"].startswith("often@run-") for doc in hook.docs)
     finally:
         hook.close()
+
+
+FLOOD_JOBS = '''\
+from perfectschedd import Application
+
+
+class Fails(Application):
+    def run(self):
+        raise RuntimeError("down")
+'''
+
+
+def test_a_members_flood_does_not_delay_roots_failure(daemon_factory: Any,
+                                                      tmp_path: Path) -> None:
+    """Issue 38: 1,000 failing schedules of one member (uid 1000) whose receiver is slow
+    (10 ms an answer: 0.2.0 queued root's behind some 500 of them per worker); root's one
+    failing schedule, run once the flood is being told, is told within 3 s of its run's
+    end; the member is told every one of its failures, none dropped."""
+    count = 1000
+    member_hook, root_hook = Receiver(delay=0.01), Receiver()
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "floodjobs.py").write_text(FLOOD_JOBS)
+    try:
+        d: Daemon = daemon_factory({
+            "poll_interval": 0.2, "max_attempts": 1,
+            "notifiers": {"member": {"webhook": member_hook.url},
+                          "root": {"webhook": root_hook.url}},
+            "routes": [{"type": "fail", "python": "floodjobs:Fails"}]},
+            extra_args=["-I", str(mods)]).start()
+        sc = ScheduleCollection(config_mod.load(str(d.config_path)))
+        try:
+            # As a member's add_many over the socket stores them: its uid as creator.
+            sc.add_many([{"key": f"alice-{i}", "type": "fail", "cron": YEARLY, "at": 0,
+                          "creator": 1000, "notify": "member"} for i in range(count)])
+            wait_until(lambda: len(member_hook.keys()) >= 20, 30,
+                       what="the member's notifications to be under way")
+            sc.add("root-job", "fail", YEARLY, at=0, creator=0, notify="root")
+        finally:
+            sc.close()
+        (doc,) = wait_until(lambda: root_hook.docs, 15, what="root's notification")
+        arrived = time.time()
+        assert (doc["key"], doc["event"]) == ("root-job", "failure")
+        assert arrived - doc["finished_at"] < 3.0, arrived - doc["finished_at"]
+        # The member's flood was still being told when root's arrived.
+        assert len(member_hook.keys()) < count
+        wait_until(lambda: len(member_hook.keys()) >= count, 90,
+                   what="every one of the member's notifications")
+        time.sleep(0.5)  # nothing more comes
+        assert sorted(member_hook.keys()) == sorted(f"alice-{i}" for i in range(count))
+        _, samples = scrape(d.metrics_port)
+        assert not value(samples, "perfectsched_notifications_dropped_total")
+        assert value(samples, "perfectsched_notifications_total", kind="webhook",
+                     result="sent") == count + 1
+    finally:
+        member_hook.close()
+        root_hook.close()

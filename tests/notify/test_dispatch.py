@@ -1,9 +1,11 @@
 """When a run is told (notify/dispatch.py), with a real SQLite history and a real exec
 notifier: state changes by default, every failure on request, output on request, the
-notifier's precedence, and a success after a success costing no query."""
+notifier's precedence, and a success after a success costing no query.  Under a flood:
+root's lane, members in turn, a key's runs merged while it waits, bounds per member."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,7 @@ import pytest
 from notify_receivers import wait_for
 
 from perfectschedd import config as config_mod
+from perfectschedd.notify import dispatch
 from perfectschedd.notify.dispatch import STATE_OUTCOMES, Dispatcher
 from perfectschedd.schedules.collection import ScheduleCollection
 
@@ -58,6 +61,11 @@ def settle(d: Dispatcher) -> None:
     assert d.drain(10) == 0
 
 
+def idle(d: Dispatcher) -> None:
+    with d.cond:
+        assert d.cond.wait_for(lambda: all(lane.idle() for lane in d.lanes), 10)
+
+
 @pytest.mark.parametrize(("notify", "want"), [
     (None, ["k failure", "k recovery"]),
     ("every", ["k failure"] * 5 + ["k recovery"]),
@@ -68,8 +76,9 @@ def test_five_failures_then_a_recovery(tmp_path: Path, notify: str | None,
     extra = {"notify": notify} if notify else {}
     batch = runs("k", ["success", "failed", "timeout", "failed", "lost", "failed",
                        "success", "success"], **extra)
-    for r in batch:  # one batch per run, as a slow schedule's runs come
-        record(d, sc, [r])
+    for r in batch:  # one batch per run, as a slow schedule's runs come: each told
+        record(d, sc, [r])  # before the next one (else they are coalesced: see below)
+        idle(d)
     settle(d)
     assert told(path) == want
 
@@ -88,12 +97,12 @@ def test_a_success_after_a_success_costs_no_query_and_no_thread_work(tmp_path: P
     d, sc, path, queries = make(tmp_path)
     record(d, sc, runs("k", ["success"]))
     settle(d)
-    queued_before = len(d.queue)
+    queued_before = d.pending()
     started = time.perf_counter()
     for i in range(10_000):
         d.on_recorded([{"key": "k", "outcome": "success", "started_at": 2000.0 + i}])
     per_run = (time.perf_counter() - started) / 10_000
-    assert len(d.queue) == queued_before == 0
+    assert d.pending() == queued_before == 0
     assert queries == ["k"] and told(path) == []
     assert per_run < 50e-6  # a dict look-up, not a query (SQLite takes ~100 us at least)
 
@@ -178,7 +187,7 @@ def test_a_burst_of_new_keys_costs_a_query_per_batch_and_drops_nothing(
     settle(d)
     assert told(path) == []
     assert sum(calls) == 5000 and len(calls) <= 5000 // 500 + len(burst) // 250
-    assert not d.queue and not d.unverified
+    assert d.pending() == d.unverified() == 0
 
 
 def test_last_outcomes_agrees_with_last_outcome(tmp_path: Path) -> None:
@@ -227,3 +236,104 @@ def test_a_first_success_of_a_row_of_its_own_after_a_failure_elsewhere(
     assert told(path) == ["k@run-200-ab recovery"]
     assert sc.store.last_outcome("j@run-300-ab", 300.0, STATE_OUTCOMES) == "failed"
     assert sc.store.last_outcome("J@run-300-ab", 300.0, STATE_OUTCOMES) == "success"
+
+
+# -- fair under a flood (issue 38): lanes, turns, coalescing, bounds ---------------------
+
+class HeldSender:
+    """A sender that records each message and holds the sends of `held` creators until
+    released (a slow receiver, with no clock to race)."""
+
+    def __init__(self, held: set[Any]) -> None:
+        self.held = held
+        self.release = threading.Event()
+        self.sent: list[tuple[Any, str, str, int]] = []  # (creator, key, event, coalesced)
+        self.lock = threading.Lock()
+
+    def __call__(self, notifier: Any, message: Any) -> None:
+        run = message.run
+        if run.get("creator") in self.held:
+            self.release.wait(20)
+        with self.lock:
+            self.sent.append((run.get("creator"), run["key"], message.event,
+                              message.document()["coalesced"]))
+
+    def keys(self, creator: Any = None) -> list[str]:
+        with self.lock:
+            return [k for c, k, _, _ in self.sent if creator is None or c == creator]
+
+
+def fair(tmp_path: Path, held: set[Any]) -> tuple[Dispatcher, ScheduleCollection,
+                                                  HeldSender]:
+    d, sc, _, _ = make(tmp_path)
+    d.drain(1)
+    sender = HeldSender(held)
+    return Dispatcher(d.config, d.previous, send=sender), sc, sender
+
+
+def failing(keys: list[str], creator: Any, start: float = 1000.0) -> list[dict[str, Any]]:
+    return [r for k in keys for r in runs(k, ["failed"], start=start, creator=creator)]
+
+
+def test_roots_failure_is_told_while_a_members_flood_waits(tmp_path: Path) -> None:
+    """A member's 300 failing schedules, its receiver stuck: root's one failure is told
+    at once, from a lane of its own; the member's are all told once it answers."""
+    d, sc, sender = fair(tmp_path, held={1000})
+    record(d, sc, failing([f"m{i}" for i in range(300)], creator=1000))
+    wait_for(lambda: d.pending() == 299, 5, "the member's first send to hang")
+    record(d, sc, failing(["root-job"], creator=0, start=2000.0))
+    wait_for(lambda: sender.keys(0), 5, "root's notification")
+    assert sender.keys() == ["root-job"]  # the member's are still held
+    sender.release.set()
+    settle(d)
+    assert sorted(sender.keys(1000)) == sorted(f"m{i}" for i in range(300))
+
+
+def test_members_take_turns_and_a_key_waits_once(tmp_path: Path) -> None:
+    """Two members' backlogs are told in turn, one run each; the runs of a key that
+    keep coming while it waits are merged into one notification of its latest state."""
+    d, sc, sender = fair(tmp_path, held={7})
+    record(d, sc, failing(["hold"], creator=7))
+    wait_for(lambda: d.pending() == 0, 5, "the first send to hang")
+    record(d, sc, failing([f"a{i}" for i in range(5)], creator=1001)
+           + failing([f"b{i}" for i in range(5)], creator=1002))
+    # a0 fails again twice, then succeeds: still one pending run, the success.
+    for n, outcome in enumerate(["failed", "timeout", "success"]):
+        record(d, sc, runs("a0", [outcome], start=1100.0 + 10 * n, creator=1001))
+    assert d.pending() == 10
+    sender.release.set()
+    settle(d)
+    # In turn: a0's turn came first and told nothing (its failures were merged into
+    # its latest run, a success, and it was never told failing: nothing to recover).
+    assert sender.keys()[1:] == ["b0", "a1", "b1", "a2", "b2", "a3", "b3", "a4", "b4"]
+
+
+def test_a_coalesced_failure_says_how_many_runs_it_stands_for(tmp_path: Path) -> None:
+    d, sc, sender = fair(tmp_path, held={7})
+    record(d, sc, failing(["hold"], creator=7))
+    wait_for(lambda: d.pending() == 0, 5, "the first send to hang")
+    for n in range(4):
+        record(d, sc, runs("k", ["failed"], start=1100.0 + 10 * n, creator=1001))
+    sender.release.set()
+    settle(d)
+    with sender.lock:
+        assert [s for s in sender.sent if s[1] == "k"] == [(1001, "k", "failure", 3)]
+
+
+def test_one_members_backlog_is_bounded_and_drops_only_its_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dispatch, "PENDING_PER_CREATOR", 20)
+    d, sc, sender = fair(tmp_path, held={1000})
+    record(d, sc, failing(["first"], creator=1000))
+    wait_for(lambda: d.pending() == 0, 5, "the first send to hang")
+    record(d, sc, failing([f"m{i}" for i in range(50)], creator=1000)
+           + failing(["other"], creator=1001))
+    assert d.pending() == 21  # 20 of the member's, and the other member's one
+    sender.release.set()
+    idle(d)
+    assert len(sender.keys(1000)) == 21 and sender.keys(1001) == ["other"]
+    # A dropped failure is not forgotten: the key's next failure is told, although
+    # the history says the run before it failed too.
+    record(d, sc, runs("m40", ["failed"], start=5000.0, creator=1000))
+    settle(d)
+    assert sender.keys(1000)[-1] == "m40"

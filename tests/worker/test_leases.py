@@ -244,6 +244,8 @@ def test_each_run_s_row_says_what_it_did_and_on_recorded_sees_it_once_written(
     assert 0 <= bad["duration"] < 5
     assert p.sc is not None
     (stored,) = p.sc.store.history("bad", 10)
+    # Besides the columns, whose notification it is (not stored: the schedule's).
+    assert bad.pop("creator") == os.geteuid()
     assert {k: stored[k] for k in bad} == bad
     p.flush_history(force=True)
     assert len(batches) == 1  # an empty flush hands nothing on

@@ -80,7 +80,7 @@ class MySQLBackend(ServerBackend):
         self._claim_select = (
             sa.select(t.c.key, t.c.type, t.c.cron, t.c.delay, t.c.timezone, t.c.data,
                       t.c.next_time, t.c.fence, t.c.attempt, t.c.next_run_time,
-                      t.c.has_extra, t.c.policy)
+                      t.c.has_extra, t.c.policy, t.c.creator)
             .where(t.c.paused == 0, t.c.next_run_time <= sa.bindparam("due_by"), routed)
             .order_by(t.c.next_run_time).limit(batch).with_for_update(skip_locked=True))
         self._claim_update = (
@@ -96,7 +96,7 @@ class MySQLBackend(ServerBackend):
         conn.execute(self._claim_update, {**params, "keys": [r[0] for r in found]})
         # Already in cron order (the read's ORDER BY); the values as they are after it.
         return [Claimed(*r[:7], fence=r[7] + 1, attempt=r[8] + 1, due_time=r[9],
-                        has_extra=r[10], policy=r[11]) for r in found]
+                        has_extra=r[10], policy=r[11], creator=r[12]) for r in found]
 
     def advance_in(self, conn: Connection, items: Sequence[Advance]) -> set[str]:
         """Which rows still carry the caller's fence, read (and locked) inside the
