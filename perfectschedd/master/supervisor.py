@@ -558,6 +558,8 @@ class Supervisor:
             self.db.stop_in_background()
             self.db = MasterDatabase(new)
             self.db.start()
+        else:
+            self.db.reconfigure(new)
         self.listeners.swap_dbus(old, new)
         # The old generation drains once the new one is up.
         if self.table.begin_reload(new.workers, new.worker_timeout, time.monotonic()):

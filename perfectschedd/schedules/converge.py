@@ -231,6 +231,7 @@ class FileSchedules:
     loaded: Loaded = field(default_factory=Loaded)
     applied: dict[str, Entry] | None = None
     applied_sources: set[str] = field(default_factory=set)
+    applied_timezone: str | None = None  # the default zone `applied` was written with
     due_at: float | None = None  # monotonic time of the next apply; None: none pending
     reported: set[tuple[str, str, str]] = field(default_factory=set)
     lock: threading.Condition = field(default_factory=threading.Condition)
@@ -307,6 +308,11 @@ class FileSchedules:
         """Converge (run by the master's database thread)."""
         with self.lock:
             loaded, previous, loads = self.loaded, self.applied, self.loads
+        tz = sc.config.timezone
+        if previous is not None and tz != self.applied_timezone:
+            # A reload changed the default zone: the entries that name none take it, as
+            # at a start (else each would look changed elsewhere: `differs`).
+            previous = {k: e for k, e in previous.items() if e.timezone is not None}
         remove_from = (loaded.sources | self.applied_sources) - loaded.broken
         try:
             changes = converge(sc, loaded.entries, remove_from, previous=previous,
@@ -332,6 +338,7 @@ class FileSchedules:
         with self.lock:
             again = {c.key for c in changes if c.again}
             self.applied = {k: e for k, e in loaded.entries.items() if k not in again}
+            self.applied_timezone = tz
             self.applied_sources = set(loaded.sources) | (
                 self.applied_sources & loaded.broken)
             self.refusals = [f"schedules file entry {c.line()}" for c in changes
