@@ -115,6 +115,8 @@ class Config:
     output_limit: int = DEFAULT_OUTPUT_LIMIT
     # Schedules files (*.yml) the daemon converges the database to; None: none.
     schedules_dir: str | None = DEFAULT_SCHEDULES_DIR
+    # Whether the file names schedules_dir (then it must exist: schedules_dir_refusal).
+    schedules_dir_named: bool = field(default=False, compare=False)
     # This host's name in lease owners ("node:pid") and status; default: the hostname.
     node_name: str | None = None
     # Named notifiers (`--notify NAME` stores a name), the default one, the mail program.
@@ -394,6 +396,7 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
         output_limit=_output_limit(raw),
         node_name=node_name,
         schedules_dir=schedules_dir,
+        schedules_dir_named="schedules_dir" in raw,
         notifiers=tuple(notifiers.items()),
         notify=default_notify,
         sendmail=sendmail,
@@ -411,6 +414,19 @@ def notify_refusal(config: Config) -> str | None:
                 "host, and a mail notifier needs it (install a mail transfer agent, or set "
                 "sendmail: to its path)")
     return None
+
+
+def schedules_dir_refusal(config: Config) -> str | None:
+    """A schedules_dir the file names must be a directory (at start and on reload): a
+    typo would otherwise read as "no files", and a reload would remove every schedule
+    the files held.  The default, unnamed, may be absent (no files).  One line, or None."""
+    directory = config.schedules_dir
+    if directory is None or not config.schedules_dir_named or os.path.isdir(directory):
+        return None
+    where = f"{config.source}: " if config.source else ""
+    what = "is not a directory" if os.path.lexists(directory) else "does not exist"
+    return (f"{where}schedules_dir: {directory} {what} (create it, or set "
+            "schedules_dir: off for no schedules files)")
 
 
 def host_refusals(config: Config, grant: bool = False) -> list[tuple[int, str]]:

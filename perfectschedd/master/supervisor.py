@@ -529,7 +529,7 @@ class Supervisor:
         old = self.config
         try:
             new = config_mod.load(self.config_source, self.environment)
-            refusal = config_mod.notify_refusal(new)
+            refusal = config_mod.notify_refusal(new) or config_mod.schedules_dir_refusal(new)
             if refusal is not None:
                 raise ConfigError(refusal)
             if (new.url, new.table) != (old.url, old.table):

@@ -249,10 +249,21 @@ class FileSchedules:
         if host is None:
             host = HostChecks(os.geteuid(), config.sendmail)
         directory = config.schedules_dir
-        if directory is None or not Path(directory).is_dir():
-            if directory is not None and directory != self.directory:
-                log.info("schedules_dir %s does not exist: no schedules files", directory)
+        missing = directory is not None and not Path(directory).is_dir()
+        if directory is None or missing:
             loaded = Loaded()
+            if missing:
+                # Gone (the unnamed default; a named one is refused before): what its files
+                # held stays as it was, as for a file that cannot be read.  An empty
+                # directory is an edit, and removes them.
+                loaded.broken = self.loaded.sources | self.loaded.broken | \
+                    self.applied_sources
+                if loaded.broken:
+                    log.warning("schedules_dir %s does not exist: the schedules of its "
+                                "files stay as they were", directory)
+                elif directory != self.directory:
+                    log.info("schedules_dir %s does not exist: no schedules files",
+                             directory)
         else:
             # As cron: the files, and the directory, are root's or the daemon's own.
             loaded = check([directory], host)

@@ -7,8 +7,6 @@ and deletes nothing."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -55,3 +53,53 @@ def test_the_socket_s_commands_follow_a_reload(daemon_factory: Any, tmp_path: Pa
     assert res.returncode == 1 and f"f1 is managed by {moved}/jobs.yml" in res.stderr, \
         res.stderr
     assert d.stop() == 0
+
+
+def test_a_schedules_dir_that_does_not_exist_is_refused_and_deletes_nothing(
+        daemon_factory: Any, tmp_path: Path) -> None:
+    sdir = tmp_path / "schedules.d"
+    write(sdir / "jobs.yml", [{"key": "f1", "cron": "@hourly", "type": "t"},
+                              {"key": "f2", "cron": "@daily", "type": "t"}])
+    d: Daemon = daemon_factory({"schedules_dir": str(sdir),
+                                "routes": [sh("t", "true")]}).start()
+    wait_until(lambda: set(keys(d)) == {"f1", "f2"}, what="the files' schedules")
+    before = keys(d)
+    good = dict(d.config)
+    d.write_config({**good, "schedules_dir": "/nonexistent/dir"})
+    res = d.ctl("reload", check=False)
+    assert res.returncode == 1 and res.stdout == "", res.stdout + res.stderr
+    [line] = res.stderr.splitlines()
+    assert line.endswith("schedules_dir: /nonexistent/dir does not exist (create it, or set "
+                         "schedules_dir: off for no schedules files)"), line
+    assert "schedules files: removed" not in d.log()
+    assert keys(d) == before
+    assert "/nonexistent/dir" in d.status()["last_error"]
+    # The running configuration stays whole: its directory is still the one read.
+    res = d.ctl("delete", "f1", check=False)
+    assert f"managed by {sdir}/jobs.yml" in res.stderr, res.stderr
+    d.write_config(good)
+    assert d.ctl("reload", check=False).returncode == 0
+    assert keys(d) == before and d.status()["last_error"] is None
+    # An existing directory emptied is an edit: its schedules go.
+    (sdir / "jobs.yml").unlink()
+    assert d.ctl("reload", check=False).returncode == 0
+    assert keys(d) == {}
+    assert d.stop() == 0
+
+
+def test_a_schedules_dir_that_does_not_exist_stops_a_start(daemon_factory: Any,
+                                                           tmp_path: Path) -> None:
+    d: Daemon = daemon_factory({"schedules_dir": str(tmp_path / "typo.d")})
+    d.start(wait_ready=False)
+    assert d.proc is not None and d.proc.wait(30) == 1
+    assert f"schedules_dir: {tmp_path}/typo.d does not exist" in d.log(), d.log()
+
+
+def test_the_shipped_schedules_dir_is_installed() -> None:
+    """The shipped configuration names its schedules_dir, which the package installs (a
+    named directory must exist, or the daemon does not start)."""
+    root = Path(__file__).resolve().parent.parent.parent
+    shipped = yaml.safe_load((root / "etc" / "perfectsched.yml").read_text())
+    installed = (root / "packaging" / "debian" / "perfectsched.install").read_text().split("\n")
+    assert any("/" + line.split()[-1].strip("/") == shipped["schedules_dir"]
+               for line in installed if line.strip()), installed
