@@ -93,6 +93,9 @@ class Config:
     # Failed attempts after which an occurrence is given up, for schedules that set no
     # max_attempts of their own; 0: retry until success (the original's way).
     max_attempts: int = 0
+    # How long after it was due one occurrence may still be put off by SCHED_LATER (or a
+    # python handler's retry(wait=N)); past it the occurrence is given up.  0: no bound.
+    later_limit: int = 86400
     workers: int = 2
     # Tasks one worker process runs at once (threads); a long job must not block a worker.
     concurrency: int = 8
@@ -153,7 +156,7 @@ _NUMBER_MAX = 315_360_000
 
 _KNOWN_KEYS = {
     "type", "url", "table", "log", "poll_interval", "timezone", "alive_time", "retry_wait",
-    "retry_wait_max", "max_attempts",
+    "retry_wait_max", "max_attempts", "later_limit",
     "workers", "concurrency", "control_socket", "control_group", "metrics_listen", "dbus",
     "dbus_address",
     "shutdown_timeout", "kill_grace", "worker_timeout", "routes", "history_limit",
@@ -381,6 +384,7 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
         retry_wait=_number(raw, "retry_wait", 300, minimum=0, integer=True),
         retry_wait_max=_number(raw, "retry_wait_max", 3600, minimum=0, integer=True),
         max_attempts=_number(raw, "max_attempts", 0, minimum=0, integer=True),
+        later_limit=_number(raw, "later_limit", 86400, minimum=0, integer=True),
         workers=_number(raw, "workers", 2, minimum=1, integer=True),
         concurrency=_number(raw, "concurrency", 8, minimum=1, integer=True),
         control_socket=sock,
