@@ -22,10 +22,10 @@ def history(d: Daemon, key: str) -> list[dict[str, Any]]:
 def test_runs_that_asked_to_run_later_are_not_failed_attempts(daemon_factory: Any,
                                                              tmp_path: Path) -> None:
     out = tmp_path / "out"
-    d: Daemon = daemon_factory({"workers": 1, "routes": [
+    d: Daemon = daemon_factory({"workers": 1, "alive_time": 60, "worker_timeout": 60, "routes": [
         sh("t", LATER_THEN_FAIL.format(c=tmp_path / "count", o=out))]}).start()
     d.ctl("add", "k", "t", YEARLY, "-a", "0", "--max-attempts", "3", "--retry-wait", "0")
-    d.wait_log("gave up the occurrence", timeout=30)
+    d.wait_log("gave up the occurrence", timeout=60)
     wait_until(lambda: len(history(d, "k")) == 6, what="six runs recorded")
     runs = [(r["outcome"], r["attempt"]) for r in history(d, "k")]
     assert runs == [("later", 1)] * 3 + [("failed", 1), ("failed", 2), ("failed", 3)], runs
@@ -39,7 +39,7 @@ def test_runs_that_asked_to_run_later_are_not_failed_attempts(daemon_factory: An
 def test_later_limit_gives_an_endlessly_postponed_occurrence_up(daemon_factory: Any,
                                                                 tmp_path: Path) -> None:
     out = tmp_path / "out"
-    d: Daemon = daemon_factory({"workers": 1, "later_limit": 6, "routes": [
+    d: Daemon = daemon_factory({"workers": 1, "alive_time": 60, "worker_timeout": 60, "later_limit": 6, "routes": [
         sh("t", f'echo x >> {out}; echo "SCHED_LATER 1"')]}).start()
     d.ctl("add", "k", "t", YEARLY, "--max-attempts", "2")
     d.ctl("run", "k")  # an occurrence due now
