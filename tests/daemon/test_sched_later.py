@@ -14,6 +14,10 @@ LATER_THEN_FAIL = ('n=$(cat {c} 2>/dev/null || echo 0); n=$((n+1)); echo $n > {c
                    'echo "run $n attempt $PERFECTSCHED_ATTEMPT" >> {o}; '
                    '[ $n -le 3 ] && echo "SCHED_LATER 1"; exit 1')
 
+# One worker, and leases and a worker timeout long enough that a loaded machine's slow
+# runs are not taken for lost ones (which would count attempts of their own).
+SLOW_OK = {"workers": 1, "alive_time": 60, "worker_timeout": 60}
+
 
 def history(d: Daemon, key: str) -> list[dict[str, Any]]:
     return list(reversed(d.ctl_json("history", key, "-n", "100")))
@@ -22,7 +26,7 @@ def history(d: Daemon, key: str) -> list[dict[str, Any]]:
 def test_runs_that_asked_to_run_later_are_not_failed_attempts(daemon_factory: Any,
                                                              tmp_path: Path) -> None:
     out = tmp_path / "out"
-    d: Daemon = daemon_factory({"workers": 1, "alive_time": 60, "worker_timeout": 60, "routes": [
+    d: Daemon = daemon_factory({**SLOW_OK, "routes": [
         sh("t", LATER_THEN_FAIL.format(c=tmp_path / "count", o=out))]}).start()
     d.ctl("add", "k", "t", YEARLY, "-a", "0", "--max-attempts", "3", "--retry-wait", "0")
     d.wait_log("gave up the occurrence", timeout=60)
@@ -39,7 +43,7 @@ def test_runs_that_asked_to_run_later_are_not_failed_attempts(daemon_factory: An
 def test_later_limit_gives_an_endlessly_postponed_occurrence_up(daemon_factory: Any,
                                                                 tmp_path: Path) -> None:
     out = tmp_path / "out"
-    d: Daemon = daemon_factory({"workers": 1, "alive_time": 60, "worker_timeout": 60, "later_limit": 6, "routes": [
+    d: Daemon = daemon_factory({**SLOW_OK, "later_limit": 6, "routes": [
         sh("t", f'echo x >> {out}; echo "SCHED_LATER 1"')]}).start()
     d.ctl("add", "k", "t", YEARLY, "--max-attempts", "2")
     d.ctl("run", "k")  # an occurrence due now
