@@ -504,15 +504,15 @@ def _main(argv: Sequence[str] | None) -> int:
             return _logs(ns, send)
         if cmd == "next":
             result = _next(ns, send)
-        if cmd == "apply" and not args["dry_run"]:
-            # A key that belongs elsewhere refuses the whole apply before anything is
-            # written (asked first as a dry run).
-            refused = [c for c in send(cmd, {**args, "dry_run": True})["changes"]
-                       if c.startswith("refused ")]
+        if cmd == "apply":
+            # All or nothing: a key that belongs elsewhere refuses the whole apply before
+            # anything is written (asked first as a dry run), and --dry-run says just that.
+            result = send(cmd, {**args, "dry_run": True})
+            refused = [c for c in result["changes"] if c.startswith("refused ")]
             if refused:
                 raise _BadArgument("\n".join(f"perfectschedctl: {c}" for c in refused)
                                    .removeprefix("perfectschedctl: "))
-        if cmd != "next":
+        if cmd != "next" and not (cmd == "apply" and args["dry_run"]):
             result = send(cmd, args)
         if cmd == "apply":
             _note_exec_entries(args["entries"])

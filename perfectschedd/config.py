@@ -104,6 +104,9 @@ class Config:
     # Failed attempts after which an occurrence is given up, for schedules that set no
     # max_attempts of their own; 0: retry until success (the original's way).
     max_attempts: int = 0
+    # How long after it was due one occurrence may still be put off by SCHED_LATER (or a
+    # python handler's retry(wait=N)); past it the occurrence is given up.  0: no bound.
+    later_limit: int = 86400
     workers: int = 2
     # Tasks one worker process runs at once (threads); a long job must not block a worker.
     concurrency: int = 8
@@ -131,6 +134,8 @@ class Config:
     log_output_limit: int = DEFAULT_LOG_OUTPUT_LIMIT
     # Schedules files (*.yml) the daemon converges the database to; None: none.
     schedules_dir: str | None = DEFAULT_SCHEDULES_DIR
+    # Whether the file names schedules_dir (then it must exist: schedules_dir_refusal).
+    schedules_dir_named: bool = field(default=False, compare=False)
     # This host's name in lease owners ("node:pid") and status; default: the hostname.
     node_name: str | None = None
     # Named notifiers (`--notify NAME` stores a name), the default one, the mail program.
@@ -174,7 +179,7 @@ _NUMBER_MAX = 315_360_000
 _KNOWN_KEYS = {
     "type", "url", "password_file", "table", "log", "poll_interval", "timezone", "alive_time",
     "retry_wait",
-    "retry_wait_max", "max_attempts",
+    "retry_wait_max", "max_attempts", "later_limit",
     "workers", "concurrency", "control_socket", "control_group", "metrics_listen", "dbus",
     "dbus_address",
     "shutdown_timeout", "kill_grace", "worker_timeout", "routes", "history_limit",
@@ -437,6 +442,7 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
         retry_wait=_number(raw, "retry_wait", 300, minimum=0, integer=True),
         retry_wait_max=_number(raw, "retry_wait_max", 3600, minimum=0, integer=True),
         max_attempts=_number(raw, "max_attempts", 0, minimum=0, integer=True),
+        later_limit=_number(raw, "later_limit", 86400, minimum=0, integer=True),
         workers=_number(raw, "workers", 2, minimum=1, integer=True),
         concurrency=_number(raw, "concurrency", 8, minimum=1, integer=True),
         control_socket=sock,
@@ -455,6 +461,7 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
                                  minimum=0, integer=True),
         node_name=node_name,
         schedules_dir=schedules_dir,
+        schedules_dir_named="schedules_dir" in raw,
         notifiers=tuple(notifiers.items()),
         notify=default_notify,
         sendmail=sendmail,
@@ -481,6 +488,19 @@ def notify_refusal(config: Config) -> str | None:
                 "host, and a mail notifier needs it (install a mail transfer agent, or set "
                 "sendmail: to its path)")
     return None
+
+
+def schedules_dir_refusal(config: Config) -> str | None:
+    """A schedules_dir the file names must be a directory (at start and on reload): a
+    typo would otherwise read as "no files", and a reload would remove every schedule
+    the files held.  The default, unnamed, may be absent (no files).  One line, or None."""
+    directory = config.schedules_dir
+    if directory is None or not config.schedules_dir_named or os.path.isdir(directory):
+        return None
+    where = f"{config.source}: " if config.source else ""
+    what = "is not a directory" if os.path.lexists(directory) else "does not exist"
+    return (f"{where}schedules_dir: {directory} {what} (create it, or set "
+            "schedules_dir: off for no schedules files)")
 
 
 def host_refusals(config: Config, grant: bool = False) -> list[tuple[int, str]]:

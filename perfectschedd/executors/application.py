@@ -301,8 +301,8 @@ class _ObservedTask:
         try:
             if wait is None:
                 self._task.retry()
-            else:
-                self._task.retry(wait=wait)
+            else:  # SCHED_LATER's equivalent: not a failure (max_attempts aside)
+                self._task.retry(wait=wait, later=True)
             self.action, self.wait = "retry", wait
         finally:
             if watch is not None:

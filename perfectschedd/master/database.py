@@ -164,16 +164,34 @@ class MasterDatabase:
         self._prune_walk_started = time.monotonic()
         # Runs the master records itself (a dead worker's, as `lost`) are notified from
         # here; only where some notifier is configured.
-        self.notices: Dispatcher | None = None
-        if config.all_notifiers():
-            self.notices = Dispatcher(config, self._previous_outcome,
-                                      previous_many=self._previous_outcomes)
+        self.notices = self._dispatcher(config)
         # Set once the first attempt to open the store has ended, whatever its outcome.
         self.first_open = threading.Event()
         self._started_mono: float | None = None
         # Why the database can never be used by this version (SchemaError): the daemon
         # stops.  None while it can, or may once it answers.
         self.fatal: str | None = None
+
+    def _dispatcher(self, config: Config) -> Dispatcher | None:
+        if not config.all_notifiers():
+            return None
+        return Dispatcher(config, self._previous_outcome, previous_many=self._previous_outcomes)
+
+    def reconfigure(self, config: Config) -> None:
+        """A reload that keeps the database (url and table): what the master does with
+        it follows the new configuration at once (the zone and notifiers of `add`, the
+        schedules_dir that refusals name, history_limit, the lost runs' notifiers), as
+        after a restart.  The open store stays: its statement deadline is the old
+        alive_time's until the next restart (the workers open theirs anew)."""
+        old, self.config = self.config, config
+        sc = self.sc
+        if sc is not None:
+            sc.config = config
+        if _notifying(old) != _notifying(config):
+            notices, self.notices = self.notices, self._dispatcher(config)
+            if notices is not None:  # what it holds is still told, off the loop
+                threading.Thread(target=notices.drain, args=(5.0,), daemon=True,
+                                 name="old-notices").start()
 
     def start(self) -> None:
         self._started_mono = time.monotonic()
@@ -531,6 +549,7 @@ class MasterDatabase:
     def _open(self) -> None:
         with self._gate():
             sc = ScheduleCollection(self.config, PAGE_CACHE_KIB)
+        sc.config = self.config  # a reload while it opened (reconfigure) is not lost
         self.store = sc.store
         self.sc = sc
         log.info("database open")
@@ -639,6 +658,13 @@ def refusal_of(config: Config, wait: float = RELOAD_CHECK_WAIT) -> str | None:
     thread.start()
     thread.join(wait)
     return found[0] if found else None
+
+
+def _notifying(config: Config) -> tuple[Any, ...]:
+    """What the master's notification thread reads of a configuration."""
+    return (config.notifiers, config.notify, config.sendmail, config.node,
+            config.entry_notify, tuple(r.notify for r in config.routes),
+            tuple(r.pattern for r in config.routes))
 
 
 def _failing(row: Row, last: dict[str, Any] | None, now: float) -> dict[str, Any]:

@@ -46,8 +46,9 @@ def _main(argv: list[str] | None) -> int:
     logsetup.setup(None)
     try:
         cfg = config_mod.load(source, ns.environment)
-        refusal = config_mod.notify_refusal(cfg)
-        if refusal is not None:  # a host check: perfectschedctl -c reads the file too
+        # Host checks: perfectschedctl -c reads the file too, and needs neither.
+        refusal = config_mod.notify_refusal(cfg) or config_mod.schedules_dir_refusal(cfg)
+        if refusal is not None:
             raise ConfigError(refusal)
     except (ConfigError, NotSupportedError) as exc:
         log.error("%s", exc)

@@ -561,7 +561,7 @@ class Supervisor:
         old = self.config
         try:
             new = config_mod.load(self.config_source, self.environment)
-            refusal = config_mod.notify_refusal(new)
+            refusal = config_mod.notify_refusal(new) or config_mod.schedules_dir_refusal(new)
             if refusal is not None:
                 raise ConfigError(refusal)
             if (new.url, new.table) != (old.url, old.table):
@@ -591,6 +591,8 @@ class Supervisor:
             self.db.stop_in_background()
             self.db = MasterDatabase(new)
             self.db.start()
+        else:
+            self.db.reconfigure(new)
         self.listeners.swap_dbus(old, new)
         # The old generation drains once the new one is up.
         if self.table.begin_reload(new.workers, new.worker_timeout, time.monotonic()):

@@ -49,6 +49,7 @@ from perfectschedd.schedules.validate import (
 )
 from perfectschedd.store.schema import lease_until
 from perfectschedd.store.sql import Advance, Claimed, Row, Store
+from perfectschedd.store.states import FAILURES, LATER
 
 _UNSET: Any = object()
 # What refuse_on_older_hosts names for an interval schedule.
@@ -129,6 +130,10 @@ def _run_at(now: float, wait: float) -> int:
     return math.ceil(now + wait) if wait else int(now)
 
 
+# How a run of a row ends in its history (the latest says why an unheld row waits).
+RUN_ENDS = ("success", *FAILURES, LATER, "released", "stopped", "preempted", "no_route")
+
+
 def _retry_at(now: float, wait: float) -> int:
     """The whole second at which an attempt that ended at `now` is tried again: not before
     `wait` seconds, and never in the same second, even without a wait (retry_wait: 0,
@@ -142,7 +147,8 @@ class Task:
 
     __slots__ = ("_collection", "key", "type", "cron", "delay", "timezone", "scheduled_time",
                  "attempt", "fence", "_data_text", "_data", "done", "claimed_at",
-                 "due_time", "has_extra", "_advance", "policy", "gave_up", "creator")
+                 "due_time", "has_extra", "_advance", "policy", "gave_up", "creator",
+                 "later_refused")
 
     def __init__(self, collection: ScheduleCollection, claimed: Claimed, claimed_at: float):
         self._collection = collection
@@ -164,6 +170,8 @@ class Task:
         self.policy = policy_mod.from_text(claimed.policy)
         self.gave_up = False  # its last failed attempt was its last (max_attempts)
         self.creator = claimed.creator  # whose notifications its runs are (dispatch.py)
+        # Why a SCHED_LATER was refused and the occurrence given up (later_limit), or None.
+        self.later_refused: str | None = None
 
     @property
     def schedule_key(self) -> str:
@@ -278,21 +286,37 @@ class Task:
         back-off: retry_wait, doubled per attempt up to retry_wait_max).  After the
         schedule's max_attempts the occurrence is given up instead: the schedule moves
         on to its next one (`gave_up` says so).  `later`: the job asked to run again
-        (SCHED_LATER), which is not a failure."""
-        if not later and self.policy.gives_up(self.attempt,
-                                              self._collection.config.max_attempts):
+        (SCHED_LATER), which is not a failure: the attempt does not count, and the
+        occurrence is given up instead only when the run asked for would start more than
+        the config's later_limit after the occurrence was due (`later_refused` says so)."""
+        now = time.time() if now is None else now
+        if wait is None:
+            wait = self.backoff()
+        run_at = _retry_at(now, wait)
+        if later:
+            self.later_refused = self._past_later_limit(wait, run_at)
+        if self.later_refused is not None or (not later and self.policy.gives_up(
+                self.attempt, self._collection.config.max_attempts)):
             self._end()
             self.gave_up = True
             if self._collection.store.advance([self.next_advance()]):
                 raise PreemptedError(f"task {self.key!r} lost its lease before giving up")
             return
         self._end()
-        if wait is None:
-            wait = self.backoff()
-        now = time.time() if now is None else now
-        if not self._collection.store.reschedule(self.key, self.fence, _retry_at(now, wait),
-                                                 count_attempt=True):
+        if not self._collection.store.reschedule(self.key, self.fence, run_at,
+                                                 count_attempt=not later):
             raise PreemptedError(f"task {self.key!r} lost its lease before retry")
+
+    def _past_later_limit(self, wait: float, run_at: int) -> str | None:
+        """Why running again at `run_at` (SCHED_LATER `wait`) is refused: later_limit;
+        else None."""
+        limit = self._collection.config.later_limit
+        due = self.due_of(self.scheduled_time)
+        if limit <= 0 or run_at <= due + limit:
+            return None
+        return (f"SCHED_LATER {wait:g} refused: the occurrence of {self.scheduled_time} "
+                f"would run {int(run_at - due)} s after it was due, more than later_limit "
+                f"({limit} s); given up, the schedule moves on")
 
     def backoff(self) -> float:
         config = self._collection.config
@@ -681,7 +705,9 @@ class ScheduleCollection:
                 or row.next_run_time <= now_s:
             return
         due = row.next_time + row.delay + policy_mod.from_text(row.policy).offset(key)
-        if due <= now_s:
+        # One that waits because its run asked to (SCHED_LATER: its attempt did not
+        # count) is left alone too.
+        if due <= now_s and self.store.last_outcome(key, now_s + 1, RUN_ENDS) != LATER:
             self.store.wake(key, row.fence, now_s)
 
     def group_holders(self, keys: Collection[str]) -> dict[str, str | None]:

@@ -233,6 +233,7 @@ class FileSchedules:
     loaded: Loaded = field(default_factory=Loaded)
     applied: dict[str, Entry] | None = None
     applied_sources: set[str] = field(default_factory=set)
+    applied_timezone: str | None = None  # the default zone `applied` was written with
     due_at: float | None = None  # monotonic time of the next apply; None: none pending
     reported: set[tuple[str, str, str]] = field(default_factory=set)
     lock: threading.Condition = field(default_factory=threading.Condition)
@@ -250,10 +251,21 @@ class FileSchedules:
         if host is None:
             host = HostChecks(os.geteuid(), config.sendmail)
         directory = config.schedules_dir
-        if directory is None or not Path(directory).is_dir():
-            if directory is not None and directory != self.directory:
-                log.info("schedules_dir %s does not exist: no schedules files", directory)
+        missing = directory is not None and not Path(directory).is_dir()
+        if directory is None or missing:
             loaded = Loaded()
+            if missing:
+                # Gone (the unnamed default; a named one is refused before): what its files
+                # held stays as it was, as for a file that cannot be read.  An empty
+                # directory is an edit, and removes them.
+                loaded.broken = self.loaded.sources | self.loaded.broken | \
+                    self.applied_sources
+                if loaded.broken:
+                    log.warning("schedules_dir %s does not exist: the schedules of its "
+                                "files stay as they were", directory)
+                elif directory != self.directory:
+                    log.info("schedules_dir %s does not exist: no schedules files",
+                             directory)
         else:
             # As cron: the files, and the directory, are root's or the daemon's own.
             loaded = check([directory], host)
@@ -309,6 +321,11 @@ class FileSchedules:
         """Converge (run by the master's database thread)."""
         with self.lock:
             loaded, previous, loads = self.loaded, self.applied, self.loads
+        tz = sc.config.timezone
+        if previous is not None and tz != self.applied_timezone:
+            # A reload changed the default zone: the entries that name none take it, as
+            # at a start (else each would look changed elsewhere: `differs`).
+            previous = {k: e for k, e in previous.items() if e.timezone is not None}
         remove_from = (loaded.sources | self.applied_sources) - loaded.broken
         # Rows that name an entry of these files (exec:K) but are not its own: whatever
         # wrote them (0.1.0 stored any type; a database peer), they never run.
@@ -341,6 +358,7 @@ class FileSchedules:
         with self.lock:
             again = {c.key for c in changes if c.again}
             self.applied = {k: e for k, e in loaded.entries.items() if k not in again}
+            self.applied_timezone = tz
             self.applied_sources = set(loaded.sources) | (
                 self.applied_sources & loaded.broken)
             self.refusals = [f"schedules file entry {c.line()}" for c in changes

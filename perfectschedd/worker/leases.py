@@ -512,8 +512,12 @@ class LeasePipeline:
                 outcome = "failed"
                 error = error or error_line(task.exhausted)
                 log.error("key=%s: %s", task.key, task.exhausted)
+            if task.later_refused is not None:
+                outcome, error = "failed", error_line(task.later_refused)
+                log.error("key=%s: %s", task.key, task.later_refused)
             if task.gave_up:
                 metrics.occurrence_given_up(task.type)
+            if task.gave_up and task.later_refused is None:
                 log.error("key=%s: gave up the occurrence of %d after %d failed attempt(s) "
                           "(max_attempts); the schedule moves on", task.key,
                           task.scheduled_time, task.attempt)
@@ -549,10 +553,11 @@ class LeasePipeline:
                 self.controls.pop(task.key, None)
                 # This run's thread is still counted active: it takes the next task.
                 queued = self._queued() + 1
-            if task.group is not None and task not in self.finished:
+            if task.group is not None and task not in self.finished and not (
+                    outcome == "later" and task.group == task.key):
                 # Ended otherwise than by a finish (retry, release, stopped), or finished
                 # and already written: the group's next run may start (a finish still
-                # queued wakes it once written).
+                # queued wakes it once written).  Not the row that asked to run later.
                 self._wake_group(task.group)
             # While the loop sleeps letting finishes gather and every thread still has
             # a task waiting, a nudge would only turn the loop to defer again (a wake-up

@@ -437,7 +437,8 @@ class FinishesSlowly(Application):
     (Finishes, Outcome.SUCCESS, [("finish",)]),
     (ReturnsQuietly, Outcome.SUCCESS, [("finish",)]),
     (Retries, Outcome.FAILED, [("retry", (), {})]),
-    (RetriesLater, Outcome.LATER, [("retry", (), {"wait": 12})]),
+    # SCHED_LATER's equivalent: not a failure (issue 39 item 3).
+    (RetriesLater, Outcome.LATER, [("retry", (), {"wait": 12, "later": True})]),
     (Releases, Outcome.RELEASED, [("release",)]),
 ])
 @pytest.mark.parametrize("armed", [False, True])

@@ -298,6 +298,30 @@ def test_file_schedules_without_a_directory_hold_nothing(
     assert fs.applied == {}
 
 
+def test_a_directory_that_vanished_deletes_nothing_an_emptied_one_does(
+        sc: ScheduleCollection, tmp_path: Path) -> None:
+    """Issue 39 item 2: a schedules_dir gone (the default, which the file need not name)
+    keeps its files' schedules as they were; emptied, it removes them."""
+    sdir = tmp_path / "schedules.d"
+    sdir.mkdir(mode=0o755)
+    write(sdir / "jobs.yml", [{"key": "a", "cron": "@daily", "type": "t"}])
+    fs = FileSchedules()
+    config = dataclasses.replace(sc.config, schedules_dir=str(sdir))
+    fs.load(config)
+    fs.apply(sc)
+    before = rows(sc)
+    assert set(before) == {"a"}
+    (sdir / "jobs.yml").rename(tmp_path / "jobs.yml")
+    sdir.rmdir()
+    fs.load(config)
+    fs.apply(sc)
+    assert rows(sc) == before
+    sdir.mkdir(mode=0o755)
+    fs.load(config)
+    fs.apply(sc)
+    assert rows(sc) == {}
+
+
 def forced_delete(sc: ScheduleCollection, key: str) -> None:
     """What `delete --force` stores (control/commands.py _delete)."""
     sc[key].delete(marker=lambda info: deletions.marker(key, info.source, info.as_dict()))

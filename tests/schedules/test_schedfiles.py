@@ -204,6 +204,9 @@ def test_apply_prints_changes_and_refuses_bad_files(daemon_factory: Any, tmp_pat
     assert res.stderr.strip() == ("perfectschedctl: refused mine (the key belongs to api "
                                   "(made with add))")
     assert "new" not in listed(d) and listed(d)["mine"]["cron"] == "@daily"
+    # The dry run says what apply does (issue 39 item 4): the same refusal, nothing else.
+    dry = d.ctl("apply", "--dry-run", str(f), check=False)
+    assert (dry.returncode, dry.stdout, dry.stderr) == (1, "", res.stderr)
     # Invalid entries: one line per problem, exit 1, nothing written.
     write(f, textwrap.dedent("""\
         - key: ok
