@@ -63,7 +63,10 @@ def nobody_daemon(where: Path, routes: list[dict[str, Any]], **config: Any) -> D
     mods = where / "mods"
     mods.mkdir()
     (mods / "grantjob.py").write_text(PYJOB.format(dir=str(where)))
-    d = Daemon(where, {"routes": routes, "kill_grace": 1, "poll_interval": 0.2, **config},
+    # worker_timeout: a loaded host must not have a worker killed (and its jobs with it)
+    # for being slow: that would stop the jobs for another reason than the grant.
+    d = Daemon(where, {"routes": routes, "kill_grace": 1, "poll_interval": 0.2,
+                       "worker_timeout": 60, **config},
                command=["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
                         *foreign_python(), "-m", "perfectschedd"],
                extra_args=["-I", str(mods)],
