@@ -305,27 +305,29 @@ def test_a_stalled_log_drops_records_past_the_bound_counts_and_says_so(
     stalled = _StalledStream(logsetup._output.stream)
     logsetup._output.stream = stalled
     log = logging.getLogger("perfectschedd.test")
-    log.info("first")
-    assert stalled.entered.wait(10)  # the writer is stuck in its write
-    before = logsetup.dropped()
-    flood = 3 * logsetup.QUEUE_MAX
+    try:
+        log.info("first")
+        assert stalled.entered.wait(10)  # the writer is stuck in its write
+        before = logsetup.dropped()
+        flood = 3 * logsetup.QUEUE_MAX
 
-    def log_flood() -> None:
-        for i in range(flood):
-            if i % 2:
-                log.info("flood %d", i)
-            else:
-                logsetup.info(log, f"flood {i}")
+        def log_flood() -> None:
+            for i in range(flood):
+                if i % 2:
+                    log.info("flood %d", i)
+                else:
+                    logsetup.info(log, f"flood {i}")
 
-    logger = threading.Thread(target=log_flood)
-    logger.start()
-    logger.join(60)
-    assert not logger.is_alive(), "logging waited for a stalled log"
-    queued = logsetup._queue.qsize() if logsetup._queue is not None else 0
-    dropped = logsetup.dropped() - before
-    assert queued <= logsetup.QUEUE_MAX
-    assert dropped == flood - queued >= flood - logsetup.QUEUE_MAX
-    stalled.go.set()
+        logger = threading.Thread(target=log_flood)
+        logger.start()
+        logger.join(60)
+        assert not logger.is_alive(), "logging waited for a stalled log"
+        queued = logsetup._queue.qsize() if logsetup._queue is not None else 0
+        dropped = logsetup.dropped() - before
+        assert queued <= logsetup.QUEUE_MAX
+        assert dropped == flood - queued >= flood - logsetup.QUEUE_MAX
+    finally:
+        stalled.go.set()  # the writer goes on, whatever happened
     logsetup.flush()
     wait_until(lambda: "dropped" in path.read_text(), 10, what="the drops' line")
     lines = path.read_text().splitlines()

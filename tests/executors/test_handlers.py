@@ -277,7 +277,8 @@ def test_exec_large_output_no_deadlock() -> None:
     big = "y" * 100
     task = FakeTask(key="big", data={"blob": big * 20000})  # 2 MB on stdin, never read
     start = time.monotonic()
-    result = run_task(task, sh(script, timeout=30), log=log, kill_grace=1.0)
+    result = run_task(task, sh(script, timeout=30), log=log, kill_grace=1.0,
+                      log_output_limit=2 * size)  # every line logged, none cut
     assert result.outcome == Outcome.SUCCESS
     assert seen == {logging.INFO: size, logging.WARNING: size}
     assert time.monotonic() - start < 10
@@ -326,7 +327,8 @@ def test_exec_runs_leave_no_descriptor_open(tmp_path: Path) -> None:
 
 def test_exec_huge_line_is_bounded(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, LOGGER)
-    run(FakeTask(key="wide"), sh("head -c 300000 /dev/zero | tr '\\0' x"))
+    run(FakeTask(key="wide"), sh("head -c 300000 /dev/zero | tr '\\0' x"),
+        log_output_limit=1 << 20)
     lengths = [len(r.getMessage()) for r in caplog.records if r.name == LOGGER]
     assert sum(lengths) == 300000 + len("wide: ") * len(lengths)
     assert max(lengths) <= command._MAX_LINE + len("wide: ")
