@@ -61,6 +61,10 @@ class RouteConfig:
     # A schedules file's exec entry: its file (file:NAME), whose own row alone it runs
     # (fields.foreign_exec_row); None for the configuration's routes.
     source: str | None = None
+    # ...and its data (canonical JSON): row K holding other data (another host's version,
+    # or a client's of 0.1.0 not yet overwritten by this host's convergence) is not run
+    # here with this host's command.
+    data: str | None = None
 
     @property
     def regexp(self) -> re.Pattern[str] | None:

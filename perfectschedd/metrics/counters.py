@@ -165,7 +165,7 @@ class _WorkerMetrics:
         self.finished = Counter(
             f"{p}_tasks_finished",
             "Tasks ended, by task type and outcome (success, failed, timeout, later, "
-            "preempted, released, stopped, no_route, refused, db_error).",
+            "preempted, released, stopped, no_route, refused, not_applied, db_error).",
             ["type", "outcome"], registry=None)
         self.lateness = Histogram(f"{p}_task_lateness_seconds",
                                   "Start time minus due time of started tasks.",
@@ -258,7 +258,7 @@ class _WorkerMetrics:
                 started.setdefault(task_type, []).append(max(0.0, seconds))
                 continue
             finished[task_type, outcome] = finished.get((task_type, outcome), 0) + 1
-            if outcome in ("no_route", "refused"):  # never started: no run time to record
+            if outcome in ("no_route", "refused", "not_applied"):  # never started: no run time
                 continue
             durations.setdefault(task_type, []).append(max(0.0, seconds))
             if at:

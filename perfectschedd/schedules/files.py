@@ -79,7 +79,7 @@ class Entry:
         return RouteConfig(pattern=self.type, exec=self.exec, timeout=self.policy.timeout,
                            env=self.env, user=self.user, append_key=False,
                            executor=self.executor, unit=self.unit, refused=refused,
-                           source=self.source)
+                           source=self.source, data=self.data)
 
 
 @dataclass

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
 import os
 import threading
@@ -77,6 +78,10 @@ DB_BACKOFF_MAX = 2.0  # a cron must resume soon after its database does
 GROUP_RECHECK = 0.25
 # A heartbeat that failed is tried again this soon (at most alive_time/3 later).
 HEARTBEAT_RETRY = 1.0
+# An entry's row holding another host's data (or a 0.1.0 client's, until the convergence
+# at start overwrites it) goes back untried for this long at most; not a run: no history.
+NOT_APPLIED = "not_applied"
+NOT_APPLIED_WAIT = 2.0
 
 
 class BatchedTask:
@@ -138,6 +143,9 @@ class LeasePipeline:
         # exec:K -> the file of this host's entry K, whose own row alone runs its command.
         self.entry_sources = {r.pattern[len(EXEC_TYPE):]: r.source for r in config.routes
                               if r.source is not None and r.pattern.startswith(EXEC_TYPE)}
+        self.entry_data = {r.pattern[len(EXEC_TYPE):]: r.data for r in config.routes
+                           if r.data is not None and r.pattern.startswith(EXEC_TYPE)}
+        self.not_applied_logged: set[str] = set()
         self.unit_tag = unitprops.daemon_tag(config.control_socket)  # units' Description
         self.node = config.node  # read once: socket.gethostname() is a system call per run
         self.running: dict[str, Task] = {}
@@ -464,6 +472,10 @@ class LeasePipeline:
                 task.refuse(refusal)
                 outcome, error = "refused", error_line(refusal)
                 return
+            if task.type.startswith(EXEC_TYPE) and self._not_this_entrys(task):
+                task.give_back(wait=min(self.config.retry_wait, NOT_APPLIED_WAIT))
+                outcome = NOT_APPLIED  # untried, and no history row: not this host's
+                return
             handler = self.router.match(task.type)
             if handler is None:
                 # Claims ask for routed types only; this one slipped through (a database
@@ -547,7 +559,8 @@ class LeasePipeline:
             # Its history row first: whoever waits for no run to be left (a drain, a
             # stop) then writes it; recorded after, it was lost when a worker exited
             # between the two (a draining worker's last run had no history).
-            self._record(task, started, duration, outcome, unit, result, error)
+            if outcome != NOT_APPLIED:
+                self._record(task, started, duration, outcome, unit, result, error)
             with self.lock:
                 self.running.pop(task.key, None)
                 self.controls.pop(task.key, None)
@@ -583,6 +596,22 @@ class LeasePipeline:
         log.warning("%s", refused_line(task.key, task.type,
                                        None if row is None else row.creator, reason))
         return reason
+
+    def _not_this_entrys(self, task: Task) -> bool:
+        """Whether entry K's own row holds other data than this host's entry K: written
+        by another host whose file differs, or by a 0.1.0 client's `apply` that this
+        host's convergence at start has not overwritten yet.  This host's command never
+        runs with it; the row goes back untried (for the host whose entry it is, or
+        until the convergence writes this host's data)."""
+        entry = exec_entry_key(task.type)
+        wanted = self.entry_data.get(entry or "")
+        if wanted is None or task.key != entry or task.data == json.loads(wanted):
+            return False
+        if task.key not in self.not_applied_logged:
+            self.not_applied_logged.add(task.key)
+            log.warning("key=%s: its data is not this host's schedules file entry's; "
+                        "given back untried", task.key)
+        return True
 
     def _record(self, task: Task, started: float, duration: float, outcome: str,
                 unit: str | None = None, result: RunResult | None = None,
