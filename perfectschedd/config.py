@@ -618,31 +618,35 @@ def refuse_routes(config: Config, grant: bool = False) -> tuple[Config, list[str
 
 
 def _notify_host(config: Config, grant: bool) -> Config:
-    """Who runs this host's exec notifiers and sendmail: never a uid that may start units
-    (docs/security.md).  A root daemon runs them as `notify_user`; a daemon holding the
-    polkit grant cannot change its uid, so it sends none of them (webhooks still go);
-    otherwise they run as the daemon's user, as its jobs do."""
+    user, refused = notify_runner(config, grant)
+    return replace(config, notify_as=user, notify_refused=refused)
+
+
+def notify_runner(config: Config, grant: bool) -> tuple[str | None, str | None]:
+    """Who runs this host's exec notifiers and sendmail (None: the daemon's user), or why
+    none may run: never a uid that may start units (docs/security.md).  A root daemon
+    runs them as `notify_user`; a daemon holding the polkit grant cannot change its uid,
+    so it sends none of them (webhooks still go); otherwise they run as the daemon's
+    user, as its jobs do."""
     where = f"{config.source}: " if config.source else ""
     if os.geteuid() == 0:
         try:
             uid = pwd.getpwnam(config.notify_user).pw_uid
         except KeyError:
-            return replace(config, notify_refused=(
-                f"{where}notify_user: no such user {config.notify_user!r} on this host: "
-                "exec and mail notifiers are not sent"))
+            return None, (f"{where}notify_user: no such user {config.notify_user!r} on "
+                          "this host: exec and mail notifiers are not sent")
         if uid == 0:
-            return replace(config, notify_refused=(
-                f"{where}notify_user: {config.notify_user} is root, which may start units: "
-                "name an unprivileged user (default nobody); exec and mail notifiers are "
-                "not sent"))
-        return replace(config, notify_as=config.notify_user)
+            return None, (f"{where}notify_user: {config.notify_user} is root, which may "
+                          "start units: name an unprivileged user (default nobody); exec "
+                          "and mail notifiers are not sent")
+        return config.notify_user, None
     if grant:
-        return replace(config, notify_refused=(
-            f"{where}notifiers: exec and mail notifiers would run as "
-            f"{runas.daemon_user()}, the daemon's user, which holds the polkit grant to "
-            "start units: they are not sent while it is on (webhooks are); turn the "
-            "grant off (perfectsched-grant disable) or use webhooks"))
-    return config
+        return None, (f"{where}notifiers: exec and mail notifiers would run as "
+                      f"{runas.daemon_user()}, the daemon's user, which holds the polkit "
+                      "grant to start units: they are not sent while it is on (webhooks "
+                      "are); turn the grant off (perfectsched-grant disable) or use "
+                      "webhooks")
+    return None, None
 
 
 def _environments(data: Any) -> list[str]:

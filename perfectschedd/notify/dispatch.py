@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from perfectschedd.config import Config
+from perfectschedd.config import Config, notify_runner
 from perfectschedd.metrics import counters as metrics
 from perfectschedd.notify import senders
 from perfectschedd.notify.spec import SILENT, Notifier
@@ -170,9 +170,11 @@ class Dispatcher:
         self.previous_many = previous_many
         self.last_recorded = 0.0  # monotonic time of the pipeline's last on_recorded
         self.host = config.node
+        user, refused = config.notify_as, config.notify_refused
+        if user is None and refused is None:  # not the host's checked config (the master's)
+            user, refused = notify_runner(config, grant=False)
         self._send = send or (lambda n, m: senders.send(
-            n, m, sendmail=config.sendmail, user=config.notify_as,
-            refused=config.notify_refused))
+            n, m, sendmail=config.sendmail, user=user, refused=refused))
         self.watch_output = any(n.when == "output" for n in config.all_notifiers())
         self.entry_notify = dict(config.entry_notify)
         # The pipeline's thread only: what it last queued or dropped per key.

@@ -73,31 +73,41 @@ def test_a_job_gets_cron_s_environment_never_the_daemon_s(daemon_factory: Any,
 def test_a_root_daemon_refuses_user_less_exec_and_python_routes(daemon_factory: Any,
                                                                 tmp_path: Path) -> None:
     out = tmp_path / "ran"
+    files = tmp_path / "schedules.d"
+    files.mkdir(mode=0o755)
+    (files / "f.yml").write_text(yaml.safe_dump([
+        {"key": "nouser", "cron": YEARLY, "exec": f"echo nouser >> {out}"}]))
     routes = [{"type": "bare", "exec": ["/bin/sh", "-c", f"echo bare >> {out}"]},
               {"type": "py", "python": "json:JSONDecoder"},
               sh("meant", f"echo meant >> {out}", user="root")]
-    d: Daemon = daemon_factory({"routes": routes}).start()
+    d: Daemon = daemon_factory({"routes": routes, "schedules_dir": str(files)}).start()
     want = [f"{d.config_path}: routes[0].user: missing; an exec job without user: runs as "
             "the daemon's user, and this daemon runs as root: name the user (user: root only "
             "if meant)",
             f"{d.config_path}: routes[1].user: missing; a python handler runs inside the "
             "daemon, and this one runs as root: write user: root to run it as root"]
-    assert d.status()["refused"] == want
+    entry = ("schedules file entry nouser: user: missing; an exec job without user: runs as "
+             "the daemon's user, and this daemon runs as root: name the user (user: root "
+             "only if meant)")
+    assert d.status()["refused"] == [*want, entry]
     for line in want:
         d.wait_log(f"{line}; this route is refused, the other routes run")
     for key, kind in (("b", "bare"), ("p", "py"), ("m", "meant")):
         d.ctl("add", key, kind, YEARLY, "-a", "0")
+    d.ctl("run", "nouser")
     wait_until(lambda: lines(out) == ["meant"], 15, what="the route with user: root")
     time.sleep(1.5)  # a poll or two: the refused routes run nothing
     assert lines(out) == ["meant"]
-    assert {s["key"]: s["last_outcome"] for s in d.ctl_json("list")} == {
-        "b": None, "p": None, "m": "success"}
+    assert {s["key"]: s["last_outcome"] for s in d.ctl_json("list")
+            if "@run-" not in s["key"]} == {"b": None, "p": None, "m": "success",
+                                            "nouser": None}
     # A reload says the same, and exits 1 (something was refused); the daemon runs on.
     d.config["routes"] = [routes[2], routes[1], routes[0]]
     d.write_config()
     res = d.ctl("reload", check=False)
     assert res.returncode == 1
-    assert d.status()["refused"] == [want[1], want[0].replace("routes[0]", "routes[2]")]
+    assert d.status()["refused"] == [want[1], want[0].replace("routes[0]", "routes[2]"),
+                                     entry]
     assert d.alive
 
 

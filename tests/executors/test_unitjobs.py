@@ -168,3 +168,14 @@ def test_the_wrapper_says_why_a_command_does_not_start() -> None:
     r = wrap("/no/such/program")
     assert r.returncode == 127 and b"cannot run /no/such/program" in r.stdout
     assert r.stderr == b""
+
+
+def test_a_unit_knows_its_schedule_and_env_cannot_replace_the_run_s_variables() -> None:
+    """An extra run's unit: PERFECTSCHED_KEY is its own key, PERFECTSCHED_SCHEDULE_KEY the
+    schedule's; the route's env: comes first, so systemd's last-wins keeps ours."""
+    task = FakeTask(key="k@run-1357000000-ab12cd34", type="exec:k")
+    env = props(task, handler(user="nobody", env=(("PERFECTSCHED_KEY", "forged"),
+                                                  ("B", "2"))))["Environment"][1]
+    assert env[:2] == ["PERFECTSCHED_KEY=forged", "B=2"]
+    assert env[2:4] == ["PERFECTSCHED_KEY=k@run-1357000000-ab12cd34",
+                        "PERFECTSCHED_SCHEDULE_KEY=k"]

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from daemon_harness import shared_dir
 from notify_receivers import wait_for
 
 from perfectschedd import config as config_mod
@@ -21,7 +22,8 @@ from perfectschedd.schedules.collection import ScheduleCollection
 
 def make(tmp_path: Path, **extra: Any) -> tuple[Dispatcher, ScheduleCollection, Path,
                                                  list[str]]:
-    told = tmp_path / "told"
+    # Under root the notifiers run as notify_user (nobody): a directory it may write to.
+    told = shared_dir() / "told"
     argv = ["/bin/sh", "-c", f'echo "$PERFECTSCHED_KEY $PERFECTSCHED_EVENT" >> {told}']
     raw = {"type": "rdb_compat", "url": f"sqlite:///{tmp_path / 'db.sqlite'}",
            "notifiers": {"log": {"exec": argv},
