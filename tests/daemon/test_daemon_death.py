@@ -29,8 +29,9 @@ def alive(pid: int) -> bool:
 
 def host(daemon_factory: Any, url: str, name: str, jobdir: Path) -> Daemon:
     return daemon_factory({"node_name": name, "alive_time": 4, "poll_interval": 0.2,
-                           "routes": [sh("job", JOB)]},
-                          url=url, env={"JOBDIR": str(jobdir), "HOST": name})
+                           "routes": [sh("job", JOB,
+                                         env={"JOBDIR": str(jobdir), "HOST": name})]},
+                          url=url)
 
 
 def kill_together(d: Daemon, *, guard_too: bool = False) -> None:

@@ -32,8 +32,10 @@ def entries_file(sdir: Path, out: Path) -> None:
     `out`: what ran, with which data, is the side effect the tests read."""
     command = f'printf "%s %s\\n" "$PERFECTSCHED_KEY" "$(cat)" >> {out}'
     (sdir / "root.yml").write_text(yaml.safe_dump([
-        {"key": "rootjob", "cron": "@every 1s", "exec": command, "data": {"own": 1}},
-        {"key": "rootjob2", "cron": "@every 1s", "exec": command, "data": {"own": 2}},
+        {"key": "rootjob", "cron": "@every 1s", "exec": command, "user": "root",
+         "data": {"own": 1}},
+        {"key": "rootjob2", "cron": "@every 1s", "exec": command, "user": "root",
+         "data": {"own": 2}},
     ], sort_keys=False))
 
 
