@@ -299,11 +299,11 @@ class Daemon:
 
     def children(self) -> list[int]:
         """Direct children of the master: the workers (not its job guard)."""
-        return [p for p in _children(self.pid) if not _is_guard(p)]
+        return [p for p in _children(self.pid) if not is_guard(p)]
 
     def guard(self) -> int:
         """The pid of the master's job guard (executors/guard.py)."""
-        [pid] = [p for p in _children(self.pid) if _is_guard(p)]
+        [pid] = [p for p in _children(self.pid) if is_guard(p)]
         return pid
 
     def descendants(self) -> list[int]:
@@ -338,7 +338,7 @@ class Daemon:
         return dict(self.ctl_json("status"))
 
 
-def _is_guard(pid: int) -> bool:
+def is_guard(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/comm").read_bytes().strip() == guard.NAME
     except OSError:

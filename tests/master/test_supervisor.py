@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_harness import DAEMON, YEARLY, Daemon, lines, pid_alive, sh, wait_until
+from daemon_harness import DAEMON, YEARLY, Daemon, is_guard, lines, pid_alive, sh, wait_until
 
 import perfectschedd
 
@@ -45,8 +45,11 @@ def stop_keep_messages(d: Daemon, sig: int | None = signal.SIGTERM, timeout: flo
     descendants = d.descendants() if descendants is None else descendants
     if sig is not None:
         d.send_signal(sig)
+    guards = [p for p in descendants if is_guard(p)]
     code = d.proc.wait(timeout)
     msgs = d.messages()
+    # The job guard ends by itself once master and workers are gone (one /proc scan).
+    all_dead(guards, timeout=5.0)
     survivors = [p for p in descendants if pid_alive(p)]
     d.kill()
     assert not survivors, f"processes outlived the daemon: {survivors}"
