@@ -36,8 +36,8 @@ def test_300_types_of_a_regexp_route_make_at_most_100_labels(
     many = 300
     d = daemon_factory({
         "workers": 2, "poll_interval": 0.2,
-        "routes": [{"type": "exact-job", "python": "typejobs:Ok"},
-                   {"type": "/^t-/", "python": "typejobs:Ok"}],
+        "routes": [{"type": "exact-job", "python": "typejobs:Ok", "user": "root"},
+                   {"type": "/^t-/", "python": "typejobs:Ok", "user": "root"}],
     }, extra_args=["-I", str(tmp_path)]).start()
     sc = ScheduleCollection(config_mod.load(str(d.config_path)))
     try:
