@@ -379,6 +379,7 @@ def start_plain_daemon(d: Path, tree: Path, url: str | None = None
     cfg = {"type": "rdb_compat", "url": url or f"sqlite:///{d / 'sched.db'}",
            "control_socket": sock, "metrics_listen": "off", "workers": 2,
            "routes": [], "schedules_dir": str(d / "none")}
+    (d / "none").mkdir(exist_ok=True)  # named, so it must exist (an empty one: no files)
     (d / "c.yml").write_text(yaml.safe_dump(cfg))
     notify = NotifyListener(d / "notify.sock")
     env = {**os.environ, "PYTHONPATH": str(tree), "NOTIFY_SOCKET": notify.path}

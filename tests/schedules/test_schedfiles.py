@@ -153,7 +153,7 @@ def test_exec_entry_runs_on_the_hosts_that_hold_it(daemon_factory: Any, db_url: 
         "env": {"GREETING": "hello from the file"}, "user": "root"}])
     holder: Daemon = daemon_factory({"schedules_dir": str(sdir), "node_name": "holder",
                                      "workers": 1}, url=db_url).start()
-    other: Daemon = daemon_factory({"schedules_dir": str(tmp_path / "none"),
+    other: Daemon = daemon_factory({"schedules_dir": "off",
                                     "node_name": "other", "workers": 2,
                                     "poll_interval": 0.1}, url=db_url).start()
     wait_until(lambda: "shell-job" in listed(other), what="the entry stored")
