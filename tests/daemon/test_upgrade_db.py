@@ -364,7 +364,7 @@ def test_new_daemon_keeps_and_runs_a_database_of_0_2_0(
 
     d_new: Daemon = daemon_factory(
         {"node_name": "new-host", "schedules_dir": str(sdir),
-         "routes": [py, fail, sh("t", "true")]},
+         "routes": [{**py, "user": "root"}, fail, sh("t", "true")]},
         url=db_url, extra_args=["-I", str(mods)]).start()
     new_socket = ctl_many(CTL, ["--socket", d_new.socket_path])
 
