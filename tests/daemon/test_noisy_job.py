@@ -88,7 +88,8 @@ def start(daemon_factory: Any, tmp_path: Path, body: str, **config: Any
     log = StalledLog(tmp_path / "log.fifo")
     pid_file = tmp_path / "worker.pid"
     d: Daemon = daemon_factory({
-        "routes": [{"type": "noisy", "exec": script(pid_file, body)}], "workers": 1,
+        "routes": [{"type": "noisy", "exec": script(pid_file, body), "user": "root"}],
+        "workers": 1,
         "worker_timeout": 60,
         "poll_interval": 0.2, "log": str(log.path), **config}).start(timeout=90)
     d.ctl("add", "flood", "noisy", YEARLY, "--at", "0", "--max-attempts", "1")
