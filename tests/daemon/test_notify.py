@@ -284,7 +284,7 @@ def test_a_members_flood_does_not_delay_roots_failure(daemon_factory: Any,
             "poll_interval": 0.2, "max_attempts": 1,
             "notifiers": {"member": {"webhook": member_hook.url},
                           "root": {"webhook": root_hook.url}},
-            "routes": [{"type": "fail", "python": "floodjobs:Fails"}]},
+            "routes": [{"type": "fail", "python": "floodjobs:Fails", "user": "root"}]},
             extra_args=["-I", str(mods)]).start()
         sc = ScheduleCollection(config_mod.load(str(d.config_path)))
         try:
