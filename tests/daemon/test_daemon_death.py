@@ -66,7 +66,7 @@ def test_jobs_die_with_the_daemon_and_a_second_host_never_runs_beside_them(
         second_copy = jobdir / "h1.pid"
         # Until the second host runs the occurrence again (once the 4 s lease expires).
         while not second_copy.exists():
-            assert time.monotonic() < killed_at + 30, "the second host never ran it"
+            assert time.monotonic() < killed_at + 60, "the second host never ran it"
             if died_after is None and not alive(orphan):
                 died_after = time.monotonic() - killed_at
             time.sleep(0.02)
