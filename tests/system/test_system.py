@@ -136,8 +136,10 @@ class Namespace:
         return self.run(*argv, check=False).stdout
 
     def children(self, pid: int) -> list[int]:
-        r = self.run("pgrep", "-P", str(pid), check=False)
-        return sorted(int(p) for p in r.stdout.split())
+        """The children of `pid` but its job guard (psched-guard): the master's workers."""
+        r = self.run("ps", "-o", "pid=,comm=", "--ppid", str(pid), check=False)
+        rows = [line.split() for line in r.stdout.splitlines() if line.strip()]
+        return sorted(int(row[0]) for row in rows if row[1:] != ["psched-guard"])
 
     def ctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         return self.run("perfectschedctl", *args, check=check, timeout=30)
