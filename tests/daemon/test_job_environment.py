@@ -119,7 +119,9 @@ def test_notifiers_run_as_notify_user_with_cron_s_environment(daemon_factory: An
         "sendmail": str(sendmail),
         "notifiers": {
             "ops": {"mail": "ops@example.com"},
-            "script": {"exec": ["/bin/sh", "-c", f"{{ id -u; {DUMP}; }} > {told}"]}},
+            # Whole or not at all: the test may look while the notifier still writes.
+            "script": {"exec": ["/bin/sh", "-c",
+                                f"{{ id -u; {DUMP}; }} > {told}.tmp && mv {told}.tmp {told}"]}},
         "routes": [sh("mailed", "exit 3", notify="ops"),
                    sh("scripted", "exit 2", notify="script")]}, env=SECRETS).start()
     d.ctl("add", "m", "mailed", YEARLY, "-a", "0", "--max-attempts", "1")
