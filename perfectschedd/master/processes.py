@@ -84,25 +84,13 @@ class Processes:
     def drain(pid: int, fd: int) -> bool:
         """Tell worker `pid` to drain (pipe.DRAIN); False when its pipe is full (try
         again: it reads the pipe within a second)."""
-        try:
-            os.write(fd, pipe.DRAIN)
-        except BlockingIOError:
-            return False
-        except OSError:
-            pass  # gone: reaped soon
-        return True
+        return _tell(fd, pipe.DRAIN)
 
     @staticmethod
     def grant(pid: int, fd: int) -> bool:
         """Tell worker `pid` that the polkit grant came on (pipe.GRANT); False when its
         pipe is full (try again)."""
-        try:
-            os.write(fd, pipe.GRANT)
-        except BlockingIOError:
-            return False
-        except OSError:
-            pass  # gone: reaped soon
-        return True
+        return _tell(fd, pipe.GRANT)
 
     @staticmethod
     def close(*fds: int) -> None:
@@ -111,3 +99,14 @@ class Processes:
                 os.close(fd)
             except OSError:
                 pass
+
+
+def _tell(fd: int, byte: bytes) -> bool:
+    """Write one command byte to a worker's wake pipe; False when the pipe is full."""
+    try:
+        os.write(fd, byte)
+    except BlockingIOError:
+        return False
+    except OSError:
+        pass  # gone: reaped soon
+    return True
