@@ -268,24 +268,30 @@ class Dispatcher:
 
     # -- the threads --------------------------------------------------------------------
 
+    def _rest(self, lane: Lane) -> None:
+        """The lane has nothing to do (self.cond held): tell drain(), once.  Only on the
+        change: the lanes share the condition, and a lane that notified each time it went
+        to wait would wake the other, which would wake it again, for ever (two threads
+        spinning on a futex in every daemon with a notifier, as 0.3.0's first build did)."""
+        if lane.busy:
+            lane.busy = False
+            self.cond.notify_all()
+
     def _loop(self, lane: Lane) -> None:
         unverified = False
         while True:
             batch: list[Run] = []
             with self.cond:
                 while not lane.size and not lane.unverified and not self.stopping.is_set():
-                    lane.busy = False
-                    self.cond.notify_all()
+                    self._rest(lane)
                     self.cond.wait()
                 if not lane.size and not lane.unverified:
-                    lane.busy = False
-                    self.cond.notify_all()
+                    self._rest(lane)
                     return
                 if not lane.size and not self.stopping.is_set():
                     quiet_in = self.last_recorded + QUIET - time.monotonic()
                     if quiet_in > 0 and len(lane.unverified) < STATE_MAX // 2:
-                        lane.busy = False
-                        self.cond.notify_all()
+                        self._rest(lane)
                         self.cond.wait(quiet_in)
                         continue
                 lane.busy = True

@@ -339,3 +339,18 @@ def test_one_members_backlog_is_bounded_and_drops_only_its_own(
     record(d, sc, runs("m40", ["failed"], start=5000.0, creator=1000))
     settle(d)
     assert sender.keys(1000)[-1] == "m40"
+
+
+def test_idle_lanes_sleep(tmp_path: Path) -> None:
+    """Both lanes' threads wait on one condition: with nothing to tell, neither may wake
+    the other (once they did, for ever: two threads spinning in every daemon with a
+    notifier).  This process's CPU time over a second of rest is the test."""
+    d, sc, path, _ = make(tmp_path)
+    record(d, sc, runs("k", ["failed"]))
+    wait_for(lambda: told(path) == ["k failure"], what="the failure told")
+    idle(d)
+    assert all(lane.thread is not None and lane.thread.is_alive() for lane in d.lanes)
+    before = time.process_time()
+    time.sleep(1.0)
+    assert time.process_time() - before < 0.2  # spinning, it was the whole second
+    settle(d)
