@@ -35,7 +35,9 @@ def host(daemon_factory: Any, url: str, name: str, jobdir: Path) -> Daemon:
 
 
 def kill_together(d: Daemon, *, guard_too: bool = False) -> None:
-    victims = [d.pid, *d.children(), *([d.guard()] if guard_too else [])]
+    # The guard first: killed last, it could see the others gone and do its work before
+    # its own KILL arrived (it did, on a loaded machine).
+    victims = [*([d.guard()] if guard_too else []), d.pid, *d.children()]
     for pid in victims:
         os.kill(pid, signal.SIGKILL)
     assert d.proc is not None
