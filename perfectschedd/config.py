@@ -58,6 +58,9 @@ class RouteConfig:
     # Who hears of this route's failures (notify_spec.SILENT: nobody); None: the
     # configuration's default.
     notify: Notifier | None = None
+    # Its schedules get series of their own on /metrics unless one says otherwise
+    # (policy.metrics; docs/metrics.md).
+    metrics: bool = False
     # A schedules file's exec entry: its file (file:NAME), whose own row alone it runs
     # (fields.foreign_exec_row); None for the configuration's routes.
     source: str | None = None
@@ -138,6 +141,9 @@ class Config:
     log_output_limit: int = DEFAULT_LOG_OUTPUT_LIMIT
     # Schedules files (*.yml) the daemon converges the database to; None: none.
     schedules_dir: str | None = DEFAULT_SCHEDULES_DIR
+    # The most schedules with series of their own on /metrics (root's and files' first);
+    # the rest are counted, not shown.  0: none.
+    schedule_metrics_max: int = 500
     # Whether the file names schedules_dir (then it must exist: schedules_dir_refusal).
     schedules_dir_named: bool = field(default=False, compare=False)
     # This host's name in lease owners ("node:pid") and status; default: the hostname.
@@ -187,13 +193,13 @@ _KNOWN_KEYS = {
     "workers", "concurrency", "control_socket", "control_group", "metrics_listen", "dbus",
     "dbus_address",
     "shutdown_timeout", "kill_grace", "worker_timeout", "routes", "history_limit",
-    "history_keep_days", "output_limit", "log_output_limit",
+    "history_keep_days", "output_limit", "log_output_limit", "schedule_metrics_max",
     "node_name", "schedules_dir", "notifiers", "notify", "sendmail", "notify_user",
 }
 
 # The keys of an entry of `routes` (perfectschedd(8) has an entry for each).
 _ROUTE_KEYS = frozenset({"type", "exec", "python", "timeout", "executor", "unit", "user",
-                         "env", "allow", "notify"})
+                         "env", "allow", "notify", "metrics"})
 
 
 def _number(raw: Mapping[str, Any], key: str, default: float, *, minimum: float,
@@ -210,6 +216,19 @@ def _number(raw: Mapping[str, Any], key: str, default: float, *, minimum: float,
     if value < minimum:
         raise ConfigError(f"{key}: must be at least {minimum}, got {describe(value)}")
     return int(value) if integer else float(value)
+
+
+# Per-schedule series are a scrape's size and Prometheus' memory: 10,000 keys of 5
+# series each are about 3 MB a scrape.
+SCHEDULE_METRICS_CEILING = 10_000
+
+
+def _schedule_metrics_max(raw: Mapping[str, Any]) -> int:
+    value = _number(raw, "schedule_metrics_max", 500, minimum=0, integer=True)
+    if value > SCHEDULE_METRICS_CEILING:
+        raise ConfigError(f"schedule_metrics_max: at most {SCHEDULE_METRICS_CEILING}, "
+                          f"got {value}")
+    return int(value)
 
 
 def _output_limit(raw: Mapping[str, Any]) -> int:
@@ -298,9 +317,14 @@ def _routes(raw: Any, notifiers: Mapping[str, Notifier]) -> tuple[RouteConfig, .
                 notify = notify_spec.parse_ref(entry["notify"], notifiers, f"{where}.notify")
             except ValueError as exc:
                 raise ConfigError(f"{where}.{exc}") from None
+        metrics = entry.get("metrics", False)
+        if not isinstance(metrics, bool):
+            raise ConfigError(f"{where}.metrics: must be true or false, got "
+                              f"{describe(metrics)}")
         route = RouteConfig(
             pattern=pattern,
             notify=notify,
+            metrics=metrics,
             exec=tuple(route_exec) if route_exec is not None else None,
             python=python,
             timeout=float(timeout) if timeout is not None else None,
@@ -463,6 +487,7 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
         output_limit=_output_limit(raw),
         log_output_limit=_number(raw, "log_output_limit", DEFAULT_LOG_OUTPUT_LIMIT,
                                  minimum=0, integer=True),
+        schedule_metrics_max=_schedule_metrics_max(raw),
         node_name=node_name,
         schedules_dir=schedules_dir,
         schedules_dir_named="schedules_dir" in raw,

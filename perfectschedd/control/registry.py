@@ -105,6 +105,8 @@ def _policy_args() -> tuple[Arg, ...]:
         "concurrency": ("--concurrency", "a due occurrence while one runs: forbid "
                         "(default: it waits), allow (it runs beside it) or replace (the "
                         "running one is stopped)"),
+        "metrics": ("--metrics", "series of its own on /metrics: true, false, or default "
+                    "(the route's)"),
     }
     return tuple(Arg((flag,), dest, text, kind="policy") for dest, (flag, text) in
                  texts.items())

@@ -155,6 +155,7 @@ class MasterDatabase:
         # The latest reading of the schedules' states (Store.state_summary without its
         # overdue rows), and when the next one is due unasked (monotonic).
         self._states: dict[str, Any] | None = None
+        self._series: tuple[list[metrics.ScheduleSeries], int] | None = None
         self._next_states = 0.0
         self._thread = threading.Thread(target=self._housekeeping, name="housekeeping",
                                         daemon=True)
@@ -574,6 +575,29 @@ class MasterDatabase:
         self._publish(replace(self.snapshot, rename=rename))
         heap.trim()  # it read every key
 
+    def _read_series(self) -> tuple[list[metrics.ScheduleSeries], int]:
+        """The schedules with series of their own on /metrics (policy `metrics`, a
+        route's default), at most schedule_metrics_max, and how many there are in all."""
+        store, limit = self.store, self.config.schedule_metrics_max
+        assert store is not None
+        routed = [r for r in self.config.routes if r.metrics]
+        types = {r.pattern for r in routed if r.regexp is None}
+        if any(r.regexp is not None for r in routed):
+            types.update(t for t in store.types_present()
+                         if any(r.matches(t) for r in routed))
+        rows, total = store.series_rows(types, limit)
+        last = store.last_success_and_failure([r.key for r in rows])
+        series = []
+        for r in rows:
+            success, failure = last.get(r.key, (None, None))
+            series.append(metrics.ScheduleSeries(
+                key=r.key, type=r.type,
+                state=states.state_of(r.paused, r.owner, r.attempt,
+                                      _latest_outcome(success, failure)),
+                next_due=None if r.paused else float(overdue.due_of(r)),
+                period=overdue.period_of(r), last_success=success, last_failure=failure))
+        return series, total - len(series)
+
     def _read_status(self, states: bool = True, now: float | None = None) -> None:
         """Read what status and /metrics show; `states`: the schedules' states too (else
         the latest reading of them is shown again, see STATES_SHARE).  `now`: when the
@@ -600,6 +624,8 @@ class MasterDatabase:
             unclaimed = store.unclaimed(int(now) - UNCLAIMED_AFTER)
             hosts = store.hosts(forget_before=now - HOST_FORGET_AFTER)
             at_work = store.nodes_at_work(now - self.config.alive_time)
+            if states or self._series is None:  # as often as the states: a read of many
+                self._series = self._read_series()
         running: list[dict[str, Any]] = []
         queued: list[dict[str, Any]] = []
         for r in rows:
@@ -618,6 +644,7 @@ class MasterDatabase:
         oldest = lates[0].overdue_by if lates else 0.0
         metrics.set_schedule_counts(counts, now, unclaimed)
         metrics.set_schedule_states(summary["counts"], oldest, len(beyond))
+        metrics.set_schedule_series(*self._series)
         recorded = {h["name"] for h in hosts}
         self._publish(replace(self.snapshot, counts=counts, running=running, queued=queued,
                               states=summary["counts"], failing=failing[:FAILING_SHOWN],
@@ -629,6 +656,13 @@ class MasterDatabase:
                               unrecorded_nodes=sorted(at_work - recorded),
                               read_at=now, ok=True,
                               unreachable_since=None, error=None))
+
+
+def _latest_outcome(success: float | None, failure: float | None) -> str | None:
+    """Of a schedule's latest success and latest failure, the outcome of the later."""
+    if failure is not None and (success is None or failure > success):
+        return states.FAILURES[0]
+    return "success" if success is not None else None
 
 
 # How long a reload that moves to another database waits to learn whether this version

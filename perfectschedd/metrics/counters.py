@@ -30,6 +30,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -425,6 +426,19 @@ def set_db_up(ok: bool) -> None:
 
 # --------------------------------------------------------------------------- master side
 
+@dataclass(frozen=True)
+class ScheduleSeries:
+    """What /metrics shows of one schedule that asked for series of its own."""
+
+    key: str
+    type: str
+    state: str                    # store/states.py
+    next_due: float | None        # None: paused
+    period: int | None            # None: a one-off
+    last_success: float | None    # when its latest success ended; None: none kept
+    last_failure: float | None
+
+
 class _MasterState:
     """What only the master knows; read by the HTTP thread, written by the main loop."""
 
@@ -440,6 +454,8 @@ class _MasterState:
         self.oldest_overdue = 0.0
         self.beyond_period = 0
         self.alive_time = 0.0
+        self.series: list[ScheduleSeries] | None = None
+        self.series_omitted = 0
         # The master's view of its database, asked at each scrape: unreachable since (Unix
         # time), or None.  Asked, not published: a call the database has not answered
         # for a while says so before its deadline (or its retry's) ends it.
@@ -507,6 +523,8 @@ class _MasterCollector:
                 f"{p}_schedules_overdue_beyond_period",
                 "Schedules whose current occurrence is overdue by more than their period "
                 "(docs/metrics.md). Refreshed every 15 s.", value=s.beyond_period)
+        if s.series is not None:
+            yield from _schedule_families(s.series, s.series_omitted)
         unclaimed = GaugeMetricFamily(
             f"{p}_occurrences_unclaimed",
             "Occurrences due for over a minute that no worker claimed (no live host routes "
@@ -514,6 +532,48 @@ class _MasterCollector:
         for task_type, n in sorted(fold_types(s.unclaimed).items()):
             unclaimed.add_metric([task_type], n)
         yield unclaimed
+
+
+def _schedule_families(series: list[ScheduleSeries], omitted: int) -> Iterator[Any]:
+    """The series of the schedules that asked for them (docs/metrics.md "Series of one
+    schedule"), labelled by key and type; a value that does not exist (no success kept, a
+    one-off's period) is a series left out, not a 0 that an alert would read as 1970."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    p, labels = PREFIX, ["key", "type"]
+    fams = {
+        "last_success": GaugeMetricFamily(
+            f"{p}_schedule_last_success_timestamp_seconds",
+            "Unix time the schedule's latest successful run ended (of the runs history "
+            "keeps). Refreshed every 15 s.", labels=labels),
+        "last_failure": GaugeMetricFamily(
+            f"{p}_schedule_last_failure_timestamp_seconds",
+            "Unix time the schedule's latest failed run (failed, timeout, lost) ended. "
+            "Refreshed every 15 s.", labels=labels),
+        "next_due": GaugeMetricFamily(
+            f"{p}_schedule_next_run_timestamp_seconds",
+            "Unix time the schedule's current occurrence is due (a retry's own due time); "
+            "absent while paused.", labels=labels),
+        "period": GaugeMetricFamily(
+            f"{p}_schedule_period_seconds",
+            "The schedule's period: the gap between its cron times, at least 60 s; absent "
+            "for one-off runs.", labels=labels),
+    }
+    state = GaugeMetricFamily(
+        f"{p}_schedule_state", "1 for the schedule's state: ok, paused, running, retrying "
+        "or failed (store/states.py).", labels=[*labels, "state"])
+    for x in series:
+        for name, fam in fams.items():
+            value = getattr(x, name)
+            if value is not None:
+                fam.add_metric([x.key, x.type], float(value))
+        state.add_metric([x.key, x.type, x.state], 1)
+    yield from fams.values()
+    yield state
+    yield GaugeMetricFamily(
+        f"{p}_schedule_series_omitted",
+        "Schedules that asked for series of their own beyond schedule_metrics_max (not "
+        "shown).", value=omitted)
 
 
 def fold_types(counts: dict[str, int]) -> dict[str, int]:
@@ -622,6 +682,12 @@ def set_schedule_states(by_state: dict[str, int], oldest_overdue: float,
         _master.states = dict(by_state)
         _master.oldest_overdue = float(oldest_overdue)
         _master.beyond_period = int(beyond_period)
+
+
+def set_schedule_series(series: list[ScheduleSeries], omitted: int) -> None:
+    if _master is not None:
+        _master.series = list(series)
+        _master.series_omitted = int(omitted)
 
 
 def watch_database(unreachable_since: Callable[[], float | None]) -> None:

@@ -46,6 +46,10 @@ class Policy:
     # stay in the files root writes); None: the file entry's, the route's, the config's.
     notify: str | None = None
     concurrency: str = "forbid"
+    # Series of its own on /metrics (last success, last failure, state, next due; docs/
+    # metrics.md); None: the route's `metrics:`, else none.  Stored when set, False
+    # included, so that a schedule may refuse its route's default.
+    metrics: bool | None = None
 
     # -- stored form ----------------------------------------------------------------------
 
@@ -156,6 +160,8 @@ def check(options: Mapping[str, Any]) -> dict[str, Any]:
                 out[name] = notify_spec.check_name(value)
             except ValueError as exc:
                 raise InvalidInputError("notify", str(exc).partition(": ")[2]) from None
+        elif name == "metrics":
+            out[name] = _switch(value)
         elif name == "timeout":
             out[name] = _number(name, value, minimum=0.001, maximum=_SECONDS_MAX,
                                 integer=False)
@@ -190,3 +196,18 @@ def _number(name: str, value: Any, *, minimum: float, maximum: float,
 def _plain(bound: float) -> str:
     # "315360000", not the "3.1536e+08" of :g, in a message a person reads
     return str(int(bound)) if float(bound).is_integer() else f"{bound:g}"
+
+
+_YES = ("true", "yes", "on", "1")
+_NO = ("false", "no", "off", "0")
+
+
+def _switch(value: Any) -> bool:
+    """metrics: a YAML or JSON boolean, or the words a command line gives."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):  # the command line's 1 and 0
+        return bool(value)
+    if isinstance(value, str) and value.lower() in _YES + _NO:
+        return value.lower() in _YES
+    raise InvalidInputError("metrics", f"must be true or false, got {describe(value)}")

@@ -612,6 +612,60 @@ class Store:
             return [RefusedRow(r.key, r.type, r.creator, r.paused_reason)
                     for r in conn.execute(q)]
 
+    @_retried
+    def series_rows(self, route_types: Collection[str], limit: int) -> tuple[list[Row], int]:
+        """The schedules with series of their own on /metrics (docs/metrics.md): those
+        whose policy says `metrics: true`, and those of `route_types` (their route's
+        default) that do not say false.  Up to `limit` of them: files' first, then root's,
+        then by key (a member's thousand cannot push root's out), and how many there are
+        in all.  Extra runs' rows (KEY@run-...) are their schedule's, not listed."""
+        t = self.t
+        chosen = t.c.policy.like('%"metrics":true%')
+        if route_types:
+            chosen = sa.or_(chosen, sa.and_(
+                t.c.type.in_(sorted(route_types)),
+                sa.or_(t.c.policy.is_(None), sa.not_(t.c.policy.like('%"metrics":false%')))))
+        chosen = sa.and_(chosen, sa.not_(t.c.key.contains(RUN_NOW_MARK, autoescape=True)))
+        first = sa.case((t.c.source.isnot(None), 0), (t.c.creator == 0, 1), else_=2)
+        with self._tx(readonly=True) as conn:
+            total = int(conn.execute(sa.select(sa.func.count()).select_from(t)
+                                     .where(chosen)).scalar() or 0)
+            rows = conn.execute(sa.select(t).where(chosen).order_by(first, t.c.key)
+                                .limit(limit)).all() if limit and total else []
+        return [self._row(r) for r in rows], total
+
+    @_retried
+    def types_present(self, limit: int = 10_000) -> list[str]:
+        """The task types schedules have (for routes whose type is a pattern)."""
+        t = self.t
+        with self._tx(readonly=True) as conn:
+            return [r[0] for r in conn.execute(
+                sa.select(t.c.type).distinct().order_by(t.c.type).limit(limit))]
+
+    @_retried
+    def last_success_and_failure(self, keys: Sequence[str], chunk: int = 100
+                                 ) -> dict[str, tuple[float | None, float | None]]:
+        """For each schedule key: when its latest successful run and its latest failed
+        one (states.FAILURES) ended, its KEY@run-... runs included (None: none kept)."""
+        h = self.h
+        found: dict[str, list[float | None]] = {k: [None, None] for k in keys}
+        wanted = ("success", *states.FAILURES)
+        with self._tx(readonly=True) as conn:
+            for i in range(0, len(keys), chunk):
+                part = keys[i:i + chunk]
+                q = (sa.select(h.c.key, h.c.outcome, sa.func.max(h.c.finished_at))
+                     .where(sa.or_(*(_runs_of(h.c.key, k) for k in part)),
+                            h.c.outcome.in_(wanted))
+                     .group_by(h.c.key, h.c.outcome))
+                for key, outcome, ended in conn.execute(q):
+                    times = found.get(schedule_key(key))
+                    if times is None or ended is None:
+                        continue
+                    slot = 0 if outcome == "success" else 1
+                    if times[slot] is None or float(ended) > times[slot]:  # type: ignore[operator]
+                        times[slot] = float(ended)
+        return {k: (v[0], v[1]) for k, v in found.items()}
+
     # -- reads ----------------------------------------------------------------------------
 
     @_retried

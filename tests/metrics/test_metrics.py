@@ -92,8 +92,11 @@ def test_metrics_summed_over_workers_and_kept_across_worker_replacement(
     (multiproc / "counter_1.db").write_bytes(b"stale garbage of a previous run")
     d = daemon_factory({
         "workers": 2, "concurrency": 2, "retry_wait": 3600,
-        "routes": [{"type": "job", "python": "metricsjob:Job", "user": "root"},
-                   {"type": "fail", "python": "metricsjob:Fail", "user": "root"},
+        # Series of their own for job and fail schedules (test_schedule_series.py): the
+        # rules and the dashboard use them.
+        "routes": [{"type": "job", "python": "metricsjob:Job", "user": "root", "metrics": True},
+                   {"type": "fail", "python": "metricsjob:Fail", "user": "root",
+                    "metrics": True},
                    {"type": "envdump", "exec": ["/bin/sh", "-c", 'env > "$0"', str(env_file)],
                     "user": "root"}],
     }, extra_args=["-I", str(tmp_path)],
@@ -115,6 +118,8 @@ def test_metrics_summed_over_workers_and_kept_across_worker_replacement(
         done = value(s, "perfectsched_tasks_finished_total")
         return s if done == n + 3 else None
     wait_until(settled, timeout=20, what="all tasks finished in /metrics")
+    wait_until(lambda: d.ctl_json("history", "fail-1") and d.ctl_json("history", "job-9"),
+               what="the runs' history written")
     d.ctl("status")  # refreshes the cached schedule counts now instead of within 15 s
     text, s = scrape(d.metrics_port)
 
@@ -155,6 +160,10 @@ def test_metrics_summed_over_workers_and_kept_across_worker_replacement(
     assert value(s, "perfectsched_schedules_overdue") == 1  # the unrouted one waits
     assert value(s, "perfectsched_schedule_counts_timestamp_seconds") >= t0
     assert value(s, "perfectsched_build_info", version=metrics.__version__) == 1
+    assert value(s, "perfectsched_schedule_state", key="fail-1", state="retrying") == 1
+    assert value(s, "perfectsched_schedule_last_failure_timestamp_seconds", key="fail-1") >= t0
+    assert value(s, "perfectsched_schedule_last_success_timestamp_seconds", key="job-9") >= t0
+    assert value(s, "perfectsched_schedule_state", key="env") is None  # its route: none
 
     # Exec jobs must not write prometheus_client files into the daemon's directory.
     assert "PROMETHEUS_MULTIPROC_DIR" not in env_file.read_text()
@@ -308,6 +317,7 @@ def test_shipped_alert_rules_pass_promtool() -> None:
     alerts = {r["alert"] for g in yaml.safe_load(RULES.read_text())["groups"]
               for r in g["rules"] if "alert" in r}
     assert {"PerfectSchedScheduleOverdue", "PerfectSchedScheduleStalled",
+            "PerfectSchedScheduleNoRecentSuccess",
             "PerfectSchedTaskFailureRate",
             "PerfectSchedNoWorkerAlive", "PerfectSchedDatabaseErrors"} <= alerts
     # Unit tests of the alerts: each fires on the series meant to trigger it, only then.
