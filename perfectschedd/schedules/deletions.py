@@ -25,8 +25,14 @@ from typing import Any
 from perfectschedd.schedules import policy as policy_mod
 from perfectschedd.schedules.fields import deleted_marker_name
 
+# Policy options newer than the forced delete (0.2.0): in the digest only when an entry
+# sets them, so that a marker an older release recorded still matches the same entry
+# (the first build of 0.3.0 counted `metrics: null` in, and brought back every entry
+# force-deleted under 0.2.0).  A new option goes here, never into the list below.
+LATER_OPTIONS = ("metrics",)
 # What a schedules file's entry sets (files.Entry.stored): the digest covers these.
-ENTRY_FIELDS = ("type", "cron", "timezone", "delay", "data", *policy_mod.OPTIONS)
+ENTRY_FIELDS = ("type", "cron", "timezone", "delay", "data",
+                *(o for o in policy_mod.OPTIONS if o not in LATER_OPTIONS))
 VALUE_MAX = 255  # the meta table's value column
 _DIGEST_LEN = 64
 
@@ -35,6 +41,7 @@ def digest(key: str, source: str, fields: Mapping[str, Any]) -> str:
     """The digest of a schedule of `source` as a file's entry sets it (`fields`: an
     entry's stored(), or a stored schedule's as_dict())."""
     shown = {"key": key, "source": source, **{n: fields.get(n) for n in ENTRY_FIELDS}}
+    shown.update({n: fields[n] for n in LATER_OPTIONS if fields.get(n) is not None})
     text = json.dumps(shown, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()
 

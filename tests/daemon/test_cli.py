@@ -30,7 +30,7 @@ from perfectschedctl import cli
 SPEC_KEYS = ["key", "type", "cron", "delay", "timezone", "next_time", "next_run_time", "data"]
 TABLE_KEYS = [*SPEC_KEYS, "state", "source"]
 ADD_KEYS = [*SPEC_KEYS, "misfire", "grace", "max_attempts", "retry_wait", "jitter", "timeout",
-            "notify", "concurrency", "source", "creator"]
+            "notify", "concurrency", "metrics", "source", "creator"]
 LIST_KEYS = [*ADD_KEYS, "paused", "last_outcome", "attempt", "state"]
 # 2030-01-01 00:00:00 UTC, a Tuesday
 T2030 = 1893456000

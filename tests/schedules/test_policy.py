@@ -20,7 +20,7 @@ def test_defaults_store_as_null_and_read_back_as_defaults() -> None:
     assert from_text(None) is DEFAULT
     assert from_text("") is DEFAULT
     assert set(OPTIONS) == {"misfire", "grace", "max_attempts", "retry_wait", "jitter",
-                            "timeout", "notify", "concurrency"}
+                            "timeout", "notify", "concurrency", "metrics"}
 
 
 ROUND_TRIPS = [
@@ -33,6 +33,8 @@ ROUND_TRIPS = [
     {"concurrency": "allow"},
     {"concurrency": "replace", "timeout": 60.5},
     {"concurrency": "forbid"},
+    {"metrics": True},
+    {"metrics": False, "concurrency": "allow"},
 ]
 
 
@@ -95,6 +97,8 @@ BAD: list[tuple[str, Any, str]] = [
     ("concurrency", "parallel", "must be one of forbid, allow, replace"),
     ("concurrency", "Allow", "must be one of"),
     ("concurrency", 2, "must be one of"),
+    ("metrics", "maybe", "must be true or false, got 'maybe'"),
+    ("metrics", 2, "must be true or false"),
     ("colour", "blue", "not a schedule policy option"),
 ]
 
