@@ -446,7 +446,8 @@ def _import_legacy(ns: argparse.Namespace, send: Callable[[str, dict[str, Any]],
             send("add_many", {"schedules": [s.request()
                                             for s in found[i:i + IMPORT_BATCH]]})
     for s in found:
-        print(f"{verb} {s.key} (type {s.type}, cron {s.cron}, next run {s.next_run_time})")
+        print(f"{verb} {s.key} (type {s.type}, cron {s.cron}, next run "
+              f"{format_time(s.next_run_time, s.timezone)})")
     print(f"{len(found)} schedule(s) {verb} from table {ns.table}")
     return EXIT_OK
 
