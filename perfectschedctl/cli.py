@@ -266,11 +266,17 @@ def _apply_request(ns: argparse.Namespace, daemon_status: dict[str, Any] | None
             "dry_run": ns.dry_run}
 
 
-def _note_exec_entries(entries: list[dict[str, Any]]) -> None:
+def _note_exec_entries(entries: list[dict[str, Any]], paths: list[str],
+                       schedules_dir: Any = None) -> None:
     """After an apply: where its exec entries run (said once it was taken, so that a
-    refusal stays one line)."""
+    refusal stays one line), unless the files are the daemon's own already (in its
+    `schedules_dir`: a reload reads them there)."""
     from perfectschedd.schedules.fields import EXEC_TYPE
 
+    if isinstance(schedules_dir, str) and paths and all(
+            os.path.dirname(os.path.realpath(p)) == os.path.realpath(schedules_dir)
+            for p in paths):
+        return
     execs = sum(str(e.get("type")).startswith(EXEC_TYPE) for e in entries)
     if execs:
         print(f"perfectschedctl: note: {execs} exec entr{'y runs' if execs == 1 else 'ies run'}"
@@ -446,7 +452,8 @@ def _import_legacy(ns: argparse.Namespace, send: Callable[[str, dict[str, Any]],
             send("add_many", {"schedules": [s.request()
                                             for s in found[i:i + IMPORT_BATCH]]})
     for s in found:
-        print(f"{verb} {s.key} (type {s.type}, cron {s.cron}, next run {s.next_run_time})")
+        print(f"{verb} {s.key} (type {s.type}, cron {s.cron}, next run "
+              f"{format_time(s.next_run_time, s.timezone)})")
     print(f"{len(found)} schedule(s) {verb} from table {ns.table}")
     return EXIT_OK
 
@@ -496,8 +503,8 @@ def _main(argv: Sequence[str] | None) -> int:
             path = ns.socket or os.environ.get("PERFECTSCHED_SOCKET") or DEFAULT_SOCKET
             send = SocketClient(path).call
         # apply checks its files as the daemon will (_apply_request): asked first.
-        cmd, args = request_of(ns, send("status", {}) if cmd == "apply" and not ns.config
-                               else None)
+        daemon_status = send("status", {}) if cmd == "apply" and not ns.config else None
+        cmd, args = request_of(ns, daemon_status)
         if cmd == "import-legacy":
             return _import_legacy(ns, send)
         if cmd == "logs":
@@ -515,7 +522,8 @@ def _main(argv: Sequence[str] | None) -> int:
         if cmd != "next" and not (cmd == "apply" and args["dry_run"]):
             result = send(cmd, args)
         if cmd == "apply":
-            _note_exec_entries(args["entries"])
+            _note_exec_entries(args["entries"], list(ns.paths),
+                               (daemon_status or {}).get("schedules_dir"))
     except protocol.RemoteError as exc:
         print(f"perfectschedctl: {exc}", file=sys.stderr)
         return protocol.refusal(exc.type).exit_status

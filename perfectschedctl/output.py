@@ -257,14 +257,15 @@ def _next_times(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _paused_many(cmd: str, result: dict[str, Any]) -> str:
-    """What pause/resume of several keys, a prefix or --all did."""
+def _paused(cmd: str, result: dict[str, Any]) -> str:
+    """What pause/resume of keys, a prefix or --all did, in one line.  One key's answer
+    is the schedule as `show` gives it (--json prints that); it is told as one of many."""
     skipped = result.get("skipped_occurrences")
     skipped_line = (f"; {skipped} missed occurrence(s) skipped" if skipped is not None
                     else "")
     if not result.get("all"):
         verb = "paused" if cmd == "pause" else "resumed"
-        keys = result.get(verb) or []
+        keys = (result.get(verb) or []) if "count" in result else [str(result.get("key"))]
         return f"{verb} {len(keys)} schedule(s): {' '.join(keys)}{skipped_line}"
     if cmd == "pause":
         return (f"paused everything (since {format_time(result.get('since'))}, by "
@@ -290,9 +291,9 @@ def print_result(cmd: str, result: Any, *, as_json: bool, raw: bool = False) -> 
         print(f"{len(result)} runs.")
     elif cmd == "status":
         print(terminal_text(_status(result)))
-    elif cmd in ("pause", "resume") and ("count" in result or "all" in result):
-        print(_paused_many(cmd, result))
-    elif cmd in ("show", "modify", "pause", "resume"):
+    elif cmd in ("pause", "resume"):
+        print(_paused(cmd, result))
+    elif cmd in ("show", "modify"):
         width = max(len(k) for k in result)
         for k in result:
             print(f"{k.ljust(width)}  {_cell(k, result)}")

@@ -10,6 +10,8 @@ import sys
 import threading
 import time
 
+from perfectschedd.errors import ConfigError
+
 # syslog priorities of sd-daemon(3), as journald reads them from a "<N>" line prefix.
 _PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3,
              logging.CRITICAL: 2}
@@ -69,15 +71,15 @@ _JOURNAL = "%(processName)s[%(process)d]: %(message)s"
 
 
 def setup(log_path: str | None, level: int = logging.INFO) -> None:
-    """(Re)configure the root logger; called by the master and again on reload."""
-    shutdown()
-    root = logging.getLogger()
-    for h in list(root.handlers):
-        root.removeHandler(h)
-        h.close()
+    """(Re)configure the root logger; called by the master and again on reload.  A log
+    file that cannot be opened is a ConfigError naming `log:` and the logging in place
+    stays (its line goes where the lines went)."""
     handler: logging.Handler
     if log_path:
-        handler = ReopenableFileHandler(log_path)
+        try:
+            handler = ReopenableFileHandler(log_path)
+        except OSError as exc:
+            raise ConfigError(f"log: {log_path}: {exc.strerror or exc}") from None
         handler.setFormatter(_CachedTimeFormatter(_PLAIN))
     elif under_journald():
         handler = logging.StreamHandler(sys.stderr)
@@ -85,6 +87,11 @@ def setup(log_path: str | None, level: int = logging.INFO) -> None:
     else:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(_CachedTimeFormatter(_PLAIN))
+    shutdown()
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+        h.close()
     # LogRecord fields no daemon format uses, each computed per record otherwise (a stack
     # walk for the caller, os.getpid() and friends; the process fields are filled from
     # cached values by _Enqueue): a fifth of the cost of a line.

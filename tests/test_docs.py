@@ -3,7 +3,8 @@ command of the command registry (control/registry.COMMANDS, the CLI's) and, insi
 for every option of that command, and for every global option of the parser;
 perfectschedd(8) has an entry for every configuration key (config.py's list).  Read from
 the code, so that commands, options and keys added later are caught.  The pages are also
-held to groff's warnings (lintian runs the same check on the package)."""
+held to groff's warnings (lintian runs the same check on the package).  Every module
+path the Markdown pages name (perfectschedd/..., perfectschedctl/...) exists."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from perfectschedctl import cli
 from perfectschedd import config
 from perfectschedd.control import registry
 
-MAN = Path(__file__).resolve().parent.parent / "docs" / "man"
+ROOT = Path(__file__).resolve().parent.parent
+MAN = ROOT / "docs" / "man"
+MODULE_PATH = re.compile(r"\bperfectsched(?:d|ctl)/[\w/]*\.py\b")
 CTL_PAGE = MAN / "perfectschedctl.1"
 DAEMON_PAGE = MAN / "perfectschedd.8"
 FLAG = re.compile(r"(?<![\w-])(--?[A-Za-z][\w-]*)")
@@ -186,3 +189,16 @@ def test_the_daemon_example_is_a_configuration_it_takes(tmp_path: Path) -> None:
     loaded = config.load(str(path))
     assert [r.pattern for r in loaded.routes] == ["backup", "/^report-.*$/"]
     assert loaded.url == "postgresql://sched:pw@db.example.com/sched"
+
+
+@pytest.mark.parametrize("page", [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))],
+                         ids=lambda p: p.name)
+def test_the_module_paths_a_page_names_exist(page: Path) -> None:
+    named = set(MODULE_PATH.findall(page.read_text()))
+    assert sorted(p for p in named if not (ROOT / p).is_file()) == []
+
+
+def test_the_module_path_check_sees_one_named() -> None:
+    assert MODULE_PATH.findall("in `perfectschedd/control/protocol.py` (framing)") == [
+        "perfectschedd/control/protocol.py"]
+    assert MODULE_PATH.findall((ROOT / "docs" / "protocol.md").read_text())

@@ -254,6 +254,30 @@ def test_log_option_sends_everything_to_the_file(daemon_factory: Any, tmp_path: 
     assert "start key=k" not in d.log()  # nothing of it on stderr
 
 
+def test_a_log_path_that_cannot_be_opened_is_one_line_naming_log(daemon_factory: Any,
+                                                                  tmp_path: Path) -> None:
+    """`log:` in a directory that does not exist: the start stops (exit 1) with one line
+    that names the key, the path and why; a reload to it is refused with that line, and
+    the daemon logs on where it did."""
+    bad = tmp_path / "no" / "such" / "dir" / "x.log"
+    why = f"log: {bad}: No such file or directory"
+    d = daemon_factory({"log": str(bad)})
+    d.start(wait_ready=False)
+    assert d.proc is not None and d.proc.wait(20) == 1
+    [line] = d.log().splitlines()
+    assert " ERROR " in line and line.endswith(f"[{d.proc.pid}]: {why}"), line
+
+    d = daemon_factory().start()
+    d.write_config(dict(d.config, log=str(bad)))
+    res = d.ctl("reload", check=False)
+    assert res.returncode == 1 and res.stderr == (
+        f"perfectschedctl: reload rejected, the running configuration stays: {why}\n"), res
+    assert d.status()["last_error"] == f"reload: {why}"
+    d.ctl("add", "k", "t", YEARLY)  # its log still goes where it went
+    d.wait_log("reload failed, keeping the running configuration: " + why)
+    assert d.stop() == 0
+
+
 def test_the_log_file_is_the_daemon_s_user_s_alone(daemon_factory: Any, tmp_path: Path
                                                    ) -> None:
     """It holds jobs' output: not readable by the daemon's group, even when an older

@@ -19,7 +19,7 @@ from perfectschedd.control.auth import WITHHELD, Access, Caller, check_force
 from perfectschedd.control.protocol import ATTEMPT_MAX, HISTORY_MAX, HISTORY_OUTPUT_BYTES
 from perfectschedd.errors import InvalidInputError, NotFoundError, ScheduleError
 from perfectschedd.notify import spec as notify_spec
-from perfectschedd.schedules import deletions
+from perfectschedd.schedules import cron, deletions
 from perfectschedd.schedules import policy as policy_mod
 from perfectschedd.schedules.collection import ScheduleCollection, ScheduleInfo, waits_its_turn
 from perfectschedd.schedules.fields import (
@@ -107,12 +107,40 @@ def _check_concurrency(sc: ScheduleCollection, value: Any, now: float,
         sc.refuse_on_older_hosts(f"{what} {chosen}", now)
 
 
+# A start this many occurrences back, with misfire all by default, is asked about: `-s 0`
+# of an hourly schedule would queue some 500,000 runs, one after the other.
+CATCH_UP_ASK = 1_000
+
+
+def _check_catch_up(a: Mapping[str, Any], now: float, sc: ScheduleCollection) -> None:
+    """A start far in the past runs every occurrence since, unless a misfire policy is
+    chosen: refused past CATCH_UP_ASK of them unless --misfire says what is meant.  Bad
+    values are left for add to refuse by name."""
+    start, expr = a.get("start"), a.get("cron")
+    if a.get("misfire") is not None or isinstance(start, bool) or \
+            not isinstance(start, int | float) or not isinstance(expr, str) or \
+            start >= now or cron.is_once(expr):
+        return
+    zone = a.get("timezone") or sc.config.timezone
+    try:
+        missed = cron.occurrences_back(expr, zone, int(now), int(start), CATCH_UP_ASK + 1)
+    except (InvalidInputError, ValueError, OverflowError, KeyError, OSError):
+        return
+    if len(missed) > CATCH_UP_ASK:
+        raise InvalidInputError(
+            "start", f"more than {CATCH_UP_ASK:,} occurrences since "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(start))} would each "
+            "run, one after the other (misfire all); say --misfire all to mean it, or "
+            "--misfire latest (run only the newest) or skip")
+
+
 def _add(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
     options = {k: a[k] for k in ("delay", "timezone", "start", "at", "data", *POLICY_OPTIONS)
                if a.get(k) is not None}
     _may_schedule(access, _arg(a, "key"), _arg(a, "type"))
     _check_notify(sc, a.get("notify"))
     _check_concurrency(sc, a.get("concurrency"), now)
+    _check_catch_up(a, now, sc)
     sc.add(a["key"], a["type"], _arg(a, "cron"), now=now, creator=access.creator, **options)
     return _shown(access, sc[a["key"]].info(), LIST_FIELDS)
 
@@ -130,6 +158,7 @@ def _add_many(sc: ScheduleCollection, a: Args, now: float, access: Access) -> di
         _may_schedule(access, item.get("key"), item.get("type"))
         _check_notify(sc, item.get("notify"))
         _check_concurrency(sc, item.get("concurrency"), now)
+        _check_catch_up(item, now, sc)
     return {"added": sc.add_many([{**i, "now": now, "creator": access.creator}
                                   for i in items])}
 

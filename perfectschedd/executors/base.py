@@ -226,6 +226,9 @@ class StopReason(enum.StrEnum):
     FENCED = "fenced"        # the lease could not be renewed and is about to expire
     GRANT = "grant"          # the polkit grant came on: no job may run as the daemon's
     #                          user (given back untried, as at a stop)
+    # PREEMPTED with what the database still says of why (worker/leases.py):
+    DELETED = "deleted"      # its schedule was deleted
+    REPLACED = "replaced"    # a newer occurrence took its place (concurrency: replace)
 
     @property
     def gives_back(self) -> bool:
@@ -296,6 +299,8 @@ def _daemon_user() -> str:
 REASON_TEXT = {
     StopReason.SHUTDOWN: "daemon stopping",
     StopReason.PREEMPTED: "lease lost (schedule deleted, modified or taken over)",
+    StopReason.DELETED: "schedule deleted",
+    StopReason.REPLACED: "replaced by a newer occurrence (concurrency: replace)",
     StopReason.FENCED: "lease could not be renewed in time (database unreachable)",
     StopReason.GRANT: "the polkit grant was enabled (jobs may not run as "
                       f"{_daemon_user()})",

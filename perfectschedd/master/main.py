@@ -50,10 +50,10 @@ def _main(argv: list[str] | None) -> int:
         refusal = config_mod.notify_refusal(cfg) or config_mod.schedules_dir_refusal(cfg)
         if refusal is not None:
             raise ConfigError(refusal)
+        logsetup.setup(cfg.log)
     except (ConfigError, NotSupportedError) as exc:
         log.error("%s", exc)
         return 1
-    logsetup.setup(cfg.log)
     for path in reversed(ns.include):
         sys.path.insert(0, os.path.abspath(path))
     for module in ns.require:

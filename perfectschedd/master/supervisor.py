@@ -441,6 +441,9 @@ class Supervisor:
             # What `perfectschedctl apply` needs to check files as this daemon does
             # (files.HostChecks.of_status).
             "daemon_uid": os.geteuid(), "sendmail": self.config.sendmail,
+            # ...and whether the files it is given are this daemon's own already.
+            "schedules_dir": (os.path.abspath(self.config.schedules_dir)
+                              if self.config.schedules_dir else None),
             "database_ok": reachable, "database": database,
             "hosts": self._hosts(snap, now),
             # Schedules by state; those retrying or failed; overdue (docs/metrics.md).

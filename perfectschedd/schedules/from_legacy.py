@@ -17,7 +17,13 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from perfectschedd.errors import ConfigError, InvalidInputError
+from perfectschedd.errors import (
+    ConfigError,
+    DatabaseUnavailableError,
+    InvalidInputError,
+    ScheduleError,
+    first_line,
+)
 from perfectschedd.schedules.validate import (
     check_cron,
     check_data,
@@ -26,6 +32,7 @@ from perfectschedd.schedules.validate import (
     check_timezone,
     check_type,
 )
+from perfectschedd.store import deadline
 from perfectschedd.store.sql import engine_url
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
@@ -86,9 +93,19 @@ def convert(row: Any) -> LegacySchedule:
         next_run_time=check_int("timeout", row.timeout), data_note=note)
 
 
+def _why(exc: sa.exc.DBAPIError) -> str:
+    """The driver's reason in one line, without its error number (PyMySQL's (2003, "...")
+    shows as its text)."""
+    args = getattr(exc.orig, "args", ())
+    if len(args) == 2 and isinstance(args[0], int) and isinstance(args[1], str):
+        return first_line(Exception(args[1]))
+    return deadline.describe(exc)
+
+
 def read(url: str, table: str) -> tuple[list[LegacySchedule], list[str]]:
     """Every schedule of the legacy table, and one line per row that cannot be carried
-    over.  Reads only."""
+    over.  Reads only.  A database that cannot be reached is a DatabaseUnavailableError,
+    one that refuses the reading a ScheduleError: one line naming it, password hidden."""
     if not _IDENTIFIER.match(table):
         raise ConfigError(f"--table: must be an SQL identifier, got {table!r}")
     legacy = engine_url(url)
@@ -99,8 +116,14 @@ def read(url: str, table: str) -> tuple[list[LegacySchedule], list[str]]:
     t = sa.table(table, *(sa.column(c) for c in LEGACY_COLUMNS))
     found: list[LegacySchedule] = []
     problems: list[str] = []
+    # The URL as given (engine_url names the driver), its password hidden.
+    where = f"legacy database {sa.engine.make_url(url).render_as_string(hide_password=True)}"
     try:
-        with engine.connect() as conn:
+        try:
+            conn = engine.connect()
+        except sa.exc.DBAPIError as exc:
+            raise DatabaseUnavailableError(f"{where} unreachable: {_why(exc)}") from None
+        with conn:
             inspector = sa.inspect(conn)
             if not inspector.has_table(table):  # SQLAlchemy 1.4 on SQLite: no error below
                 raise ConfigError(f"table {table} not found")
@@ -116,6 +139,10 @@ def read(url: str, table: str) -> tuple[list[LegacySchedule], list[str]]:
                     problems.append(f"{str(row.id)[:300]!r}: {exc}")
     except sa.exc.NoSuchTableError:
         raise ConfigError(f"table {table} not found") from None
+    except sa.exc.DBAPIError as exc:
+        if deadline.unavailable(exc):
+            raise DatabaseUnavailableError(f"{where} unreachable: {_why(exc)}") from None
+        raise ScheduleError(f"{where}: {_why(exc)}") from None
     finally:
         engine.dispose()
     return found, problems

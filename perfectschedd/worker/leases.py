@@ -30,7 +30,13 @@ from perfectschedd import logsetup
 from perfectschedd.config import Config, privilege_refusal
 from perfectschedd.errors import ConfigError, InvalidInputError, PreemptedError, SchemaError
 from perfectschedd.executors import reaper
-from perfectschedd.executors.base import RunControl, RunResult, StopReason, error_line
+from perfectschedd.executors.base import (
+    REASON_TEXT,
+    RunControl,
+    RunResult,
+    StopReason,
+    error_line,
+)
 from perfectschedd.executors.command import ExecHandler
 from perfectschedd.executors.router import Router, run_task
 from perfectschedd.executors.systemd import props as unitprops
@@ -664,11 +670,39 @@ class LeasePipeline:
             pass  # the waiting occurrence runs when its give-back ends (alive_time)
 
     def _report_lost(self, batch: list[Task], lost: set[str]) -> None:
-        for task in batch:
-            if task.key in lost:
+        tasks = [t for t in batch if t.key in lost]
+        why = self._why_lost(tasks)
+        for task in tasks:
+            if why[task.key] is StopReason.PREEMPTED:
                 log.warning("key=%s: lease lost before its finish was written; the "
                             "occurrence may run again elsewhere", task.key)
-                metrics.lease_lost(task.type)
+            else:  # it runs nowhere again: nothing is left of it to run
+                log.warning("key=%s: %s before its finish was written; its result is "
+                            "discarded", task.key, REASON_TEXT[why[task.key]])
+            metrics.lease_lost(task.type)
+
+    def _why_lost(self, tasks: list[Task]) -> dict[str, StopReason]:
+        """Why each of `tasks` lost its lease, as the database still tells: DELETED when
+        its schedule's row is gone; REPLACED when it is a row of its own (KEY@run-...)
+        of a replace schedule, gone while its schedule's runs passed to another
+        (store.group_turn deletes the rows it replaces); else PREEMPTED (modified,
+        taken over, or the database did not answer)."""
+        why = dict.fromkeys((t.key for t in tasks), StopReason.PREEMPTED)
+        if not tasks:
+            return why
+        bases = {t.key: schedule_key(t.key) for t in tasks}
+        try:
+            rows = self.store.group_holders({*bases, *bases.values()})  # those that exist
+        except SQLAlchemyError:
+            return why
+        for task in tasks:
+            base = bases[task.key]
+            if base not in rows:
+                why[task.key] = StopReason.DELETED
+            elif task.key != base and task.key not in rows and \
+                    task.policy.concurrency == "replace" and rows[base] not in (None, task.key):
+                why[task.key] = StopReason.REPLACED
+        return why
 
     def flush_history(self, force: bool = False) -> None:
         if self.sc is None or self.config.history_limit == 0:
@@ -752,20 +786,28 @@ class LeasePipeline:
         the run that holds the fence renewed is touched: a key may have been finished and
         claimed again meanwhile (a newer run with a newer fence)."""
         with self.lock:
-            runs = {k: (t.fence, self.controls.get(k)) for k, t in self.running.items()}
+            runs = {k: (t, self.controls.get(k)) for k, t in self.running.items()}
             pending = {(t.key, t.fence) for t in self.finished}
+        stopping: list[tuple[Task, RunControl]] = []
         for key, fence in held:
-            fence_now, control = runs.get(key, (None, None))
-            if control is None or fence_now != fence:
+            task, control = runs.get(key, (None, None))
+            if task is None or control is None or task.fence != fence:
                 if key in lost and (key, fence) in pending:
                     log.warning("key=%s: lease lost before its finish was written", key)
                 continue
             if key not in lost:
                 control.fence_at = lease - self.fence_lead
             elif control.reason is None:
+                stopping.append((task, control))
+        why = self._why_lost([task for task, _ in stopping])
+        for task, control in stopping:
+            reason = why[task.key]
+            if reason is StopReason.PREEMPTED:
                 log.warning("key=%s: lease lost (deleted, modified or taken over); "
-                            "stopping its run", key)
-                control.stop(StopReason.PREEMPTED)
+                            "stopping its run", task.key)
+            else:
+                log.warning("key=%s: %s; stopping its run", task.key, REASON_TEXT[reason])
+            control.stop(reason)
 
     # -- stop -------------------------------------------------------------------------------
 

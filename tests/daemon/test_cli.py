@@ -151,6 +151,22 @@ def test_direct_refusals_change_nothing(direct: list[str], ctl: Ctl) -> None:
     assert ctl(*direct, "list", "--json").stdout == before
 
 
+def test_pause_and_resume_of_one_key_print_one_line_as_of_several(
+        direct: list[str], ctl: Ctl) -> None:
+    """`pause KEY` says what it did in the line `pause A B` prints, not `show`'s block;
+    --json still gives the schedule as `show --json` does."""
+    for key in ("a", "b"):
+        assert ctl(*direct, "add", key, "t", "@daily").returncode == 0
+    assert ctl(*direct, "pause", "a").stdout == "paused 1 schedule(s): a\n"
+    assert ctl(*direct, "pause", "a", "b").stdout == "paused 2 schedule(s): a b\n"
+    assert ctl(*direct, "resume", "a").stdout == "resumed 1 schedule(s): a\n"
+    res = ctl(*direct, "resume", "b", "--skip-missed")
+    assert res.stdout == "resumed 1 schedule(s): b; 0 missed occurrence(s) skipped\n", res
+    answer = json.loads(ctl(*direct, "pause", "a", "--json").stdout)
+    shown = json.loads(ctl(*direct, "show", "a", "--json").stdout)
+    assert answer["paused"] is True and answer == {k: shown[k] for k in answer}
+
+
 def test_history_names_units_and_logs_prints_the_newest_run_s_output_or_journal(
         direct: list[str], ctl: Ctl, tmp_path: Path) -> None:
     """`history` has a unit column; `logs KEY` prints the newest run's stored output, or
@@ -308,7 +324,7 @@ def test_every_command_through_the_socket(daemon_factory: Any, tmp_path: Path,
     assert json.loads(sctl("show", "k1", "--json").stdout)["delay"] == 7
 
     assert json.loads(sctl("pause", "k1", "--json").stdout)["paused"] is True
-    assert "paused" in sctl("pause", "k1").stdout
+    assert sctl("pause", "k1").stdout == "paused 1 schedule(s): k1\n"
     assert json.loads(sctl("resume", "k1", "--json").stdout)["paused"] is False
 
     # run: one occurrence now, the schedule itself does not move

@@ -163,6 +163,12 @@ def test_replace_stops_the_running_occurrence(daemon_factory: Any, url: str,
                what="the third preempted")
     assert d.stop() == 0
     assert "Traceback" not in d.log(), d.log()[-3000:]
+    # Each says it was replaced, not that its lease was lost and it may run elsewhere.
+    replaced = "replaced by a newer occurrence (concurrency: replace)"
+    errors = [r["error"] for r in history(d, "k") if r["outcome"] == "preempted"]
+    assert len(errors) == 3 and all(e.startswith(f"stopped: {replaced}") for e in errors), errors
+    assert d.log().count(f": {replaced}; stopping its run") == 3
+    assert "lease lost" not in d.log(), d.log()[-3000:]
 
 
 def test_run_key_behind_a_running_occurrence_goes_next(daemon_factory: Any, url: str,

@@ -136,7 +136,9 @@ def test_delete_while_running_stops_the_job(daemon_factory: Any, tmp_path: Path)
     d.wait_log("outcome=preempted")
     wait_until(lambda: [r["outcome"] for r in history(d, "k")] == ["preempted"],
                what="history of the stopped run")
-    assert d.log().count("lease lost (deleted, modified or taken over)") == 1
+    assert history(d, "k")[0]["error"].startswith("stopped: schedule deleted")
+    assert d.log().count("key=k: schedule deleted; stopping its run") == 1
+    assert "lease lost" not in d.log()
     assert d.stop() == 0
 
 

@@ -201,6 +201,29 @@ def test_bad_policy_values_are_refused_by_name(daemon_factory: Any, args: list[s
     assert d.ctl_json("list") == before
 
 
+def test_a_start_far_back_asks_for_a_misfire_policy(daemon_factory: Any) -> None:
+    """`-s 0` of an hourly schedule would run some 500,000 missed occurrences one after
+    the other: refused in one line until --misfire says what is meant; a start a few
+    occurrences back is taken as before."""
+    d: Daemon = daemon_factory().start()
+    d.ctl("add", "keep", "t", YEARLY)
+    before = d.ctl_json("list")
+    for command in (["add", "k", "t", "@hourly", "-s", "0"],
+                    ["add", "k", "t", "* * * * *", "-s", str(int(time.time()) - 2 * 86400)]):
+        res = d.ctl(*command, check=False)
+        message = res.stderr.strip()
+        assert res.returncode == 1 and len(message.splitlines()) == 1, res
+        assert "start: more than 1,000 occurrences since" in message, message
+        assert "--misfire all to mean it" in message, message
+    assert d.ctl_json("list") == before
+    # Said: taken.
+    d.ctl("add", "latest", "t", "@hourly", "-s", "0", "--misfire", "latest")
+    d.ctl("add", "all", "t", "@hourly", "-s", "0", "--misfire", "all")
+    d.ctl("add", "recent", "t", "@hourly", "-s", str(int(time.time()) - 10 * HOUR))
+    assert {s["key"] for s in d.ctl_json("list")} == {"keep", "latest", "all", "recent"}
+    assert d.stop() == 0
+
+
 def test_policies_through_modify_show_and_the_library(daemon_factory: Any,
                                                        tmp_path: Path) -> None:
     import perfectschedd

@@ -7,8 +7,10 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import pytest
 import sqlalchemy as sa
@@ -83,6 +85,17 @@ def test_import_legacy_keeps_times_types_and_data(tmp_path: Path, db_url: str) -
     dry = ctl("-c", str(conf), "import-legacy", db_url, "--table", "rb_sched", "--dry-run")
     assert dry.returncode == 0, dry.stderr
     assert dry.stdout.splitlines()[-1] == "5 schedule(s) would import from table rb_sched"
+    # Times as `list` prints them, in the schedule's zone (not Unix seconds).
+    tokyo = datetime.fromtimestamp(tokyo_3am, ZoneInfo("Asia/Tokyo"))
+    assert tokyo.strftime("%H:%M") == "03:00"
+    utc = datetime.fromtimestamp(hour + 30, UTC)
+    assert sorted(ln for ln in dry.stdout.splitlines() if ln.startswith("would "))[:2] == [
+        "would import backup.nightly (type backup, cron 0 3 * * *, next run "
+        f"{tokyo.strftime('%Y-%m-%d %H:%M:%S')} +0900)",
+        "would import broken.data (type broken, cron 0 * * * *, next run "
+        f"{datetime.fromtimestamp(hour, UTC).strftime('%Y-%m-%d %H:%M:%S')} +0000)"]
+    assert f"(type mail, cron @hourly, next run {utc.strftime('%Y-%m-%d %H:%M:%S')} +0000)" \
+        in dry.stdout
     assert listed(str(conf)) == {}
 
     res = ctl("-c", str(conf), "import-legacy", db_url, "--table", "rb_sched")
@@ -151,6 +164,27 @@ def test_import_legacy_refuses_bad_rows_and_tables(tmp_path: Path, db_url: str) 
     res = ctl("-c", str(conf), "import-legacy", f"sqlite:///{tmp_path}/legacy.db")
     assert res.returncode == 1 and "no such SQLite database file" in res.stderr
     assert not missing.parent.exists() and not (tmp_path / "legacy.db").exists()
+
+
+def test_import_legacy_says_a_database_error_in_one_line(tmp_path: Path,
+                                                         sqlite_url: str) -> None:
+    """A legacy database that cannot be reached or read: one line naming it (without its
+    password) and the driver's reason, not the driver's exception; nothing imported."""
+    conf = tmp_path / "perfectsched.yml"
+    conf.write_text(yaml.safe_dump({"type": "rdb_compat", "url": sqlite_url}))
+    assert ctl("-c", str(conf), "init").returncode == 0
+    res = ctl("-c", str(conf), "import-legacy", "mysql://u:secret@127.0.0.1:1/x", "--dry-run")
+    assert (res.returncode, res.stdout) == (1, ""), res
+    assert res.stderr == (
+        "perfectschedctl: legacy database mysql://u:***@127.0.0.1:1/x unreachable: Can't "
+        "connect to MySQL server on '127.0.0.1' ([Errno 111] Connection refused)\n"), res
+    garbage = tmp_path / "not-a-database.db"
+    garbage.write_bytes(b"this is not SQLite\n" * 100)
+    res = ctl("-c", str(conf), "import-legacy", f"sqlite:///{garbage}")
+    assert (res.returncode, res.stdout) == (1, ""), res
+    assert res.stderr == (f"perfectschedctl: legacy database sqlite:///{garbage}: "
+                          "file is not a database\n"), res
+    assert listed(str(conf)) == {}
 
 
 @pytest.mark.parametrize("backend", ["sqlite"])

@@ -178,6 +178,24 @@ def test_exec_entry_runs_on_the_hosts_that_hold_it(daemon_factory: Any, db_url: 
         assert b"GREETING" not in stored and b"hello from the file" not in stored
 
 
+def test_apply_notes_where_exec_entries_run_unless_the_file_is_the_daemon_s(
+        daemon_factory: Any, tmp_path: Path) -> None:
+    sdir = tmp_path / "schedules.d"
+    job = [{"key": "shell-job", "cron": "0 0 1 1 *", "exec": "true", "user": "root"}]
+    write(sdir / "exec.yml", job)
+    d: Daemon = daemon_factory({"schedules_dir": str(sdir)}).start()
+    note = "note: 1 exec entry runs only on hosts whose schedules_dir holds the file"
+    for args in (["--dry-run"], []):  # the daemon's own file: it reads it there
+        res = d.ctl("apply", *args, str(sdir / "exec.yml"))
+        assert note not in res.stderr, res.stderr
+    elsewhere = tmp_path / "elsewhere" / "exec.yml"
+    write(elsewhere, job)
+    for args in (["--dry-run"], []):
+        res = d.ctl("apply", *args, str(elsewhere))
+        assert note in res.stderr, res.stderr
+    assert d.stop() == 0
+
+
 def test_apply_prints_changes_and_refuses_bad_files(daemon_factory: Any, tmp_path: Path
                                                     ) -> None:
     d: Daemon = daemon_factory({"schedules_dir": "off", "routes": [sh("t", "true")]}).start()

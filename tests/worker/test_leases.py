@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
@@ -118,9 +119,13 @@ def test_a_lease_is_never_shorter_than_alive_time(tmp_path: Path, fraction: floa
     p.close()
 
 
-def test_heartbeat_stops_a_run_whose_lease_was_lost(tmp_path: Path) -> None:
+def test_heartbeat_stops_a_run_whose_lease_was_lost(tmp_path: Path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """Stopped with why, as far as the database tells: its schedule deleted, or lost
+    (modified, taken over)."""
     p, _ = pipeline(tmp_path)
     add(p, "gone")
+    add(p, "changed")
     add(p, "kept")
     submitted: list[Task] = []
     p.step(submitted.append)
@@ -128,13 +133,68 @@ def test_heartbeat_stops_a_run_whose_lease_was_lost(tmp_path: Path) -> None:
         p.running[task.key] = task
     assert p.sc is not None
     p.sc["gone"].delete()
+    p.sc["changed"].modify(delay=5)
     held = [(t.key, t.fence) for t in submitted]
+    caplog.set_level(logging.WARNING, "perfectschedd.worker")
     p.renew(held, now=time.time() + 5)
-    assert p.controls["gone"].reason is StopReason.PREEMPTED
+    assert p.controls["gone"].reason is StopReason.DELETED
+    assert p.controls["changed"].reason is StopReason.PREEMPTED
+    assert sorted(caplog.messages) == [
+        "key=changed: lease lost (deleted, modified or taken over); stopping its run",
+        "key=gone: schedule deleted; stopping its run"]
     assert p.controls["kept"].reason is None
     assert p.controls["kept"].fence_at == pytest.approx(
         int(time.time() + 5) + 1 + p.config.alive_time - p.fence_lead, abs=1)
     assert row(p, "kept").next_run_time >= int(time.time()) + 5 + p.config.alive_time
+    p.close()
+
+
+def test_a_run_replaced_by_a_newer_occurrence_is_stopped_as_replaced(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """concurrency replace: the newer run of the schedule (here another worker's, as
+    store.group_turn does it) deletes the running one's row; its heartbeat stops it as
+    replaced, not as a lease lost that may run elsewhere; its history says so."""
+    p, _ = pipeline(tmp_path)
+    with ScheduleCollection(p.config) as sc:
+        sc.add("r", "sh", cron=YEARLY, concurrency="replace")
+        run_key = sc["r"].run_now()
+    submitted: list[Task] = []
+    p.step(submitted.append)
+    [task] = submitted
+    assert task.key == run_key and p.running == {run_key: task}  # its turn taken
+    assert p.store.group_turn(f"r@run-{int(time.time())}-newer", "r", int(time.time()),
+                              replace=True) == "start"
+    caplog.set_level(logging.WARNING, "perfectschedd.worker")
+    p.renew([(task.key, task.fence)])
+    assert p.controls[run_key].reason is StopReason.REPLACED
+    assert caplog.messages == [f"key={run_key}: replaced by a newer occurrence "
+                               "(concurrency: replace); stopping its run"]
+    p.run_one(task)  # stopped before it started
+    p.flush_history(force=True)
+    [ran] = p.store.history(run_key, 10)
+    assert (ran["outcome"], ran["error"]) == (
+        "preempted", "not started: replaced by a newer occurrence (concurrency: replace)")
+    p.close()
+
+
+def test_an_end_whose_schedule_was_deleted_meanwhile_says_so(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """An extra run ended; its schedule is deleted before its end is written: the line
+    says the schedule was deleted, not that the occurrence may run again elsewhere."""
+    p, _ = pipeline(tmp_path)
+    with ScheduleCollection(p.config) as sc:
+        sc.add("d", "py", cron=YEARLY)  # not due: only its extra run runs
+        run_key = sc["d"].run_now()
+    submitted: list[Task] = []
+    p.step(submitted.append)
+    assert [t.key for t in submitted] == [run_key]
+    p.run_one(submitted[0])  # its end is queued
+    assert p.sc is not None
+    p.sc["d"].delete()
+    caplog.set_level(logging.WARNING, "perfectschedd.worker")
+    p.step(submitted.append)
+    assert caplog.messages == [f"key={run_key}: schedule deleted before its finish was "
+                               "written; its result is discarded"]
     p.close()
 
 
