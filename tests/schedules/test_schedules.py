@@ -207,8 +207,9 @@ def test_commands_layer_refuses_the_same_way(sc: ScheduleCollection) -> None:
     listed = commands.execute(sc, "list", {})
     assert list(listed[0]) == ["key", "type", "cron", "delay", "timezone", "next_time",
                                "next_run_time", "data", "misfire", "grace", "max_attempts",
-                               "retry_wait", "jitter", "timeout", "notify", "concurrency", "metrics", "source",
-                               "creator", "paused", "last_outcome", "attempt", "state"]
+                               "retry_wait", "jitter", "timeout", "notify", "concurrency",
+                               "metrics", "source", "creator", "paused", "last_outcome",
+                               "attempt", "state"]
 
 
 def test_older_hosts_are_named_and_a_feature_they_cannot_honour_is_refused(
