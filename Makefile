@@ -49,8 +49,9 @@ test: $(BIN)/perfectschedd test-deps
 	echo "make test: $$(( $$(date +%s) - start )) s with $(TEST_WORKERS) test processes" \
 	  "(rc $$rc)"; exit $$rc
 
-# The tests that wait a minute or more (jobs of 120 s through reloads, 30 s stops): they
-# mostly sleep, so they run side by side, twice as many as make test runs at once.
+# The tests that wait a minute or more (jobs of 120 s through reloads, 30 s stops), and
+# the PostgreSQL and MariaDB runs of the longest tests (slow_on_servers, whose SQLite run
+# is make test's): side by side, twice as many as make test runs at once.
 test-slow: $(BIN)/perfectschedd test-deps
 	$(BIN)/pytest -q -n $$(( $(TEST_WORKERS) * 2 )) $(DURATIONS) -m "slow and not system and not faults"
 

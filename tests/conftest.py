@@ -67,6 +67,11 @@ def pytest_itemcollected(item: pytest.Item) -> None:
     for fixture, mark in _DB_FIXTURE_MARKS.items():
         if fixture in getattr(item, "fixturenames", ()):
             item.add_marker(mark)
+    # The longest tests run on SQLite in make test and on the servers in make check
+    # (pyproject.toml: slow_on_servers), to keep make test within its 8 minutes.
+    if item.get_closest_marker("slow_on_servers") is not None and (
+            item.get_closest_marker("postgresql") or item.get_closest_marker("mysql")):
+        item.add_marker(pytest.mark.slow)
 
 
 _S = TypeVar("_S", PostgresServer, MariaDBServer)

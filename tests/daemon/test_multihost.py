@@ -85,7 +85,8 @@ def _total_successes(server: PostgresServer, prefix: str, n: int = 60) -> int:
     return sum(_successes(server, f"{prefix}{i:02d}") for i in range(n))
 
 
-@pytest.mark.parametrize("form", ["repeated", "comma"])
+# One form in make test; the other, as long again, in make check (test-slow).
+@pytest.mark.parametrize("form", [pytest.param("repeated", marks=pytest.mark.slow), "comma"])
 def test_daemon_on_a_multi_host_url_follows_the_primary(
         form: str, two_servers: tuple[PostgresServer, PostgresServer],
         daemon_factory: Callable[..., Daemon]) -> None:

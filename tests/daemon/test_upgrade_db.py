@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 import yaml
 from ctl_batch import run_batch
@@ -137,6 +138,7 @@ def meta(url: str) -> dict[str, str] | None:
         engine.dispose()
 
 
+@pytest.mark.slow_on_servers
 def test_new_daemon_keeps_and_runs_a_database_of_0_1_0(
         db_url: str, old_release: OldRelease, daemon_factory: Any, tmp_path: Path) -> None:
     old = old_release
@@ -311,6 +313,7 @@ def test_new_daemon_keeps_and_runs_a_database_of_0_1_0(
     assert rows is not None and rows.get("schema_version") == "3", rows
 
 
+@pytest.mark.slow_on_servers
 def test_new_daemon_keeps_and_runs_a_database_of_0_2_0(
         db_url: str, release_0_2_0: OldRelease, daemon_factory: Any, tmp_path: Path) -> None:
     """0.2.0's own schema and what only 0.2.0 stores (concurrency policies, @every, a

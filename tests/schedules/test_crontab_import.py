@@ -83,6 +83,7 @@ def apply_and_check_times(tmp_path: Path, url: str, files: list[Path]) -> dict[s
     return shown
 
 
+@pytest.mark.slow_on_servers
 def test_debian_crontabs_import_apply_and_keep_cron_times(tmp_path: Path, db_url: str
                                                           ) -> None:
     files = []
@@ -108,6 +109,7 @@ def test_debian_crontabs_import_apply_and_keep_cron_times(tmp_path: Path, db_url
     assert {s["source"] for s in shown.values()} == {f"file:{f.name}" for f in files}
 
 
+@pytest.mark.slow_on_servers
 def test_user_crontab_with_every_feature(tmp_path: Path, db_url: str) -> None:
     src = CORPUS / "user-crontab"
     entries, text, warnings = imported(str(src), "--user", "nobody")

@@ -61,6 +61,7 @@ def listed(conf: str) -> dict[str, dict[str, Any]]:
     return {s["key"]: s for s in yaml.safe_load(res.stdout)}
 
 
+@pytest.mark.slow_on_servers
 def test_import_legacy_keeps_times_types_and_data(tmp_path: Path, db_url: str) -> None:
     now = int(time.time())
     hour = now // HOUR * HOUR + HOUR  # the next round hour: an occurrence of @hourly
@@ -128,6 +129,7 @@ def test_import_legacy_keeps_times_types_and_data(tmp_path: Path, db_url: str) -
     assert listed(str(conf)) == got
 
 
+@pytest.mark.slow_on_servers
 def test_import_legacy_refuses_bad_rows_and_tables(tmp_path: Path, db_url: str) -> None:
     now = int(time.time())
     gem_table(db_url, "rb_bad", [
