@@ -43,14 +43,23 @@ def test_five_failures_then_a_recovery_are_told(daemon_factory: Any, tmp_path: P
         assert d.ctl_json("show", "k")["notify"] == "hook"
         wait_until(lambda: [r["outcome"] for r in history(d, "k")][-1:] == ["success"], 20,
                    what="the sixth attempt to succeed")
-        wait_until(lambda: len(hook.events()) >= len(want), 10, what="the notifications")
+        wait_until(lambda: ("recovery", "success") in hook.events(), 10,
+                   what="the notifications")
         time.sleep(1.0)  # nothing more comes
-        assert hook.events() == want
-        assert [doc["key"] for doc in hook.docs] == ["k"] * len(want)
+        told = hook.events()
+        if when == "every-failure":
+            # A failure that came while the one before still waited to be sent takes its
+            # place (dispatch.py: one pending run per key) and says so: all six runs are
+            # accounted for, the recovery last.
+            assert set(told[:-1]) == {("failure", "failed")} and told[-1] == want[-1], told
+            assert sum(1 + doc["coalesced"] for doc in hook.docs) == 6, hook.docs
+        else:
+            assert told == want
+        assert [doc["key"] for doc in hook.docs] == ["k"] * len(told)
         assert [doc["attempt"] for doc in hook.docs][-1] == 6
         _, samples = scrape(d.metrics_port)
         assert value(samples, "perfectsched_notifications_total", kind="webhook",
-                     result="sent") == len(want)
+                     result="sent") == len(told)
     finally:
         hook.close()
 
