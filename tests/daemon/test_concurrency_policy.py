@@ -18,6 +18,9 @@ from old_release import OldRelease
 
 import perfectschedd
 
+# Their PostgreSQL and MariaDB runs are make check's (conftest: slow_on_servers).
+pytestmark = pytest.mark.slow_on_servers
+
 POLL = 0.5
 # The job: $1 is the key it runs under (KEY, or KEY@run-... for a row of its own).
 JOB = """out={out}

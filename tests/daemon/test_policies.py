@@ -18,6 +18,9 @@ import pytest
 from daemon_harness import YEARLY, Daemon, lines, sh, wait_until
 from scrape import scrape, value
 
+# Their PostgreSQL and MariaDB runs are make check's (conftest: slow_on_servers).
+pytestmark = pytest.mark.slow_on_servers
+
 HOUR = 3600
 
 

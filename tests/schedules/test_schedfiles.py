@@ -15,6 +15,9 @@ from daemon_harness import Daemon, lines, sh, wait_until
 
 import perfectschedd
 
+# Their PostgreSQL and MariaDB runs are make check's (conftest: slow_on_servers).
+pytestmark = pytest.mark.slow_on_servers
+
 
 def write(path: Path, entries: list[dict[str, Any]] | str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
