@@ -47,6 +47,7 @@ from perfectschedd.executors.base import (
     stop_grace,
     stop_reason,
 )
+from perfectschedd.executors.runmarks import RUN_ID_ENV
 from perfectschedd.executors.spawn import Child, spawn
 from perfectschedd.schedules.fields import schedule_key
 
@@ -65,8 +66,6 @@ _SCHED_LATER = re.compile(r"SCHED_LATER\s+(\d+(?:\.\d*)?|\.\d+)")
 # The exec protocol's other last lines (Periodic's): they outrank the exit status.
 _SCHED_DONE = "SCHED_DONE"
 _SCHED_FAIL = "SCHED_FAIL"
-# In the environment of every process of an exec run: "<worker pid>.<run number>".
-RUN_ID_ENV = "PERFECTSCHED_RUN_ID"
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,11 @@ container or `make run` without systemd's KillMode), nobody is left to do either
 would run on past its lease, beside the copy another host starts (SPEC "Execution
 guarantees": when the daemon dies its jobs die within seconds).
 
-So the master forks, before anything else, this small process.  It holds the read end of
+So the master starts, before anything else, this small process: forked, then a new
+interpreter (exec) that imports nothing but the standard library, runmarks.py and the
+log setup.  Only forked, it held the master's heap as it was at the fork, and every
+page the master wrote afterwards became the guard's own: 24 MiB of a daemon's summed PSS
+(docs/performance.md); exec'd, about 7.  It holds the read end of
 a pipe whose write end the master and every worker hold (workers by inheritance; a job
 does not: the pipe is close-on-exec).  Nothing is ever written: when the last holder is
 gone the read ends, and the guard kills every process whose run id names this daemon's
@@ -18,16 +22,14 @@ stops it early, and then the next start of the daemon kills what is left
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
+import sys
 from dataclasses import dataclass
 
 from perfectschedd import logsetup
-from perfectschedd.executors import reaper
-
-log = logging.getLogger("perfectschedd")
+from perfectschedd.executors import runmarks
 
 _PR_SET_NAME = 15
 # Its name in ps and /proc/PID/comm: `pkill perfectschedd` does not match it, so what
@@ -43,39 +45,49 @@ class Guard:
     lifeline: int  # the write end: held, never written
 
 
-def start(instance: str) -> Guard:
-    """Fork the guard of the daemon instance `instance` (in the master, before anything
-    else that its children should not inherit: listening sockets, threads)."""
+def start(instance: str, log_path: str | None) -> Guard:
+    """Start the guard of the daemon instance `instance` (in the master, before anything
+    else that its children should not inherit: listening sockets, threads), logging to
+    `log_path` (None: where the daemon's lines go without `log:`)."""
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:
-        code = 1
         try:
             os.close(write_end)
-            code = _watch(read_end, instance)
+            os.set_inheritable(read_end, True)
+            # -P: nothing of the master's working directory on the module path.
+            os.execv(sys.executable, [sys.executable, "-P", "-m", __name__, instance,
+                                      str(read_end), log_path or ""])
         finally:
-            os._exit(code)
+            os._exit(127)
     os.close(read_end)
     return Guard(pid, write_end)
 
 
-def _watch(lifeline: int, instance: str) -> int:
+def main(argv: list[str]) -> int:
+    instance, lifeline, log_path = argv[0], int(argv[1]), argv[2] or None
     for sig in _IGNORED:
         signal.signal(sig, signal.SIG_IGN)
     try:
+        import ctypes  # here only: the name in ps is worth its import, nothing more
+
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, NAME, 0, 0, 0)
     except (OSError, AttributeError):
         pass
-    logsetup.after_fork()
+    try:
+        logsetup.setup(log_path)
+    except Exception:  # noqa: BLE001 - its one line goes to stderr: the guard still guards
+        logsetup.setup(None)
     logsetup.set_process_name("guard")
+    log = logging.getLogger("perfectschedd")
     while True:
         try:
             if not os.read(lifeline, 4096):
                 break
         except InterruptedError:
             continue
-    killed = reaper.kill_marked(lambda run: reaper.instance_of(run) == instance,
-                                me=os.getpid())
+    killed = runmarks.kill_marked(lambda run: runmarks.instance_of(run) == instance,
+                                  me=os.getpid())
     if killed:
         log.warning("the daemon's master and workers died together; the job guard killed "
                     "%d process(es) of their runs", killed)
@@ -83,11 +95,5 @@ def _watch(lifeline: int, instance: str) -> int:
     return 0
 
 
-def kill_earlier_incarnations(me: int) -> int:
-    """At start, before any worker: kill the runs a previous master of this daemon
-    instance left behind when it died with its workers and its guard."""
-    killed = reaper.kill_marked(reaper.left_by_earlier_incarnations, me=me)
-    if killed:
-        log.warning("killed %d process(es) left running by an earlier start of this daemon "
-                    "(it died with its workers)", killed)
-    return killed
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

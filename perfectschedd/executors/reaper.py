@@ -18,22 +18,15 @@ Everything here reads /proc (Linux); nothing blocks for long.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
-import time
 from collections.abc import Callable, Iterable
 from typing import Protocol, TypeVar
 
-from perfectschedd.executors.command import RUN_ID_ENV
+from perfectschedd.executors.runmarks import instance_of, kill_marked, run_id
 from perfectschedd.executors.systemd.props import socket_digest
-
-_MARK = f"{RUN_ID_ENV}=".encode()
-# A dead worker's runs are killed in rounds: each round's victims re-parent their
-# children to us, who are found by the next round.  Bounded, so a fork bomb cannot
-# hold the master's loop.
-_ROUNDS = 20
-_ROUND_PAUSE = 0.01
 
 # Children this process starts for itself (a notification's hook or sendmail, from the
 # master's threads): not left behind by a run, so the master's sweep spares them.  They
@@ -97,20 +90,6 @@ def children(pid: int) -> list[int]:
     return kids
 
 
-def run_id(pid: int) -> str | None:
-    """The run a process belongs to, from its environment; None if it has none (or it
-    is not ours to read: another user, a zombie)."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = f.read()
-    except OSError:
-        return None
-    for item in env.split(b"\0"):
-        if item.startswith(_MARK):
-            return item[len(_MARK):].decode("ascii", "replace")
-    return None
-
-
 def parent(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -118,19 +97,6 @@ def parent(pid: int) -> int | None:
     except OSError:
         return None
     return int(stat.rsplit(b")", 1)[1].split()[1])
-
-
-def all_pids() -> list[int]:
-    return [int(e) for e in os.listdir("/proc") if e.isdigit()]
-
-
-def kill(pid: int) -> None:
-    """SIGKILL `pid` and, if it leads one, its process group."""
-    for send, target in ((os.killpg, pid), (os.kill, pid)):
-        try:
-            send(target, signal.SIGKILL)
-        except OSError:
-            pass
 
 
 def kill_groups(pgids: Iterable[int], master: int) -> int:
@@ -153,22 +119,6 @@ def kill_groups(pgids: Iterable[int], master: int) -> int:
     return count
 
 
-def kill_marked(belongs: Callable[[str], bool], *, me: int) -> int:
-    """SIGKILL every process whose run id satisfies `belongs`, in rounds until none is
-    left (or the bound is reached); returns how many were signalled."""
-    count = 0
-    for _ in range(_ROUNDS):
-        victims = [p for p in all_pids() if p != me and (r := run_id(p)) is not None
-                   and belongs(r)]
-        if not victims:
-            break
-        for pid in victims:
-            kill(pid)
-        count += len(victims)
-        time.sleep(_ROUND_PAUSE)
-    return count
-
-
 # This daemon's instance: set by the master before it forks anything, inherited by its
 # workers, which write it into their run ids.
 _instance: str | None = None
@@ -187,18 +137,23 @@ def instance() -> str:
     return _instance or "-"
 
 
-def instance_of(run: str) -> str | None:
-    """The daemon instance in a run id; None in a run id of 0.2.0 or older."""
-    fields = run.split(".")
-    return fields[2] if len(fields) == 4 else None
-
-
 def left_by_earlier_incarnations(run: str) -> bool:
     """Whether a run id is of this daemon (the same control socket), but of a master that
     is not this one: what a daemon killed with all its processes left running."""
     theirs, mine = instance_of(run), instance()
     return theirs is not None and theirs != mine and \
         theirs.partition(":")[0] == mine.partition(":")[0]
+
+
+def kill_earlier_incarnations(me: int) -> int:
+    """At start, before any worker: kill the runs a previous master of this daemon
+    instance left behind when it died with its workers and its guard (guard.py)."""
+    killed = kill_marked(left_by_earlier_incarnations, me=me)
+    if killed:
+        logging.getLogger("perfectschedd").warning(
+            "killed %d process(es) left running by an earlier start of this daemon (it "
+            "died with its workers)", killed)
+    return killed
 
 
 def worker_of(run: str) -> int | None:

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from perfectschedd.config import Config
 from perfectschedd.errors import first_line
 from perfectschedd.executors import reaper as jobreaper
+from perfectschedd.executors import runmarks
 from perfectschedd.executors.base import signal_name
 from perfectschedd.executors.systemd import props as unitprops
 from perfectschedd.master.processes import Processes
@@ -155,7 +156,7 @@ class RunCleanup:
         groups = [g for g in proc.runs.values() if g is not None]
         killed = jobreaper.kill_groups(groups, master_pid)
         dead = proc.pid
-        killed += jobreaper.kill_marked(lambda r: jobreaper.worker_of(r) == dead,
+        killed += runmarks.kill_marked(lambda r: jobreaper.worker_of(r) == dead,
                                         me=master_pid)
         if killed:
             log.warning("worker %d (pid %d) died with %d run(s); killed what was left of "
@@ -201,12 +202,12 @@ class RunCleanup:
             read_alive(proc.pid)
         active = {r for p in table for r in p.runs}
         for pid in strays:
-            run = jobreaper.run_id(pid)
+            run = runmarks.run_id(pid)
             if run is not None and run in active:
                 continue
             if run is not None:
                 log.warning("killing pid %d, left behind by run %s that has ended", pid, run)
-            jobreaper.kill(pid)
+            runmarks.kill(pid)
 
     def kill_orphans(self, spare: int | None = None) -> None:
         """Job processes re-parented to us (their worker died) must not outlive us.  The

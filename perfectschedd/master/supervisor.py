@@ -745,7 +745,7 @@ class Supervisor:
         # First, while the master holds no listening socket and runs no thread but the
         # log writer's: the guard inherits nothing it could keep open.
         self.guard = reaper.start_helper(lambda: guard.start(reaper.set_instance(
-            self.config.control_socket, self.master_pid)))
+            self.config.control_socket, self.master_pid), self.config.log))
         self._install_signals()
         self.listener_fds = self.listeners.fds
         # The control socket first: its lock refuses a second daemon before anything of the
@@ -763,7 +763,7 @@ class Supervisor:
         # A previous daemon of this host that died without stopping its jobs: its units
         # stop before any worker exists.
         self.cleanup.stop_previous_units(self.config)
-        guard.kill_earlier_incarnations(self.master_pid)
+        reaper.kill_earlier_incarnations(self.master_pid)
         log.info("perfectschedd %s starting: %d worker(s), database %s", __version__,
                  self.config.workers, engine_url(self.config.url).render_as_string(
                      hide_password=True))

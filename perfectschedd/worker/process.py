@@ -36,7 +36,7 @@ from typing import Any
 
 from perfectschedd import logsetup
 from perfectschedd.config import Config
-from perfectschedd.executors import command
+from perfectschedd.executors import command, runmarks
 from perfectschedd.executors import reaper as jobreaper
 from perfectschedd.executors.base import StopReason
 from perfectschedd.metrics import counters as metrics
@@ -355,7 +355,7 @@ class Worker:
         if self.master_gone:
             # Their orphans went to init, not to a master that would kill them.
             me = os.getpid()
-            jobreaper.kill_marked(lambda r: jobreaper.worker_of(r) == me, me=me)
+            runmarks.kill_marked(lambda r: jobreaper.worker_of(r) == me, me=me)
         self.pipeline.give_back_leftovers()
         if self.notices is not None:
             # The last runs' notifications, briefly: a stop must not wait on a receiver.

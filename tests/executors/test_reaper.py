@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from daemon_harness import wait_until
 
-from perfectschedd.executors import reaper
+from perfectschedd.executors import reaper, runmarks
 
 RUN_ID_ENV = "PERFECTSCHED_RUN_ID"
 # Run ids no real worker has (pids are below 2**22): this test's only, even though
@@ -90,7 +90,7 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
 
 def env_ready(pid: int, run: str | None) -> None:
     """Wait until the process has exec'd with its final environment."""
-    wait_until(lambda: reaper.run_id(pid) == run and
+    wait_until(lambda: runmarks.run_id(pid) == run and
                Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"sleep"), 5,
                what=f"process {pid} ready")
 
@@ -101,19 +101,19 @@ def test_run_id_parent_children_of_real_processes(procs: Procs) -> None:
     plain = procs.sleeper(None)
     env_ready(marked, run)
     env_ready(plain, None)
-    assert reaper.run_id(marked) == run
-    assert reaper.run_id(plain) is None
+    assert runmarks.run_id(marked) == run
+    assert runmarks.run_id(plain) is None
     assert reaper.parent(marked) == os.getpid()
     kids = reaper.children(os.getpid())
     assert marked in kids and plain in kids
     assert reaper.children(marked) == []
-    assert marked in reaper.all_pids() and os.getpid() in reaper.all_pids()
+    assert marked in runmarks.all_pids() and os.getpid() in runmarks.all_pids()
     # Gone, or never there: nothing, and no exception.
-    assert reaper.run_id(2**22 + 1) is None
+    assert runmarks.run_id(2**22 + 1) is None
     assert reaper.parent(2**22 + 1) is None
     assert reaper.children(2**22 + 1) == []
     # Another user's process (init): its environment is not ours to read, or has no mark.
-    assert reaper.run_id(1) is None
+    assert runmarks.run_id(1) is None
 
 
 def test_kill_marked_kills_a_runs_processes_and_only_those(procs: Procs) -> None:
@@ -129,23 +129,23 @@ def test_kill_marked_kills_a_runs_processes_and_only_those(procs: Procs) -> None
         env_ready(pid, run)
     assert os.getsid(escaped) == escaped  # its own session: not in any group of ours
 
-    count = reaper.kill_marked(lambda r: reaper.worker_of(r) == worker, me=os.getpid())
+    count = runmarks.kill_marked(lambda r: reaper.worker_of(r) == worker, me=os.getpid())
     # The three marked sleepers and the sh that started the escaped one (marked too).
     assert count == 4
     wait_until(lambda: all(gone(p) for p in [*victims, escaped]), 5, what="victims dead")
     assert not any(gone(p) for p in survivors)
-    assert reaper.run_id(survivors[0]) == other
+    assert runmarks.run_id(survivors[0]) == other
     # Nothing left of the run: a second pass finds nothing.
-    assert reaper.kill_marked(lambda r: r in doomed, me=os.getpid()) == 0
+    assert runmarks.kill_marked(lambda r: r in doomed, me=os.getpid()) == 0
 
 
 def test_kill_marked_spares_the_caller_and_matches_nothing_unwanted(procs: Procs) -> None:
     run = new_run()
     pid = procs.sleeper(run)
     env_ready(pid, run)
-    assert reaper.kill_marked(lambda r: r == run, me=pid) == 0  # `me` is never signalled
+    assert runmarks.kill_marked(lambda r: r == run, me=pid) == 0  # `me` is never signalled
     assert not gone(pid)
-    assert reaper.kill_marked(lambda r: False, me=os.getpid()) == 0
+    assert runmarks.kill_marked(lambda r: False, me=os.getpid()) == 0
     assert not gone(pid)
 
 
@@ -197,10 +197,10 @@ def test_kill_groups_never_signals_a_strangers_group(procs: Procs) -> None:
 def test_kill_signals_the_process_and_the_group_it_leads(procs: Procs) -> None:
     leader, member = procs.grandchild("sleep 30 & echo $! > $OUT; wait", None, session=True)
     env_ready(member, None)
-    reaper.kill(leader.pid)
+    runmarks.kill(leader.pid)
     assert leader.wait(5) == -signal.SIGKILL
     wait_until(lambda: gone(member), 5, what="the member dead")
-    reaper.kill(2**22 + 3)  # gone: no exception
+    runmarks.kill(2**22 + 3)  # gone: no exception
 
 
 @pytest.mark.parametrize(("run", "worker"), [("1234.5", 1234), ("77.0", 77), ("77", 77),
