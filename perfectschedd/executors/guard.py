@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import signal
 import sys
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ _PR_SET_NAME = 15
 # Its name in ps and /proc/PID/comm: `pkill perfectschedd` does not match it, so what
 # kills a daemon that way leaves the guard to clean up after it.
 NAME = b"psched-guard"
+READY_WAIT = 10.0
 _IGNORED = (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT, signal.SIGHUP, signal.SIGUSR1,
             signal.SIGUSR2, signal.SIGPIPE)
 
@@ -50,22 +52,32 @@ def start(instance: str, log_path: str | None) -> Guard:
     else that its children should not inherit: listening sockets, threads), logging to
     `log_path` (None: where the daemon's lines go without `log:`)."""
     read_end, write_end = os.pipe()
+    ready_r, ready_w = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
             os.close(write_end)
+            os.close(ready_r)
             os.set_inheritable(read_end, True)
+            os.set_inheritable(ready_w, True)
             # -P: nothing of the master's working directory on the module path.
             os.execv(sys.executable, [sys.executable, "-P", "-m", __name__, instance,
-                                      str(read_end), log_path or ""])
+                                      str(read_end), str(ready_w), log_path or ""])
         finally:
             os._exit(127)
     os.close(read_end)
+    os.close(ready_w)
+    # Until it says it is ready it is a python3 like the workers (ps, /proc/PID/comm):
+    # the master goes on once it has its name and guards, READY_WAIT at most.
+    try:
+        select.select([ready_r], [], [], READY_WAIT)
+    finally:
+        os.close(ready_r)
     return Guard(pid, write_end)
 
 
 def main(argv: list[str]) -> int:
-    instance, lifeline, log_path = argv[0], int(argv[1]), argv[2] or None
+    instance, lifeline, ready, log_path = argv[0], int(argv[1]), int(argv[2]), argv[3] or None
     for sig in _IGNORED:
         signal.signal(sig, signal.SIG_IGN)
     try:
@@ -79,6 +91,8 @@ def main(argv: list[str]) -> int:
     except Exception:  # noqa: BLE001 - its one line goes to stderr: the guard still guards
         logsetup.setup(None)
     logsetup.set_process_name("guard")
+    os.write(ready, b"1")
+    os.close(ready)
     log = logging.getLogger("perfectschedd")
     while True:
         try:
