@@ -933,3 +933,32 @@ def test_history_is_bounded_per_schedule_also_for_rows_of_their_own(
     assert len(sc.history("solo", 100)) == 3
     sc.store.prune_history(3)  # nothing more to do
     assert len(sc.history("k", 100)) == 3
+
+
+def test_series_rows_and_their_last_success_and_failure(sc: ScheduleCollection) -> None:
+    """The schedules with series of their own (metrics/counters.py), on every backend:
+    asked by policy or by a route's default and not refused, files' first, then root's,
+    bounded; their latest success and failure, extra runs' included."""
+    sc.add("m-member", "t", cron="@daily", now=T0, metrics=True, creator=1000)
+    sc.add("a-member", "t", cron="@daily", now=T0, metrics=True, creator=1000)
+    sc.add("z-root", "t", cron="@daily", now=T0, metrics=True, creator=0)
+    sc.add("routed", "chatty", cron="@daily", now=T0, creator=1000)
+    sc.add("refuses", "chatty", cron="@daily", now=T0, metrics=False, creator=1000)
+    sc.add("plain", "t", cron="@daily", now=T0, creator=1000)
+    rows, total = sc.store.series_rows({"chatty"}, 10)
+    assert [r.key for r in rows] == ["z-root", "a-member", "m-member", "routed"]
+    assert total == 4
+    rows, total = sc.store.series_rows(set(), 2)
+    assert ([r.key for r in rows], total) == (["z-root", "a-member"], 3)
+    assert sc.store.series_rows(set(), 0) == ([], 3)
+
+    def run(key: str, outcome: str, ended: float) -> dict[str, Any]:
+        return {"key": key, "type": "t", "scheduled_time": T0, "attempt": 1,
+                "started_at": ended - 1, "finished_at": ended, "outcome": outcome,
+                "worker": "w"}
+    sc.store.record_runs([run("z-root", "success", T0 + 10), run("z-root", "failed", T0 + 20),
+                          run("z-root@run-1-ab", "success", T0 + 30),
+                          run("a-member", "timeout", T0 + 5), run("a-member", "later", T0 + 9),
+                          run("z-rooted", "success", T0 + 99)])  # another key's
+    assert sc.store.last_success_and_failure(["z-root", "a-member", "m-member"]) == {
+        "z-root": (T0 + 30, T0 + 20), "a-member": (None, T0 + 5), "m-member": (None, None)}
