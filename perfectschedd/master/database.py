@@ -642,9 +642,11 @@ class MasterDatabase:
         beyond = [{"key": x.key, "due": x.due, "overdue_by": x.overdue_by,
                    "period": x.period} for x in lates if x.beyond_period]
         oldest = lates[0].overdue_by if lates else 0.0
+        # The series before the counts: a scrape that sees this reading's time (the
+        # counts' timestamp) sees its series too.
+        metrics.set_schedule_series(*self._series)
         metrics.set_schedule_counts(counts, now, unclaimed)
         metrics.set_schedule_states(summary["counts"], oldest, len(beyond))
-        metrics.set_schedule_series(*self._series)
         recorded = {h["name"] for h in hosts}
         self._publish(replace(self.snapshot, counts=counts, running=running, queued=queued,
                               states=summary["counts"], failing=failing[:FAILING_SHOWN],

@@ -18,10 +18,16 @@ SERIES = "perfectsched_schedule_"
 
 
 def fresh(d: Daemon) -> Samples:
-    """A scrape after a reading of the database (status asks for one; unasked, every
-    15 s)."""
+    """A scrape of a reading of the database begun after this call (status asks for one
+    and waits half a second for it; unasked, every 15 s)."""
+    asked = time.time()
     d.ctl("status")
-    return scrape(d.metrics_port)[1]
+
+    def read() -> Samples | None:
+        samples = scrape(d.metrics_port)[1]
+        at = value(samples, "perfectsched_schedule_counts_timestamp_seconds")
+        return samples if at is not None and at >= asked else None
+    return wait_until(read, timeout=30, interval=0.2, what="a reading after the change")
 
 
 def keys_shown(samples: Samples) -> set[str]:
