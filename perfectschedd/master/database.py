@@ -155,7 +155,7 @@ class MasterDatabase:
         # The latest reading of the schedules' states (Store.state_summary without its
         # overdue rows), and when the next one is due unasked (monotonic).
         self._states: dict[str, Any] | None = None
-        self._series: tuple[list[metrics.ScheduleSeries], int] | None = None
+        self._series: tuple[list[metrics.ScheduleSeries], int] = ([], 0)
         self._next_states = 0.0
         self._thread = threading.Thread(target=self._housekeeping, name="housekeeping",
                                         daemon=True)
@@ -614,6 +614,9 @@ class MasterDatabase:
             if states or self._states is None:
                 began = time.monotonic()
                 self._states = store.state_summary(int(now), overdue=0)
+                # Read with the states, and counted in their share of the time: the
+                # choice of the schedules with series of their own reads every row too.
+                self._series = self._read_series()
                 heap.trim()  # it read every schedule with its latest run
                 took = time.monotonic() - began
                 self._next_states = began + max(COUNTS_EVERY, took / STATES_SHARE)
@@ -624,8 +627,6 @@ class MasterDatabase:
             unclaimed = store.unclaimed(int(now) - UNCLAIMED_AFTER)
             hosts = store.hosts(forget_before=now - HOST_FORGET_AFTER)
             at_work = store.nodes_at_work(now - self.config.alive_time)
-            if states or self._series is None:  # as often as the states: a read of many
-                self._series = self._read_series()
         running: list[dict[str, Any]] = []
         queued: list[dict[str, Any]] = []
         for r in rows:
