@@ -849,7 +849,10 @@ class Supervisor:
             self.state = "running"
             log.info("ready")
             self.notify("READY=1", f"MAINPID={os.getpid()}")
-            self.last_status = 0.0  # STATUS= says at once what is up
+            # STATUS= says at once what is up, even when the line is the one sent while
+            # the database was still opening: the READY message is where one looks.
+            self.last_status = 0.0
+            self.status_line = ""
         self._update_status()
         self._watchdog()
         return False

@@ -18,6 +18,9 @@ from old_release import OldRelease
 
 import perfectschedd
 
+# Daemon-level: the PostgreSQL and MariaDB runs are make check's (test-slow).
+pytestmark = pytest.mark.slow_on_servers
+
 needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
                                 reason="needs root and setpriv")
 AS_NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]

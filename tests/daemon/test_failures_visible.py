@@ -13,11 +13,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from daemon_harness import CTL, YEARLY, Daemon, sh, wait_until
 from scrape import scrape, value
 
 from perfectschedd.store.sql import Store
+
+# Daemon-level: the PostgreSQL and MariaDB runs are make check's (test-slow).
+pytestmark = pytest.mark.slow_on_servers
 
 
 def ctl_c(config: Path, *args: str, stdin: str | None = None) -> str:

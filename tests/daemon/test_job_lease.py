@@ -11,9 +11,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from daemon_harness import YEARLY, Daemon, lines, sh, wait_until
 
 import perfectschedd
+
+# Daemon-level: the PostgreSQL and MariaDB runs are make check's (test-slow).
+pytestmark = pytest.mark.slow_on_servers
 
 
 def running(pid: int) -> bool:

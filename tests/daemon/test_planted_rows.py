@@ -17,11 +17,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 import yaml
 from daemon_harness import Daemon, lines, wait_until
 from dbservers import driver_url
 from old_release import OldRelease
+
+# Daemon-level: the PostgreSQL and MariaDB runs are make check's (test-slow).
+pytestmark = pytest.mark.slow_on_servers
 
 TABLE = "perfectsched"
 REASON = "refused by perfectschedd: "

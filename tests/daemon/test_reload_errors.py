@@ -10,10 +10,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from daemon_harness import Daemon, lines, sh, wait_until
 
 import perfectschedd
+
+# Daemon-level: the PostgreSQL and MariaDB runs are make check's (test-slow).
+pytestmark = pytest.mark.slow_on_servers
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 NO_SENDMAIL = "/nonexistent/sendmail"

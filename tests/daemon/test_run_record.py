@@ -20,6 +20,9 @@ OUTPUT_LIMIT = 256
 JOBS = '''\
 from perfectschedd import Application
 
+# Daemon-level: the PostgreSQL and MariaDB runs are make check's (test-slow).
+pytestmark = pytest.mark.slow_on_servers
+
 
 class Broken(Application):
     def run(self):

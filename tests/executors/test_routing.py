@@ -10,9 +10,13 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
 from daemon_harness import YEARLY, Daemon, lines, sh, wait_until
 
 import perfectschedd
+
+# Daemon-level: the PostgreSQL and MariaDB runs are make check's (test-slow).
+pytestmark = pytest.mark.slow_on_servers
 
 
 def runs(path: Path) -> list[tuple[str, str, float]]:
