@@ -55,10 +55,11 @@ test: $(BIN)/perfectschedd test-deps
 test-slow: $(BIN)/perfectschedd test-deps
 	$(BIN)/pytest -q -n $$(( $(TEST_WORKERS) * 2 )) $(DURATIONS) -m "slow and not system and not faults"
 
-# Fault injection (SIGSTOP/kill -9 of database servers, clocks, full disks, clusters):
-# one test at a time, as each one disturbs shared servers on purpose.
+# Fault injection (SIGSTOP/kill -9 of database servers, clocks, full disks, clusters; the
+# master's loop against a frozen server, tests/master/test_master_never_waits.py): one
+# test at a time, as each one disturbs shared servers on purpose.
 test-faults: $(BIN)/perfectschedd test-deps
-	$(BIN)/pytest -q $(DURATIONS) -m faults tests/faults
+	$(BIN)/pytest -q $(DURATIONS) -m faults tests
 
 # Everything: lint and the suite, the fault suite, Debian 12's libraries, the package
 # (its build runs its own tests, then lintian) and the system tests on Debian 12 and 13.

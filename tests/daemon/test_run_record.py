@@ -13,15 +13,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from daemon_harness import YEARLY, Daemon, lines, sh, wait_until
+
+# Daemon-level: the PostgreSQL and MariaDB runs are make check's (test-slow).
+pytestmark = pytest.mark.slow_on_servers
 
 OUTPUT_LIMIT = 256
 
 JOBS = '''\
 from perfectschedd import Application
-
-# Daemon-level: the PostgreSQL and MariaDB runs are make check's (test-slow).
-pytestmark = pytest.mark.slow_on_servers
 
 
 class Broken(Application):

@@ -19,8 +19,9 @@ from dbservers import PostgresServer
 
 from perfectschedd.control import protocol
 
-# Latency and syscall timing: measured alone, not beside the parallel tests.
-pytestmark = pytest.mark.serial
+# Fault injection (a frozen server, a held database file, a flood of clients) and latency
+# measured alone: the fault suite's (make test-faults), one test at a time.
+pytestmark = pytest.mark.faults
 
 WATCHDOG_USEC = 2_000_000
 
