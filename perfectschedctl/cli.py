@@ -343,17 +343,9 @@ def _next(ns: argparse.Namespace, send: Callable[[str, dict[str, Any]], Any] | N
     if ns.cron is not None:
         tz = ns.timezone if ns.timezone is not None else "UTC"
         start = ns.start if ns.start is not None else int(time.time())
-        fires = preview.of_expression(ns.cron, tz, start, ns.count)
-        head: dict[str, Any] = {"cron": ns.cron, "timezone": tz}
-    else:
-        assert send is not None
-        info = send("show", {"key": ns.key})
-        tz = info["timezone"]
-        fires = preview.of_schedule(info, ns.count)
-        head = {"key": info["key"], "cron": info["cron"], "timezone": tz,
-                "delay": info.get("delay") or 0, "jitter": info.get("jitter") or 0,
-                "paused": bool(info.get("paused")), "running": info.get("owner") is not None}
-    return {**head, "times": [f.as_dict(tz) for f in fires]}
+        return preview.of_expression_shown(ns.cron, tz, start, ns.count)
+    assert send is not None
+    return preview.of_schedule_shown(send("show", {"key": ns.key}), ns.count)
 
 
 # How many of a schedule's newest history rows `logs` looks through for its newest run

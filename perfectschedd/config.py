@@ -120,7 +120,16 @@ class Config:
     control_socket: str = DEFAULT_SOCKET
     # Group whose members may use the control socket (besides root and the daemon's user).
     control_group: str | None = None
-    metrics_listen: tuple[str, int] | None = ("127.0.0.1", DEFAULT_METRICS_PORT)
+    # The HTTP listener: /metrics, /healthz, the API and the console (0.1.0's name for
+    # it, metrics_listen, is read too).
+    http_listen: tuple[str, int] | None = ("127.0.0.1", DEFAULT_METRICS_PORT)
+    http_listen_key: str = "http_listen"  # the name the file used, for messages
+    # (certificate file, key file): HTTPS.
+    http_tls: tuple[str, str] | None = None
+    # The API and the console on a non-loopback address without TLS (tokens in clear).
+    http_insecure: bool = False
+    # /metrics and /healthz ask for a token (any role) too.
+    metrics_token: bool = False
     dbus: bool = False
     # D-Bus address (e.g. unix:path=/run/x.sock) instead of the system bus; for tests.
     dbus_address: str | None = None
@@ -191,7 +200,7 @@ _KNOWN_KEYS = {
     "retry_wait",
     "retry_wait_max", "max_attempts", "later_limit",
     "workers", "concurrency", "control_socket", "control_group", "metrics_listen", "dbus",
-    "dbus_address",
+    "dbus_address", "http_listen", "http_tls", "http_insecure", "metrics_token",
     "shutdown_timeout", "kill_grace", "worker_timeout", "routes", "history_limit",
     "history_keep_days", "output_limit", "log_output_limit", "schedule_metrics_max",
     "node_name", "schedules_dir", "notifiers", "notify", "sendmail", "notify_user",
@@ -239,16 +248,46 @@ def _output_limit(raw: Mapping[str, Any]) -> int:
     return value
 
 
-def parse_listen(value: Any) -> tuple[str, int] | None:
+def parse_listen(value: Any, key: str = "http_listen") -> tuple[str, int] | None:
     if value is None or value is False or value == "off":
         return None
     if not isinstance(value, str) or ":" not in value:
-        raise ConfigError(f"metrics_listen: expected host:port or off, got {describe(value)}")
+        raise ConfigError(f"{key}: expected host:port or off, got {describe(value)}")
     host, _, port = value.rpartition(":")
     host = host.strip("[]")
     if not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"metrics_listen: bad port in {describe(value)}")
+        raise ConfigError(f"{key}: bad port in {describe(value)}")
     return host, int(port)
+
+
+def _http_listen(raw: Mapping[str, Any]) -> tuple[str, int] | None:
+    """http_listen, or metrics_listen (its name until 0.3.0), not both."""
+    if "http_listen" in raw and "metrics_listen" in raw:
+        raise ConfigError("http_listen and metrics_listen (its old name) are both set: "
+                          "keep http_listen only")
+    key = "metrics_listen" if "metrics_listen" in raw else "http_listen"
+    return parse_listen(raw.get(key, DEFAULT_METRICS_LISTEN), key)
+
+
+def _http_tls(raw: Mapping[str, Any]) -> tuple[str, str] | None:
+    value = raw.get("http_tls")
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != {"cert", "key"} or not all(
+            isinstance(v, str) and v.startswith("/") for v in value.values()):
+        raise ConfigError("http_tls: must be {cert: /PATH, key: /PATH} (absolute paths of "
+                          "a PEM certificate chain and its key)")
+    for what in ("cert", "key"):
+        if not os.access(value[what], os.R_OK):
+            raise ConfigError(f"http_tls: {what} {value[what]}: cannot be read")
+    return value["cert"], value["key"]
+
+
+def _flag(raw: Mapping[str, Any], key: str) -> bool:
+    value = raw.get(key, False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}: must be true or false, got {describe(value)}")
+    return value
 
 
 def _routes(raw: Any, notifiers: Mapping[str, Notifier]) -> tuple[RouteConfig, ...]:
@@ -475,7 +514,11 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
         concurrency=_number(raw, "concurrency", 8, minimum=1, integer=True),
         control_socket=sock,
         control_group=group,
-        metrics_listen=parse_listen(raw.get("metrics_listen", DEFAULT_METRICS_LISTEN)),
+        http_listen=_http_listen(raw),
+        http_listen_key="metrics_listen" if "metrics_listen" in raw else "http_listen",
+        http_tls=_http_tls(raw),
+        http_insecure=_flag(raw, "http_insecure"),
+        metrics_token=_flag(raw, "metrics_token"),
         dbus=dbus,
         dbus_address=dbus_address,
         shutdown_timeout=_number(raw, "shutdown_timeout", 30.0, minimum=0),

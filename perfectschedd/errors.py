@@ -26,8 +26,13 @@ class NotSupportedError(ScheduleError):
 
 
 class PermissionDeniedError(ScheduleError):
-    """The caller may not do this (callers.py): a route that runs as another user, a
-    schedules file's schedule, or --force without being root."""
+    """The caller may not do this (control/auth.py): a route that runs as another user, a
+    schedules file's schedule, or --force without being root.  `conflict`: refused
+    because a schedules file owns the schedule (HTTP answers 409, not 403)."""
+
+    def __init__(self, message: str = "", *, conflict: bool = False) -> None:
+        super().__init__(message)
+        self.conflict = conflict
 
 
 class DatabaseUnavailableError(ScheduleError):

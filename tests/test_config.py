@@ -19,7 +19,7 @@ def test_defaults_match_the_spec() -> None:
         "perfectsched", 1.0, "UTC", 300, 300, 2)
     assert c.control_socket == "/run/perfectsched/perfectschedd.sock"
     assert c.log is None and c.routes == ()
-    assert c.metrics_listen == ("127.0.0.1", DEFAULT_METRICS_PORT)
+    assert c.http_listen == ("127.0.0.1", DEFAULT_METRICS_PORT)
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.url = "other"  # type: ignore[misc]
 
@@ -34,7 +34,7 @@ def test_yaml_file_and_environment_sections(tmp_path: pathlib.Path) -> None:
         "development:\n  type: rdb_compat\n  url: sqlite:///dev.db\n")
     prod = load(str(path), "production")
     assert prod.url == "postgresql://u:p@db/prod" and prod.workers == 8
-    assert prod.timezone == "Asia/Tokyo" and prod.metrics_listen is None
+    assert prod.timezone == "Asia/Tokyo" and prod.http_listen is None
     assert prod.source == str(path)
     backup, report = prod.routes
     assert backup.exec == ("/bin/true", "--full") and backup.timeout == 60.0

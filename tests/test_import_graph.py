@@ -35,6 +35,7 @@ LAYERS: dict[str, int] = {
     "perfectschedd.control": 5,
     "perfectschedd.notify": 5,
     "perfectschedd.worker": 6,
+    "perfectschedd.web": 6,  # the master's HTTP side: the control layer's commands over HTTP
     "perfectschedd.master": 7,
     "perfectschedd.__main__": 8,
 }

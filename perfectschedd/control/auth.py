@@ -58,10 +58,21 @@ def group_name(gid: int) -> str:
 class Caller:
     uid: int
     gids: frozenset[int]
+    # An HTTP client is the API token it showed: its name and role (TOKEN_ROLES), and as
+    # uid minus the token's id, which is what a schedule it adds records as its creator
+    # (no user has a negative uid), so that ownership and reading rights work as a user's.
+    token: str | None = None
+    role: str | None = None
 
     @classmethod
     def of(cls, uid: int, gids: Iterable[int]) -> Caller:
         return cls(int(uid), frozenset(int(g) for g in gids))
+
+    @classmethod
+    def of_token(cls, token_id: int, name: str, role: str) -> Caller:
+        if role not in TOKEN_ROLES:
+            raise ValueError(f"unknown role {role!r}")
+        return cls(-int(token_id), frozenset(), name, role)
 
     @classmethod
     def this_process(cls) -> Caller:
@@ -70,11 +81,43 @@ class Caller:
 
     @property
     def root(self) -> bool:
-        return self.uid == 0
+        return self.uid == 0 and self.token is None
+
+    @property
+    def schedules_root(self) -> bool:
+        """Root's rights over schedules (force, every route, every schedule's data and
+        output): root's, and an admin token's.  Never more: token management and exec
+        entries stay root's (`root`)."""
+        return self.root or self.role == ADMIN
 
     @property
     def name(self) -> str:
-        return user_name(self.uid)
+        return f"token {self.token}" if self.token is not None else user_name(self.uid)
+
+
+# The roles of API tokens (SPEC "HTTP API and web console"): a viewer reads everything
+# but schedules' data and runs' output; an operator has a control_group member's rights;
+# an admin root's rights over schedules.
+VIEWER, OPERATOR, ADMIN = "viewer", "operator", "admin"
+TOKEN_ROLES = (VIEWER, OPERATOR, ADMIN)
+# What a token may ask for at all: the schedule commands of the API (never reload,
+# apply, init or token management, which stay on the hosts).
+TOKEN_COMMANDS = frozenset({"list", "show", "history", "status", "add", "modify", "delete",
+                            "pause", "resume", "run"})
+READING_COMMANDS = frozenset({"list", "show", "history", "status"})
+
+
+def check_command(caller: Caller, command: str) -> None:
+    """Refuse a command a token's role does not give (a local caller's rights are the
+    rules below, by command)."""
+    if caller.token is None:
+        return
+    if command not in TOKEN_COMMANDS:
+        raise PermissionDeniedError(f"{command}: not for API tokens ({caller.name}): run "
+                                    "it on a host of the daemon")
+    if caller.role == VIEWER and command not in READING_COMMANDS:
+        raise PermissionDeniedError(f"{command}: {caller.name} has role viewer, which "
+                                    "reads only")
 
 
 def admission(caller: Caller, daemon_uid: int, group_gid: int) -> str | None:
@@ -112,7 +155,7 @@ def check_force(caller: Caller, force: Any) -> bool:
         return False
     if not isinstance(force, bool):
         raise InvalidInputError("force", "must be true or false")
-    if force and not caller.root:
+    if force and not caller.schedules_root:
         raise PermissionDeniedError(f"force: only root may force a change of a schedules "
                                     f"file's schedule, not {caller.name}")
     return force
@@ -144,7 +187,7 @@ class Access:
         its route runs as another user (`user:`), unless the caller is root or the route's
         `allow:` names them.  Other routes are the group's."""
         route = route_of(task_type, self.routes)
-        if route is None or route.user is None or self.caller.root:
+        if route is None or route.user is None or self.caller.schedules_root:
             return
         if allowed_by(route.allow, self.caller):
             return
@@ -171,7 +214,7 @@ class Access:
         (fields.detached_source).  One root detached (forced:file:NAME) is root's: a
         member's change would undo root's."""
         if source is not None and source.startswith(SOURCE_FORCED + SOURCE_FILE) \
-                and not self.caller.root:
+                and not self.caller.schedules_root:
             name = source[len(SOURCE_FORCED + SOURCE_FILE):]
             path = f"{schedules_dir.rstrip('/')}/{name}" if schedules_dir else name
             raise PermissionDeniedError(
@@ -185,7 +228,7 @@ class Access:
         path = f"{schedules_dir.rstrip('/')}/{name}" if schedules_dir else name
         raise PermissionDeniedError(f"{key} is managed by {path}: edit it and reload (root "
                                     "may --force the change, which detaches it from the "
-                                    "file)")
+                                    "file)", conflict=True)
 
     def owns(self, creator: int | None) -> bool:
         """Whether this caller's `apply` may change or prune a schedules file's schedule
@@ -196,6 +239,8 @@ class Access:
         """Whether this caller may read the data and the runs' output of a schedule made
         by `creator` (None: unknown, before 0.2.0) of type `task_type`: root, the
         daemon's user and direct mode (reads_all), its creator, its route's allow:."""
+        if self.caller.role == VIEWER:
+            return False
         if self.reads_all or (creator is not None and creator == self.caller.uid):
             return True
         route = route_of(task_type, self.routes)

@@ -476,8 +476,9 @@ def access_of(caller: Caller | None, routes: Sequence[RouteConfig], where: str) 
     caller = caller or Caller.this_process()
     direct = where != registry.DAEMON
     return Access(caller, routes,
-                  reads_all=direct or caller.root or caller.uid == os.geteuid(),
-                  raw_ok=direct or caller.root)
+                  reads_all=direct or caller.schedules_root or (
+                      caller.token is None and caller.uid == os.geteuid()),
+                  raw_ok=direct or caller.schedules_root)
 
 
 def withhold_status(status: dict[str, Any], access: Access) -> dict[str, Any]:

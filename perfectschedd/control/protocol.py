@@ -46,32 +46,36 @@ class Refusal(NamedTuple):
     exit_status: int  # perfectschedctl's
     dbus_name: str    # the D-Bus error
     meaning: str
+    http_status: int  # the HTTP API's (SPEC "HTTP API and web console")
 
 
 EXIT_REFUSED = 1
 DBUS_ERROR_PREFIX = "org.perfectsched1.Error."
 # Error types a client may see (by the socket's "type"), for every command; anything
 # else is reported as "InternalError".
-REFUSALS: dict[str, Refusal] = {name: Refusal(EXIT_REFUSED, DBUS_ERROR_PREFIX + name, meaning)
-                                for name, meaning in (
-    ("InvalidInputError", "a field (named in the message) is not acceptable; also unknown "
-                          "commands and arguments"),
-    ("NotFoundError", "no schedule has this key"),
-    ("AlreadyExistsError", "add of a key that exists"),
-    ("PreemptedError", "the task's lease was lost"),
-    ("AlreadyFinishedError", "the task was already finished"),
-    ("NotSupportedError", "not possible in this daemon/config"),
-    ("ConfigError", "a configuration problem"),
-    ("PermissionDenied", "the caller may not use the daemon"),
-    ("PermissionDeniedError", "the caller may not do this: a route that runs as another "
-                              "user, a schedules file's schedule, --force (not root)"),
-    ("ProtocolError", "the frame is not a valid request (bad JSON, too large, ...)"),
-    ("DatabaseError", "the database refused the request"),
-    ("DatabaseUnavailableError", "the database does not answer"),
-    ("Busy", "too many connections; try again"),
-    ("ScheduleError", "a refused request"),
-    ("InternalError", "a bug; the daemon logs it and goes on"),
-)}
+REFUSALS: dict[str, Refusal] = {
+    name: Refusal(EXIT_REFUSED, DBUS_ERROR_PREFIX + name, meaning, http)
+    for name, http, meaning in (
+        ("InvalidInputError", 400, "a field (named in the message) is not acceptable; also "
+                                   "unknown commands and arguments"),
+        ("NotFoundError", 404, "no schedule has this key"),
+        ("AlreadyExistsError", 409, "add of a key that exists"),
+        ("PreemptedError", 409, "the task's lease was lost"),
+        ("AlreadyFinishedError", 409, "the task was already finished"),
+        ("NotSupportedError", 400, "not possible in this daemon/config"),
+        ("ConfigError", 400, "a configuration problem"),
+        ("PermissionDenied", 403, "the caller may not use the daemon"),
+        # 409 instead when a schedules file owns the schedule (PermissionDeniedError.conflict)
+        ("PermissionDeniedError", 403, "the caller may not do this: a route that runs as "
+                                       "another user, a schedules file's schedule, --force "
+                                       "(not root), a token's role"),
+        ("ProtocolError", 400, "the frame is not a valid request (bad JSON, too large, ...)"),
+        ("DatabaseError", 503, "the database refused the request"),
+        ("DatabaseUnavailableError", 503, "the database does not answer"),
+        ("Busy", 503, "too many connections; try again"),
+        ("ScheduleError", 400, "a refused request"),
+        ("InternalError", 500, "a bug; the daemon logs it and goes on"),
+    )}
 ERROR_TYPES = frozenset(REFUSALS)
 
 

@@ -38,7 +38,7 @@ from perfectschedd import __version__
 from perfectschedd.config import Config
 from perfectschedd.control import commands, protocol, registry
 from perfectschedd.control.auth import Caller, admission
-from perfectschedd.errors import ConfigError, InvalidInputError, ScheduleError
+from perfectschedd.errors import ConfigError, InvalidInputError, ScheduleError, first_line
 from perfectschedd.fdguard import AcceptGuard
 
 # One request of a caller: the daemon's Supervisor.dispatch.
@@ -513,26 +513,34 @@ class ControlServer:
             if cmd == "list":
                 return list_page(ask, args)
             return protocol.ok(ask(cmd, args))
-        except protocol.ProtocolError as exc:
-            return self._error("ProtocolError", str(exc))
-        except ScheduleError as exc:
-            message = str(exc)
-            if isinstance(exc, InvalidInputError) and any(
-                    m in message for m in protocol.UNKNOWN_TO_ONE_END):
-                message += protocol.versions_note(client, __version__)
-            return self._error(protocol.error_type(exc), message)
-        except ConfigError as exc:
-            return self._error("ConfigError", str(exc))
-        except SQLAlchemyError as exc:
-            orig = getattr(exc, "orig", None) or exc
-            return self._error("DatabaseError", f"database error: {orig}")
         except Exception as exc:  # noqa: BLE001 - a request never takes the daemon down
-            self.log.exception("control request failed")
-            return self._error("InternalError", f"internal error: {exc}")
+            return self._error(*refusal_of(exc, client, self.log))
 
     @staticmethod
     def _error(type_: str, message: str) -> bytes:
         return protocol.error(type_, message, daemon=__version__)
+
+
+def refusal_of(exc: Exception, client: str | None, log: logging.Logger) -> tuple[str, str]:
+    """(error type, one-line message) of a request that ended in `exc`, as every
+    transport answers it (the socket, D-Bus and HTTP; protocol.REFUSALS says how each
+    shows the type).  `client`: its version, when it said (for a note on commands or
+    arguments one end does not know).  A bug is logged with its traceback."""
+    if isinstance(exc, protocol.ProtocolError):
+        return "ProtocolError", str(exc)
+    if isinstance(exc, ScheduleError):
+        message = str(exc)
+        if isinstance(exc, InvalidInputError) and any(
+                m in message for m in protocol.UNKNOWN_TO_ONE_END):
+            message += protocol.versions_note(client, __version__)
+        return protocol.error_type(exc), message
+    if isinstance(exc, ConfigError):
+        return "ConfigError", str(exc)
+    if isinstance(exc, SQLAlchemyError):
+        orig = getattr(exc, "orig", None) or exc
+        return "DatabaseError", f"database error: {first_line(orig)}"
+    log.error("request failed", exc_info=exc)
+    return "InternalError", f"internal error: {exc}"
 
 
 def list_page(dispatch: _Ask, args: dict[str, Any]) -> bytes:

@@ -1,9 +1,9 @@
-"""The master's three listeners: the control socket, the metrics HTTP server and the D-Bus
-service.  Started at start, swapped on a reload (what the new configuration needs opens
-before what the old one had closes), stopped at stop.
+"""The master's three listeners: the control socket, the HTTP listener (/metrics, /healthz,
+the API: web/) and the D-Bus service.  Started at start, swapped on a reload (what the
+new configuration needs opens before what the old one had closes), stopped at stop.
 
 Each serves requests on threads of its own and hands them to the supervisor's
-`dispatch`; the metrics server asks `healthy`.  D-Bus is optional: when it cannot be had
+`dispatch`; the HTTP listener asks `healthy` too.  D-Bus is optional: when it cannot be had
 the daemon runs on and a thread keeps trying, with back-off.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from perfectschedd import logsetup
 from perfectschedd.config import Config
 from perfectschedd.errors import ConfigError
 from perfectschedd.metrics import counters as metrics
+from perfectschedd.web.credentials import Credentials
 
 log = logging.getLogger("perfectschedd")
 
@@ -28,15 +30,18 @@ DBUS_RETRY_MAX = 30.0
 
 class Listeners:
     def __init__(self, dispatch: Callable[..., Any], healthy: Callable[[], bool],
-                 stopping: Callable[[], bool], on_error: Callable[[str], None]) -> None:
+                 stopping: Callable[[], bool], on_error: Callable[[str], None],
+                 read_tokens: Callable[[], Any]) -> None:
         self.dispatch = dispatch
         self.healthy = healthy
         self.stopping = stopping  # the daemon stops: a D-Bus retry gives up
         self.on_error = on_error  # an error status should show (the daemon runs on)
         self.control: Any = None
         self.dbus: Any = None
-        self.metrics_server: Any = None
+        self.http: Any = None
         self.dbus_attempt = 0  # a retry thread gives up when this moves on
+        # Who an HTTP client is; kept across reloads (its caches are the database's).
+        self.credentials = Credentials(read_tokens)
 
     # -- control socket -------------------------------------------------------------------
 
@@ -58,23 +63,43 @@ class Listeners:
             server.start()
         self.control = server
 
-    # -- metrics HTTP ---------------------------------------------------------------------
+    # -- HTTP: /metrics, /healthz, the API -------------------------------------------------
 
     def start_metrics(self, config: Config) -> None:
-        if self.metrics_server is not None:
-            self.metrics_server.stop()
-            self.metrics_server = None
-        if config.metrics_listen is not None:
-            self.metrics_server = self.serve_metrics(config.metrics_listen)
-            log.info("metrics on http://%s:%d/metrics", *config.metrics_listen)
+        if self.http is not None:
+            self.http.stop()
+            self.http = None
+        if config.http_listen is not None:
+            self.http = self.serve_http(config)
+            self._said_listening(config)
 
-    def serve_metrics(self, listen: tuple[str, int]) -> Any:
+    @staticmethod
+    def _said_listening(config: Config) -> None:
+        assert config.http_listen is not None
+        scheme = "https" if config.http_tls else "http"
+        log.info("metrics on %s://%s:%d/metrics", scheme, *config.http_listen)
+
+    def serve_http(self, config: Config) -> Any:
+        from perfectschedd.web.app import WebApp
+        from perfectschedd.web.server import HttpListener
+
+        listen = config.http_listen
+        assert listen is not None
+        key = config.http_listen_key
+        app = WebApp(self.dispatch, self.credentials, metrics.render_with_type,
+                     self.healthy, listen_host=listen[0], tls=config.http_tls is not None,
+                     insecure=config.http_insecure, metrics_token=config.metrics_token)
+        if app.api_refused is not None:
+            log.warning("%s: %s", key, app.api_refused)
         try:
-            return metrics.serve(listen, self.healthy)
-        except OSError as exc:
-            hint = " (another perfectschedd?  Set metrics_listen to a free port, or off)" \
-                if exc.errno == errno.EADDRINUSE else ""
-            raise ConfigError(f"metrics_listen: cannot listen on {listen[0]}:{listen[1]}: "
+            return HttpListener(listen, app, config.http_tls)
+        except OSError as exc:  # ssl.SSLError too: a certificate that does not load
+            hint = (f" (another perfectschedd?  Set {key} to a free port, or off)"
+                    if exc.errno == errno.EADDRINUSE else "")
+            if isinstance(exc, ssl.SSLError):
+                raise ConfigError(f"http_tls: cannot load the certificate and key: "
+                                  f"{exc.reason or exc}") from None
+            raise ConfigError(f"{key}: cannot listen on {listen[0]}:{listen[1]}: "
                               f"{exc.strerror or exc}{hint}") from None
 
     # -- D-Bus ----------------------------------------------------------------------------
@@ -126,7 +151,7 @@ class Listeners:
         a new port in use or an unwritable log path leaves everything as it was."""
         from perfectschedd.control import server as control
 
-        new_control = new_metrics = None
+        new_control = new_http = None
         try:
             # A socket file someone deleted (tmpfiles cleaning, a careless rm) comes back
             # with a reload, as with a restart.
@@ -137,28 +162,28 @@ class Listeners:
                 if new.control_socket == old.control_socket and self.control is not None:
                     self.control.stop()  # same path: it must be free to bind again
                 new_control.start()
-            if new.metrics_listen != old.metrics_listen and new.metrics_listen is not None:
-                new_metrics = self.serve_metrics(new.metrics_listen)
+            if _http_changed(old, new) and new.http_listen is not None:
+                new_http = self.serve_http(new)
             logsetup.setup(new.log)
         except BaseException:
             if new_control is not None:
                 new_control.stop()
                 if new.control_socket == old.control_socket:
                     self.start_control(old)
-            if new_metrics is not None:
-                new_metrics.stop()
+            if new_http is not None:
+                new_http.stop()
             logsetup.setup(old.log)
             raise
         if new_control is not None:
             if self.control is not None and new.control_socket != old.control_socket:
                 self.control.stop()
             self.control = new_control
-        if new.metrics_listen != old.metrics_listen:
-            if self.metrics_server is not None:
-                self.metrics_server.stop()
-            self.metrics_server = new_metrics
-            if new.metrics_listen is not None:
-                log.info("metrics on http://%s:%d/metrics", *new.metrics_listen)
+        if _http_changed(old, new):
+            if self.http is not None:
+                self.http.stop()
+            self.http = new_http
+            if new.http_listen is not None:
+                self._said_listening(new)
 
     def swap_dbus(self, old: Config, new: Config) -> None:
         """Once the new configuration is in place: D-Bus on its new bus, or off."""
@@ -174,16 +199,23 @@ class Listeners:
     def fds(self) -> list[int]:
         """The master's listening fds, which a worker closes after fork."""
         fds: list[int] = []
-        for obj in (self.control, self.metrics_server, self.dbus):
+        for obj in (self.control, self.http, self.dbus):
             if obj is not None and hasattr(obj, "fds"):
                 fds.extend(obj.fds())
         fds.extend(metrics.master_fds())
         return fds
 
     def stop(self) -> None:
-        for obj in (self.control, self.dbus, self.metrics_server):
+        for obj in (self.control, self.dbus, self.http):
             if obj is not None:
                 try:
                     obj.stop()
                 except Exception:  # noqa: BLE001 - stopping must go on
                     log.exception("error while stopping a listener")
+
+
+def _http_changed(old: Config, new: Config) -> bool:
+    """Whether a reload needs a new HTTP listener (a certificate renewed in place is
+    read again by naming it again: `perfectschedctl reload` after changing http_tls)."""
+    return (old.http_listen, old.http_tls, old.http_insecure, old.metrics_token) != (
+        new.http_listen, new.http_tls, new.http_insecure, new.metrics_token)

@@ -27,7 +27,7 @@ import sdnotify
 from perfectschedd import __version__, logsetup
 from perfectschedd import config as config_mod
 from perfectschedd.config import Config
-from perfectschedd.control import commands, registry
+from perfectschedd.control import auth, commands, registry
 from perfectschedd.control.auth import Caller
 from perfectschedd.errors import (
     EXIT_UNUSABLE_DATABASE,
@@ -119,7 +119,8 @@ class Supervisor:
         self.status_line = ""
         self.last_error: str | None = None
         self.listeners = Listeners(self.dispatch, self._healthy,
-                                   lambda: self.state == "stopping", self._listener_error)
+                                   lambda: self.state == "stopping", self._listener_error,
+                                   self._read_tokens)
         # For child processes: fds of the master that a worker must close after fork.
         self.listener_fds: Callable[[], list[int]] = lambda: []
 
@@ -347,6 +348,7 @@ class Supervisor:
     def dispatch(self, cmd: str, args: dict[str, Any], caller: Caller) -> Any:
         """One request of `caller` (as the socket or D-Bus knows it)."""
         command = registry.command(cmd, registry.DAEMON)
+        auth.check_command(caller, command.name)  # an API token's role
         registry.check_args(command, args)
         routes = self.config.routes  # the configuration running now (reload swaps it)
         if command.name == "status":  # every key and state; errors to their readers
@@ -363,6 +365,12 @@ class Supervisor:
             for key, change in command.changes(args, result):
                 dbus.schedule_changed(key, change)
         return result
+
+    def _read_tokens(self) -> Any:
+        """The API tokens' rows, for the HTTP listener (web/credentials.py)."""
+        from perfectschedd.web.credentials import STALE
+
+        return self.db.call(lambda sc: sc.store.tokens(), timeout=STALE)
 
     def _request_reload(self) -> dict[str, Any]:
         """Called from a control thread: the main loop reloads; the answer says whether

@@ -22,21 +22,17 @@ import glob
 import json
 import logging
 import os
-import selectors
 import shutil
-import socket
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from perfectschedd import __version__, logsetup
 from perfectschedd.errors import ConfigError
-from perfectschedd.fdguard import AcceptGuard
 
 log = logging.getLogger("perfectschedd")
 
@@ -48,13 +44,6 @@ LOG_DROPPED_HELP = ("Log records dropped, not written: the log output did not ke
 BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
            300.0, 600.0, 1800.0, 3600.0, 7200.0, 14400.0, 43200.0, 86400.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-HTTP_TIMEOUT = 10.0  # seconds a scrape connection may stay silent
-# A whole request (and its answer) within this; a client that sends a byte now and then
-# is cut off here, not kept forever.
-HTTP_DEADLINE = 10.0
-# Connections served at once (a thread each); more are closed unserved.  Prometheus needs
-# one; the cap keeps a local user with a loop from holding every thread and descriptor.
-HTTP_MAX_CONNECTIONS = 32
 
 # Distinct task types with a `type` label of their own, besides the exact types of this
 # host's routes: a /regexp/ route takes types that users choose, and each one adds series
@@ -763,163 +752,6 @@ def _with_master_log_drops(families: list[Any]) -> list[Any]:
     return [*families, total]
 
 
-# --------------------------------------------------------------------------- HTTP
-
-class _Handler(BaseHTTPRequestHandler):
-    server: _HTTPServer
-    timeout = HTTP_TIMEOUT
-    server_version = f"perfectschedd/{__version__}"
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-        path = self.path.split("?", 1)[0]
-        if path == "/metrics":
-            try:
-                self._reply(200, render(), CONTENT_TYPE)
-            except Exception:  # noqa: BLE001 - a scrape must not take the server down
-                log.exception("cannot render /metrics")
-                self._reply(500, b"cannot render metrics; see the daemon's log\n")
-        elif path == "/healthz":
-            ok = self.server.is_healthy()
-            self._reply(200 if ok else 503, b"ok\n" if ok else b"unhealthy\n")
-        elif path == "/":
-            self._reply(200, b"perfectschedd: /metrics, /healthz\n")
-        else:
-            self._reply(404, b"not found\n")
-
-    def do_HEAD(self) -> None:  # noqa: N802
-        self.do_GET()
-
-    def _reply(self, code: int, body: bytes, ctype: str = "text/plain; charset=utf-8") -> None:
-        self.send_response(code)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Cache-Control", "no-store")
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - base signature
-        log.debug("metrics http: %s - %s", self.address_string(), format % args)
-
-
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    # The kernel queues this many clients while the loop accepts (socketserver's 5 made a
-    # burst of scrapes wait a second for SYN retransmits); beyond the cap they are closed.
-    request_queue_size = 128
-
-    def __init__(self, listen: tuple[str, int], healthy: Callable[[], bool]) -> None:
-        host, port = listen
-        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.healthy = healthy
-        self.conns: set[int] = set()  # accepted sockets, for fds() in a forked worker
-        # Open connections and when each must be done (monotonic); the serve loop cuts
-        # off the late ones.
-        self.deadlines: dict[socket.socket, float] = {}
-        self.lock = threading.Lock()
-        self.guard = AcceptGuard("metrics_listen", log)
-        super().__init__((host, port), _Handler)
-
-    def get_request(self) -> tuple[socket.socket, Any]:
-        try:
-            return self.socket.accept()
-        except OSError as exc:
-            self.guard.exhausted(self.socket, exc)
-            raise  # socketserver drops this attempt; the loop looks again
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        with self.lock:
-            full = len(self.deadlines) >= HTTP_MAX_CONNECTIONS
-            if not full:
-                self.deadlines[request] = time.monotonic() + HTTP_DEADLINE
-                self.conns.add(request.fileno())
-        if full:
-            self.close_request(request)
-            return
-        super().process_request(request, client_address)
-
-    def shutdown_request(self, request: Any) -> None:
-        with self.lock:
-            self.deadlines.pop(request, None)
-            self.conns.discard(request.fileno())
-        super().shutdown_request(request)
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # A client gone, or cut off at its deadline: not worth a traceback on stderr.
-        log.debug("metrics http: %s: %s", client_address, sys.exc_info()[1])
-
-    def cut_late(self) -> float | None:
-        """Shut the connections past their deadline; seconds until the next one is due
-        (None: no connection open)."""
-        now = time.monotonic()
-        with self.lock:
-            late = [s for s, t in self.deadlines.items() if t <= now]
-            upcoming = [t for t in self.deadlines.values() if t > now]
-        for sock in late:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)  # its thread's read ends; it cleans up
-            except OSError:
-                pass
-        return max(0.05, min(upcoming) - now) if upcoming else None
-
-    def is_healthy(self) -> bool:
-        for _ in range(3):  # the callable reads the master's worker table while it changes
-            try:
-                return bool(self.healthy())
-            except RuntimeError:
-                time.sleep(0.001)
-            except Exception:  # noqa: BLE001 - an error means "not healthy", not a 500
-                log.exception("health check failed")
-                return False
-        return False
-
-
-class MetricsServer:
-    """The master's HTTP endpoint: /metrics, /healthz (200 healthy, 503 not)."""
-
-    def __init__(self, listen: tuple[str, int], healthy: Callable[[], bool]) -> None:
-        self.httpd = _HTTPServer(listen, healthy)
-        self.httpd.timeout = 0  # handle_request() runs once select() saw a client: no wait
-        self.address: tuple[str, int] = self.httpd.server_address[:2]  # type: ignore[assignment]
-        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC)
-        self._stopping = False
-        self.thread = threading.Thread(target=self._serve, name="metrics-http", daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        # Not serve_forever(): it wakes every poll_interval, all day long, only to see
-        # whether shutdown() was called.  This sleeps until a client connects or stop().
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.httpd.fileno(), selectors.EVENT_READ)
-            sel.register(self._wake_r, selectors.EVENT_READ)
-            while not self._stopping:
-                for key, _ in sel.select(self.httpd.cut_late()):
-                    if key.fd != self._wake_r and not self._stopping:
-                        self.httpd.handle_request()
-
-    @property
-    def port(self) -> int:
-        return int(self.address[1])
-
-    def fds(self) -> list[int]:
-        """Listening (and open connection) sockets, which a forked worker closes.
-
-        Called in the child right after fork, where no other thread runs: no lock."""
-        reserve = self.httpd.guard.reserve
-        return [self.httpd.fileno(), self._wake_r, self._wake_w, *list(self.httpd.conns),
-                *([reserve] if reserve is not None else [])]
-
-    def stop(self) -> None:
-        self._stopping = True
-        os.write(self._wake_w, b"x")
-        self.thread.join(5)
-        self.httpd.server_close()
-        self.httpd.guard.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
-
-
-def serve(listen: tuple[str, int], healthy: Callable[[], bool]) -> MetricsServer:
-    """Serve /metrics and /healthz on `listen` in a thread; raises OSError if it cannot bind."""
-    return MetricsServer(listen, healthy)
+def render_with_type() -> tuple[bytes, str]:
+    """The /metrics body and its content type (web/app.py serves it)."""
+    return render(), CONTENT_TYPE

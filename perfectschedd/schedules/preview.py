@@ -94,3 +94,21 @@ def _walk(expr: str, tz_name: str, first: int, anchor: int, count: int,
             t = cron.next_after(expr, tz_name, t, anchor=anchor)
         except cron.NoNextOccurrence:
             return fires
+
+
+def of_expression_shown(expr: str, tz_name: str, start: int, count: int = DEFAULT_COUNT
+                        ) -> dict[str, Any]:
+    """`next --cron EXPR --json`, and GET /api/v1/next: the expression and its times."""
+    fires = of_expression(expr, tz_name, start, count)
+    return {"cron": expr, "timezone": tz_name, "times": [f.as_dict(tz_name) for f in fires]}
+
+
+def of_schedule_shown(info: Mapping[str, Any], count: int = DEFAULT_COUNT) -> dict[str, Any]:
+    """`next KEY --json`, and GET /api/v1/schedules/KEY/next: the schedule (as `show`
+    gives it) and its times."""
+    fires = of_schedule(info, count)
+    tz_name = info["timezone"]
+    return {"key": info["key"], "cron": info["cron"], "timezone": tz_name,
+            "delay": info.get("delay") or 0, "jitter": info.get("jitter") or 0,
+            "paused": bool(info.get("paused")), "running": info.get("owner") is not None,
+            "times": [f.as_dict(tz_name) for f in fires]}

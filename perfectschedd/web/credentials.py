@@ -1,0 +1,171 @@
+"""Who an HTTP client is: a bearer token (or a console session that holds one), checked
+against the tokens every host shares in the database, and the throttle of bad guesses.
+
+A token's secret is checked against its salted slow hash (control/tokens.py) once; the
+answer is kept here by a digest of the secret, so a client polling the API pays the
+slow hash once, not per request.  The tokens' rows are read again at most every
+REFRESH seconds, so a token revoked (or expired) on any host is refused here within
+REFRESH plus one read (SPEC: 5 s).  When the rows cannot be read for STALE seconds (a
+hung or unreachable database) every token is refused with 503: an old copy of the rows
+would keep honouring a revoked token.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from perfectschedd.control import tokens as token_rules
+from perfectschedd.control.auth import Caller
+
+log = logging.getLogger("perfectschedd")
+
+REFRESH = 2.0
+STALE = 5.0
+# Bad credentials from one address: this many within WINDOW, and it gets 429 for BLOCK.
+BAD_MAX = 10
+WINDOW = 60.0
+BLOCK = 60.0
+VERIFIED_MAX = 4096  # secrets whose slow hash was checked, kept by digest
+CLIENTS_MAX = 65536  # addresses whose bad guesses are counted
+
+
+class CredentialError(Exception):
+    """Refused: `status` 401 (no or bad credentials), 429 (throttled), 503 (the tokens
+    cannot be read)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Identity:
+    token_id: int
+    name: str
+    role: str
+
+    def caller(self) -> Caller:
+        return Caller.of_token(self.token_id, self.name, self.role)
+
+
+class Credentials:
+    """`read_tokens`: the tokens' rows (Store.tokens(), through the master's database
+    thread with its deadline)."""
+
+    def __init__(self, read_tokens: Callable[[], Sequence[Any]]) -> None:
+        self.read_tokens = read_tokens
+        self.lock = threading.Lock()
+        self.refreshing = threading.Lock()
+        self.rows: dict[int, Any] = {}
+        self.read_at: float | None = None  # monotonic time of the last good read
+        self.verified: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        self.bad: dict[str, collections.deque[float]] = {}
+        self.blocked: dict[str, float] = {}
+
+    # -- throttle ---------------------------------------------------------------------------
+
+    def check_throttle(self, client: str) -> None:
+        now = time.monotonic()
+        with self.lock:
+            until = self.blocked.get(client)
+            if until is not None and until > now:
+                raise CredentialError(429, f"too many bad credentials from {client}: try "
+                                      f"again in {int(until - now) + 1} s")
+            if until is not None:
+                del self.blocked[client]
+
+    def _count_bad(self, client: str) -> None:
+        now = time.monotonic()
+        with self.lock:
+            if len(self.bad) >= CLIENTS_MAX:
+                self.bad.clear()  # a flood of addresses: start counting again
+            times = self.bad.setdefault(client, collections.deque())
+            times.append(now)
+            while times and times[0] < now - WINDOW:
+                times.popleft()
+            if len(times) >= BAD_MAX:
+                self.blocked[client] = now + BLOCK
+                del self.bad[client]
+                log.warning("http: %d bad credentials from %s within %d s: refused for "
+                            "%d s", BAD_MAX, client, WINDOW, BLOCK)
+
+    # -- tokens -----------------------------------------------------------------------------
+
+    def _current_rows(self) -> dict[int, Any]:
+        now = time.monotonic()
+        age = None if self.read_at is None else now - self.read_at
+        # One reader at a time; while the rows are fresh enough the others go on with
+        # them, else they wait for that read (bounded: it has a deadline of its own).
+        if (age is None or age >= REFRESH) and self.refreshing.acquire(
+                timeout=STALE if age is None or age >= STALE else 0):
+            try:
+                rows = {r.id: r for r in self.read_tokens()}
+                with self.lock:
+                    self.rows, self.read_at = rows, time.monotonic()
+            except Exception as exc:  # noqa: BLE001 - refused below when too old
+                log.debug("http: cannot read the tokens: %s", exc)
+            finally:
+                self.refreshing.release()
+        if self.read_at is None or time.monotonic() - self.read_at >= STALE + REFRESH:
+            raise CredentialError(503, "cannot check credentials: the database does not "
+                                  "answer")
+        return self.rows
+
+    def identify(self, secret: str | None, client: str) -> Identity:
+        """The token whose secret this is; CredentialError otherwise (each bad one
+        counted against `client`)."""
+        self.check_throttle(client)
+        if not secret:
+            raise CredentialError(401, "credentials needed: send Authorization: Bearer "
+                                  "TOKEN (perfectschedctl token add)")
+        token_id = token_rules.token_id_of(secret)
+        rows = self._current_rows()
+        row = rows.get(token_id) if token_id is not None else None
+        if row is None or not self._matches(secret, row):
+            self._count_bad(client)
+            raise CredentialError(401, "bad credentials")
+        if row.revoked_at is not None:
+            self._count_bad(client)
+            raise CredentialError(401, f"token {row.name} was revoked")
+        if row.expires_at is not None and row.expires_at <= time.time():
+            raise CredentialError(401, f"token {row.name} has expired")
+        return Identity(row.id, row.name, row.role)
+
+    def _matches(self, secret: str, row: Any) -> bool:
+        digest = hashlib.sha256(f"{row.hash}\0{secret}".encode()).digest()
+        with self.lock:
+            if self.verified.get(digest) == row.id:
+                self.verified.move_to_end(digest)
+                return True
+        if not token_rules.verify(secret, row.hash):
+            return False
+        with self.lock:
+            self.verified[digest] = row.id
+            while len(self.verified) > VERIFIED_MAX:
+                self.verified.popitem(last=False)
+        return True
+
+    def still_valid(self, token_id: int) -> Identity | None:
+        """The token of a console session, if it is neither revoked nor expired now."""
+        row = self._current_rows().get(token_id)
+        if row is None or row.revoked_at is not None or (
+                row.expires_at is not None and row.expires_at <= time.time()):
+            return None
+        return Identity(row.id, row.name, row.role)
+
+
+def bearer(header: str | None) -> str | None:
+    """The secret of an `Authorization: Bearer SECRET` header (None: none)."""
+    if not header:
+        return None
+    scheme, _, value = header.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    return value.strip() or None
