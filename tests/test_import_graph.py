@@ -23,6 +23,8 @@ LAYERS: dict[str, int] = {
     "perfectschedd.paths": 0,  # the config's default paths; perfectschedctl needs the socket's
     "perfectschedd.secretfile": 0,  # secrets in files: the config and the notifiers read them
     "perfectschedd.schedules.fields": 0,
+    # API tokens' names, roles and secrets (pure): the store hashes a new token's secret.
+    "perfectschedd.control.tokens": 0,
     "perfectschedd.executors.runas": 1,
     "perfectschedd.executors.systemd.props": 1,
     "perfectschedd.notify.spec": 1,  # the config reads notifiers with it
