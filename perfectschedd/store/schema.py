@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 
+from perfectschedd.control.tokens import HASH_MAX, NAME_MAX
 from perfectschedd.schedules.fields import (  # noqa: F401 - the store's names too
     CLAIMED_FIELDS,
     CLAIMED_OPTIONAL,
@@ -198,6 +199,27 @@ def hosts_table(metadata: sa.MetaData, name: str) -> sa.Table:
         sa.Column("pid", sa.Integer, nullable=True),
         sa.Column("started_at", SECONDS, nullable=False),
         sa.Column("last_seen", SECONDS, nullable=False),
+    )
+
+
+def tokens_table(metadata: sa.MetaData, name: str) -> sa.Table:
+    """API tokens (schema 4; control/tokens.py): one row per token ever made.  A revoked
+    token keeps its row (a schedule's creator may name it) and its name: names are
+    never reused, so a name in a record always means one token."""
+    return sa.Table(
+        f"{name}_tokens", metadata,
+        sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"),
+                  primary_key=True, autoincrement=True),
+        sa.Column("name", sa.String(NAME_MAX), nullable=False, unique=True),
+        sa.Column("role", sa.String(16), nullable=False),
+        # The salted slow hash of the secret's random part (never the secret); empty only
+        # inside the transaction that makes the row (the secret holds the row's id).
+        sa.Column("hash", sa.String(HASH_MAX), nullable=False),
+        sa.Column("created_at", SECONDS, nullable=False),
+        # The user name of who made it (root, through the daemon or -c).
+        sa.Column("created_by", sa.String(128), nullable=False),
+        sa.Column("expires_at", SECONDS, nullable=True),  # NULL: never
+        sa.Column("revoked_at", SECONDS, nullable=True),  # NULL: not revoked
     )
 
 

@@ -34,6 +34,7 @@ from perfectschedd.schedules.fields import (
     schedule_key,
 )
 from perfectschedd.store import states
+from perfectschedd.store import tokens as token_sql
 from perfectschedd.store import version as schemaversion
 from perfectschedd.store.backends.choice import open_backend
 from perfectschedd.store.backends.sqlite import missing_directory as sqlite_missing_directory
@@ -59,10 +60,11 @@ from perfectschedd.store.schema import (
     Row,
     deleted_marker_name,
 )
+from perfectschedd.store.tokens import TokenRow
 
 __all__ = ["CRON_MAX", "DATA_MAX", "KEY_MAX", "POLICY_MAX", "RUN_NOW_MARK", "TURN_LOST",
            "TURN_START", "TURN_WAIT", "TYPE_MAX", "TZ_MAX", "Advance", "Claimed", "Row",
-           "Store", "check_url", "dumps_data", "engine_url"]
+           "Store", "TokenRow", "check_url", "dumps_data", "engine_url"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -1197,6 +1199,39 @@ class Store:
             workers = [r[0] for r in conn.execute(
                 sa.select(recent.c.worker).where(recent.c.finished_at >= since).distinct())]
         return {w.rsplit(":", 1)[0] for w in (*owners, *workers) if w}
+
+    # -- API tokens (store/tokens.py) -------------------------------------------------------
+
+    @_retried
+    def add_token(self, name: str, role: str, created_by: str, expires_at: float | None,
+                  now: float) -> tuple[int, str]:
+        """Make an API token: (its id, its secret; shown once, only its hash is kept).
+        AlreadyExistsError for a name any token has or had (revoked names too)."""
+        try:
+            with self._tx(durable=True) as conn:
+                return token_sql.add(conn, self.backend.tokens, name, role, created_by,
+                                     expires_at, now)
+        except IntegrityError:  # another host made one of that name meanwhile
+            raise token_sql.exists_error(name, revoked=False) from None
+
+    @_retried
+    def tokens(self) -> list[TokenRow]:
+        """Every API token, revoked and expired ones too, by name."""
+        with self._tx(readonly=True) as conn:
+            return token_sql.listed(conn, self.backend.tokens)
+
+    @_retried
+    def revoke_token(self, name: str, now: float) -> bool:
+        """Revoke the token `name` at `now` (its row stays): True.  NotFoundError for a
+        name no token has; InvalidInputError for one revoked already."""
+        with self._tx(durable=True) as conn:
+            return token_sql.revoke(conn, self.backend.tokens, name, now)
+
+    @_retried
+    def token_by_id(self, token_id: int) -> TokenRow | None:
+        """The token with this id (the one a secret names: tokens.token_id_of), or None."""
+        with self._tx(readonly=True) as conn:
+            return token_sql.by_id(conn, self.backend.tokens, token_id)
 
     # -- run history ----------------------------------------------------------------------
 

@@ -40,10 +40,11 @@ log = logging.getLogger("perfectschedd")
 
 # 2: the meta and hosts tables, schedules' creator.  3: what each run did (history's
 # exit_code, signal, duration, output, error): nullable columns, so COMPATIBLE_FROM stays.
-SCHEMA_VERSION = 3
+# 4: the API tokens table, which older hosts never read: COMPATIBLE_FROM stays.
+SCHEMA_VERSION = 4
 COMPATIBLE_FROM = 1
 # The first release of each schema version, for messages.
-RELEASES = {1: "0.1.0", 2: "0.2.0", 3: "0.2.0"}
+RELEASES = {1: "0.1.0", 2: "0.2.0", 3: "0.2.0", 4: "0.3.0"}
 
 
 @dataclass(frozen=True)

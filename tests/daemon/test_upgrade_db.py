@@ -310,7 +310,7 @@ def test_new_daemon_keeps_and_runs_a_database_of_0_1_0(
 
     # The new daemon recorded the schema it brought the database to (versioned schema).
     rows = meta(db_url)
-    assert rows is not None and rows.get("schema_version") == "3", rows
+    assert rows is not None and rows.get("schema_version") == str(SCHEMA_VERSION), rows
 
 
 @pytest.mark.slow_on_servers

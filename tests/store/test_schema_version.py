@@ -26,6 +26,7 @@ from perfectschedd.store import version as schemaversion
 from perfectschedd.store.sql import Store
 
 T0 = 1_700_002_800
+CURRENT = str(schemaversion.SCHEMA_VERSION)
 # A schema from a release after this one.
 NEWER = schemaversion.SCHEMA_VERSION + 1
 
@@ -66,6 +67,25 @@ def make_v1(url: str) -> None:
         with engine.begin() as conn:
             conn.exec_driver_sql("DROP TABLE perfectsched_meta")
             conn.exec_driver_sql("DROP TABLE perfectsched_hosts")
+            conn.exec_driver_sql("DROP TABLE perfectsched_tokens")
+
+
+def make_v3(url: str) -> None:
+    """A database as 0.2.0 left it (schema 3): every table but the tokens table, a
+    schedule, a run and a host row."""
+    with perfectschedd.open({"type": "rdb_compat", "url": url}) as sc:
+        sc.add("k", "t", cron="0 * * * *", start=T0, now=T0, data={"a": 1})
+        sc.store.record_runs([{"key": "k", "type": "t", "scheduled_time": T0, "attempt": 1,
+                               "started_at": T0 + 1.0, "finished_at": T0 + 2.0,
+                               "outcome": "success", "worker": "old:1"}])
+        sc.store.record_host("old", "0.2.0", 4242, T0, T0)
+        with sc.store.engine.begin() as conn:
+            conn.exec_driver_sql("DROP TABLE perfectsched_tokens")
+            conn.exec_driver_sql("UPDATE perfectsched_meta SET value = '3' "
+                                 "WHERE name = 'schema_version'")
+            conn.exec_driver_sql("UPDATE perfectsched_meta SET value = '0.2.0' "
+                                 "WHERE name = 'written_by'")
+            conn.exec_driver_sql("UPDATE perfectsched_hosts SET schema_version = 3")
 
 
 def make_newer(url: str, compatible_from: int | None) -> None:
@@ -94,7 +114,7 @@ def test_a_new_database_records_its_schema(db_url: str) -> None:
                             "compatible_from": str(schemaversion.COMPATIBLE_FROM),
                             "written_by": perfectschedd.__version__}
     assert store.init() is False  # idempotent
-    assert meta(db_url)["schema_version"] == "3"
+    assert meta(db_url)["schema_version"] == CURRENT
 
 
 def test_a_0_1_0_database_is_brought_up_to_date_keeping_its_rows(db_url: str) -> None:
@@ -105,10 +125,35 @@ def test_a_0_1_0_database_is_brought_up_to_date_keeping_its_rows(db_url: str) ->
         info = sc["k"].info()
         assert (info.cron, info.next_time, info.data) == ("0 * * * *", T0, {"a": 1})
     after = snapshot(db_url)
-    assert meta(db_url)["schema_version"] == "3"
+    assert meta(db_url)["schema_version"] == CURRENT
     assert after["perfectsched"] == before["perfectsched"]
     assert after["perfectsched_history"] == before["perfectsched_history"]
     assert after["perfectsched_hosts"][1] == []
+    assert "perfectsched_tokens" not in before and after["perfectsched_tokens"][1] == []
+
+
+def test_a_0_2_0_database_gains_the_tokens_table_keeping_its_rows(db_url: str) -> None:
+    """Schema 3 to 4 is expand-only: a new table (which 0.2.0 hosts never read), every
+    other table as it was, and the record says 4, written by this release."""
+    make_v3(db_url)
+    before = snapshot(db_url)
+    assert "perfectsched_tokens" not in before
+    assert meta(db_url)["schema_version"] == "3"
+    assert Store(db_url).init() is False
+    after = snapshot(db_url)
+    untouched = ("perfectsched", "perfectsched_history", "perfectsched_hosts")
+    assert {n: after[n] for n in untouched} == {n: before[n] for n in untouched}
+    assert set(after) == {*before, "perfectsched_tokens"}
+    assert after["perfectsched_tokens"] == (
+        sorted(("id", "name", "role", "hash", "created_at", "created_by", "expires_at",
+                "revoked_at")), [])
+    assert meta(db_url) == {"schema_version": "4", "compatible_from": "1",
+                            "written_by": perfectschedd.__version__}
+    assert schemaversion.RELEASES[4] == perfectschedd.__version__ == "0.3.0"
+    store = Store(db_url)
+    store.init()
+    token_id, _ = store.add_token("after-upgrade", "viewer", "root", None, T0)
+    assert [t.id for t in store.tokens()] == [token_id]
 
 
 @pytest.mark.parametrize("compatible_from", [None, NEWER])
@@ -121,7 +166,7 @@ def test_a_newer_database_is_refused_naming_both_versions_and_left_alone(
     message = str(caught.value)
     assert "\n" not in message
     assert f"schema {NEWER} (perfectsched 0.9.0)" in message
-    assert f"perfectsched {perfectschedd.__version__}" in message and "schema 3" in message
+    assert f"perfectsched {perfectschedd.__version__}" in message and f"schema {CURRENT}" in message
     assert snapshot(db_url) == before
 
 
@@ -165,7 +210,7 @@ def test_hosts_starting_at_once_all_update_the_database(db_url: str, start: str)
     with ctx.Pool(6) as pool:
         results = pool.map(_init_in_a_process, [db_url] * 6)
     assert results == ["ok"] * 6
-    assert meta(db_url)["schema_version"] == "3"
+    assert meta(db_url)["schema_version"] == CURRENT
     with perfectschedd.open({"type": "rdb_compat", "url": db_url}) as sc:
         assert sc["k"].exists() == (start == "0.1.0")
 
@@ -238,7 +283,7 @@ def test_status_lists_the_hosts_and_a_host_too_old_to_record_itself(
     found = wait_until(three, timeout=30, what="three hosts")
     assert found["host-a"]["version"] == found["host-b"]["version"] == \
         perfectschedd.__version__
-    assert found["host-b"]["live"] and found["host-b"]["schema_version"] == 3
+    assert found["host-b"]["live"] and found["host-b"]["schema_version"] == int(CURRENT)
     assert found["host-old"]["version"] == "0.1.0" and found["host-old"]["last_seen"] is None
     text = a.ctl("status").stdout
     assert "host-b" in text and "0.1.0 (or older)" in text
@@ -264,7 +309,7 @@ def test_a_table_from_before_creators_gets_the_column_and_its_rows_read_as_unkno
         assert (shown["creator"], shown["creator_name"]) == (None, None)
         assert [(s["key"], s["creator"]) for s in commands.execute(sc, "list")] == [
             ("new", os.geteuid()), ("old", None)]
-    assert meta(db_url)["schema_version"] == "3"
+    assert meta(db_url)["schema_version"] == CURRENT
 
 
 RUN_COLUMNS = ("exit_code", "signal", "duration", "output", "error")
@@ -295,4 +340,4 @@ def test_a_history_table_from_before_schema_3_gets_the_run_columns(db_url: str) 
         newest, oldest = sc.history("k", 10)
     assert [oldest[c] for c in RUN_COLUMNS] == [None] * 5
     assert [newest[c] for c in RUN_COLUMNS] == [4, None, 0.5, "boom\n", "exit status 4: boom"]
-    assert meta(db_url)["schema_version"] == "3"
+    assert meta(db_url)["schema_version"] == CURRENT

@@ -66,7 +66,7 @@ def in_cron_order(rows: Iterable[Sequence[Any]]) -> list[Claimed]:
 
 
 class Backend(ABC):
-    """One database: its engine, its two tables and the worker's hot path on them."""
+    """One database: its engine, its tables and the worker's hot path on them."""
 
     name: ClassVar[str]
     # Where the leased rows have an index of their own (None: no partial indexes).
@@ -89,6 +89,7 @@ class Backend(ABC):
         self.h = schema.history_table(self.metadata, table, self.data_type())
         self.meta = schema.meta_table(self.metadata, table)
         self.hosts = schema.hosts_table(self.metadata, table)
+        self.tokens = schema.tokens_table(self.metadata, table)
         t = self.t
         # Every holder-side write names the fence it was given: a row that moved on (lease
         # lost, modified, deleted) matches nothing, and rowcount says so.

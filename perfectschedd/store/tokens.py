@@ -1,0 +1,84 @@
+"""The API tokens table's SQL (schema.tokens_table): what Store's token methods run, each
+in the transaction the Store gives it, so that its write rules (retries, deadlines,
+SQLite's writer lock, durable commits) apply to tokens as to schedules.
+
+A token's secret holds its row's id, so a new row is inserted first and its hash set in
+the same transaction: no row is ever seen without its hash.  Names are unique forever: a
+revoked token keeps its row and its name.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from perfectschedd.control import tokens as secrets
+from perfectschedd.errors import AlreadyExistsError, InvalidInputError, NotFoundError, describe
+
+
+class TokenRow(NamedTuple):
+    """One API token as stored (its secret is never stored; `hash` is its hash)."""
+
+    id: int
+    name: str
+    role: str
+    hash: str
+    created_at: float
+    created_by: str
+    expires_at: float | None
+    revoked_at: float | None
+
+
+def _row(r: Any) -> TokenRow:
+    # Drivers give a BIGINT as int or Decimal, a double as float or Decimal.
+    return TokenRow(int(r.id), str(r.name), str(r.role), str(r.hash), float(r.created_at),
+                    str(r.created_by), None if r.expires_at is None else float(r.expires_at),
+                    None if r.revoked_at is None else float(r.revoked_at))
+
+
+def exists_error(name: str, revoked: bool) -> AlreadyExistsError:
+    if revoked:
+        return AlreadyExistsError(f"token {name} was revoked; a name is never used again: "
+                                  "choose another name")
+    return AlreadyExistsError(f"token {name} exists: choose another name (or revoke it "
+                              "first and choose another name)")
+
+
+def add(conn: Connection, t: sa.Table, name: str, role: str, created_by: str,
+        expires_at: float | None, now: float) -> tuple[int, str]:
+    """Insert the token and set its hash; (id, secret).  AlreadyExistsError when the
+    name is taken, by a live or a revoked token."""
+    secrets.check_name(name)
+    secrets.check_role(role)
+    found = conn.execute(sa.select(t.c.revoked_at).where(t.c.name == name)).first()
+    if found is not None:
+        raise exists_error(name, found.revoked_at is not None)
+    token_id = int(conn.execute(t.insert().values(
+        name=name, role=role, hash="", created_at=now, created_by=created_by,
+        expires_at=expires_at, revoked_at=None)).inserted_primary_key[0])
+    secret, stored = secrets.new_secret(token_id)
+    conn.execute(t.update().where(t.c.id == token_id).values(hash=stored))
+    return token_id, secret
+
+
+def listed(conn: Connection, t: sa.Table) -> list[TokenRow]:
+    return [_row(r) for r in conn.execute(sa.select(t).order_by(t.c.name))]
+
+
+def by_id(conn: Connection, t: sa.Table, token_id: int) -> TokenRow | None:
+    r = conn.execute(sa.select(t).where(t.c.id == token_id)).first()
+    return None if r is None else _row(r)
+
+
+def revoke(conn: Connection, t: sa.Table, name: str, now: float) -> bool:
+    """Revoke the live token `name`: True.  NotFoundError for a name no token has,
+    InvalidInputError for one revoked before."""
+    if conn.execute(t.update().where(t.c.name == name, t.c.revoked_at.is_(None))
+                    .values(revoked_at=now)).rowcount == 1:
+        return True
+    found = conn.execute(sa.select(t.c.revoked_at).where(t.c.name == name)).first()
+    if found is None:
+        raise NotFoundError(f"no token named {describe(name)}")
+    raise InvalidInputError("name", f"token {name} was revoked already")
