@@ -69,10 +69,13 @@ class Caller:
         return cls(int(uid), frozenset(int(g) for g in gids))
 
     @classmethod
-    def of_token(cls, token_id: int, name: str, role: str) -> Caller:
+    def of_token(cls, token_id: int, name: str, role: str, group_gid: int) -> Caller:
+        """An operator (or admin) token holds the control group, as a member's process
+        does: a route whose allow: names @GROUP lets it in."""
         if role not in TOKEN_ROLES:
             raise ValueError(f"unknown role {role!r}")
-        return cls(-int(token_id), frozenset(), name, role)
+        gids = frozenset() if role == VIEWER else frozenset({group_gid})
+        return cls(-int(token_id), gids, name, role)
 
     @classmethod
     def this_process(cls) -> Caller:

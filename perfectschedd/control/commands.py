@@ -223,7 +223,7 @@ def check_limit(limit: Any) -> int | None:
 def _show(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
     info = sc[_arg(a, "key")].info()
     shown = _shown(access, info, SHOW_FIELDS)
-    shown["creator_name"] = known_user_name(info.creator)
+    shown["creator_name"] = _creator_name(sc, info.creator)
     # Extra runs (`run KEY`) and occurrences on rows of their own (allow, replace) not
     # ended yet.  Unless allowed to overlap, a held one runs only as its group's holder;
     # the others are queued for their turn.
@@ -237,6 +237,14 @@ def _show(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[s
         shown["extra_runs"].append({"run_key": r.key, "run_at": r.next_run_time,
                                     "running": running, "queued": held and not running})
     return shown
+
+
+def _creator_name(sc: ScheduleCollection, creator: int | None) -> str | None:
+    """A user's name, or `token NAME` for what an API token made (auth.Caller)."""
+    if creator is not None and creator < 0:
+        token = sc.store.token_by_id(-creator)
+        return f"token {token.name}" if token is not None else f"token #{-creator}"
+    return known_user_name(creator)
 
 
 def _changing(sc: ScheduleCollection, a: Args, access: Access) -> ScheduleInfo:

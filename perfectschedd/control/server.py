@@ -109,7 +109,7 @@ class ControlServer:
         self.dispatch = dispatch
         self.log = log
         self.group_name = config.control_group
-        self.group_gid = self._resolve_group(config.control_group)
+        self.group_gid = self.resolve_group(config.control_group)
         self.max_clients = max_clients
         self.accept_guard = AcceptGuard("control socket", log)
         self.idle_timeout = idle_timeout
@@ -128,7 +128,7 @@ class ControlServer:
         self.conns: dict[int, _Conn] = {}
 
     @staticmethod
-    def _resolve_group(name: str | None) -> int:
+    def resolve_group(name: str | None) -> int:
         if name is None:
             return os.getegid()
         try:

@@ -80,6 +80,7 @@ class Listeners:
         log.info("metrics on %s://%s:%d/metrics", scheme, *config.http_listen)
 
     def serve_http(self, config: Config) -> Any:
+        from perfectschedd.control.server import ControlServer
         from perfectschedd.web.app import WebApp
         from perfectschedd.web.server import HttpListener
 
@@ -88,7 +89,8 @@ class Listeners:
         key = config.http_listen_key
         app = WebApp(self.dispatch, self.credentials, metrics.render_with_type,
                      self.healthy, listen_host=listen[0], tls=config.http_tls is not None,
-                     insecure=config.http_insecure, metrics_token=config.metrics_token)
+                     insecure=config.http_insecure, metrics_token=config.metrics_token,
+                     group_gid=ControlServer.resolve_group(config.control_group))
         if app.api_refused is not None:
             log.warning("%s: %s", key, app.api_refused)
         try:

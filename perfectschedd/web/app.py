@@ -44,12 +44,13 @@ class WebApp:
     def __init__(self, dispatch: Dispatch, credentials: Credentials,
                  render_metrics: Callable[[], tuple[bytes, str]],
                  healthy: Callable[[], bool], *, listen_host: str, tls: bool,
-                 insecure: bool, metrics_token: bool) -> None:
+                 insecure: bool, metrics_token: bool, group_gid: int) -> None:
         self.dispatch = dispatch
         self.credentials = credentials
         self.render_metrics = render_metrics
         self.healthy = healthy
         self.metrics_token = metrics_token
+        self.group_gid = group_gid  # control_group's: an operator token holds it
         # The API and the console hand out data and take changes: on an address others
         # reach, only over TLS (a token sent in clear is anyone's on the path).
         self.api_refused = None if tls or insecure or is_loopback(listen_host) else (
@@ -129,7 +130,7 @@ class WebApp:
             if allowed:
                 return self._not_allowed(allowed)
             return json_error(404, f"no such path: {request.path[:200]}")
-        caller = identity.caller()
+        caller = identity.caller(self.group_gid)
 
         def ask(cmd: str, args: dict[str, Any]) -> Any:
             return self.dispatch(cmd, args, caller)

@@ -51,8 +51,9 @@ class Identity:
     name: str
     role: str
 
-    def caller(self) -> Caller:
-        return Caller.of_token(self.token_id, self.name, self.role)
+    def caller(self, group_gid: int) -> Caller:
+        """The caller this token is, on a daemon whose control group is `group_gid`."""
+        return Caller.of_token(self.token_id, self.name, self.role, group_gid)
 
 
 class Credentials:
