@@ -50,6 +50,7 @@ REQUESTS_PER_CONNECTION = 100
 # Connections open at once.  When full, the oldest one that has not yet sent a whole
 # request is closed to make room: idle clients cannot lock out the others.
 CONNECTIONS_MAX = 256
+NEW, SERVED, CLOSING = "new", "served", "closing"
 ANSWER_THREADS = 8
 
 REASONS = {code: http.client.responses.get(code, "") for code in (
@@ -108,9 +109,11 @@ class HttpListener:
         self.address: tuple[str, int] = self.sock.getsockname()[:2]
         self.guard = AcceptGuard("http_listen", log)
         self.pool = ThreadPoolExecutor(ANSWER_THREADS, thread_name_prefix="http-answer")
-        # Open connections, oldest first: the socket, and whether a whole request has
-        # come on it (the others are the ones closed to make room).
-        self.conns: collections.OrderedDict[socket.socket, bool] = collections.OrderedDict()
+        # Open connections, oldest first, each NEW (no whole request yet: the ones closed
+        # to make room), SERVED or CLOSING.
+        self.conns: collections.OrderedDict[socket.socket, str] = collections.OrderedDict()
+        self.accepting = True
+        self.stopping = False
         self.lock = threading.Lock()  # conns, read by fds() from the master's thread
         self.loop = asyncio.new_event_loop()
         self.started = threading.Event()
@@ -128,13 +131,20 @@ class HttpListener:
         asyncio.set_event_loop(self.loop)
         self.loop.add_reader(self.sock.fileno(), self._accept)
         self.loop.call_soon(self.started.set)
-        try:
-            self.loop.run_forever()
-        finally:
-            self.loop.remove_reader(self.sock.fileno())
+        self.loop.run_forever()
 
     def _accept(self) -> None:
+        if len(self.conns) >= CONNECTIONS_MAX:
+            # Full, and a client waits: the oldest client that has sent no whole request
+            # is closed, and the next one is taken once it is gone (descriptors stay
+            # within the cap).
+            self._make_room()
+            self.loop.remove_reader(self.sock.fileno())
+            self.accepting = False
+            return
         for _ in range(64):  # a burst of clients is taken in one wake-up
+            if len(self.conns) >= CONNECTIONS_MAX:
+                return  # the next wake-up, if a client still waits, makes room
             try:
                 conn, addr = self.sock.accept()
             except (BlockingIOError, InterruptedError):
@@ -144,23 +154,29 @@ class HttpListener:
                     log.debug("http: accept: %s", exc)
                 return
             conn.setblocking(False)
-            self._make_room()
             with self.lock:
-                self.conns[conn] = False
+                self.conns[conn] = NEW
             self.loop.create_task(self._connection(conn, addr))
 
     def _make_room(self) -> None:
         with self.lock:
-            if len(self.conns) < CONNECTIONS_MAX:
-                return
-            idle = next((s for s, served in self.conns.items() if not served), None)
-            victim = idle if idle is not None else next(iter(self.conns))
+            if any(state == CLOSING for state in self.conns.values()):
+                return  # one is on its way out already
+            victim = next((s for s, state in self.conns.items() if state == NEW), None)
+            if victim is None:
+                return  # every one is being served: wait for one to end
+            self.conns[victim] = CLOSING
         try:
-            victim.shutdown(socket.SHUT_RDWR)  # its coroutine sees the end and cleans up
+            victim.shutdown(socket.SHUT_RDWR)  # its coroutine sees the end and closes it
         except OSError:
             pass
+
+    def _ended(self, conn: socket.socket) -> None:
         with self.lock:
-            self.conns.pop(victim, None)
+            self.conns.pop(conn, None)
+        if not self.accepting and not self.stopping:
+            self.accepting = True
+            self.loop.add_reader(self.sock.fileno(), self._accept)
 
     async def _connection(self, conn: socket.socket, addr: Any) -> None:
         client = addr[0] if isinstance(addr, tuple) else str(addr)
@@ -174,7 +190,7 @@ class HttpListener:
             writer = asyncio.StreamWriter(transport, protocol, reader, self.loop)
             for served in range(REQUESTS_PER_CONNECTION):
                 deadline = HEAD_DEADLINE if served == 0 else IDLE_DEADLINE
-                keep = await self._one(reader, writer, client, deadline,
+                keep = await self._one(conn, reader, writer, client, deadline,
                                        last=served == REQUESTS_PER_CONNECTION - 1)
                 if not keep:
                     break
@@ -183,15 +199,19 @@ class HttpListener:
         except Exception:  # noqa: BLE001 - a client's trouble never stops the listener
             log.exception("http: %s: unexpected error", client)
         finally:
-            with self.lock:
-                self.conns.pop(conn, None)
             if writer is not None:
                 writer.close()
+                try:
+                    await asyncio.wait_for(writer.wait_closed(), 1.0)
+                except (OSError, TimeoutError):
+                    pass
             else:
                 conn.close()
+            self._ended(conn)
 
-    async def _one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                   client: str, deadline: float, last: bool) -> bool:
+    async def _one(self, conn: socket.socket, reader: asyncio.StreamReader,
+                   writer: asyncio.StreamWriter, client: str, deadline: float, last: bool
+                   ) -> bool:
         """One request and its answer; whether the connection stays open for another."""
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), deadline)
@@ -206,10 +226,9 @@ class HttpListener:
         except _Refused as exc:
             await self._write(writer, _error(exc.status, str(exc)), False)
             return False
-        sock = writer.get_extra_info("socket")
         with self.lock:
-            if sock is not None and sock in self.conns:
-                self.conns[sock] = True
+            if self.conns.get(conn) == NEW:
+                self.conns[conn] = SERVED
         try:
             body = await asyncio.wait_for(self._body(reader, headers), BODY_DEADLINE)
         except _Refused as exc:
@@ -231,6 +250,9 @@ class HttpListener:
         log.debug("http: %s %s %s -> %d (%.0f ms)", client, method, path, response.status,
                   (time.monotonic() - started) * 1000)
         await self._write(writer, response, keep, head_only=method == "HEAD")
+        with self.lock:
+            if self.conns.get(conn) == SERVED:
+                self.conns[conn] = NEW  # waiting for its next request: idle again
         return keep
 
     def _answer(self, request: Request) -> Response:
@@ -280,8 +302,11 @@ class HttpListener:
                 *([reserve] if reserve is not None else [])]
 
     def stop(self) -> None:
+        self.stopping = True
+
         def close_all() -> None:
-            self.loop.remove_reader(self.sock.fileno())
+            if self.accepting:
+                self.loop.remove_reader(self.sock.fileno())
             for s in list(self.conns):
                 try:
                     s.shutdown(socket.SHUT_RDWR)
