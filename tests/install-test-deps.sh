@@ -7,6 +7,7 @@
 #   - Debian's own Python libraries, for the `make test-debian` run against Debian 12's versions
 #   - the Debian packaging toolchain (and packaging/debian/control's Build-Depends, if present)
 #   - mmdebstrap: tests/system/rootfs.sh builds the Debian 13 tree the system tests boot
+#   - Chromium, its driver and Selenium: the web console's browser test
 #
 # Idempotent: when everything is installed it only runs one dpkg-query (well under 1 s).
 # Needs root (or passwordless sudo) when something is missing.  Never starts a service:
@@ -31,6 +32,9 @@ PACKAGES=(
   # the Debian 13 root file system of the system tests (tests/system/rootfs.sh); the
   # keyring has trixie's keys
   mmdebstrap debian-archive-keyring
+  # the web console's browser test (tests/web/test_console_browser.py), and the remote
+  # CLI's and the listener's HTTPS tests (a throw-away certificate)
+  chromium chromium-driver python3-selenium openssl curl
 )
 
 missing_packages() {

@@ -45,6 +45,8 @@ log = logging.getLogger("perfectschedd")
 
 T = TypeVar("T")
 
+# The schedules that run next, in status (the web console's overview).
+NEXT_DUE_SHOWN = 10
 COMMAND_TIMEOUT = 10.0  # a command that needs the database answers within this
 COMMAND_THREADS = 4     # calls in flight at once; more wait for a thread (and a deadline)
 PROBE_EVERY = 2.0       # a cheap query: is the database answering?
@@ -100,6 +102,8 @@ class Snapshot:
 
     counts: dict[str, int] = field(default_factory=dict)
     running: list[dict[str, Any]] = field(default_factory=list)
+    # The schedules that run next (NEXT_DUE_SHOWN): key, type, run_at.
+    next_due: list[dict[str, Any]] = field(default_factory=list)
     # Claimed runs waiting for their schedule's running one to end (`run KEY` under forbid)
     queued: list[dict[str, Any]] = field(default_factory=list)
     unclaimed: dict[str, int] = field(default_factory=dict)  # type -> occurrences
@@ -626,6 +630,8 @@ class MasterDatabase:
                                            if RUN_NOW_MARK in r.key})
             unclaimed = store.unclaimed(int(now) - UNCLAIMED_AFTER)
             hosts = store.hosts(forget_before=now - HOST_FORGET_AFTER)
+            next_due = [{"key": k, "type": ty, "run_at": at}
+                        for k, ty, at in store.next_due(NEXT_DUE_SHOWN)]
             at_work = store.nodes_at_work(now - self.config.alive_time)
         running: list[dict[str, Any]] = []
         queued: list[dict[str, Any]] = []
@@ -650,6 +656,7 @@ class MasterDatabase:
         metrics.set_schedule_states(summary["counts"], oldest, len(beyond))
         recorded = {h["name"] for h in hosts}
         self._publish(replace(self.snapshot, counts=counts, running=running, queued=queued,
+                              next_due=next_due,
                               states=summary["counts"], failing=failing[:FAILING_SHOWN],
                               failing_total=len(failing), oldest_overdue=oldest,
                               beyond_period=beyond[:FAILING_SHOWN],

@@ -431,6 +431,7 @@ class Supervisor:
             "workers_configured": self.config.workers,
             "workers_alive": sum(1 for p in procs if p.draining_since is None),
             "workers": workers, "running": list(snap.running), "queued": list(snap.queued),
+            "next_due": list(snap.next_due),
             "draining": self._draining(procs, [*snap.running, *snap.queued], now, mono),
             "reload_pending": self.table.reload_pending is not None,
             "unclaimed": [{"type": t, "occurrences": n,

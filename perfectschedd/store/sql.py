@@ -743,6 +743,16 @@ class Store:
                 t.c.owner.isnot(None), t.c.next_run_time > now)).scalar() or 0
         return {"schedules": total, "paused": paused, "due": due, "running": running}
 
+    def next_due(self, limit: int) -> list[tuple[str, str, int]]:
+        """(key, type, run time) of the `limit` unpaused schedules that run next, taken
+        or not: the claim's own index, so as cheap at a million schedules as at ten."""
+        t = self.t
+        with self._tx(readonly=True) as conn:
+            rows = conn.execute(sa.select(t.c.key, t.c.type, t.c.next_run_time)
+                                .where(t.c.paused == 0, t.c.owner.is_(None))
+                                .order_by(t.c.next_run_time, t.c.key).limit(limit)).all()
+        return [(str(k), str(ty), int(n)) for k, ty, n in rows]
+
     def _last_run(self) -> tuple[sa.sql.FromClause, list[Any]]:
         """The schedules table outer-joined to each row's latest history row (its
         outcome, attempt, end and, where the history has one, error text; NULLs when the

@@ -121,6 +121,38 @@ def _bool_arg(request: Request, body: dict[str, Any], name: str) -> bool | None:
     raise InvalidInputError(name, "must be true or false")
 
 
+def list_page(ask: Ask, prefix: str | None, after: str | None, state: str | None,
+              limit: int) -> dict[str, Any]:
+    """One keyset page of `list` (the API's and the console's): {"items", "next"}, where
+    next is the key to go on after (None: the last page).  Filtered by state, a page
+    reads at most STATE_SCAN_MAX schedules and may hold fewer than `limit`."""
+    items: list[dict[str, Any]] = []
+    scanned = 0
+    while True:
+        batch = limit + 1 if state is None else min(PAGE_MAX, STATE_SCAN_MAX - scanned)
+        args: dict[str, Any] = {"limit": batch}
+        if prefix is not None:
+            args["prefix"] = prefix
+        if after is not None:
+            args["after"] = after
+        rows = ask("list", args)
+        if state is None:
+            items = rows[:limit]
+            return {"items": items,
+                    "next": items[-1]["key"] if len(rows) > limit and items else None}
+        for row in rows:
+            scanned += 1
+            after = row["key"]
+            if str(row.get("state", "")).split(" ")[0] == state:
+                items.append(row)
+                if len(items) == limit:
+                    return {"items": items, "next": after}
+        if len(rows) < batch:
+            return {"items": items, "next": None}
+        if scanned >= STATE_SCAN_MAX:
+            return {"items": items, "next": after}
+
+
 class Api:
     def __init__(self, ask: Ask) -> None:
         self.ask = ask
@@ -136,37 +168,11 @@ class Api:
 
     def _list(self, request: Request, holes: dict[str, str]) -> Response:
         limit = _int_arg(request, "limit", PAGE_DEFAULT, 1, PAGE_MAX)
-        prefix = request.arg("prefix") or None
-        after = request.arg("after") or None
         state = request.arg("state") or None
         if state is not None and state not in STATES:
             raise InvalidInputError("state", f"must be one of {', '.join(STATES)}")
-        items: list[dict[str, Any]] = []
-        scanned = 0
-        while True:
-            batch = limit + 1 if state is None else min(PAGE_MAX, STATE_SCAN_MAX - scanned)
-            args: dict[str, Any] = {"limit": batch}
-            if prefix is not None:
-                args["prefix"] = prefix
-            if after is not None:
-                args["after"] = after
-            rows = self.ask("list", args)
-            if state is None:
-                more = len(rows) > limit
-                items = rows[:limit]
-                return _ok(200, {"items": items,
-                                 "next": items[-1]["key"] if more and items else None})
-            for row in rows:
-                scanned += 1
-                after = row["key"]
-                if str(row.get("state", "")).split(" ")[0] == state:
-                    items.append(row)
-                    if len(items) == limit:
-                        return _ok(200, {"items": items, "next": after})
-            if len(rows) < batch:
-                return _ok(200, {"items": items, "next": None})
-            if scanned >= STATE_SCAN_MAX:
-                return _ok(200, {"items": items, "next": after})
+        return _ok(200, list_page(self.ask, request.arg("prefix") or None,
+                                  request.arg("after") or None, state, limit))
 
     def _show(self, request: Request, holes: dict[str, str]) -> Response:
         return _ok(200, self.ask("show", {"key": holes["key"]}))

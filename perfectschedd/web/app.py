@@ -16,6 +16,7 @@ from perfectschedd.control.auth import Caller
 from perfectschedd.control.server import refusal_of
 from perfectschedd.errors import PermissionDeniedError
 from perfectschedd.web import api as api_mod
+from perfectschedd.web.console import Console
 from perfectschedd.web.credentials import CredentialError, Credentials, Identity, bearer
 from perfectschedd.web.server import Request, Response, json_error
 
@@ -51,6 +52,7 @@ class WebApp:
         self.healthy = healthy
         self.metrics_token = metrics_token
         self.group_gid = group_gid  # control_group's: an operator token holds it
+        self.console = Console(dispatch, credentials, group_gid)
         # The API and the console hand out data and take changes: on an address others
         # reach, only over TLS (a token sent in clear is anyone's on the path).
         self.api_refused = None if tls or insecure or is_loopback(listen_host) else (
@@ -59,7 +61,8 @@ class WebApp:
 
     def __call__(self, request: Request) -> Response:
         response = self._route(request)
-        response.headers.extend(SECURITY_HEADERS)
+        own = {name for name, _ in response.headers}
+        response.headers.extend(h for h in SECURITY_HEADERS if h[0] not in own)
         return response
 
     def _route(self, request: Request) -> Response:
@@ -75,9 +78,10 @@ class WebApp:
             return self._metrics() if path == "/metrics" else self._health()
         if path.startswith(api_mod.PREFIX):
             return self._api(request)
-        if path == "/" and request.method in ("GET", "HEAD"):
-            return Response(200, b"perfectschedd: /metrics, /healthz, /api/v1/ "
-                                 b"(docs/api.md)\n")
+        if self.console.serves(path):
+            if self.api_refused is not None:
+                return json_error(403, self.api_refused)
+            return self.console.handle(request)
         return json_error(404, f"no such path: {path[:200]}")
 
     # -- open endpoints ---------------------------------------------------------------------
