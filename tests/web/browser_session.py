@@ -101,7 +101,7 @@ def main() -> None:
         seen["runs"] = driver.find_elements(By.CSS_SELECTOR, "main table")[-1].text
         seen["outputs"] = [p.text for p in driver.find_elements(By.TAG_NAME, "pre")]
         try:
-            driver.switch_to.alert
+            driver.switch_to.alert  # noqa: B018 - raises when no alert is open
             seen["alert"] = True
         except NoAlertPresentException:
             seen["alert"] = False
