@@ -172,3 +172,41 @@ def test_worker_starts_while_clients_hammer_the_socket(daemon_factory: Any) -> N
     assert slowest < 2.0, slowest
     assert not errors, errors[:3]
     assert "silent" not in log
+
+
+def test_http_answers_inside_its_deadline_while_postgresql_is_frozen(
+        daemon_factory: Any, pg_url: str, postgres_server: PostgresServer) -> None:
+    """A hung database: every HTTP client gets an answer (an error, one JSON line)
+    inside its own deadline, and neither the control socket nor /healthz waits."""
+    from api_client import call, make_token
+
+    from perfectschedd.web import server as web_server
+
+    d = daemon_factory({"routes": [sh("t", "true")], "poll_interval": 0.5},
+                       url=pg_url).start()
+    d.ctl("add", "k", "t", YEARLY)
+    token = make_token(d, "ops", "admin")
+    assert call(d.metrics_port, "GET", "/api/v1/schedules", token).status == 200
+    postgres_server.pause_server()
+    try:
+        for method, path, body in (("GET", "/api/v1/schedules", None),
+                                   ("GET", "/api/v1/schedules/k", None),
+                                   ("POST", "/api/v1/schedules/k/run", None),
+                                   ("POST", "/api/v1/schedules",
+                                    {"key": "k2", "type": "t", "cron": YEARLY})):
+            t0 = time.monotonic()
+            a = call(d.metrics_port, method, path, token, body)
+            took = time.monotonic() - t0
+            assert a.status == 503, (path, a.status, a.body)
+            assert took < web_server.ANSWER_DEADLINE + 2, (path, took)
+            assert "\n" not in a.error
+        # Meanwhile: the socket answers status at once, and /metrics too.
+        t0 = time.monotonic()
+        assert d.status()["database_ok"] in (True, False)
+        assert call(d.metrics_port, "GET", "/metrics").status == 200
+        assert time.monotonic() - t0 < 3
+    finally:
+        postgres_server.resume_server()
+    wait_until(lambda: call(d.metrics_port, "GET", "/api/v1/schedules/k", token).status
+               == 200, timeout=30, what="the API back with the database")
+    assert d.stop() == 0
