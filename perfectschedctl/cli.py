@@ -302,10 +302,11 @@ def _json_arg(name: str, text: str) -> Any:
 
 
 def _direct(ns: argparse.Namespace, cmd: str, args: dict[str, Any]) -> Any:
-    from perfectschedd.control import commands
+    from perfectschedd.control import auth, commands
     from perfectschedd.schedules import collection as schedules
 
-    registry.command(cmd, registry.DIRECT)  # before opening anything
+    # Before opening anything: a root-only command is refused to anyone else here too.
+    auth.check_root_only(registry.command(cmd, registry.DIRECT), auth.Caller.this_process())
     with schedules.open(ns.config, ns.environment) as sc:
         return commands.execute(sc, cmd, args, where=registry.DIRECT)
 

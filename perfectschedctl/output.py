@@ -16,6 +16,7 @@ LIST_COLUMNS = ("key", "type", "cron", "delay", "timezone", "next_time", "next_r
 WITHHELD_FIELDS = ("data", "output", "error")
 HISTORY_COLUMNS = ("scheduled_time", "started_at", "outcome", "attempt", "exit", "duration",
                    "worker", "unit", "error")
+TOKEN_COLUMNS = ("name", "role", "created", "created_by", "expires", "state")
 
 
 # What a terminal would act on rather than show: C0 and C1 controls (ESC starts colour
@@ -277,6 +278,28 @@ def _paused(cmd: str, result: dict[str, Any]) -> str:
             + (f"; {own} paused on their own stay paused" if own else ""))
 
 
+def _token(result: Any) -> str:
+    """What `token add|list|revoke` did: add's secret on a line of its own (once: the
+    database keeps only its hash), list's table (never a hash), revoke's one line."""
+    if isinstance(result, list):
+        rows = [{"name": t.get("name"), "role": t.get("role"),
+                 "created": format_time(t.get("created_at")),
+                 "created_by": t.get("created_by"),
+                 "expires": "never" if t.get("expires_at") is None
+                 else format_time(t["expires_at"]), "state": t.get("state")}
+                for t in result]
+        return f"{table(rows, TOKEN_COLUMNS)}\n{len(result)} tokens."
+    name = terminal_cell(str(result.get("name")))
+    if result.get("revoked"):
+        return f"revoked token {name}"
+    expires = result.get("expires_at")
+    return (f"added token {name} (role {terminal_cell(str(result.get('role')))}, "
+            f"expires {'never' if expires is None else format_time(expires)})\n"
+            f"{terminal_cell(str(result.get('secret')))}\n"
+            "this secret is not shown again: keep it now (the database keeps only a hash "
+            "of it)")
+
+
 def print_result(cmd: str, result: Any, *, as_json: bool, raw: bool = False) -> None:
     """`result` for people (control characters escaped unless `raw`), or as JSON (which
     escapes them itself)."""
@@ -317,6 +340,8 @@ def print_result(cmd: str, result: Any, *, as_json: bool, raw: bool = False) -> 
             print(line)
     elif cmd == "next":
         print(_next_times(result))
+    elif cmd == "token":
+        print(_token(result))
     elif cmd == "reload":
         if result.get("reload") == "done":
             print(f"reloaded: the new configuration runs, {result.get('workers')} new "

@@ -28,7 +28,11 @@ The rules (docs/security.md):
   - `pause --all` and `resume --all` are every admitted caller's, schedules files'
     schedules included, with no force: they change no schedule (each is held with a
     marker that resume --all releases, and its file still owns it), and they are the
-    operators' brake, as `reload` is theirs.  By key or prefix, the rule above holds.
+    operators' brake, as `reload` is theirs.  By key or prefix, the rule above holds;
+- check_root_only(): a command the registry marks root's (`token`: the HTTP API's
+  credentials, whose rights reach every schedule) is root's through the daemon (uid 0)
+  and in direct mode alike (a root process: reading the configuration gives the
+  database's credentials, not root's commands).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from perfectschedd.config import RouteConfig
+from perfectschedd.control.registry import Command
 from perfectschedd.errors import InvalidInputError, PermissionDeniedError
 from perfectschedd.schedules import ownership
 from perfectschedd.schedules.fields import EXEC_TYPE, SOURCE_FILE, SOURCE_FORCED
@@ -130,6 +135,15 @@ def admission(caller: Caller, daemon_uid: int, group_gid: int) -> str | None:
     allowed = "root" if daemon_uid == 0 else f"root, {user_name(daemon_uid)}"
     return (f"permission denied: {caller.name} may not control perfectschedd (allowed: "
             f"{allowed} and members of group {group_name(group_gid)})")
+
+
+def check_root_only(cmd: Command, caller: Caller) -> None:
+    """Refuse a root-only command (Command.root_only) to anyone but root, in one line,
+    before anything is read: through the daemon `caller` is the socket's or the bus's
+    word, in direct mode this process."""
+    if cmd.root_only is not None and not caller.root:
+        raise PermissionDeniedError(f"{cmd.name}: only root {cmd.root_only}, not "
+                                    f"{caller.name}")
 
 
 def route_of(task_type: str, routes: Sequence[RouteConfig]) -> RouteConfig | None:

@@ -8,6 +8,7 @@ those that run on the database.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -15,9 +16,10 @@ from typing import Any
 
 from perfectschedd.config import RouteConfig
 from perfectschedd.control import registry
-from perfectschedd.control.auth import WITHHELD, Access, Caller, check_force
+from perfectschedd.control import tokens as api_tokens
+from perfectschedd.control.auth import WITHHELD, Access, Caller, check_force, check_root_only
 from perfectschedd.control.protocol import ATTEMPT_MAX, HISTORY_MAX, HISTORY_OUTPUT_BYTES
-from perfectschedd.errors import InvalidInputError, NotFoundError, ScheduleError
+from perfectschedd.errors import InvalidInputError, NotFoundError, ScheduleError, describe
 from perfectschedd.notify import spec as notify_spec
 from perfectschedd.schedules import cron, deletions
 from perfectschedd.schedules import policy as policy_mod
@@ -33,8 +35,11 @@ from perfectschedd.schedules.ownership import known_user_name
 from perfectschedd.schedules.policy import OPTIONS as POLICY_OPTIONS
 from perfectschedd.schedules.validate import check_key, check_type, lookup_key
 from perfectschedd.store import states
+from perfectschedd.store.tokens import TokenRow
 
 Args = Mapping[str, Any]
+
+log = logging.getLogger("perfectschedd")
 
 # Fields of `list --json` (SPEC) and of `show`, in this order.
 LIST_FIELDS = ("key", "type", "cron", "delay", "timezone", "next_time", "next_run_time", "data",
@@ -533,6 +538,58 @@ def _apply(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[
     return converge.summary(changes)
 
 
+TOKEN_ACTIONS = ("add", "list", "revoke")
+# What `token list` shows of a token, in this order: never its hash.
+TOKEN_FIELDS = ("id", "name", "role", "created_at", "created_by", "expires_at", "revoked_at")
+
+
+def _token(sc: ScheduleCollection, a: Args, now: float, access: Access) -> Any:
+    """token add|list|revoke: the HTTP API's credentials (control/tokens.py), root's
+    only (execute refused anyone else already: auth.check_root_only), through the
+    daemon or -c alike.  Each change is logged with the token's name and who made it, never its
+    secret."""
+    action = _arg(a, "action")
+    if action not in TOKEN_ACTIONS:
+        raise InvalidInputError("action", f"must be add, list or revoke, not "
+                                          f"{describe(action)}")
+    given = [f for f in ("name", "role", "expires") if a.get(f) is not None]
+    takes = {"add": ("name", "role", "expires"), "list": (), "revoke": ("name",)}[action]
+    if extra := [f for f in given if f not in takes]:
+        shown = {"name": "NAME", "role": "--role", "expires": "--expires"}
+        raise InvalidInputError(extra[0], f"token {action} takes no "
+                                          f"{' or '.join(shown[f] for f in extra)}")
+    if action == "list":
+        return [{**{f: getattr(t, f) for f in TOKEN_FIELDS}, "state": _token_state(t, now)}
+                for t in sc.store.tokens()]
+    name = api_tokens.check_name(_arg(a, "name"))
+    if action == "revoke":
+        sc.store.revoke_token(name, now)
+        log.info("token %s revoked by %s", name, access.caller.name)
+        return {"name": name, "revoked": True, "revoked_at": now}
+    if a.get("role") is None:
+        raise InvalidInputError("role", f"required: give --role "
+                                        f"{'|'.join(api_tokens.ROLES)}")
+    role = api_tokens.check_role(a["role"])
+    expires = a.get("expires")
+    expires_at = None if expires is None else now + api_tokens.parse_expires(expires)
+    token_id, secret = sc.store.add_token(name, role, access.caller.name, expires_at, now)
+    log.info("token %s added (role %s, %s) by %s", name, role,
+             "no expiry" if expires_at is None else
+             time.strftime("expires %Y-%m-%d %H:%M:%S UTC", time.gmtime(expires_at)),
+             access.caller.name)
+    return {"id": token_id, "name": name, "role": role, "created_at": now,
+            "created_by": access.caller.name, "expires_at": expires_at, "secret": secret,
+            "note": "the secret is shown only this once (the database keeps a hash of it)"}
+
+
+def _token_state(token: TokenRow, now: float) -> str:
+    if token.revoked_at is not None:
+        return "revoked"
+    if token.expires_at is not None and token.expires_at <= now:
+        return "expired"
+    return "live"
+
+
 Handler = Callable[[ScheduleCollection, Args, float, Access], Any]
 
 # The implementation of each command that runs on the database (registry.COMMANDS says
@@ -540,7 +597,7 @@ Handler = Callable[[ScheduleCollection, Args, float, Access], Any]
 HANDLERS: dict[str, Handler] = {
     "add": _add, "add_many": _add_many, "list": _list, "show": _show, "delete": _delete,
     "modify": _modify, "pause": _pause, "resume": _resume, "run": _run,
-    "history": _history, "init": _init, "apply": _apply,
+    "history": _history, "init": _init, "apply": _apply, "token": _token,
 }
 
 
@@ -553,6 +610,8 @@ def execute(sc: ScheduleCollection, command: str, args: Mapping[str, Any] | None
     -c), under `routes` (default: sc's configuration's); raises ScheduleError subclasses
     for refused requests."""
     cmd = registry.command(command, where)
+    caller = caller or Caller.this_process()
+    check_root_only(cmd, caller)
     handler = HANDLERS.get(cmd.name)
     if handler is None:  # the daemon's own (status, reload): never on the database
         raise InvalidInputError("command", f"{cmd.name} needs the daemon: use --socket, "

@@ -65,6 +65,8 @@ class Command(NamedTuple):
     wakes: bool = False         # changes what workers do next: wake them at once
     change: str | None = None   # its word in D-Bus ScheduleChanged signals
     in_cli: bool = True         # a perfectschedctl command (else for programs only)
+    # Root's only, wherever it runs (auth.check_root_only): what it does, for the refusal.
+    root_only: str | None = None
 
     @property
     def args(self) -> frozenset[str]:
@@ -234,6 +236,17 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
     Command("reload", "reload the daemon's configuration (like SIGHUP)",
             where=frozenset({DAEMON})),
     Command("init", "create the table (with -c)", where=frozenset({DIRECT})),
+    # The roles are control/tokens.ROLES (tests/control/test_tokens.py holds the help to
+    # them: importing that module here would load hashlib in every perfectschedctl).
+    Command("token", "manage the HTTP API's tokens (root only): add NAME --role ROLE "
+                     "prints its secret once; list; revoke NAME", (
+        Arg(("action",), "action", "add, list or revoke", metavar="add|list|revoke"),
+        Arg(("name",), "name", "the token (add, revoke): 1-64 letters, digits, '.', '_', "
+            "'-'", optional=True, metavar="NAME"),
+        Arg(("--role",), "role", "add: viewer, operator or admin", metavar="ROLE"),
+        Arg(("--expires",), "expires", "add: it stops working after DURATION (90d, 12h, "
+            "30m, or seconds); default never", metavar="DURATION")),
+        required=frozenset({"action"}), root_only="manages API tokens"),
 )}
 
 

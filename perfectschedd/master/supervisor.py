@@ -349,6 +349,7 @@ class Supervisor:
         """One request of `caller` (as the socket or D-Bus knows it)."""
         command = registry.command(cmd, registry.DAEMON)
         auth.check_command(caller, command.name)  # an API token's role
+        auth.check_root_only(command, caller)  # before the database is asked anything
         registry.check_args(command, args)
         routes = self.config.routes  # the configuration running now (reload swaps it)
         if command.name == "status":  # every key and state; errors to their readers

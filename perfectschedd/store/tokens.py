@@ -42,8 +42,7 @@ def exists_error(name: str, revoked: bool) -> AlreadyExistsError:
     if revoked:
         return AlreadyExistsError(f"token {name} was revoked; a name is never used again: "
                                   "choose another name")
-    return AlreadyExistsError(f"token {name} exists: choose another name (or revoke it "
-                              "first and choose another name)")
+    return AlreadyExistsError(f"token {name} exists: choose another name")
 
 
 def add(conn: Connection, t: sa.Table, name: str, role: str, created_by: str,
