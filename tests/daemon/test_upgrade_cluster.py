@@ -155,6 +155,8 @@ def test_rolling_upgrade_loses_and_repeats_nothing(
     work(["n0" + old_label, "n1" + old_label], Counter())
     # -- phase B: n1 runs this release, n0 still the old one --------------------------------
     upgrade(1)
+    # Schema 4's table in use beside the old host (which never reads it).
+    hosts[1].ctl("token", "add", "ci-read", "--role", "viewer")
     add(hosts[1], "n1" + new_label, 3)
     add(hosts[0], "n0" + old_label, 3)
     since = ended()

@@ -395,3 +395,24 @@ def test_new_daemon_keeps_and_runs_a_database_of_0_2_0(
         ["success"]
     rows = meta(db_url)
     assert rows is not None and rows.get("schema_version") == str(SCHEMA_VERSION), rows
+
+    # A host of 0.2.0 keeps working on the database this release brought to schema 4
+    # (rolling upgrades: expand-only, the tokens table is one 0.2.0 never reads), beside
+    # a token root made: it starts, lists what it listed, and runs on.
+    d_new.start()
+    d_new.ctl("token", "add", "ci-read", "--role", "viewer")
+    assert [t["name"] for t in d_new.ctl_json("token", "list")] == ["ci-read"]
+    assert d_new.stop() == 0, d_new.log()[-3000:]
+    engine = sa.create_engine(driver_url(db_url))
+    try:
+        assert sa.inspect(engine).has_table(f"{TABLE}_tokens")
+    finally:
+        engine.dispose()
+    d_old.start()
+    [listed, ticked] = old_socket([["list"], ["history", "ticking", "-n", HISTORY_ALL]])
+    assert {s["key"] for s in listed if "@run-" not in s["key"]} == kept
+    old_socket([["run", "ticking"]])
+    wait_until(lambda: len(old_socket([["history", "ticking", "-n", HISTORY_ALL]])[0])
+               > len(ticked), timeout=30, interval=0.3, what="0.2.0 runs on schema 4")
+    assert d_old.stop() == 0, d_old.log()[-3000:]
+    assert "Traceback" not in d_old.log(), d_old.log()[-3000:]
