@@ -3,7 +3,7 @@
 (and D-Bus) and in direct mode (-c): root's only, refusals in one line that store
 nothing, the secret shown once by `add` and never by `list` or in the log.
 
-The table and the Store's methods on every backend are tests/store/test_tokens.py's.
+The table and the Store's methods on every backend are tests/store/test_store_tokens.py's.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """API tokens in the database (store/tokens.py through Store), on every backend (SQLite
 file, PostgreSQL, MariaDB): made with a secret shown once and only its hash kept, listed,
 found by id, revoked; names unique forever; refusals in one line, storing nothing.
+(Not test_tokens.py: the suite imports test modules by their basename, and
+tests/control/test_tokens.py has that one.)
 
 Times are passed in (`now=`); nothing sleeps.
 """
