@@ -35,7 +35,6 @@ from perfectschedd.schedules.ownership import known_user_name
 from perfectschedd.schedules.policy import OPTIONS as POLICY_OPTIONS
 from perfectschedd.schedules.validate import check_key, check_type, lookup_key
 from perfectschedd.store import states
-from perfectschedd.store.tokens import TokenRow
 
 Args = Mapping[str, Any]
 
@@ -559,7 +558,8 @@ def _token(sc: ScheduleCollection, a: Args, now: float, access: Access) -> Any:
         raise InvalidInputError(extra[0], f"token {action} takes no "
                                           f"{' or '.join(shown[f] for f in extra)}")
     if action == "list":
-        return [{**{f: getattr(t, f) for f in TOKEN_FIELDS}, "state": _token_state(t, now)}
+        return [{**{f: getattr(t, f) for f in TOKEN_FIELDS},
+                 "state": api_tokens.state(t.revoked_at, t.expires_at, now)}
                 for t in sc.store.tokens()]
     name = api_tokens.check_name(_arg(a, "name"))
     if action == "revoke":
@@ -580,14 +580,6 @@ def _token(sc: ScheduleCollection, a: Args, now: float, access: Access) -> Any:
     return {"id": token_id, "name": name, "role": role, "created_at": now,
             "created_by": access.caller.name, "expires_at": expires_at, "secret": secret,
             "note": "the secret is shown only this once (the database keeps a hash of it)"}
-
-
-def _token_state(token: TokenRow, now: float) -> str:
-    if token.revoked_at is not None:
-        return "revoked"
-    if token.expires_at is not None and token.expires_at <= now:
-        return "expired"
-    return "live"
 
 
 Handler = Callable[[ScheduleCollection, Args, float, Access], Any]

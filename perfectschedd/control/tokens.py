@@ -68,6 +68,19 @@ def check_role(role: object) -> str:
     return role
 
 
+LIVE, EXPIRED, REVOKED = "live", "expired", "revoked"
+
+
+def state(revoked_at: float | None, expires_at: float | None, now: float) -> str:
+    """A token's state at `now`: REVOKED, EXPIRED (at its expiry time already) or LIVE,
+    the only one whose secret may be honoured."""
+    if revoked_at is not None:
+        return REVOKED
+    if expires_at is not None and expires_at <= now:
+        return EXPIRED
+    return LIVE
+
+
 def new_secret(token_id: int) -> tuple[str, str]:
     """(secret, stored_hash) of a new secret for the token `token_id`."""
     if isinstance(token_id, bool) or not isinstance(token_id, int) or \

@@ -102,6 +102,14 @@ def test_the_largest_id_is_a_bigint() -> None:
             tokens.new_secret(bad)  # type: ignore[arg-type]
 
 
+def test_a_token_is_live_until_it_expires_or_is_revoked() -> None:
+    assert tokens.state(None, None, T0) == tokens.LIVE == "live"
+    assert tokens.state(None, T0 + 1, T0) == "live"
+    assert tokens.state(None, T0, T0) == tokens.EXPIRED == "expired"
+    assert tokens.state(T0 - 5, T0 + 1, T0) == tokens.REVOKED == "revoked"
+    assert tokens.state(T0 - 5, T0 - 9, T0) == "revoked"
+
+
 @pytest.mark.parametrize("text,seconds", [
     ("90d", 90 * 86400), ("12h", 43200), ("30m", 1800), ("45s", 45), ("3600", 3600),
     ("1", 1), (" 7d ", 7 * 86400), (600, 600), ("36500d", 36500 * 86400),
@@ -292,6 +300,21 @@ def test_commands_refuse_token_to_anyone_but_root(tmp_path: Path) -> None:
         added = commands.execute(sc, "token", {"action": "add", "name": "x", "role": "admin"},
                                  caller=Caller.of(0, [0]), now=T0)
         assert added["created_by"] == "root" and added["created_at"] == T0
+
+
+def test_list_says_when_a_token_has_expired(tmp_path: Path) -> None:
+    with perfectschedd.open({"type": "rdb_compat",
+                             "url": f"sqlite:///{tmp_path / 'db.sqlite'}"}) as sc:
+        added = commands.execute(sc, "token", {"action": "add", "name": "brief",
+                                               "role": "viewer", "expires": "60s"}, now=T0)
+        assert added["expires_at"] == T0 + 60
+
+        def states(now: float) -> list[str]:
+            return [t["state"] for t in commands.execute(sc, "token", {"action": "list"},
+                                                         now=now)]
+        assert states(T0 + 59) == ["live"] and states(T0 + 60) == ["expired"]
+        commands.execute(sc, "token", {"action": "revoke", "name": "brief"}, now=T0 + 61)
+        assert states(T0 + 62) == ["revoked"]
 
 
 # -- as another user ------------------------------------------------------------------------
