@@ -132,10 +132,11 @@ class Credentials:
         if row is None or not self._matches(secret, row):
             self._count_bad(client)
             raise CredentialError(401, "bad credentials")
-        if row.revoked_at is not None:
+        state = token_rules.state(row.revoked_at, row.expires_at, time.time())
+        if state == token_rules.REVOKED:
             self._count_bad(client)
             raise CredentialError(401, f"token {row.name} was revoked")
-        if row.expires_at is not None and row.expires_at <= time.time():
+        if state == token_rules.EXPIRED:
             raise CredentialError(401, f"token {row.name} has expired")
         return Identity(row.id, row.name, row.role)
 
@@ -156,8 +157,8 @@ class Credentials:
     def still_valid(self, token_id: int) -> Identity | None:
         """The token of a console session, if it is neither revoked nor expired now."""
         row = self._current_rows().get(token_id)
-        if row is None or row.revoked_at is not None or (
-                row.expires_at is not None and row.expires_at <= time.time()):
+        if row is None or token_rules.state(row.revoked_at, row.expires_at,
+                                            time.time()) != token_rules.LIVE:
             return None
         return Identity(row.id, row.name, row.role)
 
