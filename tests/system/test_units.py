@@ -279,11 +279,11 @@ def test_u01_the_polkit_rule(ns: Namespace, installed) -> None:
 
 
 def shipped_config() -> str:
-    """etc/perfectsched.yml as the package installs it; only its metrics port changed
+    """etc/perfectsched.yml as the package installs it; only its HTTP port changed
     (the namespace shares the host's network, where the packaged port may be taken)."""
     text = (Path(__file__).resolve().parents[2] / "etc" / "perfectsched.yml").read_text()
     port = base._free_port()
-    out = re.sub(r"(?m)^metrics_listen: .*$", f"metrics_listen: 127.0.0.1:{port}", text)
+    out = re.sub(r"(?m)^http_listen: .*$", f"http_listen: 127.0.0.1:{port}", text)
     assert out != text, text
     return out
 
