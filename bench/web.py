@@ -38,7 +38,8 @@ from run import children, pct, pss_kib  # noqa: E402 - bench/run.py's helpers
 from perfectschedd.store.sql import Store  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-APP = "from perfectschedd import Application\nclass Tick(Application):\n    def run(self):\n        pass\n"
+APP = ("from perfectschedd import Application\n"
+       "class Tick(Application):\n    def run(self):\n        pass\n")
 
 
 def fill(url: str, n: int) -> list[str]:
