@@ -231,8 +231,10 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             f"{NEXT_DEFAULT})", kind="iterations", default=NEXT_DEFAULT, sent=False,
             metavar="N")),
         where=frozenset({LOCAL})),
+    # fresh: false answers from the latest reading as it is (read_at says its age),
+    # without asking for a new one: what the HTTP API's pollers get.
     Command("status", "daemon status: workers, running tasks, backlog",
-            where=frozenset({DAEMON}), quick=True),
+            extra_args=frozenset({"fresh"}), where=frozenset({DAEMON}), quick=True),
     Command("reload", "reload the daemon's configuration (like SIGHUP)",
             where=frozenset({DAEMON})),
     Command("init", "create the table (with -c)", where=frozenset({DIRECT})),

@@ -32,6 +32,7 @@ from perfectschedd.control.auth import Caller
 from perfectschedd.errors import (
     EXIT_UNUSABLE_DATABASE,
     ConfigError,
+    InvalidInputError,
     NotSupportedError,
     SchemaError,
     first_line,
@@ -353,8 +354,11 @@ class Supervisor:
         registry.check_args(command, args)
         routes = self.config.routes  # the configuration running now (reload swaps it)
         if command.name == "status":  # every key and state; errors to their readers
+            fresh = args.get("fresh", True)
+            if not isinstance(fresh, bool):
+                raise InvalidInputError("fresh", "must be true or false")
             return commands.withhold_status(
-                self.status(), commands.access_of(caller, routes, registry.DAEMON))
+                self.status(fresh), commands.access_of(caller, routes, registry.DAEMON))
         if command.name == "reload":
             return self._request_reload()
         result = self.db.call(lambda sc: commands.execute(
@@ -403,11 +407,12 @@ class Supervisor:
         empty once a load took everything."""
         return [*self.refused_routes, *self.files.problems()]
 
-    def status(self) -> dict[str, Any]:
+    def status(self, fresh: bool = True) -> dict[str, Any]:
         """Called from the control threads; never waits on the database for more than
-        STATUS_FRESH_WAIT: the figures are the housekeeping thread's snapshot."""
+        STATUS_FRESH_WAIT: the figures are the housekeeping thread's snapshot (`fresh`:
+        a new reading asked for first; else the latest one as it is)."""
         procs = list(self.table)  # a copy: never iterate the live table
-        snap = self.db.fresh_snapshot(STATUS_FRESH_WAIT)
+        snap = self.db.fresh_snapshot(STATUS_FRESH_WAIT) if fresh else self.db.snapshot
         problems = self.load_problems()
         now = time.time()
         mono = time.monotonic()

@@ -164,7 +164,11 @@ class Api:
     # -- reading ----------------------------------------------------------------------------
 
     def _status(self, request: Request, holes: dict[str, str]) -> Response:
-        return _ok(200, self.ask("status", {}))
+        # The latest reading (refreshed every few seconds, `database.figures_age` says
+        # how old): a client polling status must not make the master read every
+        # schedule on each request.  ?fresh=true asks for a new reading (up to 0.5 s).
+        fresh = _bool_arg(request, {}, "fresh") or False
+        return _ok(200, self.ask("status", {"fresh": fresh}))
 
     def _list(self, request: Request, holes: dict[str, str]) -> Response:
         limit = _int_arg(request, "limit", PAGE_DEFAULT, 1, PAGE_MAX)

@@ -320,7 +320,7 @@ class Console:
         return lambda cmd, args: self.ask(cmd, args, caller)
 
     def _overview(self, session: Session) -> Response:
-        status = self._asker(session)("status", {})
+        status = self._asker(session)("status", {"fresh": False})
         hosts = "".join(
             f"<tr><td>{esc(h['name'])}</td><td>{esc(h['version'])}</td>"
             f"<td>{'live' if h.get('live') else 'gone'}</td><td>{when(h.get('last_seen'))}"
