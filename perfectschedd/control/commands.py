@@ -300,8 +300,8 @@ def _delete(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict
 
 
 def _modify(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
-    changes = {k: a[k] for k in ("type", "cron", "delay", "timezone", "data", *POLICY_OPTIONS)
-               if k in a}
+    changes = {k: a[k] for k in ("type", "cron", "delay", "timezone", "data", "at",
+                                 *POLICY_OPTIONS) if k in a}
     info = _changing(sc, a, access)  # what runs as its route's user changes: allow:
     _check_notify(sc, a.get("notify"))
     _check_concurrency(sc, a.get("concurrency"), now)

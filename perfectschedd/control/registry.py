@@ -171,7 +171,10 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
         Arg(("-d", "--delay"), "delay", kind="seconds"),
         Arg(("-t", "--timezone"), "timezone"),
         Arg(("--data",), "data", "JSON object replacing the data", kind="json"),
-        *POLICIES, FORCE), required=frozenset({"key"}), wakes=True, change="modified"),
+        *POLICIES, FORCE),
+        # at: the next run at that Unix time (programs': /periodic/'s replace of a job).
+        extra_args=frozenset({"at"}), required=frozenset({"key"}), wakes=True,
+        change="modified"),
     Command("history", "recent runs of a schedule: outcome, exit status or signal, "
                        "duration, error (--json: and the output's tail)", (
         KEY, Arg(("-n", "--limit"), "limit", f"at most this many runs, newest first "

@@ -401,9 +401,11 @@ class Schedule:
     def modify(self, *, type: str = _UNSET, cron: str = _UNSET, delay: int = _UNSET,
                timezone: str = _UNSET, data: Any = _UNSET, now: float | None = None,
                file_entry: bool = False, source: str | None = _UNSET,
-               **policies: Any) -> None:
+               at: int | None = None, **policies: Any) -> None:
         """Change fields; new cron/timezone/delay/jitter recompute next_time and
-        next_run_time.  `policies`: policy options to change (None: back to the default).
+        next_run_time.  `at` (Unix seconds): the next run then, as add's --at (a @once
+        schedule's one run; a cron schedule's next occurrence runs then).  `policies`:
+        policy options to change (None: back to the default).
         `file_entry`: the schedules files' convergence writes its entry (check_type).
         `source`: its new source, in the same write (a schedule detached from its file).
 
@@ -424,7 +426,9 @@ class Schedule:
             values["timezone"] = check_timezone(timezone)
         if data is not _UNSET:
             values["data"] = check_data(data)
-        if not values and not policy_changes:
+        if at is not None:
+            at = check_int("at", at)
+        if not values and not policy_changes and at is None:
             raise InvalidInputError("modify", "nothing to change")
         current = self.info()
         new_policy = current.policy.changed(policy_changes)
@@ -439,8 +443,11 @@ class Schedule:
                 and not cron_mod.is_once(new_cron):
             now_s = int(time.time() if now is None else now)
             next_time = cron_first(new_cron, new_tz, now_s)
+        if at is not None and cron_mod.is_once(new_cron):
+            next_time = at  # a one-shot's occurrence is its run
         values.update(next_time=next_time,
-                      next_run_time=next_time + new_delay + new_policy.offset(self.key),
+                      next_run_time=at if at is not None else
+                      next_time + new_delay + new_policy.offset(self.key),
                       attempt=0)
         if source is not _UNSET:
             values["source"] = source

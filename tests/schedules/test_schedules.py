@@ -103,6 +103,8 @@ BAD_MODIFIES: list[tuple[str, dict[str, Any]]] = [
     ("data", {"data": "[]"}),
     ("delay", {"delay": -3}),
     ("type", {"type": ""}),
+    ("at", {"at": -1}),
+    ("at", {"at": "soon"}),
     ("modify", {}),
 ]
 
@@ -118,6 +120,29 @@ def test_bad_modify_changes_nothing(sc: ScheduleCollection, field: str,
     assert info.value.field == field
     assert snapshot(sc) == before
     task.finish()  # the holder's lease survived the refused modify
+
+
+def test_modify_at_moves_the_next_run(sc: ScheduleCollection) -> None:
+    """`at`: the next run then, as add's --at: a @once schedule's one occurrence moves
+    with it; a cron schedule's next occurrence keeps its time and runs then."""
+    due = sc["existing"].info().next_time
+    sc["existing"].modify(at=T0 + 7200, now=T0)
+    info = sc["existing"].info()
+    assert (info.next_time, info.next_run_time) == (due, T0 + 7200)
+    sc.add("one", "t", "@once", at=T0 + 60, now=T0)
+    sc["one"].modify(at=T0 + 600, data={"v": 2}, now=T0)
+    info = sc["one"].info()
+    assert (info.next_time, info.next_run_time, info.data) == (T0 + 600, T0 + 600, {"v": 2})
+    assert sc.poll(now=T0 + 599) is None
+    task = sc.poll(now=T0 + 600)
+    assert task is not None and task.key == "one"
+    task.finish()
+    # Through the commands, as the daemon's dispatch calls them.
+    from perfectschedd.control import commands
+
+    sc.add("two", "t", "@once", at=T0 + 60, now=T0)
+    shown = commands.execute(sc, "modify", {"key": "two", "at": T0 + 90}, now=T0)
+    assert (shown["next_time"], shown["next_run_time"]) == (T0 + 90, T0 + 90)
 
 
 def test_bad_key_lookups_are_refused(sc: ScheduleCollection) -> None:
