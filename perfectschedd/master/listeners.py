@@ -31,9 +31,10 @@ DBUS_RETRY_MAX = 30.0
 class Listeners:
     def __init__(self, dispatch: Callable[..., Any], healthy: Callable[[], bool],
                  stopping: Callable[[], bool], on_error: Callable[[str], None],
-                 read_tokens: Callable[[], Any]) -> None:
+                 read_tokens: Callable[[], Any], routes: Callable[[], Any]) -> None:
         self.dispatch = dispatch
         self.healthy = healthy
+        self.routes = routes  # the running configuration's (a reload swaps them)
         self.stopping = stopping  # the daemon stops: a D-Bus retry gives up
         self.on_error = on_error  # an error status should show (the daemon runs on)
         self.control: Any = None
@@ -90,7 +91,8 @@ class Listeners:
         app = WebApp(self.dispatch, self.credentials, metrics.render_with_type,
                      self.healthy, listen_host=listen[0], tls=config.http_tls is not None,
                      insecure=config.http_insecure, metrics_token=config.metrics_token,
-                     group_gid=ControlServer.resolve_group(config.control_group))
+                     group_gid=ControlServer.resolve_group(config.control_group),
+                     routes=self.routes)
         if app.api_refused is not None:
             log.warning("%s: %s", key, app.api_refused)
         try:

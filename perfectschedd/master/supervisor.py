@@ -121,7 +121,7 @@ class Supervisor:
         self.last_error: str | None = None
         self.listeners = Listeners(self.dispatch, self._healthy,
                                    lambda: self.state == "stopping", self._listener_error,
-                                   self._read_tokens)
+                                   self._read_tokens, lambda: self.config.routes)
         # For child processes: fds of the master that a worker must close after fork.
         self.listener_fds: Callable[[], list[int]] = lambda: []
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from perfectschedd.config import RouteConfig
 from perfectschedd.control import protocol
 from perfectschedd.control.auth import Caller
 from perfectschedd.control.server import refusal_of
@@ -40,16 +41,20 @@ def is_loopback(host: str) -> bool:
 
 
 class WebApp:
-    """`render_metrics`: the /metrics body and its content type; `healthy`: /healthz."""
+    """`render_metrics`: the /metrics body and its content type; `healthy`: /healthz;
+    `routes`: the routes of the configuration running now (/periodic/ tells the types this
+    host runs)."""
 
     def __init__(self, dispatch: Dispatch, credentials: Credentials,
                  render_metrics: Callable[[], tuple[bytes, str]],
                  healthy: Callable[[], bool], *, listen_host: str, tls: bool,
-                 insecure: bool, metrics_token: bool, group_gid: int) -> None:
+                 insecure: bool, metrics_token: bool, group_gid: int,
+                 routes: Callable[[], Sequence[RouteConfig]]) -> None:
         self.dispatch = dispatch
         self.credentials = credentials
         self.render_metrics = render_metrics
         self.healthy = healthy
+        self.routes = routes
         self.metrics_token = metrics_token
         self.group_gid = group_gid  # control_group's: an operator token holds it
         self.console = Console(dispatch, credentials, group_gid)
@@ -123,24 +128,33 @@ class WebApp:
         return response
 
     def _api(self, request: Request) -> Response:
+        def answer(ask: api_mod.Ask, caller: Caller) -> Response:
+            name, holes, allowed = api_mod.match(request.method, request.path)
+            if name is None:
+                if allowed:
+                    return self._not_allowed(allowed)
+                return json_error(404, f"no such path: {request.path[:200]}")
+            return api_mod.Api(ask).handle(request, name, holes)
+
+        return self._as_token(request, answer)
+
+    def _as_token(self, request: Request,
+                  answer: Callable[[api_mod.Ask, Caller], Response]) -> Response:
+        """`answer` for the token the request shows, asking the master's dispatch as its
+        caller; a refusal (credentials, or of a command) as one JSON line."""
         if self.api_refused is not None:
             return json_error(403, self.api_refused)
         try:
             identity = self._identify(request)
         except CredentialError as exc:
             return self._credential_error(exc)
-        name, holes, allowed = api_mod.match(request.method, request.path)
-        if name is None:
-            if allowed:
-                return self._not_allowed(allowed)
-            return json_error(404, f"no such path: {request.path[:200]}")
         caller = identity.caller(self.group_gid)
 
         def ask(cmd: str, args: dict[str, Any]) -> Any:
             return self.dispatch(cmd, args, caller)
 
         try:
-            response = api_mod.Api(ask).handle(request, name, holes)
+            response = answer(ask, caller)
         except Exception as exc:  # noqa: BLE001 - every refusal is one JSON line
             type_, message = refusal_of(exc, None, log)
             status = protocol.refusal(type_).http_status

@@ -30,7 +30,7 @@ from perfectschedd.web.credentials import Credentials
 def listener(healthy: Callable[[], bool] = lambda: True) -> web_server.HttpListener:
     app = WebApp(lambda cmd, args, caller: None, Credentials(lambda: []),
                  metrics.render_with_type, healthy, listen_host="127.0.0.1", tls=False,
-                 insecure=False, metrics_token=False, group_gid=0)
+                 insecure=False, metrics_token=False, group_gid=0, routes=tuple)
     return web_server.HttpListener(("127.0.0.1", 0), app)
 
 
