@@ -1,7 +1,8 @@
 """What the HTTP listener answers, by path: /metrics and /healthz (open, unless
-`metrics_token: true`), /api/v1/ (a token's), and the rules every answer keeps: who the
-client is (credentials.py), the API off on a non-loopback address without TLS unless
-`http_insecure: true`, errors as one JSON line with the status of protocol.REFUSALS.
+`metrics_token: true`), /api/v1/ and /periodic/ (a token's), and the rules every answer
+keeps: who the client is (credentials.py), the API off on a non-loopback address without
+TLS unless `http_insecure: true`, errors as one JSON line with the status of
+protocol.REFUSALS.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from perfectschedd.control.auth import Caller
 from perfectschedd.control.server import refusal_of
 from perfectschedd.errors import PermissionDeniedError
 from perfectschedd.web import api as api_mod
+from perfectschedd.web import periodic
 from perfectschedd.web.console import Console
 from perfectschedd.web.credentials import CredentialError, Credentials, Identity, bearer
 from perfectschedd.web.server import Request, Response, json_error
@@ -83,6 +85,8 @@ class WebApp:
             return self._metrics() if path == "/metrics" else self._health()
         if path.startswith(api_mod.PREFIX):
             return self._api(request)
+        if path == periodic.PREFIX or path.startswith(periodic.PREFIX + "/"):
+            return self._periodic(request)
         if self.console.serves(path):
             if self.api_refused is not None:
                 return json_error(403, self.api_refused)
@@ -135,6 +139,14 @@ class WebApp:
                     return self._not_allowed(allowed)
                 return json_error(404, f"no such path: {request.path[:200]}")
             return api_mod.Api(ask).handle(request, name, holes)
+
+        return self._as_token(request, answer)
+
+    def _periodic(self, request: Request) -> Response:
+        def answer(ask: api_mod.Ask, caller: Caller) -> Response:
+            if request.method not in periodic.METHODS:
+                return self._not_allowed(periodic.METHODS)
+            return periodic.Periodic(ask, caller, self.routes()).handle(request)
 
         return self._as_token(request, answer)
 
