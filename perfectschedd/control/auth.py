@@ -110,9 +110,9 @@ VIEWER, OPERATOR, ADMIN = "viewer", "operator", "admin"
 TOKEN_ROLES = (VIEWER, OPERATOR, ADMIN)
 # What a token may ask for at all: the schedule commands of the API (never reload,
 # apply, init or token management, which stay on the hosts).
-TOKEN_COMMANDS = frozenset({"list", "show", "history", "status", "add", "modify", "delete",
-                            "pause", "resume", "run"})
-READING_COMMANDS = frozenset({"list", "show", "history", "status"})
+TOKEN_COMMANDS = frozenset({"list", "show", "history", "status", "types", "add", "modify",
+                            "delete", "pause", "resume", "run"})
+READING_COMMANDS = frozenset({"list", "show", "history", "status", "types"})
 
 
 def check_command(caller: Caller, command: str) -> None:

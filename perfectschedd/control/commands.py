@@ -508,6 +508,14 @@ def withhold_status(status: dict[str, Any], access: Access) -> dict[str, Any]:
     return {**status, "failing": shown}
 
 
+def _types(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, int]:
+    """Schedules by task type (every admitted caller sees every key and type)."""
+    task_type = a.get("type")
+    if task_type is not None:
+        check_type(task_type)
+    return sc.store.type_counts(task_type)
+
+
 def _init(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
     created = sc.init()
     return {"table": sc.config.table, "initialized": True, "created": created}
@@ -589,7 +597,7 @@ Handler = Callable[[ScheduleCollection, Args, float, Access], Any]
 HANDLERS: dict[str, Handler] = {
     "add": _add, "add_many": _add_many, "list": _list, "show": _show, "delete": _delete,
     "modify": _modify, "pause": _pause, "resume": _resume, "run": _run,
-    "history": _history, "init": _init, "apply": _apply, "token": _token,
+    "history": _history, "init": _init, "apply": _apply, "token": _token, "types": _types,
 }
 
 

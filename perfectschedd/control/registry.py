@@ -236,6 +236,10 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
         where=frozenset({LOCAL})),
     # fresh: false answers from the latest reading as it is (read_at says its age),
     # without asking for a new one: what the HTTP API's pollers get.
+    # For programs (Periodic's interface at /periodic/): how many schedules each task
+    # type has, counted by the database.
+    Command("types", "schedules by task type", extra_args=frozenset({"type"}),
+            in_cli=False),
     Command("status", "daemon status: workers, running tasks, backlog",
             extra_args=frozenset({"fresh"}), where=frozenset({DAEMON}), quick=True),
     Command("reload", "reload the daemon's configuration (like SIGHUP)",

@@ -255,7 +255,7 @@ class Periodic:
 
     def _status(self, func: str) -> Response:
         status = self.ask("status", {})
-        jobs = Counter(r["type"] for r in self._schedules() if not func or r["type"] == func)
+        jobs = Counter(self.ask("types", {"type": func} if func else {}))
         running = {r.get("type") for r in status.get("running", [])}
         if func:
             if not jobs[func] and func not in running and route_of(func, self.routes) is None:
