@@ -133,7 +133,8 @@ def test_roles_and_errors(daemon_factory: Any, tmp_path: Path) -> None:
 
     before = stored()
     # No credentials, bad ones: 401 with a challenge; nothing changes.
-    for token in (None, "pst_1_" + "x" * 43, "nonsense", viewer[:-1] + "A"):
+    altered = viewer[:-1] + ("A" if viewer[-1] != "A" else "B")  # one character off
+    for token in (None, "pst_1_" + "x" * 43, "nonsense", altered):
         a = call(port, "POST", "/api/v1/schedules", token,
                  {"key": "x", "type": "ops", "cron": YEARLY})
         assert a.status == 401 and a.headers["WWW-Authenticate"].startswith("Bearer"), a.body
