@@ -201,7 +201,18 @@ def build_parser(*, lazy: bool = False) -> argparse.ArgumentParser:
                             f"{DEFAULT_SOCKET})")
     where.add_argument("-c", "--config", metavar="CONFIG",
                        help="open the database of this config directly, without the daemon")
+    # dest: not `url`, import-legacy's argument
+    where.add_argument("--url", dest="api_url", metavar="URL",
+                       help="a daemon's HTTP API, https://HOST:PORT, from any machine "
+                            "(default $PERFECTSCHED_URL)")
     p.add_argument("-e", "--environment", metavar="ENV", help="section of a multi-env config")
+    p.add_argument("--token-file", metavar="FILE",
+                   help="with --url: the API token (default $PERFECTSCHED_TOKEN_FILE)")
+    p.add_argument("--ca-file", metavar="FILE",
+                   help="with an https:// --url: trust this CA, not the system's "
+                        "(default $PERFECTSCHED_CA_FILE)")
+    p.add_argument("--insecure", action="store_true",
+                   help="with --url: allow http:// to another host (the token in clear)")
     p.add_argument("--json", action="store_true", help="print JSON for programs")
     p.add_argument("--version", action="version", version=f"perfectschedctl {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_CommandParser)
@@ -329,10 +340,11 @@ def _import_crontab(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _next(ns: argparse.Namespace, send: Callable[[str, dict[str, Any]], Any] | None
-          ) -> dict[str, Any]:
+def _next(ns: argparse.Namespace, send: Callable[[str, dict[str, Any]], Any] | None,
+          remote: bool = False) -> dict[str, Any]:
     """The next fire times of KEY (its schedule read through `send`: the daemon, or the
-    database of -c) or of --cron EXPR (nothing read)."""
+    database of -c; `remote`, --url: worked out by the daemon) or of --cron EXPR (nothing
+    read)."""
     import time
 
     from perfectschedd.schedules import preview
@@ -346,6 +358,8 @@ def _next(ns: argparse.Namespace, send: Callable[[str, dict[str, Any]], Any] | N
         start = ns.start if ns.start is not None else int(time.time())
         return preview.of_expression_shown(ns.cron, tz, start, ns.count)
     assert send is not None
+    if remote:
+        return dict(send("next", {"key": ns.key, "count": ns.count}))
     return preview.of_schedule_shown(send("show", {"key": ns.key}), ns.count)
 
 
@@ -354,13 +368,15 @@ def _next(ns: argparse.Namespace, send: Callable[[str, dict[str, Any]], Any] | N
 LOGS_LOOK_BACK = 100
 
 
-def _logs(ns: argparse.Namespace, send: Callable[[str, dict[str, Any]], Any]) -> int:
+def _logs(ns: argparse.Namespace, send: Callable[[str, dict[str, Any]], Any],
+          remote: bool = False) -> int:
     """The output of the newest run of KEY (or, with --attempt N, of the newest run that
     was attempt N): the tail its history row holds, or for a run as a systemd unit its
     journal (journalctl prints it; reading the journal needs what journalctl needs: root,
-    or the adm/systemd-journal group).  History comes through the daemon, or the database
-    of -c.  What the run printed is shown with its control characters escaped, unless
-    --raw (root's only: the daemon refuses it to anyone else)."""
+    or the adm/systemd-journal group; over --url it is on that host, not here).  History
+    comes through the daemon, or the database of -c.  What the run printed is shown with
+    its control characters escaped, unless --raw (root's only: the daemon refuses it to
+    anyone else)."""
     args: dict[str, Any] = {"key": ns.key, "limit": LOGS_LOOK_BACK}
     if ns.attempt is not None:
         args.update(attempt=ns.attempt, limit=1)
@@ -374,6 +390,11 @@ def _logs(ns: argparse.Namespace, send: Callable[[str, dict[str, Any]], Any]) ->
     if run.get("withheld"):
         # One line, as any refusal: the runs are this caller's to list, not to read.
         raise _BadArgument(f"{ns.key}: output {run['withheld']}")
+    if run.get("unit") and remote:
+        # Its journal is on the host that ran it, not here (--url).
+        raise _BadArgument(f"{ns.key}: its run was the systemd unit {run['unit']} (worker "
+                           f"{run.get('worker')}): its output is in that host's journal "
+                           f"(journalctl --unit {run['unit']}, there)")
     if run.get("unit"):
         argv = ["journalctl", "--no-pager", "--unit", run["unit"]]
         if ns.lines is not None:
@@ -451,6 +472,28 @@ def _import_legacy(ns: argparse.Namespace, send: Callable[[str, dict[str, Any]],
     return EXIT_OK
 
 
+def _url(ns: argparse.Namespace) -> str | None:
+    """The daemon's API that the commands go to (--url, else $PERFECTSCHED_URL unless
+    --socket or -c is given), or None: its socket, or the database."""
+    url = ns.api_url or (None if ns.socket or ns.config else
+                     os.environ.get("PERFECTSCHED_URL") or None)
+    if url is None and (ns.token_file or ns.ca_file or ns.insecure):
+        raise _BadArgument("--token-file, --ca-file and --insecure go with --url")
+    return url
+
+
+def _http_client(ns: argparse.Namespace, url: str) -> Any:
+    """The HTTP API's client (http_client.HttpClient), flags before the environment."""
+    from . import http_client
+
+    token_file, field = ns.token_file, "--token-file"
+    if not token_file:
+        token_file, field = os.environ.get("PERFECTSCHED_TOKEN_FILE"), "PERFECTSCHED_TOKEN_FILE"
+    return http_client.HttpClient.of_options(
+        url, token_file, ns.ca_file or os.environ.get("PERFECTSCHED_CA_FILE") or None,
+        ns.insecure, token_field=field)
+
+
 # The exit status of a command whose reader went away (`show KEY | head -1`): as a
 # shell tool killed by SIGPIPE.
 EXIT_BROKEN_PIPE = 128 + 13
@@ -474,6 +517,11 @@ def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser(lazy=True)
     ns = parser.parse_args(argv)
     try:
+        url = _url(ns)
+        if url is not None:
+            from . import http_client  # only here: http.client and ssl slow every start
+
+            http_client.check_command(ns.command)
         if ns.command == "import-crontab":
             return _import_crontab(ns)
         if ns.command == "next" and ns.cron is not None:
@@ -493,17 +541,20 @@ def _main(argv: Sequence[str] | None) -> int:
                 registry.command(cmd, registry.DAEMON)
             if ns.environment:
                 raise _BadArgument("-e needs -c CONFIG")
-            path = ns.socket or os.environ.get("PERFECTSCHED_SOCKET") or DEFAULT_SOCKET
-            send = SocketClient(path).call
+            if url is not None:
+                send = _http_client(ns, url).call
+            else:
+                path = ns.socket or os.environ.get("PERFECTSCHED_SOCKET") or DEFAULT_SOCKET
+                send = SocketClient(path).call
         # apply checks its files as the daemon will (_apply_request): asked first.
         daemon_status = send("status", {}) if cmd == "apply" and not ns.config else None
         cmd, args = request_of(ns, daemon_status)
         if cmd == "import-legacy":
             return _import_legacy(ns, send)
         if cmd == "logs":
-            return _logs(ns, send)
+            return _logs(ns, send, remote=url is not None)
         if cmd == "next":
-            result = _next(ns, send)
+            result = _next(ns, send, remote=url is not None)
         if cmd == "apply":
             # All or nothing: a key that belongs elsewhere refuses the whole apply before
             # anything is written (asked first as a dry run), and --dry-run says just that.
