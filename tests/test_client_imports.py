@@ -2,7 +2,8 @@
 SQLAlchemy, dbus-next, croniter (nor dateutil, which croniter brings), YAML or
 prometheus_client.  Each would add tens of milliseconds to every start (bench/
 client_start.py times it; docs/performance.md).  The commands that need one import it
-themselves: `next` croniter, `-c CONFIG` the store and the config, `apply` YAML."""
+themselves: `next` croniter, `-c CONFIG` the store and the config, `apply` YAML; `--url`
+ssl and http.client (perfectschedctl/http_client.py), which the socket never needs."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ HEAVY = ("sqlalchemy", "dbus_next", "croniter", "dateutil", "yaml", "prometheus_
 HEAVY_OWN = ("perfectschedd.config", "perfectschedd.schedules.cron",
              "perfectschedd.schedules.collection", "perfectschedd.store",
              "perfectschedd.metrics", "perfectschedd.control.dbus_server")
+# Loaded by --url only (tests/perfectschedctl/test_http_client.py runs it).
+URL_ONLY = ("ssl", "http.client", "perfectschedctl.http_client")
 
 # The console script's body (pip's wrapper, Debian's /usr/bin/perfectschedctl), then the
 # modules loaded by the time the process exits, printed as one JSON line on stderr.
@@ -39,6 +42,10 @@ def heavy(modules: set[str]) -> list[str]:
                   if m.split(".")[0] in HEAVY or m.startswith(HEAVY_OWN))
 
 
+def url_only(modules: set[str]) -> list[str]:
+    return sorted(set(URL_ONLY) & modules)
+
+
 def test_the_checker_sees_a_heavy_module() -> None:
     assert heavy({"yaml.loader", "perfectschedd.store.sql", "json", "perfectschedd.errors"}
                  ) == ["perfectschedd.store.sql", "yaml.loader"]
@@ -50,7 +57,7 @@ def test_importing_the_client_loads_no_heavy_module() -> None:
                          check=True, timeout=60).stdout
     modules = set(json.loads(out))
     assert "perfectschedctl.cli" in modules
-    assert heavy(modules) == []
+    assert heavy(modules) == [] and url_only(modules) == []
 
 
 def test_version_loads_no_heavy_module() -> None:
@@ -65,11 +72,11 @@ def test_list_and_status_over_the_socket_load_no_heavy_module(daemon_factory: An
     res, modules = run_client("--socket", d.socket_path, "list")
     assert res.returncode == 0, res.stderr
     assert "light-start" in res.stdout
-    assert heavy(modules) == []
+    assert heavy(modules) == [] and url_only(modules) == []
     res, modules = run_client("--socket", d.socket_path, "--json", "status")
     assert res.returncode == 0, res.stderr
     assert "workers" in json.loads(res.stdout)
-    assert heavy(modules) == []
+    assert heavy(modules) == [] and url_only(modules) == []
 
 
 def test_next_still_loads_croniter_where_it_needs_it() -> None:
