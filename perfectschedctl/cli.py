@@ -476,22 +476,28 @@ def _url(ns: argparse.Namespace) -> str | None:
     """The daemon's API that the commands go to (--url, else $PERFECTSCHED_URL unless
     --socket or -c is given), or None: its socket, or the database."""
     url = ns.api_url or (None if ns.socket or ns.config else
-                     os.environ.get("PERFECTSCHED_URL") or None)
+                         os.environ.get("PERFECTSCHED_URL") or None)
     if url is None and (ns.token_file or ns.ca_file or ns.insecure):
         raise _BadArgument("--token-file, --ca-file and --insecure go with --url")
     return url
 
 
-def _http_client(ns: argparse.Namespace, url: str) -> Any:
+def _option(value: str | None, flag: str, variable: str) -> tuple[str | None, str]:
+    """An option's value and where it was given: the flag, else the variable."""
+    if value:
+        return value, flag
+    return os.environ.get(variable) or None, variable
+
+
+def _http_client(ns: argparse.Namespace) -> Any:
     """The HTTP API's client (http_client.HttpClient), flags before the environment."""
     from . import http_client
 
-    token_file, field = ns.token_file, "--token-file"
-    if not token_file:
-        token_file, field = os.environ.get("PERFECTSCHED_TOKEN_FILE"), "PERFECTSCHED_TOKEN_FILE"
+    url, url_from = _option(ns.api_url, "--url", "PERFECTSCHED_URL")
+    assert url is not None
     return http_client.HttpClient.of_options(
-        url, token_file, ns.ca_file or os.environ.get("PERFECTSCHED_CA_FILE") or None,
-        ns.insecure, token_field=field)
+        (url, url_from), _option(ns.token_file, "--token-file", "PERFECTSCHED_TOKEN_FILE"),
+        _option(ns.ca_file, "--ca-file", "PERFECTSCHED_CA_FILE"), ns.insecure)
 
 
 # The exit status of a command whose reader went away (`show KEY | head -1`): as a
@@ -542,7 +548,7 @@ def _main(argv: Sequence[str] | None) -> int:
             if ns.environment:
                 raise _BadArgument("-e needs -c CONFIG")
             if url is not None:
-                send = _http_client(ns, url).call
+                send = _http_client(ns).call
             else:
                 path = ns.socket or os.environ.get("PERFECTSCHED_SOCKET") or DEFAULT_SOCKET
                 send = SocketClient(path).call

@@ -112,29 +112,37 @@ def read_token(path: str, field: str) -> str:
         raise ConfigError(str(exc)) from None
 
 
+def parse_url(url: str, insecure: bool, field: str = "--url") -> urllib.parse.SplitResult:
+    """`url` as the client takes it, or ConfigError naming `field`."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        parts.port  # noqa: B018 - a bad port raises
+    except ValueError:
+        raise ConfigError(f"{field}: {url!r}: bad port") from None
+    if parts.scheme not in ("https", "http") or not parts.hostname:
+        raise ConfigError(f"{field}: {url!r} is not an https:// (or http://) URL: "
+                          "https://HOST:PORT of the daemon's http_listen")
+    if parts.username or parts.password or parts.query or parts.fragment:
+        raise ConfigError(f"{field}: {url!r}: only https://HOST:PORT[/PATH] (the token "
+                          "goes in --token-file, not in the URL)")
+    if parts.scheme == "http" and not insecure and not is_loopback(parts.hostname):
+        raise ConfigError(f"{field}: refusing to send a token in clear to "
+                          f"{url.rstrip('/')}: use https:// (the daemon's http_tls), or "
+                          "--insecure")
+    return parts
+
+
 class HttpClient:
     """`url`: https://HOST:PORT (or a path under which a proxy serves the API);
-    `token`: the API token's secret; `token_source`: where it was read, for messages."""
+    `token`: the API token's secret; `token_source`: where it was read, for messages;
+    `fields`: where url and ca_file were given (an option or a variable), for messages."""
 
     def __init__(self, url: str, token: str, *, token_source: str = "the token",
-                 ca_file: str | None = None, insecure: bool = False,
-                 timeout: float = 30.0) -> None:
+                 ca_file: str | None = None, insecure: bool = False, timeout: float = 30.0,
+                 fields: tuple[str, str] = ("--url", "--ca-file")) -> None:
+        parts = parse_url(url, insecure, fields[0])
         self.url = url.rstrip("/")
-        parts = urllib.parse.urlsplit(url)
-        try:
-            port = parts.port
-        except ValueError:
-            raise ConfigError(f"--url: {url!r}: bad port") from None
-        if parts.scheme not in ("https", "http") or not parts.hostname:
-            raise ConfigError(f"--url: {url!r} is not an https:// (or http://) URL: "
-                              "https://HOST:PORT of the daemon's http_listen")
-        if parts.username or parts.password or parts.query or parts.fragment:
-            raise ConfigError(f"--url: {url!r}: only https://HOST:PORT[/PATH] (the token "
-                              "goes in --token-file, not in the URL)")
-        if parts.scheme == "http" and not insecure and not is_loopback(parts.hostname):
-            raise ConfigError(f"--url: refusing to send a token in clear to {self.url}: "
-                              "use https:// (the daemon's http_tls), or --insecure")
-        self.host, self.port, self.tls = parts.hostname, port, parts.scheme == "https"
+        self.host, self.port, self.tls = parts.hostname, parts.port, parts.scheme == "https"
         self.prefix = parts.path.rstrip("/")
         self.token, self.token_source = token, token_source
         self.timeout = timeout
@@ -144,23 +152,27 @@ class HttpClient:
                 # The system's CAs; with a CA file, that CA's alone.
                 self.context = ssl.create_default_context(cafile=ca_file)
             except FileNotFoundError:
-                raise ConfigError(f"--ca-file: cannot read {ca_file}: no such file") from None
+                raise ConfigError(f"{fields[1]}: cannot read {ca_file}: no such file"
+                                  ) from None
             except (ssl.SSLError, OSError) as exc:
-                raise ConfigError(f"--ca-file: cannot use {ca_file}: "
+                raise ConfigError(f"{fields[1]}: cannot use {ca_file}: "
                                   f"{getattr(exc, 'reason', None) or exc}") from None
         self.conn: http.client.HTTPConnection | None = None
         self.used = False  # the connection answered a request already (kept alive)
 
     @classmethod
-    def of_options(cls, url: str, token_file: str | None, ca_file: str | None,
-                   insecure: bool, *, token_field: str = "--token-file") -> HttpClient:
-        if not token_file:
+    def of_options(cls, url: tuple[str, str], token_file: tuple[str | None, str],
+                   ca_file: tuple[str | None, str], insecure: bool) -> HttpClient:
+        """From the options, each (value, where it was given: the option or the
+        variable)."""
+        parse_url(url[0], insecure, url[1])  # a URL that will not do: before the token
+        if not token_file[0]:
             raise ConfigError("--url needs an API token: --token-file FILE or "
                               "PERFECTSCHED_TOKEN_FILE (perfectschedctl token add, on a "
                               "host of the daemon, makes one)")
-        token = read_token(token_file, token_field)
-        return cls(url, token, token_source=f"{token_field} {token_file}", ca_file=ca_file,
-                   insecure=insecure)
+        token = read_token(token_file[0], token_file[1])
+        return cls(url[0], token, token_source=f"{token_file[1]} {token_file[0]}",
+                   ca_file=ca_file[0], insecure=insecure, fields=(url[1], ca_file[1]))
 
     # -- the commands -----------------------------------------------------------------------
 

@@ -244,7 +244,7 @@ def test_what_cannot_go_over_url_and_bad_credentials(daemon_factory: Any, tmp_pa
     good = token_file(d, tmp_path, "admin", "admin")
     url = ["--url", base, "--token-file", good]
     (tmp_path / "f.yml").write_text("- {key: f, type: t, cron: '@daily'}\n")
-    usage = protocol.refusal("InvalidInputError").exit_status
+    refused = protocol.refusal("InvalidInputError").exit_status
     for args, says in ((["reload"], "reload does not go over --url"),
                        (["apply", str(tmp_path / "f.yml")], "apply does not go over --url"),
                        (["init"], "perfectschedctl -c CONFIG init"),
@@ -253,7 +253,7 @@ def test_what_cannot_go_over_url_and_bad_credentials(daemon_factory: Any, tmp_pa
                        (["pause", "--prefix", "k"], "pause --prefix: not over --url"),
                        (["resume", "--all"], "resume --all: not over --url"),
                        (["history", "--raw", "k"], "--raw"), (["logs", "--raw", "k"], "--raw")):
-        one_line(ctl(*url, *args), usage, says)
+        one_line(ctl(*url, *args), refused, says)
     assert ctl("--url", base, "--socket", d.socket_path, "list").returncode == 2
     one_line(ctl("--socket", d.socket_path, "--token-file", good, "list"), 1,
              "go with --url")
@@ -275,7 +275,9 @@ def test_what_cannot_go_over_url_and_bad_credentials(daemon_factory: Any, tmp_pa
     one_line(ctl("--url", "ftp://127.0.0.1:1", "--token-file", good, "list"), 1,
              "not an https://")
     one_line(ctl("--url", "http://192.0.2.1:9839", "--token-file", good, "list"), 1,
-             "in clear", "--insecure")
+             "--url: refusing to send a token in clear", "--insecure")
+    one_line(ctl("list", env={"PERFECTSCHED_URL": "http://192.0.2.1:9839"}), 1,
+             "PERFECTSCHED_URL: refusing to send a token in clear")
 
     # Out of reach: one line naming the URL.
     nowhere = f"http://127.0.0.1:{free_port()}"
@@ -334,6 +336,8 @@ def test_https_with_a_private_ca(daemon_factory: Any, tmp_path: Path, ctl: Ctl,
                  "list"), 1, "closed without an answer", "an https:// listener?")
     one_line(ctl(*url[:-1], str(tmp_path / "none.pem"), "list"), 1,
              "--ca-file: cannot read")
+    one_line(ctl(*url[:-2], "list", env={"PERFECTSCHED_CA_FILE": token}), 1,
+             f"PERFECTSCHED_CA_FILE: cannot use {token}")
     assert d.stop() == 0
 
 
