@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from perfectschedd.control import registry
-from perfectschedd.control.protocol import HISTORY_MAX
+from perfectschedd.control.protocol import ATTEMPT_MAX, HISTORY_MAX
 from perfectschedd.errors import InvalidInputError, NotFoundError
 from perfectschedd.schedules import preview
 from perfectschedd.schedules.fields import PREVIEW_COUNT
@@ -183,8 +183,10 @@ class Api:
 
     def _runs(self, request: Request, holes: dict[str, str]) -> Response:
         limit = _int_arg(request, "limit", 20, 1, HISTORY_MAX)
-        return _ok(200, {"items": self.ask("history", {"key": holes["key"],
-                                                        "limit": limit})})
+        args: dict[str, Any] = {"key": holes["key"], "limit": limit}
+        if request.arg("attempt"):
+            args["attempt"] = _int_arg(request, "attempt", 1, 1, ATTEMPT_MAX)
+        return _ok(200, {"items": self.ask("history", args)})
 
     def _output(self, request: Request, holes: dict[str, str]) -> Response:
         when, attempt = holes["scheduled_time"], holes["attempt"]

@@ -28,6 +28,7 @@ log = logging.getLogger("perfectschedd")
 
 REFRESH = 2.0
 STALE = 5.0
+UNKNOWN_REREAD = 0.5  # a token id newer than every row read: read again, at most this often
 # Bad credentials from one address: this many within WINDOW, and it gets 429 for BLOCK.
 BAD_MAX = 10
 WINDOW = 60.0
@@ -69,6 +70,7 @@ class Credentials:
         self.verified: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self.bad: dict[str, collections.deque[float]] = {}
         self.blocked: dict[str, float] = {}
+        self.reread_at = float("-inf")  # the last reading for an unknown token id
 
     # -- throttle ---------------------------------------------------------------------------
 
@@ -106,14 +108,7 @@ class Credentials:
         # them, else they wait for that read (bounded: it has a deadline of its own).
         if (age is None or age >= REFRESH) and self.refreshing.acquire(
                 timeout=STALE if age is None or age >= STALE else 0):
-            try:
-                rows = {r.id: r for r in self.read_tokens()}
-                with self.lock:
-                    self.rows, self.read_at = rows, time.monotonic()
-            except Exception as exc:  # noqa: BLE001 - refused below when too old
-                log.debug("http: cannot read the tokens: %s", exc)
-            finally:
-                self.refreshing.release()
+            self._read_rows()
         if self.read_at is None or time.monotonic() - self.read_at >= STALE + REFRESH:
             raise CredentialError(503, "cannot check credentials: the database does not "
                                   "answer")
@@ -128,6 +123,11 @@ class Credentials:
                                   "TOKEN (perfectschedctl token add)")
         token_id = token_rules.token_id_of(secret)
         rows = self._current_rows()
+        if token_id is not None and token_id not in rows and token_id > max(rows, default=0):
+            # A token made since the last reading (on any host): read again rather than
+            # refuse it for up to REFRESH; at most every UNKNOWN_REREAD, as a stranger
+            # may name ids at will.
+            rows = self._reread_for_unknown()
         row = rows.get(token_id) if token_id is not None else None
         if row is None or not self._matches(secret, row):
             self._count_bad(client)
@@ -139,6 +139,28 @@ class Credentials:
         if state == token_rules.EXPIRED:
             raise CredentialError(401, f"token {row.name} has expired")
         return Identity(row.id, row.name, row.role)
+
+    def _reread_for_unknown(self) -> dict[int, Any]:
+        now = time.monotonic()
+        with self.lock:
+            due = now - self.reread_at >= UNKNOWN_REREAD
+            if due:
+                self.reread_at = now
+        if due and self.refreshing.acquire(timeout=STALE):
+            self._read_rows()
+        return self.rows
+
+    def _read_rows(self) -> None:
+        """Read the rows (`refreshing` held, released here); on an error they stay as
+        they were, and _current_rows refuses them once too old."""
+        try:
+            rows = {r.id: r for r in self.read_tokens()}
+            with self.lock:
+                self.rows, self.read_at = rows, time.monotonic()
+        except Exception as exc:  # noqa: BLE001 - see above
+            log.debug("http: cannot read the tokens: %s", exc)
+        finally:
+            self.refreshing.release()
 
     def _matches(self, secret: str, row: Any) -> bool:
         digest = hashlib.sha256(f"{row.hash}\0{secret}".encode()).digest()

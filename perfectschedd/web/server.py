@@ -154,6 +154,11 @@ class HttpListener:
                     log.debug("http: accept: %s", exc)
                 return
             conn.setblocking(False)
+            if conn.family != socket.AF_UNIX:
+                # An answer is one write, but without this a kept-alive client's next
+                # answer waits for its delayed ACK (some 40 ms): asyncio sets it only on
+                # the sockets it accepts itself.
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self.lock:
                 self.conns[conn] = NEW
             self.loop.create_task(self._connection(conn, addr))
@@ -287,9 +292,8 @@ class HttpListener:
                  "X-Content-Type-Options: nosniff",
                  f"Connection: {'keep-alive' if keep else 'close'}",
                  *(f"{k}: {v}" for k, v in response.headers)]
-        writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
-        if not head_only:
-            writer.write(response.body)
+        head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        writer.write(head if head_only else head + response.body)  # one segment if it fits
         await asyncio.wait_for(writer.drain(), WRITE_DEADLINE)
 
     # -- the master's side ------------------------------------------------------------------

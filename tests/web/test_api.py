@@ -295,3 +295,22 @@ def test_both_names_of_the_listener_refused_in_one_line(daemon_factory: Any) -> 
 
 def answers(d: Daemon, port: int, token: str) -> Answer:
     return call(port, "GET", "/api/v1/status", token)
+
+
+def test_a_token_made_meanwhile_is_known_at_once_and_runs_by_attempt(
+        daemon_factory: Any) -> None:
+    d = start(daemon_factory)
+    first = make_token(d, "first", "viewer")
+    conn_answer = call(d.metrics_port, "GET", "/api/v1/status", first)
+    assert conn_answer.status == 200
+    # Made after the listener read the tokens: known without waiting for the next read.
+    second = make_token(d, "second", "viewer")
+    assert call(d.metrics_port, "GET", "/api/v1/status", second).status == 200
+    # runs by attempt.
+    d.ctl("add", "k", "t", YEARLY, "--at", "0")
+    wait_until(lambda: d.ctl_json("history", "k"), what="the run")
+    assert len(call(d.metrics_port, "GET", path_of("k", "runs") + "?attempt=1", first
+                    ).json["items"]) == 1
+    assert call(d.metrics_port, "GET", path_of("k", "runs") + "?attempt=2", first
+                ).json["items"] == []
+    assert d.stop() == 0
