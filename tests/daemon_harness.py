@@ -244,7 +244,10 @@ class Daemon:
         return code
 
     def kill(self) -> None:
-        """Last resort cleanup: nothing of this daemon may outlive the test."""
+        """Last resort cleanup: nothing of this daemon may outlive the test.  Its jobs
+        run in sessions of their own, and once the daemon's group is killed they belong
+        to init (the job guard dies with the group): they are named first."""
+        jobs = self.descendants()
         if self.proc is not None:
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
@@ -254,7 +257,7 @@ class Daemon:
                 self.proc.wait(5)
             except subprocess.TimeoutExpired:
                 pass
-        for pid in self.descendants():
+        for pid in {*jobs, *self.descendants()}:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
