@@ -7,7 +7,8 @@ more than 10 %.)
 Same run, same machine: bench/run.py's burst (N occurrences due at one instant) and
 steady (500 schedules firing every minute) workloads on a SQLite file, each once without
 clients and once with --clients threads that each poll GET /api/v1/status and GET
-/api/v1/schedules?limit=100 in turn on a kept-alive connection, as fast as answered.
+/api/v1/schedules?limit=100 in turn on a kept-alive connection, each every --interval
+seconds (a dashboard's refresh; 0: as fast as answered).
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ from perfectschedd.store.sql import Store  # noqa: E402
 
 
 @contextmanager
-def pollers(ps: PS, clients: int) -> Iterator[list[int]]:
-    """`clients` threads polling ps's API until the block ends; yields the counts."""
+def pollers(ps: PS, clients: int, interval: float) -> Iterator[list[int]]:
+    """`clients` threads polling ps's API every `interval` seconds (0: as fast as it
+    answers) until the block ends; yields the counts."""
     counts = [0] * clients
     if clients == 0:
         yield counts
@@ -55,12 +57,14 @@ def pollers(ps: PS, clients: int) -> Iterator[list[int]]:
     def poll(i: int) -> None:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         paths = ("/api/v1/status", "/api/v1/schedules?limit=100")
-        while not stop.is_set():
+        next_at = time.monotonic() + interval * i / clients  # spread over the interval
+        while not stop.wait(max(0.0, next_at - time.monotonic())):
             conn.request("GET", paths[counts[i] % 2],
                          headers={"Authorization": f"Bearer {token}"})
             response = conn.getresponse()
             response.read()
             counts[i] += 1
+            next_at += interval
 
     threads = [threading.Thread(target=poll, args=(i,), daemon=True) for i in range(clients)]
     for t in threads:
@@ -73,12 +77,12 @@ def pollers(ps: PS, clients: int) -> Iterator[list[int]]:
             t.join(30)
 
 
-def burst(env: Env, n: int, clients: int, tmp: Path) -> dict[str, Any]:
+def burst(env: Env, n: int, clients: int, interval: float, tmp: Path) -> dict[str, Any]:
     url = env.fresh_url(f"burst{clients}")
     ps = PS(url, tmp / f"burst-{clients}")
     try:
         ps.start()
-        with pollers(ps, clients) as counts:
+        with pollers(ps, clients, interval) as counts:
             time.sleep(2 if clients else 0)  # the clients at full speed first
             due = float(math.ceil(time.time() + 8))
             reg = ps.add_many([{"key": f"b{i}", "type": "bench", "cron": "0 0 1 1 *",
@@ -93,12 +97,13 @@ def burst(env: Env, n: int, clients: int, tmp: Path) -> dict[str, Any]:
         env.drop(url)
 
 
-def steady(env: Env, n: int, window: int, clients: int, tmp: Path) -> dict[str, Any]:
+def steady(env: Env, n: int, window: int, clients: int, interval: float, tmp: Path
+           ) -> dict[str, Any]:
     url = env.fresh_url(f"steady{clients}")
     ps = PS(url, tmp / f"steady-{clients}")
     try:
         ps.start()
-        with pollers(ps, clients) as counts:
+        with pollers(ps, clients, interval) as counts:
             t0 = int(time.time()) + 5
             ps.add_many(steady_requests(n, t0))
             time.sleep(max(0.0, t0 + window + 10 - time.time()))
@@ -115,6 +120,8 @@ def steady(env: Env, n: int, window: int, clients: int, tmp: Path) -> dict[str, 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--clients", type=int, default=100)
+    p.add_argument("--interval", type=float, default=1.0,
+                   help="seconds between one client's requests (0: as fast as answered)")
     p.add_argument("--burst", type=int, default=2000)
     p.add_argument("--steady-schedules", type=int, default=500)
     p.add_argument("--steady-seconds", type=int, default=60)
@@ -124,14 +131,16 @@ def main() -> int:
         tmp = Path(tmp_name)
         env = Env("sqlite", tmp)
         for clients in (0, args.clients):
-            results[f"burst {clients}"] = b = burst(env, args.burst, clients, tmp)
+            results[f"burst {clients}"] = b = burst(env, args.burst, clients, args.interval,
+                                                    tmp)
             print(f"burst {args.burst}, {clients:3d} API clients: "
                   f"{b['fires_per_s']:8.0f} fires/s, "
                   f"lateness p99 {b['late_p99_ms']:.0f} ms, "
                   f"{b['api_requests']} API answers", flush=True)
         for clients in (0, args.clients):
             results[f"steady {clients}"] = s = steady(env, args.steady_schedules,
-                                                      args.steady_seconds, clients, tmp)
+                                                      args.steady_seconds, clients,
+                                                      args.interval, tmp)
             print(f"steady {args.steady_schedules}/min, {clients:3d} API clients: "
                   f"lateness p50 {s['late_p50_ms']:.0f} ms, p99 {s['late_p99_ms']:.0f} ms, "
                   f"missed {s.get('missed')}, {s['api_requests']} API answers", flush=True)

@@ -7,19 +7,23 @@ every route; tests/web/test_api_doc.py holds the two to each other.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
-from perfectschedd.control import registry
+from perfectschedd.control import protocol, registry
 from perfectschedd.control.protocol import ATTEMPT_MAX, HISTORY_MAX
-from perfectschedd.errors import InvalidInputError, NotFoundError
+from perfectschedd.control.server import refusal_of
+from perfectschedd.errors import InvalidInputError, NotFoundError, PermissionDeniedError
 from perfectschedd.schedules import preview
 from perfectschedd.schedules.fields import PREVIEW_COUNT
 from perfectschedd.web.server import Request, Response, json_error
 
 Ask = Callable[[str, dict[str, Any]], Any]
+
+log = logging.getLogger("perfectschedd")
 
 PREFIX = "/api/v1/"
 PAGE_MAX = 1000
@@ -52,6 +56,17 @@ ROUTES: list[tuple[str, tuple[str, ...], str]] = [
      "output"),
     ("GET", ("schedules", "{key}", "next"), "next_of_schedule"),
 ]
+
+
+def refused(exc: Exception) -> tuple[int, str]:
+    """(HTTP status, one-line message) of a request that ended in `exc`: the transports'
+    one ladder (control.server.refusal_of), protocol.REFUSALS' status for its type, 409
+    for a schedule a schedules file owns.  The API and the console answer with it."""
+    type_, message = refusal_of(exc, None, log)
+    status = protocol.refusal(type_).http_status
+    if isinstance(exc, PermissionDeniedError) and exc.conflict:
+        status = 409
+    return status, message
 
 
 def _ok(status: int, obj: Any) -> Response:

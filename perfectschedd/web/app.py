@@ -13,10 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from perfectschedd.config import RouteConfig
-from perfectschedd.control import protocol
 from perfectschedd.control.auth import Caller
-from perfectschedd.control.server import refusal_of
-from perfectschedd.errors import PermissionDeniedError
 from perfectschedd.web import api as api_mod
 from perfectschedd.web import periodic
 from perfectschedd.web.console import Console
@@ -168,11 +165,7 @@ class WebApp:
         try:
             response = answer(ask, caller)
         except Exception as exc:  # noqa: BLE001 - every refusal is one JSON line
-            type_, message = refusal_of(exc, None, log)
-            status = protocol.refusal(type_).http_status
-            if isinstance(exc, PermissionDeniedError) and exc.conflict:
-                status = 409
-            response = json_error(status, message)
+            response = json_error(*api_mod.refused(exc))
         if request.method not in ("GET", "HEAD") and response.status < 400:
             log.info("http: %s (%s) %s %s -> %d", caller.name, identity.role,
                      request.method, request.path[:200], response.status)

@@ -35,11 +35,10 @@ from importlib import resources
 from typing import Any
 
 from perfectschedd import __version__
-from perfectschedd.control import protocol
 from perfectschedd.control.auth import VIEWER, Caller
-from perfectschedd.control.server import refusal_of
-from perfectschedd.errors import InvalidInputError, PermissionDeniedError
+from perfectschedd.errors import InvalidInputError
 from perfectschedd.schedules import preview
+from perfectschedd.web.api import list_page, refused
 from perfectschedd.web.credentials import CredentialError, Credentials, Identity
 from perfectschedd.web.server import Request, Response
 
@@ -245,10 +244,7 @@ class Console:
         return self._page("Not found", "<p>No such page.</p>", session, 404)
 
     def _refused(self, exc: Exception, session: Session) -> Response:
-        type_, message = refusal_of(exc, None, _log())
-        status = protocol.refusal(type_).http_status
-        if isinstance(exc, PermissionDeniedError) and exc.conflict:
-            status = 409
+        status, message = refused(exc)
         return self._page("Refused", f'<p class="error">{esc(message)}</p>', session, status)
 
     def _check_post(self, request: Request, session: Session) -> Response | None:
@@ -359,8 +355,6 @@ class Console:
         limit = int(size_text) if size_text in {str(s) for s in PAGE_SIZES} else 100
         if state and state not in STATES:
             raise InvalidInputError("state", f"must be one of {', '.join(STATES)}")
-        from perfectschedd.web.api import list_page
-
         page = list_page(self._asker(session), prefix or None, after or None,
                          state or None, limit)
         rows = "".join(
@@ -480,8 +474,3 @@ def _output(run: dict[str, Any]) -> str:
         shown += f"<details><summary>output</summary><pre>{esc(text)}</pre></details>"
     return shown or "-"
 
-
-def _log() -> Any:
-    import logging
-
-    return logging.getLogger("perfectschedd")
