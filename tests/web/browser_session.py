@@ -109,6 +109,14 @@ def main() -> None:
         driver.execute_script("window.scrollTo(0, 0)")
         driver.save_screenshot(screenshot)
 
+        # On a phone's screen: nothing wider than the screen (tables scroll in boxes).
+        driver.set_window_size(390, 844)
+        for page in ("/", "/schedules", "/schedules/" + key):
+            driver.get(url + page)
+            seen.setdefault("phone_overflow", {})[page] = driver.execute_script(  # type: ignore[index]
+                "return document.documentElement.scrollWidth - window.innerWidth")
+        driver.set_window_size(1280, 900)
+
         # A page of another origin that posts a form to the console on its own.
         driver.get(attacker)
         time.sleep(2)

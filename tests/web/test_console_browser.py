@@ -84,6 +84,10 @@ def test_a_browser_logs_in_pauses_runs_and_sees_the_output(daemon_factory: Any,
     assert "failed" in seen["runs"] and " 3 " in f" {seen['runs']} "
     assert any("<script>alert(1)</script> rows=42" in o for o in seen["outputs"]), seen
     assert seen["alert"] is False
+    # Readable on a phone: no page is wider than its 390-pixel screen.
+    # (scrollWidth leaves the scroll bar out, innerWidth counts it: <= 0 fits.)
+    assert set(seen["phone_overflow"]) == {"/", "/schedules", f"/schedules/{key}"}
+    assert all(v <= 0 for v in seen["phone_overflow"].values()), seen["phone_overflow"]
     # The forged post from another origin changed nothing: still paused.
     assert "resumed" not in seen["forged"]
     assert "paused True" in seen["after_forged"]
