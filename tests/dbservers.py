@@ -556,16 +556,30 @@ class MariaDBServer(_Server):
             except KeyError:
                 raise DBServerError(f"no user {self.service_user!r}; {INSTALL_HINT}") from None
 
+    @property
+    def tmp_dir(self) -> str:
+        """Each instance's own: in the shared /tmp, the bootstrap of one (8 start at once
+        under test-slow) failed now and then on a temporary table gone from under it
+        ("Could not remove temporary table '/tmp/#sql-temptable-...'", then "Unknown
+        table 'mysql.tmp_user_sys'")."""
+        return f"{self.base_dir}/tmp"
+
     def _init_data_dir(self) -> None:
+        os.makedirs(self.tmp_dir, exist_ok=True)
+        if os.geteuid() == 0:
+            pw = pwd.getpwnam(self.service_user)
+            os.chown(self.tmp_dir, pw.pw_uid, pw.pw_gid)
         argv = [
             self.install_db, "--no-defaults", f"--datadir={self.data_dir}", "--skip-test-db",
             "--auth-root-authentication-method=normal", "--skip-name-resolve",
+            f"--tmpdir={self.tmp_dir}",
         ]
         self._run(argv, as_service_user=True)
 
     def _server_argv(self) -> list[str]:
         return [
             self.mariadbd, "--no-defaults", f"--datadir={self.data_dir}",
+            f"--tmpdir={self.tmp_dir}",
             f"--socket={self.socket_path}", f"--pid-file={self.base_dir}/mariadbd.pid",
             f"--port={self.port}", "--bind-address=127.0.0.1", "--skip-name-resolve",
             "--skip-log-bin",  # no --log-error: it logs to stderr = server.log
