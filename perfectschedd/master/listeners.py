@@ -81,30 +81,43 @@ class Listeners:
         log.info("metrics on %s://%s:%d/metrics", scheme, *config.http_listen)
 
     def serve_http(self, config: Config) -> Any:
-        from perfectschedd.control.server import ControlServer
-        from perfectschedd.web.app import WebApp
         from perfectschedd.web.server import HttpListener
 
         listen = config.http_listen
         assert listen is not None
-        key = config.http_listen_key
-        app = WebApp(self.dispatch, self.credentials, metrics.render_with_type,
-                     self.healthy, listen_host=listen[0], tls=config.http_tls is not None,
-                     insecure=config.http_insecure, metrics_token=config.metrics_token,
-                     group_gid=ControlServer.resolve_group(config.control_group),
-                     routes=self.routes)
-        if app.api_refused is not None:
-            log.warning("%s: %s", key, app.api_refused)
+        app = self._web_app(config)
         try:
             return HttpListener(listen, app, config.http_tls)
         except OSError as exc:  # ssl.SSLError too: a certificate that does not load
+            key = config.http_listen_key
             hint = (f" (another perfectschedd?  Set {key} to a free port, or off)"
                     if exc.errno == errno.EADDRINUSE else "")
-            if isinstance(exc, ssl.SSLError):
-                raise ConfigError(f"http_tls: cannot load the certificate and key: "
-                                  f"{exc.reason or exc}") from None
+            _refuse_tls(exc)
             raise ConfigError(f"{key}: cannot listen on {listen[0]}:{listen[1]}: "
                               f"{exc.strerror or exc}{hint}") from None
+
+    def _reconfigure_http(self, config: Config) -> None:
+        """The listener keeps its address: it takes `config`'s settings in place."""
+        try:
+            self.http.reconfigure(self._web_app(config), config.http_tls)
+        except OSError as exc:
+            _refuse_tls(exc)
+            raise ConfigError(f"http_tls: {exc.strerror or exc}") from None
+
+    def _web_app(self, config: Config) -> Any:
+        from perfectschedd.control.server import ControlServer
+        from perfectschedd.web.app import WebApp
+
+        assert config.http_listen is not None
+        app = WebApp(self.dispatch, self.credentials, metrics.render_with_type,
+                     self.healthy, listen_host=config.http_listen[0],
+                     tls=config.http_tls is not None, insecure=config.http_insecure,
+                     metrics_token=config.metrics_token,
+                     group_gid=ControlServer.resolve_group(config.control_group),
+                     routes=self.routes)
+        if app.api_refused is not None:
+            log.warning("%s: %s", config.http_listen_key, app.api_refused)
+        return app
 
     # -- D-Bus ----------------------------------------------------------------------------
 
@@ -156,6 +169,11 @@ class Listeners:
         from perfectschedd.control import server as control
 
         new_control = new_http = None
+        reconfigured = False
+        # Same address, other settings: the listener takes them in place (a new one could
+        # not bind the address the old one holds).
+        in_place = _http_changed(old, new) and self.http is not None and \
+            new.http_listen is not None and new.http_listen == old.http_listen
         try:
             # A socket file someone deleted (tmpfiles cleaning, a careless rm) comes back
             # with a reload, as with a restart.
@@ -166,7 +184,10 @@ class Listeners:
                 if new.control_socket == old.control_socket and self.control is not None:
                     self.control.stop()  # same path: it must be free to bind again
                 new_control.start()
-            if _http_changed(old, new) and new.http_listen is not None:
+            if in_place:
+                self._reconfigure_http(new)
+                reconfigured = True
+            elif _http_changed(old, new) and new.http_listen is not None:
                 new_http = self.serve_http(new)
             logsetup.setup(new.log)
         except BaseException:
@@ -176,13 +197,17 @@ class Listeners:
                     self.start_control(old)
             if new_http is not None:
                 new_http.stop()
+            if reconfigured:
+                self._reconfigure_http(old)
             logsetup.setup(old.log)
             raise
         if new_control is not None:
             if self.control is not None and new.control_socket != old.control_socket:
                 self.control.stop()
             self.control = new_control
-        if _http_changed(old, new):
+        if in_place:
+            self._said_listening(new)
+        elif _http_changed(old, new):
             if self.http is not None:
                 self.http.stop()
             self.http = new_http
@@ -221,5 +246,15 @@ class Listeners:
 def _http_changed(old: Config, new: Config) -> bool:
     """Whether a reload needs a new HTTP listener (a certificate renewed in place is
     read again by naming it again: `perfectschedctl reload` after changing http_tls)."""
-    return (old.http_listen, old.http_tls, old.http_insecure, old.metrics_token) != (
-        new.http_listen, new.http_tls, new.http_insecure, new.metrics_token)
+    def settings(c: Config) -> tuple[Any, ...]:
+        # control_group: an operator token holds its gid.
+        return (c.http_listen, c.http_tls, c.http_insecure, c.metrics_token, c.control_group)
+
+    return settings(old) != settings(new)
+
+
+def _refuse_tls(exc: OSError) -> None:
+    """A certificate or key that does not load, in one line."""
+    if isinstance(exc, ssl.SSLError):
+        raise ConfigError(f"http_tls: cannot load the certificate and key: "
+                          f"{exc.reason or exc}") from None

@@ -125,6 +125,13 @@ class HttpListener:
     def port(self) -> int:
         return int(self.address[1])
 
+    def reconfigure(self, app: App, tls: tuple[str, str] | None) -> None:
+        """A reload that keeps the address: new connections get `app` and `tls` (loaded
+        first: a key that does not load raises and changes nothing).  A second listener
+        cannot bind the address this one holds."""
+        context = _tls_context(*tls) if tls is not None else None
+        self.app, self.tls = app, context
+
     # -- the loop's thread ------------------------------------------------------------------
 
     def _run(self) -> None:

@@ -314,3 +314,30 @@ def test_a_token_made_meanwhile_is_known_at_once_and_runs_by_attempt(
     assert call(d.metrics_port, "GET", path_of("k", "runs") + "?attempt=2", first
                 ).json["items"] == []
     assert d.stop() == 0
+
+
+def test_a_reload_on_the_same_address_changes_the_listener_in_place(
+        daemon_factory: Any) -> None:
+    """The same port with other settings (metrics_token, http_insecure, http_tls): the
+    listener takes them (a second listener could not bind the port the first holds)."""
+    d = start(daemon_factory)
+    port = d.metrics_port
+    viewer = make_token(d, "prom", "viewer")
+    assert call(port, "GET", "/metrics").status == 200
+    d.config["metrics_token"] = True
+    d.write_config()
+    res = d.ctl("reload", check=False)
+    assert res.returncode == 0, res.stderr
+    assert call(port, "GET", "/metrics").status == 401
+    assert call(port, "GET", "/metrics", viewer).status == 200
+    # A wrong value: one line, the listener as it was.
+    d.config["metrics_token"] = "yes"
+    d.write_config()
+    res = d.ctl("reload", check=False)
+    assert res.returncode != 0 and "metrics_token: must be true or false" in res.stderr
+    assert call(port, "GET", "/metrics").status == 401
+    del d.config["metrics_token"]
+    d.write_config()
+    assert d.ctl("reload", check=False).returncode == 0
+    assert call(port, "GET", "/metrics").status == 200
+    assert d.stop() == 0
