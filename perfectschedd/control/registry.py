@@ -234,12 +234,12 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             f"{NEXT_DEFAULT})", kind="iterations", default=NEXT_DEFAULT, sent=False,
             metavar="N")),
         where=frozenset({LOCAL})),
-    # fresh: false answers from the latest reading as it is (read_at says its age),
-    # without asking for a new one: what the HTTP API's pollers get.
     # For programs (Periodic's interface at /periodic/): how many schedules each task
     # type has, counted by the database.
     Command("types", "schedules by task type", extra_args=frozenset({"type"}),
             in_cli=False),
+    # fresh: false answers from the latest reading as it is (read_at says its age),
+    # without asking for a new one: what the HTTP API's pollers get.
     Command("status", "daemon status: workers, running tasks, backlog",
             extra_args=frozenset({"fresh"}), where=frozenset({DAEMON}), quick=True),
     Command("reload", "reload the daemon's configuration (like SIGHUP)",

@@ -756,13 +756,14 @@ class Store:
         return {"schedules": total, "paused": paused, "due": due, "running": running}
 
     def next_due(self, limit: int) -> list[tuple[str, str, int]]:
-        """(key, type, run time) of the `limit` unpaused schedules that run next, taken
-        or not: the claim's own index, so as cheap at a million schedules as at ten."""
+        """(key, type, run time) of the `limit` unpaused schedules that run next, not
+        taken: read in the claim's own index order, so as cheap at a million schedules as
+        at ten (a second sort key would sort every unpaused row on each reading)."""
         t = self.t
         with self._tx(readonly=True) as conn:
             rows = conn.execute(sa.select(t.c.key, t.c.type, t.c.next_run_time)
                                 .where(t.c.paused == 0, t.c.owner.is_(None))
-                                .order_by(t.c.next_run_time, t.c.key).limit(limit)).all()
+                                .order_by(t.c.next_run_time).limit(limit)).all()
         return [(str(k), str(ty), int(n)) for k, ty, n in rows]
 
     def _last_run(self) -> tuple[sa.sql.FromClause, list[Any]]:
