@@ -10,8 +10,9 @@ import itertools
 import os
 import pathlib
 import re
+import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import pytest
@@ -209,3 +210,33 @@ def old_release(tmp_path_factory: pytest.TempPathFactory) -> OldRelease:
 @pytest.fixture(scope="session")
 def release_0_2_0(tmp_path_factory: pytest.TempPathFactory) -> OldRelease:
     return _release(tmp_path_factory, "0.2.0")
+
+
+# perfectschedctl in this process: its main(), exit status and output (tests of its
+# output over the socket and over --url).
+CtlResult = subprocess.CompletedProcess
+
+
+@pytest.fixture
+def ctl(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+        ) -> Callable[..., CtlResult[str]]:
+    """perfectschedctl's main() in this process (fast), with its exit code and output;
+    no PERFECTSCHED_* variable of the test run's own environment."""
+    from perfectschedctl import cli
+
+    for name in list(os.environ):
+        if name.startswith("PERFECTSCHED_"):
+            monkeypatch.delenv(name)
+
+    def run(*args: str, env: dict[str, str] | None = None) -> CtlResult[str]:
+        capsys.readouterr()
+        with monkeypatch.context() as m:
+            for k, v in (env or {}).items():
+                m.setenv(k, v)
+            try:
+                code = cli.main(list(args))
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else 1
+        out, err = capsys.readouterr()
+        return CtlResult(list(args), code, out, err)
+    return run

@@ -322,15 +322,15 @@ class Console:
             f"<td>{'live' if h.get('live') else 'gone'}</td><td>{when(h.get('last_seen'))}"
             f"</td></tr>" for h in status.get("hosts", []))
         failing = "".join(
-            f'<tr><td><a href="{esc(key_path(f["key"]))}">{esc(f["key"])}</a></td>'
+            f'<tr>{_key_cell(f["key"])}'
             f"<td>{esc(f.get('state'))}</td><td>{esc(f.get('error') or f.get('withheld'))}"
             f"</td></tr>" for f in status.get("failing", []))
         running = "".join(
-            f'<tr><td><a href="{esc(key_path(r["key"]))}">{esc(r["key"])}</a></td>'
+            f'<tr>{_key_cell(r["key"])}'
             f"<td>{esc(r.get('owner'))}</td><td>{duration(r.get('age'))}</td></tr>"
             for r in status.get("running", []))
         due = "".join(
-            f'<tr><td><a href="{esc(key_path(n["key"]))}">{esc(n["key"])}</a></td>'
+            f'<tr>{_key_cell(n["key"])}'
             f"<td>{esc(n['type'])}</td><td>{when(n['run_at'])}</td></tr>"
             for n in status.get("next_due", []))
         states = ", ".join(f"{esc(k)}: {esc(v)}" for k, v in status.get("states", {}).items())
@@ -358,7 +358,7 @@ class Console:
         page = list_page(self._asker(session), prefix or None, after or None,
                          state or None, limit)
         rows = "".join(
-            f'<tr><td><a href="{esc(key_path(i["key"]))}">{esc(i["key"])}</a></td>'
+            f'<tr>{_key_cell(i["key"])}'
             f"<td>{esc(i['type'])}</td><td>{esc(i['cron'])}</td>"
             f"<td>{when(i.get('next_run_time'))}</td><td>{esc(i.get('state'))}</td></tr>"
             for i in page["items"])
@@ -445,6 +445,11 @@ def _table(title: str | None, heads: tuple[str, ...], rows: str, vertical: bool 
         return f'{caption}<p class="none">none</p>' if title else '<p class="none">none</p>'
     head = "" if vertical else "<tr>" + "".join(f"<th>{esc(h)}</th>" for h in heads) + "</tr>"
     return f'{caption}<div class="scroll"><table>{head}{rows}</table></div>'
+
+
+def _key_cell(key: str) -> str:
+    """A table cell linking to the schedule `key`."""
+    return f'<td><a href="{esc(key_path(key))}">{esc(key)}</a></td>'
 
 
 def _shown(value: Any, name: str = "") -> str:

@@ -54,27 +54,6 @@ def ctl_process(*args: str, env: dict[str, str] | None = None, user: list[str] |
 Ctl = Callable[..., Result[str]]
 
 
-@pytest.fixture
-def ctl(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Ctl:
-    """perfectschedctl's main() in this process (fast), with its exit code and output."""
-    for name in list(os.environ):
-        if name.startswith("PERFECTSCHED_"):
-            monkeypatch.delenv(name)
-
-    def run(*args: str, env: dict[str, str] | None = None) -> Result[str]:
-        capsys.readouterr()
-        with monkeypatch.context() as m:
-            for k, v in (env or {}).items():
-                m.setenv(k, v)
-            try:
-                code = cli.main(list(args))
-            except SystemExit as exc:
-                code = exc.code if isinstance(exc.code, int) else 1
-        out, err = capsys.readouterr()
-        return Result(list(args), code, out, err)
-    return run
-
-
 def refused(res: subprocess.CompletedProcess[str], *texts: str) -> None:
     """Exit 1, nothing on stdout, one line on stderr containing every text."""
     assert res.returncode == 1, (res.returncode, res.stdout, res.stderr)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import http.server
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -21,7 +20,7 @@ from typing import Any
 import pytest
 from daemon_harness import YEARLY, Daemon, free_port, sh, wait_until
 
-from perfectschedctl import cli, http_client
+from perfectschedctl import http_client
 from perfectschedctl.client import SocketClient
 from perfectschedd import ConfigError
 from perfectschedd.control import protocol
@@ -31,27 +30,6 @@ from api_client import make_token  # noqa: E402
 
 Result = subprocess.CompletedProcess
 Ctl = Callable[..., "Result[str]"]
-
-
-@pytest.fixture
-def ctl(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Ctl:
-    """perfectschedctl's main() in this process, with its exit status and output."""
-    for name in list(os.environ):
-        if name.startswith("PERFECTSCHED_"):
-            monkeypatch.delenv(name)
-
-    def run(*args: str, env: dict[str, str] | None = None) -> Result[str]:
-        capsys.readouterr()
-        with monkeypatch.context() as m:
-            for k, v in (env or {}).items():
-                m.setenv(k, v)
-            try:
-                code = cli.main(list(args))
-            except SystemExit as exc:
-                code = exc.code if isinstance(exc.code, int) else 1
-        out, err = capsys.readouterr()
-        return Result(list(args), code, out, err)
-    return run
 
 
 def start(daemon_factory: Any, **overrides: Any) -> Daemon:

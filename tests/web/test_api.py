@@ -187,6 +187,9 @@ def test_roles_and_errors(daemon_factory: Any, tmp_path: Path) -> None:
     assert a.status == 400 and "limit" in a.error
     a = call(port, "GET", "/api/v1/schedules?state=sleepy", operator)
     assert a.status == 400 and "state" in a.error
+    a = call(port, "GET", "/api/v1/status?fresh=maybe", operator)
+    assert a.status == 400 and "fresh" in a.error
+    assert call(port, "GET", "/api/v1/status?fresh=true", operator).status == 200
     # A body over 1 MiB: 413 from its Content-Length, before it is sent.
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
         s.sendall(f"POST /api/v1/schedules HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
@@ -231,7 +234,7 @@ def test_throttle_revocation_and_expiry(daemon_factory: Any) -> None:
         assert call(port, "GET", "/api/v1/status", "pst_9_" + "y" * 43).status == 401
     a = call(port, "GET", "/api/v1/status", good)
     assert a.status == 429 and "too many bad credentials" in a.error
-    assert "10 bad credentials from 127.0.0.1" in d.log()
+    d.wait_log("10 bad credentials from 127.0.0.1")  # the log's writer thread: wait
     # The socket is not throttled.
     assert d.ctl("status").returncode == 0
     # Two hosts of one database: a token revoked on one is refused by the other within
@@ -276,7 +279,7 @@ def test_not_loopback_without_tls_serves_metrics_but_no_api(daemon_factory: Any)
     assert call(d.metrics_port, "GET", "/metrics").status == 200
     a = call(d.metrics_port, "GET", "/api/v1/status", viewer)
     assert a.status == 403 and "http_tls" in a.error and "http_insecure" in a.error
-    assert "http_listen: the API is off on 0.0.0.0 without TLS" in d.log()
+    d.wait_log("http_listen: the API is off on 0.0.0.0 without TLS")
     d.stop()
     d.config["http_insecure"] = True
     d.write_config()

@@ -142,6 +142,10 @@ def test_bad_heads_get_one_line_and_the_listener_goes_on(served: web_server.Http
 def test_a_kept_alive_connection_serves_several_requests(served: web_server.HttpListener
                                                          ) -> None:
     with socket.create_connection(("127.0.0.1", served.port), timeout=10) as s:
+        # Each answer goes out at once, not after the client's delayed ACK (40 ms).
+        wait_until(lambda: served.conns, timeout=5, what="the connection taken")
+        (server_side,) = list(served.conns)
+        assert server_side.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
         s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" * 3)
         data = b""
         while data.count(b"ok\n") < 3:
