@@ -117,12 +117,18 @@ class Credentials:
     def identify(self, secret: str | None, client: str) -> Identity:
         """The token whose secret this is; CredentialError otherwise (each bad one
         counted against `client`)."""
-        self.check_throttle(client)
         if not secret:
+            self.check_throttle(client)
             raise CredentialError(401, "credentials needed: send Authorization: Bearer "
                                   "TOKEN (perfectschedctl token add)")
         token_id = token_rules.token_id_of(secret)
         rows = self._current_rows()
+        # A throttled address keeps the tokens it already proved (no slow hash is asked
+        # for them): loopback is every local user's address, and one of them guessing
+        # must not lock Prometheus or the other users' clients out.
+        known = rows.get(token_id) if token_id is not None else None
+        if known is None or not self._proved(secret, known):
+            self.check_throttle(client)
         if token_id is not None and token_id not in rows and token_id > max(rows, default=0):
             # A token made since the last reading (on any host): read again rather than
             # refuse it for up to REFRESH; at most every UNKNOWN_REREAD, as a stranger
@@ -162,12 +168,23 @@ class Credentials:
         finally:
             self.refreshing.release()
 
-    def _matches(self, secret: str, row: Any) -> bool:
-        digest = hashlib.sha256(f"{row.hash}\0{secret}".encode()).digest()
+    @staticmethod
+    def _digest(secret: str, row: Any) -> bytes:
+        return hashlib.sha256(f"{row.hash}\0{secret}".encode()).digest()
+
+    def _proved(self, secret: str, row: Any) -> bool:
+        """Whether `secret` was checked against `row`'s hash already (no slow hash)."""
+        digest = self._digest(secret, row)
         with self.lock:
             if self.verified.get(digest) == row.id:
                 self.verified.move_to_end(digest)
                 return True
+        return False
+
+    def _matches(self, secret: str, row: Any) -> bool:
+        if self._proved(secret, row):
+            return True
+        digest = self._digest(secret, row)
         if not token_rules.verify(secret, row.hash):
             return False
         with self.lock:

@@ -234,6 +234,10 @@ def test_throttle_revocation_and_expiry(daemon_factory: Any) -> None:
         assert call(port, "GET", "/api/v1/status", "pst_9_" + "y" * 43).status == 401
     a = call(port, "GET", "/api/v1/status", good)
     assert a.status == 429 and "too many bad credentials" in a.error
+    # A token this address proved before goes on working: loopback is every local
+    # user's address, and one guessing must not lock the others out.
+    assert call(port, "GET", "/api/v1/status", short).status == 200
+    assert call(port, "GET", "/api/v1/status").status == 429
     d.wait_log("10 bad credentials from 127.0.0.1")  # the log's writer thread: wait
     # The socket is not throttled.
     assert d.ctl("status").returncode == 0
