@@ -15,11 +15,9 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from perfectschedd import secretfile
 from perfectschedd.errors import ConfigError, InvalidInputError, NotSupportedError, describe
-from perfectschedd.executors import runas
-from perfectschedd.executors.systemd import props as unitprops
-from perfectschedd.notify import spec as notify_spec
-from perfectschedd.notify.spec import Notifier
 from perfectschedd.paths import DEFAULT_CONFIG_PATH, DEFAULT_SCHEDULES_DIR, DEFAULT_SOCKET
+from perfectschedd.settings import notify_spec, runas, unit_props
+from perfectschedd.settings.notify_spec import Notifier
 
 # Documented default port of /metrics (README, perfectschedd(8)); not registered with IANA.
 DEFAULT_METRICS_PORT = 9839
@@ -49,7 +47,7 @@ class RouteConfig:
     allow: tuple[str, ...] = ()
     append_key: bool = True  # the key as last argument (a schedules file's entry: never)
     # "systemd": each run is a transient unit (unitjobs.py) with these properties
-    # (unitprops.convert: D-Bus name, signature, value).
+    # (unit_props.convert: D-Bus name, signature, value).
     executor: str = "exec"
     unit: tuple[tuple[str, str, Any], ...] = ()
     # Why this host cannot run the route (refuse_routes), or None: a refused route still
@@ -325,7 +323,7 @@ def _routes(raw: Any, notifiers: Mapping[str, Notifier]) -> tuple[RouteConfig, .
         try:
             # Whether systemd runs here is for the daemon to check (check_host): a client
             # reading the same file (perfectschedctl -c) runs no job.
-            executor = unitprops.check_executor(entry.get("executor"), runs_here=False)
+            executor = unit_props.check_executor(entry.get("executor"), runs_here=False)
         except ValueError as exc:
             raise ConfigError(f"{where}.executor: {exc}") from None
         if executor == "systemd" and route_exec is None:
@@ -333,8 +331,8 @@ def _routes(raw: Any, notifiers: Mapping[str, Notifier]) -> tuple[RouteConfig, .
         if "unit" in entry and executor != "systemd":
             raise ConfigError(f"{where}.unit: only with executor: systemd")
         try:
-            unit = unitprops.convert(entry.get("unit"))
-        except unitprops.UnitPropertyError as exc:
+            unit = unit_props.convert(entry.get("unit"))
+        except unit_props.UnitPropertyError as exc:
             raise ConfigError(f"{where}.unit: {exc}") from None
         if entry.get("env") is not None and route_exec is None:
             raise ConfigError(f"{where}.env: only for exec routes (a python handler runs "
@@ -596,7 +594,7 @@ def route_refusal(route: RouteConfig, grant: bool) -> str | None:
     if route.python is not None:
         return python_refusal(route.user, grant)
     try:
-        unitprops.check_executor(route.executor)
+        unit_props.check_executor(route.executor)
     except ValueError as exc:
         return f"executor: {exc}"
     if route.user is not None:

@@ -15,7 +15,7 @@ from sqlalchemy.engine.url import make_url
 from perfectschedd import ConfigError
 from perfectschedd.config import from_mapping, load, notify_refusal
 from perfectschedd.notify import senders
-from perfectschedd.notify.spec import parse
+from perfectschedd.settings.notify_spec import parse
 
 PG = {"type": "rdb_compat", "url": "postgresql://sched@db.example.com:5432/sched"}
 SECRET = "s3cret%41:@/ é"  # '%41' read back as 'A' by SQLAlchemy 1.4 if written raw

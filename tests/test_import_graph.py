@@ -22,12 +22,8 @@ LAYERS: dict[str, int] = {
     "perfectschedd.logsetup": 0,
     "perfectschedd.paths": 0,  # the config's default paths; perfectschedctl needs the socket's
     "perfectschedd.secretfile": 0,  # secrets in files: the config and the notifiers read them
-    "perfectschedd.schedules.fields": 0,
-    # API tokens' names, roles and secrets (pure): the store hashes a new token's secret.
-    "perfectschedd.control.tokens": 0,
-    "perfectschedd.executors.runas": 1,
-    "perfectschedd.executors.systemd.props": 1,
-    "perfectschedd.notify.spec": 1,  # the config reads notifiers with it
+    "perfectschedd.vocabulary": 0,  # fields, states, tokens: the words every layer uses
+    "perfectschedd.settings": 1,  # the checks of a route's and a notifier's settings
     "perfectschedd.config": 2,
     "perfectschedd": 2,  # __init__: the version and the lazy public names
     "perfectschedd.store": 3,
@@ -118,7 +114,7 @@ def test_there_is_no_import_cycle() -> None:
 def test_the_checker_sees_a_cycle_and_an_upward_import() -> None:
     """The two rules above on a made-up graph: they would fail if the package broke them."""
     assert layer("perfectschedd.store.sql") < layer("perfectschedd.control.server")
-    assert layer("perfectschedd.schedules.fields") == 0
+    assert layer("perfectschedd.vocabulary.fields") == 0
     assert "perfectschedd.store.sql" in GRAPH["perfectschedd.schedules.collection"]
 
 

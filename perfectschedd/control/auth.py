@@ -48,8 +48,8 @@ from perfectschedd.config import RouteConfig
 from perfectschedd.control.registry import Command
 from perfectschedd.errors import InvalidInputError, PermissionDeniedError
 from perfectschedd.schedules import ownership
-from perfectschedd.schedules.fields import EXEC_TYPE, SOURCE_FILE, SOURCE_FORCED
 from perfectschedd.schedules.ownership import user_name
+from perfectschedd.vocabulary.fields import EXEC_TYPE, SOURCE_FILE, SOURCE_FORCED
 
 
 def group_name(gid: int) -> str:

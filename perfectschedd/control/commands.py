@@ -16,25 +16,23 @@ from typing import Any
 
 from perfectschedd.config import RouteConfig
 from perfectschedd.control import registry
-from perfectschedd.control import tokens as api_tokens
 from perfectschedd.control.auth import WITHHELD, Access, Caller, check_force, check_root_only
 from perfectschedd.control.protocol import ATTEMPT_MAX, HISTORY_MAX, HISTORY_OUTPUT_BYTES
 from perfectschedd.errors import InvalidInputError, NotFoundError, ScheduleError, describe
-from perfectschedd.notify import spec as notify_spec
-from perfectschedd.schedules import cron, deletions
-from perfectschedd.schedules import policy as policy_mod
+from perfectschedd.schedules import cron, deletions, policy
 from perfectschedd.schedules.collection import ScheduleCollection, ScheduleInfo, waits_its_turn
-from perfectschedd.schedules.fields import (
+from perfectschedd.schedules.ownership import known_user_name
+from perfectschedd.schedules.policy import OPTIONS as POLICY_OPTIONS
+from perfectschedd.schedules.validate import check_key, check_type, lookup_key
+from perfectschedd.settings import notify_spec
+from perfectschedd.vocabulary import states, tokens
+from perfectschedd.vocabulary.fields import (
     RUN_NOW_MARK,
     SOURCE_API,
     SOURCE_FILE,
     detached_source,
     schedule_key,
 )
-from perfectschedd.schedules.ownership import known_user_name
-from perfectschedd.schedules.policy import OPTIONS as POLICY_OPTIONS
-from perfectschedd.schedules.validate import check_key, check_type, lookup_key
-from perfectschedd.store import states
 
 Args = Mapping[str, Any]
 
@@ -105,7 +103,7 @@ def _check_concurrency(sc: ScheduleCollection, value: Any, now: float,
     """allow and replace put an occurrence on a row of its own, which a host of an older
     release would run in turn with the others, or not stop: refused while one uses the
     database (SPEC "Upgrades"), once the value itself is valid."""
-    chosen = policy_mod.check({"concurrency": value})["concurrency"] if value is not None \
+    chosen = policy.check({"concurrency": value})["concurrency"] if value is not None \
         else None
     if chosen in ("allow", "replace"):
         sc.refuse_on_older_hosts(f"{what} {chosen}", now)
@@ -205,7 +203,7 @@ def _queued_runs(sc: ScheduleCollection, infos: Sequence[ScheduleInfo], now: flo
 
 def state_fields(info: ScheduleInfo, last: Mapping[str, Any] | None,
                  queued: bool = False) -> dict[str, Any]:
-    """What `list --json` and `show` say of a schedule's state (store/states.py): paused,
+    """What `list --json` and `show` say of a schedule's state (vocabulary/states.py): paused,
     the outcome of its latest run, the attempts of its current occurrence, the state
     (`queued`: an extra run held until its schedule's running occurrence ends)."""
     outcome = last["outcome"] if last else None
@@ -237,7 +235,7 @@ def _show(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[s
     for r in extra:
         held = r.owner is not None and r.next_run_time > now
         running = held and not waits_its_turn(
-            r.key, policy_mod.from_text(r.policy).concurrency, holder)
+            r.key, policy.from_text(r.policy).concurrency, holder)
         shown["extra_runs"].append({"run_key": r.key, "run_at": r.next_run_time,
                                     "running": running, "queued": held and not running})
     return shown
@@ -551,7 +549,7 @@ TOKEN_FIELDS = ("id", "name", "role", "created_at", "created_by", "expires_at", 
 
 
 def _token(sc: ScheduleCollection, a: Args, now: float, access: Access) -> Any:
-    """token add|list|revoke: the HTTP API's credentials (control/tokens.py), root's
+    """token add|list|revoke: the HTTP API's credentials (vocabulary/tokens.py), root's
     only (execute refused anyone else already: auth.check_root_only), through the
     daemon or -c alike.  Each change is logged with the token's name and who made it, never its
     secret."""
@@ -567,19 +565,19 @@ def _token(sc: ScheduleCollection, a: Args, now: float, access: Access) -> Any:
                                           f"{' or '.join(shown[f] for f in extra)}")
     if action == "list":
         return [{**{f: getattr(t, f) for f in TOKEN_FIELDS},
-                 "state": api_tokens.state(t.revoked_at, t.expires_at, now)}
+                 "state": tokens.state(t.revoked_at, t.expires_at, now)}
                 for t in sc.store.tokens()]
-    name = api_tokens.check_name(_arg(a, "name"))
+    name = tokens.check_name(_arg(a, "name"))
     if action == "revoke":
         sc.store.revoke_token(name, now)
         log.info("token %s revoked by %s", name, access.caller.name)
         return {"name": name, "revoked": True, "revoked_at": now}
     if a.get("role") is None:
         raise InvalidInputError("role", f"required: give --role "
-                                        f"{'|'.join(api_tokens.ROLES)}")
-    role = api_tokens.check_role(a["role"])
+                                        f"{'|'.join(tokens.ROLES)}")
+    role = tokens.check_role(a["role"])
     expires = a.get("expires")
-    expires_at = None if expires is None else now + api_tokens.parse_expires(expires)
+    expires_at = None if expires is None else now + tokens.parse_expires(expires)
     token_id, secret = sc.store.add_token(name, role, access.caller.name, expires_at, now)
     log.info("token %s added (role %s, %s) by %s", name, role,
              "no expiry" if expires_at is None else

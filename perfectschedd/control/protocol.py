@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any, NamedTuple
 
-from perfectschedd.schedules.fields import MAX_DEPTH, json_depth
+from perfectschedd.vocabulary.fields import MAX_DEPTH, json_depth
 
 # Most runs one `history` request returns.
 HISTORY_MAX = 1000

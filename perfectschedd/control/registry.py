@@ -15,11 +15,10 @@ from typing import Any, NamedTuple
 
 from perfectschedd.control.protocol import HISTORY_MAX
 from perfectschedd.errors import InvalidInputError
+from perfectschedd.vocabulary.fields import PREVIEW_COUNT, PREVIEW_MAX
 
 # The limits only, never the schedule code: perfectschedctl reads this table at every start
 # and must not load croniter to do so (tests/test_client_imports.py).
-from perfectschedd.schedules.fields import PREVIEW_COUNT as NEXT_DEFAULT
-from perfectschedd.schedules.fields import PREVIEW_MAX as NEXT_MAX
 
 # -- who may call a command ----------------------------------------------------------------
 # DAEMON: through the daemon (control socket, D-Bus): root, the daemon's user and members
@@ -230,8 +229,8 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
             sent=False, metavar="ZONE"),
         Arg(("-s", "--start"), "start", "with --cron: times at or after this (default now)",
             kind="unix_time", sent=False, metavar="UNIXTIME"),
-        Arg(("-n", "--count"), "count", f"how many times (1-{NEXT_MAX}, default "
-            f"{NEXT_DEFAULT})", kind="iterations", default=NEXT_DEFAULT, sent=False,
+        Arg(("-n", "--count"), "count", f"how many times (1-{PREVIEW_MAX}, default "
+            f"{PREVIEW_COUNT})", kind="iterations", default=PREVIEW_COUNT, sent=False,
             metavar="N")),
         where=frozenset({LOCAL})),
     # For programs (Periodic's interface at /periodic/): how many schedules each task

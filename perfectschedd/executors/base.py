@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from perfectschedd.config import DEFAULT_LOG_OUTPUT_LIMIT, RouteConfig
-from perfectschedd.schedules.fields import ERROR_MAX
+from perfectschedd.vocabulary.fields import ERROR_MAX
+from perfectschedd.vocabulary.outcomes import Outcome
 
 __all__ = [
     "ERROR_MAX",
@@ -72,18 +73,6 @@ class TaskLike(Protocol):
 
 
 Log = logging.Logger | logging.LoggerAdapter  # type: ignore[type-arg]
-
-
-class Outcome(enum.StrEnum):
-    """How a run ended; also the ``outcome`` label of the task counters."""
-
-    SUCCESS = "success"      # finished
-    FAILED = "failed"        # retried after retry_wait (non-zero exit, exception)
-    TIMEOUT = "timeout"      # killed or interrupted at the route's timeout, retried
-    LATER = "later"          # retried after an explicit wait (SCHED_LATER N, retry(wait=N))
-    PREEMPTED = "preempted"  # the lease was lost; nothing was written
-    RELEASED = "released"    # the application released the task
-    STOPPED = "stopped"      # ended because the daemon stops; task released
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from perfectschedd.config import RouteConfig
-from perfectschedd.executors import runas
 from perfectschedd.executors.base import (
     REASON_TEXT,
     Log,
@@ -49,7 +48,8 @@ from perfectschedd.executors.base import (
 )
 from perfectschedd.executors.runmarks import RUN_ID_ENV
 from perfectschedd.executors.spawn import Child, spawn
-from perfectschedd.schedules.fields import schedule_key
+from perfectschedd.settings import runas
+from perfectschedd.vocabulary.fields import schedule_key
 
 __all__ = ["RUN_ID_ENV", "ExecHandler", "exec_error", "exec_verdict", "kill_all_groups",
            "running_groups"]

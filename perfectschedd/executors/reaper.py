@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 from typing import Protocol, TypeVar
 
 from perfectschedd.executors.runmarks import instance_of, kill_marked, run_id
-from perfectschedd.executors.systemd.props import socket_digest
+from perfectschedd.settings.unit_props import socket_digest
 
 # Children this process starts for itself (a notification's hook or sendmail, from the
 # master's threads): not left behind by a run, so the master's sweep spares them.  They

@@ -174,7 +174,7 @@ def run_task(task: TaskLike, handler: Handler, *, log: Log = logger,
     ``on_spawn(pgid)`` is called once the command's process group exists.  A unit run
     calls ``on_unit(name)`` before its unit can exist; ``node`` names this host in the
     unit's Description (its owner: "worker NODE:PID"), and ``tag`` this daemon instance
-    (unitprops.daemon_tag).  ``output_limit`` bounds the output tail the result keeps
+    (unit_props.daemon_tag).  ``output_limit`` bounds the output tail the result keeps
     (config.output_limit), ``log_output_limit`` the output an exec run logs
     (config.log_output_limit).
 

@@ -25,12 +25,11 @@ from collections.abc import Callable
 
 from perfectschedd.config import Config
 from perfectschedd.errors import first_line
-from perfectschedd.executors import reaper as jobreaper
-from perfectschedd.executors import runmarks
+from perfectschedd.executors import reaper, runmarks
 from perfectschedd.executors.base import signal_name
-from perfectschedd.executors.systemd import props as unitprops
 from perfectschedd.master.processes import Processes
 from perfectschedd.master.workertable import WorkerProc, WorkerTable
+from perfectschedd.settings import unit_props
 
 log = logging.getLogger("perfectschedd")
 
@@ -41,9 +40,9 @@ UnitStopper = Callable[[Callable[[str, str], bool], list[str]], list[str]]
 
 
 def stop_units_over_dbus(belongs: Callable[[str, str], bool], names: list[str]) -> list[str]:
-    from perfectschedd.executors.systemd import bus as systemdbus
+    from perfectschedd.executors.systemd import bus
 
-    return systemdbus.stop_units(belongs, names)
+    return bus.stop_units(belongs, names)
 
 
 class UnitCleanups:
@@ -140,23 +139,23 @@ class RunCleanup:
         True when its units are being stopped: `then` runs once they have."""
         units_stopping = False
         if proc.units or runs_units(config):
-            from perfectschedd.executors.systemd import unit as unitjobs
+            from perfectschedd.executors.systemd import unit
 
             # The units it reported, and any other that names it as its owner (a report
             # lost with the worker): stopped before its leases are given back.
-            mark = unitjobs.owner_mark(config.node, proc.pid)
-            tag = unitprops.daemon_tag(config.control_socket)
+            mark = unit.owner_mark(config.node, proc.pid)
+            tag = unit_props.daemon_tag(config.control_socket)
             self.units.start(
                 proc.index, f"worker {proc.index} (pid {proc.pid})",
                 lambda name, description: description.endswith(mark)
-                and unitprops.started_by(description, tag),
+                and unit_props.started_by(description, tag),
                 list(proc.units.values()), then)
             proc.units.clear()
             units_stopping = True
         groups = [g for g in proc.runs.values() if g is not None]
-        killed = jobreaper.kill_groups(groups, master_pid)
+        killed = reaper.kill_groups(groups, master_pid)
         dead = proc.pid
-        killed += runmarks.kill_marked(lambda r: jobreaper.worker_of(r) == dead,
+        killed += runmarks.kill_marked(lambda r: reaper.worker_of(r) == dead,
                                         me=master_pid)
         if killed:
             log.warning("worker %d (pid %d) died with %d run(s); killed what was left of "
@@ -171,15 +170,15 @@ class RunCleanup:
         twice."""
         if not runs_units(config):
             return
-        from perfectschedd.executors.systemd import unit as unitjobs
+        from perfectschedd.executors.systemd import unit
 
-        mark = unitjobs.owner_mark(config.node, 0).rsplit(":", 1)[0] + ":"
+        mark = unit.owner_mark(config.node, 0).rsplit(":", 1)[0] + ":"
         # Only this instance's: another daemon of this host (another table, database
         # or configuration, one socket each) keeps its units.
-        tag = unitprops.daemon_tag(config.control_socket)
+        tag = unit_props.daemon_tag(config.control_socket)
         stop_units(self.units.stopper, "a previous daemon of this host",
                    lambda name, description: mark in description
-                   and unitprops.started_by(description, tag))
+                   and unit_props.started_by(description, tag))
 
     def sweep_orphans(self, table: WorkerTable, master_pid: int,
                       read_alive: Callable[[int], None]) -> None:
@@ -195,7 +194,7 @@ class RunCleanup:
         # Once a second: the loop turns for every run event of every worker (thousands a
         # second in a burst of exec jobs), and /proc reads on each turn showed.
         self.next_sweep = now + SWEEP_EVERY
-        strays = jobreaper.strays(master_pid, lambda pid: table.get(pid) is not None)
+        strays = reaper.strays(master_pid, lambda pid: table.get(pid) is not None)
         if not strays:
             return
         for proc in table:

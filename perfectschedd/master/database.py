@@ -31,15 +31,17 @@ from perfectschedd import __version__
 from perfectschedd.config import Config
 from perfectschedd.errors import DatabaseUnavailableError, SchemaError, first_line
 from perfectschedd.master import heap
-from perfectschedd.metrics import counters as metrics
+from perfectschedd.metrics import counters
 from perfectschedd.notify.dispatch import STATE_OUTCOMES, Dispatcher
-from perfectschedd.schedules import overdue
-from perfectschedd.schedules import policy as policy_mod
+from perfectschedd.schedules import overdue, policy
 from perfectschedd.schedules.collection import ScheduleCollection, waits_its_turn
-from perfectschedd.schedules.fields import schedule_key
 from perfectschedd.schedules.validate import key_problem
-from perfectschedd.store import deadline, states
-from perfectschedd.store.sql import RUN_NOW_MARK, Row, Store
+from perfectschedd.store import deadline
+from perfectschedd.store.schema import Row
+from perfectschedd.store.sql import Store
+from perfectschedd.vocabulary import states
+from perfectschedd.vocabulary.fields import RUN_NOW_MARK, schedule_key
+from perfectschedd.vocabulary.outcomes import Outcome
 
 log = logging.getLogger("perfectschedd")
 
@@ -113,7 +115,7 @@ class Snapshot:
     # recent runs) that are not in it: hosts of a release before 0.2.0.
     hosts: list[dict[str, Any]] = field(default_factory=list)
     unrecorded_nodes: list[str] = field(default_factory=list)
-    # Schedules by state (store/states.py); those retrying or whose latest run failed
+    # Schedules by state (vocabulary/states.py); those retrying or whose latest run failed
     # (at most FAILING_SHOWN, and how many in all); overdue ones (schedules/overdue.py).
     states: dict[str, int] = field(default_factory=dict)
     failing: list[dict[str, Any]] = field(default_factory=list)
@@ -159,7 +161,7 @@ class MasterDatabase:
         # The latest reading of the schedules' states (Store.state_summary without its
         # overdue rows), and when the next one is due unasked (monotonic).
         self._states: dict[str, Any] | None = None
-        self._series: tuple[list[metrics.ScheduleSeries], int] = ([], 0)
+        self._series: tuple[list[counters.ScheduleSeries], int] = ([], 0)
         self._next_states = 0.0
         self._thread = threading.Thread(target=self._housekeeping, name="housekeeping",
                                         daemon=True)
@@ -200,7 +202,7 @@ class MasterDatabase:
 
     def start(self) -> None:
         self._started_mono = time.monotonic()
-        metrics.watch_database(lambda: self.health()[1])  # the metrics are set up by now
+        counters.watch_database(lambda: self.health()[1])  # the metrics are set up by now
         self._thread.start()
 
     def opening(self) -> bool:
@@ -290,7 +292,7 @@ class MasterDatabase:
             if runs and self.notices is not None:
                 # These runs were recorded here, not by a worker: the master tells.
                 for run in runs:
-                    notify = policy_mod.from_text(run.pop("policy")).notify
+                    notify = policy.from_text(run.pop("policy")).notify
                     if notify:
                         run["notify"] = notify
                 self.notices.on_recorded(runs)
@@ -579,7 +581,7 @@ class MasterDatabase:
         self._publish(replace(self.snapshot, rename=rename))
         heap.trim()  # it read every key
 
-    def _read_series(self) -> tuple[list[metrics.ScheduleSeries], int]:
+    def _read_series(self) -> tuple[list[counters.ScheduleSeries], int]:
         """The schedules with series of their own on /metrics (policy `metrics`, a
         route's default), at most schedule_metrics_max, and how many there are in all."""
         store, limit = self.store, self.config.schedule_metrics_max
@@ -594,7 +596,7 @@ class MasterDatabase:
         series = []
         for r in rows:
             success, failure = last.get(r.key, (None, None))
-            series.append(metrics.ScheduleSeries(
+            series.append(counters.ScheduleSeries(
                 key=r.key, type=r.type,
                 state=states.state_of(r.paused, r.owner, r.attempt,
                                       _latest_outcome(success, failure)),
@@ -636,7 +638,7 @@ class MasterDatabase:
         running: list[dict[str, Any]] = []
         queued: list[dict[str, Any]] = []
         for r in rows:
-            waits = waits_its_turn(r.key, policy_mod.from_text(r.policy).concurrency,
+            waits = waits_its_turn(r.key, policy.from_text(r.policy).concurrency,
                                    holders.get(schedule_key(r.key)))
             (queued if waits else running).append({
                 "key": r.key, "type": r.type, "scheduled_time": r.next_time,
@@ -651,9 +653,9 @@ class MasterDatabase:
         oldest = lates[0].overdue_by if lates else 0.0
         # The series before the counts: a scrape that sees this reading's time (the
         # counts' timestamp) sees its series too.
-        metrics.set_schedule_series(*self._series)
-        metrics.set_schedule_counts(counts, now, unclaimed)
-        metrics.set_schedule_states(summary["counts"], oldest, len(beyond))
+        counters.set_schedule_series(*self._series)
+        counters.set_schedule_counts(counts, now, unclaimed)
+        counters.set_schedule_states(summary["counts"], oldest, len(beyond))
         recorded = {h["name"] for h in hosts}
         self._publish(replace(self.snapshot, counts=counts, running=running, queued=queued,
                               next_due=next_due,
@@ -671,7 +673,7 @@ class MasterDatabase:
 def _latest_outcome(success: float | None, failure: float | None) -> str | None:
     """Of a schedule's latest success and latest failure, the outcome of the later."""
     if failure is not None and (success is None or failure > success):
-        return states.FAILURES[0]
+        return Outcome.FAILED
     return "success" if success is not None else None
 
 

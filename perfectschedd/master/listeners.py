@@ -20,7 +20,7 @@ from typing import Any
 from perfectschedd import logsetup
 from perfectschedd.config import Config
 from perfectschedd.errors import ConfigError
-from perfectschedd.metrics import counters as metrics
+from perfectschedd.metrics import counters
 from perfectschedd.web.credentials import Credentials
 
 log = logging.getLogger("perfectschedd")
@@ -109,7 +109,7 @@ class Listeners:
         from perfectschedd.web.app import WebApp
 
         assert config.http_listen is not None
-        app = WebApp(self.dispatch, self.credentials, metrics.render_with_type,
+        app = WebApp(self.dispatch, self.credentials, counters.render_with_type,
                      self.healthy, listen_host=config.http_listen[0],
                      tls=config.http_tls is not None, insecure=config.http_insecure,
                      metrics_token=config.metrics_token,
@@ -136,10 +136,10 @@ class Listeners:
                              name="dbus-retry", daemon=True).start()
 
     def _dbus_service(self, config: Config) -> Any:
-        from perfectschedd.control import dbus_server as dbus_service
+        from perfectschedd.control import dbus_server
 
         group = self.control.group_gid if self.control is not None else None
-        service = dbus_service.DBusService(self.dispatch, log=log,
+        service = dbus_server.DBusService(self.dispatch, log=log,
                                            address=config.dbus_address, group_gid=group)
         service.start()
         return service
@@ -231,7 +231,7 @@ class Listeners:
         for obj in (self.control, self.http, self.dbus):
             if obj is not None and hasattr(obj, "fds"):
                 fds.extend(obj.fds())
-        fds.extend(metrics.master_fds())
+        fds.extend(counters.master_fds())
         return fds
 
     def stop(self) -> None:

@@ -9,8 +9,7 @@ import logging
 import os
 import sys
 
-from perfectschedd import __version__, logsetup
-from perfectschedd import config as config_mod
+from perfectschedd import __version__, config, logsetup
 from perfectschedd.errors import ConfigError, NotSupportedError
 from perfectschedd.master.supervisor import Supervisor
 
@@ -22,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="PerfectSched daemon (runs in the foreground).")
     p.add_argument("-c", "--config", metavar="CONFIG",
                    help=f"configuration file (default $PERFECTSCHED_CONFIG or "
-                        f"{config_mod.DEFAULT_CONFIG_PATH})")
+                        f"{config.DEFAULT_CONFIG_PATH})")
     p.add_argument("-e", "--environment", metavar="ENV", help="section of a multi-env config")
     p.add_argument("-I", dest="include", metavar="PATH", action="append", default=[],
                    help="add PATH to the module search path (for python routes)")
@@ -42,12 +41,12 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     ns = build_parser().parse_args(argv)
     source = ns.config or os.environ.get("PERFECTSCHED_CONFIG") or \
-        config_mod.DEFAULT_CONFIG_PATH
+        config.DEFAULT_CONFIG_PATH
     logsetup.setup(None)
     try:
-        cfg = config_mod.load(source, ns.environment)
+        cfg = config.load(source, ns.environment)
         # Host checks: perfectschedctl -c reads the file too, and needs neither.
-        refusal = config_mod.notify_refusal(cfg) or config_mod.schedules_dir_refusal(cfg)
+        refusal = config.notify_refusal(cfg) or config.schedules_dir_refusal(cfg)
         if refusal is not None:
             raise ConfigError(refusal)
         logsetup.setup(cfg.log)

@@ -37,7 +37,7 @@ from perfectschedd.errors import (
     SchemaError,
     first_line,
 )
-from perfectschedd.executors import guard, reaper, runas
+from perfectschedd.executors import guard, reaper
 from perfectschedd.executors.base import signal_name
 from perfectschedd.executors.systemd import grant as unitgrant
 from perfectschedd.master import heap
@@ -47,9 +47,10 @@ from perfectschedd.master.grantwatch import GrantWatch
 from perfectschedd.master.listeners import Listeners
 from perfectschedd.master.processes import Processes
 from perfectschedd.master.workertable import DRAIN_ROOM, WorkerProc, WorkerTable
-from perfectschedd.metrics import counters as metrics
+from perfectschedd.metrics import counters
 from perfectschedd.schedules.converge import FileSchedules
 from perfectschedd.schedules.files import HostChecks
+from perfectschedd.settings import runas
 from perfectschedd.store.sql import check_url, engine_url
 from perfectschedd.worker import pipe
 
@@ -171,7 +172,7 @@ class Supervisor:
         return True
 
     def _fork_worker(self, index: int) -> None:
-        from perfectschedd.worker import process as worker
+        from perfectschedd.worker import process
 
         if not self.gc_frozen:
             # What the master built at start (imported modules, mostly) is shared with
@@ -185,7 +186,7 @@ class Supervisor:
         def child(wake_r: int, alive_w: int) -> int:
             try:
                 self._child_cleanup()
-                return worker.run(self.config, index, wake_r, alive_w, self.master_pid,
+                return process.run(self.config, index, wake_r, alive_w, self.master_pid,
                                   self.db.store_for_worker(self.config))
             except SchemaError as exc:
                 # The master says it as an error, once: it finds the same on its own.
@@ -222,7 +223,7 @@ class Supervisor:
         for w in self.table:
             self.procs.close(w.wake_w, w.alive_r)
         self.db.after_fork()
-        metrics.after_fork_in_worker(metrics.exact_types(self.config.routes))
+        counters.after_fork_in_worker(counters.exact_types(self.config.routes))
 
     def _forget(self, proc: WorkerProc) -> None:
         try:
@@ -242,7 +243,7 @@ class Supervisor:
             ended = self.table.exited(pid, time.monotonic(), self.state == "stopping")
             assert ended is not None
             self._forget(proc)
-            metrics.worker_exited(pid)
+            counters.worker_exited(pid)
             # Before anything else starts: nothing of its runs may outlive it.
             self.cleanup.after_death(proc, code, self.config, self.master_pid,
                                      self._give_back)
@@ -252,7 +253,7 @@ class Supervisor:
             if code == EXIT_UNUSABLE_DATABASE and self.fatal is None:
                 self.fatal = "a worker cannot use the database (its reason is logged above)"
                 continue
-            metrics.worker_restarted()
+            counters.worker_restarted()
             how = f"signal {-code}" if code < 0 else f"status {code}"
             log.error("worker %d (pid %d) died (%s) after %.1fs; replacing it",
                       proc.index, pid, how, ended.lived)
@@ -528,9 +529,9 @@ class Supervisor:
             line += "; database unreachable"
         if self.db.snapshot.paused_all is not None:
             line += "; everything paused"  # pause --all, on every host
-        metrics.set_workers(self.config.workers, len(alive))
-        metrics.set_alive_time(self.config.alive_time)  # a reload may change it alone
-        metrics.set_route_types(metrics.exact_types(self.config.routes))
+        counters.set_workers(self.config.workers, len(alive))
+        counters.set_alive_time(self.config.alive_time)  # a reload may change it alone
+        counters.set_route_types(counters.exact_types(self.config.routes))
         if line != self.status_line:
             self.status_line = line
             self.notify(f"STATUS={line}")
@@ -767,7 +768,7 @@ class Supervisor:
         # running one (its metric files, its port) is touched.
         self.listeners.start_control(self.config)
         try:
-            metrics.setup_master(self.config)
+            counters.setup_master(self.config)
             self.listeners.start_metrics(self.config)
         except ConfigError as exc:
             log.error("%s", exc)

@@ -421,7 +421,7 @@ class ScheduleSeries:
 
     key: str
     type: str
-    state: str                    # store/states.py
+    state: str                    # vocabulary/states.py
     next_due: float | None        # None: paused
     period: int | None            # None: a one-off
     last_success: float | None    # when its latest success ended; None: none kept
@@ -550,7 +550,7 @@ def _schedule_families(series: list[ScheduleSeries], omitted: int) -> Iterator[A
     }
     state = GaugeMetricFamily(
         f"{p}_schedule_state", "1 for the schedule's state: ok, paused, running, retrying "
-        "or failed (store/states.py).", labels=[*labels, "state"])
+        "or failed (vocabulary/states.py).", labels=[*labels, "state"])
     for x in series:
         for name, fam in fams.items():
             value = getattr(x, name)
@@ -638,7 +638,7 @@ def setup_master(config: Any) -> None:
     import prometheus_client.multiprocess  # noqa: F401
     import prometheus_client.values  # noqa: F401
 
-    from perfectschedd.metrics import archive as metrics_archive  # noqa: F401
+    from perfectschedd.metrics import archive  # noqa: F401
 
 
 def worker_exited(pid: int) -> None:
@@ -646,10 +646,10 @@ def worker_exited(pid: int) -> None:
         return
     from prometheus_client import multiprocess  # imported by setup_master already
 
-    from perfectschedd.metrics import archive as metrics_archive
+    from perfectschedd.metrics import archive
 
     multiprocess.mark_process_dead(pid, _dir)
-    metrics_archive.fold_dead(_dir, pid)
+    archive.fold_dead(_dir, pid)
 
 
 def worker_restarted() -> None:
@@ -724,14 +724,14 @@ def render() -> bytes:
             return _with_master_log_drops(self.merge(_complete_files(self._path),
                                                      accumulate=True))
 
-    from perfectschedd.metrics import archive as metrics_archive
+    from perfectschedd.metrics import archive
 
     registry = CollectorRegistry(auto_describe=False)
     if _dir is not None and os.path.isdir(_dir):
         WorkerFiles(registry, path=_dir)
     if _master is not None:
         registry.register(_MasterCollector(_master))
-    with metrics_archive.LOCK:  # no fold half-way: no total counted twice or missing
+    with archive.LOCK:  # no fold half-way: no total counted twice or missing
         return bytes(generate_latest(registry))
 
 

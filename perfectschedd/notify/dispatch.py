@@ -45,10 +45,10 @@ from collections.abc import Callable
 from typing import Any
 
 from perfectschedd.config import Config, notify_runner
-from perfectschedd.metrics import counters as metrics
+from perfectschedd.metrics import counters
 from perfectschedd.notify import senders
-from perfectschedd.notify.spec import SILENT, Notifier
-from perfectschedd.schedules.fields import RUN_NOW_MARK, schedule_key
+from perfectschedd.settings.notify_spec import SILENT, Notifier
+from perfectschedd.vocabulary.fields import RUN_NOW_MARK, schedule_key
 
 log = logging.getLogger("perfectschedd.notify")
 
@@ -127,7 +127,7 @@ class Lane:
             # The state before the first of them is what this one changes (decide()).
             run["state_since"] = before.get("state_since", before.get("started_at"))
             bucket[key] = run  # in its predecessor's place in the line
-            metrics.notification_coalesced()
+            counters.notification_coalesced()
             return None
         if bucket is not None and len(bucket) >= PENDING_PER_CREATOR:
             return "user_backlog"
@@ -263,8 +263,8 @@ class Dispatcher:
 
     @staticmethod
     def _dropped(why: str) -> None:
-        metrics.notification("?", "dropped")
-        metrics.notification_dropped(why)
+        counters.notification("?", "dropped")
+        counters.notification_dropped(why)
 
     # -- the threads --------------------------------------------------------------------
 
@@ -425,13 +425,13 @@ class Dispatcher:
             except Exception as exc:  # noqa: BLE001 - a notifier's bug is its failure
                 why = f"{type(exc).__name__}: {exc}"
             else:
-                metrics.notification(notifier.kind, "sent")
+                counters.notification(notifier.kind, "sent")
                 log.info("key=%s: %s notification sent (%s %s)", message.run.get("key"),
                          message.event, notifier.kind, notifier.name)
                 return True
             if attempt < len(RETRY_WAITS) and self.stopping.wait(RETRY_WAITS[attempt]):
                 break  # stopping: no more waiting between tries
-        metrics.notification(notifier.kind, "failed")
+        counters.notification(notifier.kind, "failed")
         log.error("key=%s: %s notification not sent (%s %s): %s", message.run.get("key"),
                   message.event, notifier.kind, notifier.name, why)
         return False

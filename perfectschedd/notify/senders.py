@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from perfectschedd import __version__
-from perfectschedd.executors import reaper, runas
-from perfectschedd.notify.spec import Notifier, webhook_secrets
+from perfectschedd.executors import reaper
+from perfectschedd.settings import runas
+from perfectschedd.settings.notify_spec import Notifier, webhook_secrets
 
 # Bounds: a notifier must not hold the notification thread for long.
 EXEC_TIMEOUT = 30.0

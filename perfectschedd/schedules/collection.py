@@ -27,16 +27,6 @@ from perfectschedd.errors import (
 from perfectschedd.schedules import cron, missed
 from perfectschedd.schedules import cron as cron_mod
 from perfectschedd.schedules import policy as policy_mod
-from perfectschedd.schedules.fields import (
-    INFO_FIELDS,
-    KEY_MAX,
-    PAUSED_ALL_REASON,
-    RUN_NOW_MARK,
-    SCHEDULE_FIELDS,
-    SOURCE_API,
-    dumps_data,
-    schedule_key,
-)
 from perfectschedd.schedules.validate import (
     MAX_DEPTH,
     check_cron,
@@ -47,9 +37,19 @@ from perfectschedd.schedules.validate import (
     check_type,
     lookup_key,
 )
-from perfectschedd.store.schema import lease_until
-from perfectschedd.store.sql import Advance, Claimed, Row, Store
-from perfectschedd.store.states import FAILURES, LATER
+from perfectschedd.store.schema import Advance, Claimed, Row, lease_until
+from perfectschedd.store.sql import Store
+from perfectschedd.vocabulary.fields import (
+    INFO_FIELDS,
+    KEY_MAX,
+    PAUSED_ALL_REASON,
+    RUN_NOW_MARK,
+    SCHEDULE_FIELDS,
+    SOURCE_API,
+    dumps_data,
+    schedule_key,
+)
+from perfectschedd.vocabulary.outcomes import FAILURES, Outcome
 
 _UNSET: Any = object()
 # What refuse_on_older_hosts names for an interval schedule.
@@ -131,7 +131,9 @@ def _run_at(now: float, wait: float) -> int:
 
 
 # How a run of a row ends in its history (the latest says why an unheld row waits).
-RUN_ENDS = ("success", *FAILURES, LATER, "released", "stopped", "preempted", "no_route")
+RUN_ENDS = tuple(sorted({*FAILURES, *(o.value for o in (
+    Outcome.SUCCESS, Outcome.LATER, Outcome.RELEASED, Outcome.STOPPED, Outcome.PREEMPTED,
+    Outcome.NO_ROUTE))}))
 
 
 def _retry_at(now: float, wait: float) -> int:
@@ -714,7 +716,7 @@ class ScheduleCollection:
         due = row.next_time + row.delay + policy_mod.from_text(row.policy).offset(key)
         # One that waits because its run asked to (SCHED_LATER: its attempt did not
         # count) is left alone too.
-        if due <= now_s and self.store.last_outcome(key, now_s + 1, RUN_ENDS) != LATER:
+        if due <= now_s and self.store.last_outcome(key, now_s + 1, RUN_ENDS) != Outcome.LATER:
             self.store.wake(key, row.fence, now_s)
 
     def group_holders(self, keys: Collection[str]) -> dict[str, str | None]:

@@ -40,7 +40,6 @@ from perfectschedd.errors import (
 )
 from perfectschedd.schedules import cron, deletions
 from perfectschedd.schedules.collection import INTERVAL_FEATURE, ScheduleCollection, ScheduleInfo
-from perfectschedd.schedules.fields import EXEC_TYPE, SOURCE_API, SOURCE_MAX, detached_source
 from perfectschedd.schedules.files import (
     SOURCE_FILE,
     Entry,
@@ -50,6 +49,7 @@ from perfectschedd.schedules.files import (
     check_entry,
 )
 from perfectschedd.schedules.ownership import made_by, owns
+from perfectschedd.vocabulary.fields import EXEC_TYPE, SOURCE_API, SOURCE_MAX, detached_source
 
 log = logging.getLogger("perfectschedd")
 

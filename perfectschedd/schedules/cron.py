@@ -22,7 +22,7 @@ from croniter import CroniterBadDateError, croniter
 
 from perfectschedd.errors import InvalidInputError
 from perfectschedd.schedules import cronsyntax, interval
-from perfectschedd.schedules.fields import LAST_INSTANT
+from perfectschedd.vocabulary.fields import LAST_INSTANT
 
 ALIASES = {
     "@yearly": "0 0 1 1 *",

@@ -22,8 +22,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from perfectschedd.schedules import policy as policy_mod
-from perfectschedd.schedules.fields import deleted_marker_name
+from perfectschedd.schedules import policy
+from perfectschedd.vocabulary.fields import deleted_marker_name
 
 # Policy options newer than the forced delete (0.2.0): in the digest only when an entry
 # sets them, so that a marker an older release recorded still matches the same entry
@@ -32,7 +32,7 @@ from perfectschedd.schedules.fields import deleted_marker_name
 LATER_OPTIONS = ("metrics",)
 # What a schedules file's entry sets (files.Entry.stored): the digest covers these.
 ENTRY_FIELDS = ("type", "cron", "timezone", "delay", "data",
-                *(o for o in policy_mod.OPTIONS if o not in LATER_OPTIONS))
+                *(o for o in policy.OPTIONS if o not in LATER_OPTIONS))
 VALUE_MAX = 255  # the meta table's value column
 _DIGEST_LEN = 64
 

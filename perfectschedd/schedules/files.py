@@ -19,14 +19,9 @@ import yaml
 
 from perfectschedd.config import RouteConfig, privilege_refusal
 from perfectschedd.errors import InvalidInputError, describe
-from perfectschedd.executors import runas
-from perfectschedd.executors.systemd import props as unitprops
-from perfectschedd.notify import spec as notify_spec
-from perfectschedd.notify.spec import Notifier
 from perfectschedd.schedules import cron as cron_mod
 from perfectschedd.schedules import filetrust
 from perfectschedd.schedules import policy as policy_mod
-from perfectschedd.schedules.fields import EXEC_TYPE, SOURCE_FILE, TYPE_MAX
 from perfectschedd.schedules.validate import (
     check_cron,
     check_data,
@@ -35,6 +30,9 @@ from perfectschedd.schedules.validate import (
     check_timezone,
     check_type,
 )
+from perfectschedd.settings import notify_spec, runas, unit_props
+from perfectschedd.settings.notify_spec import Notifier
+from perfectschedd.vocabulary.fields import EXEC_TYPE, SOURCE_FILE, TYPE_MAX
 
 FILE_MAX = 4 << 20      # bytes of one schedules file
 ENTRIES_MAX = 20_000    # entries of one file
@@ -60,7 +58,7 @@ class Entry:
     env: tuple[tuple[str, str], ...] = ()
     user: str | None = None
     executor: str = "exec"
-    unit: tuple[unitprops.Property, ...] = ()
+    unit: tuple[unit_props.Property, ...] = ()
     # The entry's inline `notify:` (or notify_spec.SILENT for `none`): on this host only,
     # as its command.  A notifier's name is stored in the policy instead.
     notify: Notifier | None = None
@@ -384,7 +382,7 @@ def check_entry(raw: Any, source: str, need_user_support: bool = True,
     if env and argv is None:
         raise InvalidInputError("env", "only for exec entries (a type's route has its own)")
     try:
-        executor = unitprops.check_executor(raw.get("executor"), runs_here=need_user_support)
+        executor = unit_props.check_executor(raw.get("executor"), runs_here=need_user_support)
     except ValueError as exc:
         raise InvalidInputError("executor", str(exc)) from None
     if executor != "exec" and argv is None:
@@ -392,8 +390,8 @@ def check_entry(raw: Any, source: str, need_user_support: bool = True,
     if raw.get("unit") is not None and executor != "systemd":
         raise InvalidInputError("unit", "only with executor: systemd")
     try:
-        unit = unitprops.convert(raw.get("unit"))
-    except unitprops.UnitPropertyError as exc:
+        unit = unit_props.convert(raw.get("unit"))
+    except unit_props.UnitPropertyError as exc:
         raise InvalidInputError("unit", str(exc)) from None
     user = raw.get("user")
     if user is not None:

@@ -44,13 +44,12 @@ from typing import Any
 import yaml
 
 from perfectschedd.errors import InvalidInputError
-from perfectschedd.notify.spec import DEFAULT_SENDMAIL
-from perfectschedd.schedules import cron as cron_mod
-from perfectschedd.schedules import filetrust
+from perfectschedd.schedules import cron, filetrust
 from perfectschedd.schedules.validate import check_timezone
+from perfectschedd.settings.notify_spec import DEFAULT_SENDMAIL
 
 _ENV_LINE = re.compile(r"""^\s*(?P<q>["']?)(?P<name>[^=\s"']+)(?P=q)\s*=\s*(?P<value>.*)$""")
-_TIME_ALIASES = frozenset(cron_mod.ALIASES)
+_TIME_ALIASES = frozenset(cron.ALIASES)
 # Words skipped when naming a key after its command: they say nothing about the job.
 _NOT_A_NAME = frozenset({"cd", "test", "[", "[[", "if", "then", "command", "exec", "nice",
                          "ionice", "env", "sudo", "true", "flock", "timeout", "-v", "-n",
@@ -232,7 +231,7 @@ def convert(text: str, *, name: str, system: bool, user: str | None = None,
                 problem = f"unknown alias {expr}"
             else:
                 try:
-                    cron_mod.check(expr)  # as `apply` will take the entry
+                    cron.check(expr)  # as `apply` will take the entry
                 except InvalidInputError as exc:
                     problem = str(exc)
             if problem is None and system and len(rest) < 2:
@@ -328,7 +327,7 @@ def _looks_like_job(fields: list[str], system: bool) -> bool:
     if parsed is None:
         return False
     try:
-        cron_mod.normalize(parsed[0])
+        cron.normalize(parsed[0])
     except InvalidInputError:
         return False
     return True

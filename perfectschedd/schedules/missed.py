@@ -12,8 +12,7 @@ import math
 from dataclasses import dataclass
 
 from perfectschedd.errors import InvalidInputError
-from perfectschedd.schedules import cron
-from perfectschedd.schedules import policy as policy_mod
+from perfectschedd.schedules import cron, policy
 from perfectschedd.store.schema import Row
 
 # Skipped occurrences counted (log, metric, history) at most per schedule and catch-up:
@@ -37,7 +36,7 @@ def skip(row: Row, now: float) -> Skip | None:
     if row.cron is None or cron.is_once(row.cron) or row.owner is not None \
             or row.next_run_time > now:
         return None
-    shift = row.delay + policy_mod.from_text(row.policy).offset(row.key)
+    shift = row.delay + policy.from_text(row.policy).offset(row.key)
     try:
         # An interval's grid runs through its stored occurrence: without the anchor,
         # first_at_or_after starts a new grid at `now`.

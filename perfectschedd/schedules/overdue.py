@@ -17,8 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from perfectschedd.errors import InvalidInputError
-from perfectschedd.schedules import cron
-from perfectschedd.schedules import policy as policy_mod
+from perfectschedd.schedules import cron, policy
 from perfectschedd.store.schema import Row
 
 # A poll, a claim and a start take seconds; a schedule of `@every 10s` is "a period
@@ -43,7 +42,7 @@ def due_of(row: Row) -> int:
     time, delay and jitter), else when the row may run."""
     if row.attempt > 0:
         occurrence = row.next_time + row.delay + \
-            policy_mod.from_text(row.policy).offset(row.key)
+            policy.from_text(row.policy).offset(row.key)
         return min(occurrence, row.next_run_time)
     return row.next_run_time
 

@@ -17,7 +17,7 @@ from functools import lru_cache
 from typing import Any
 
 from perfectschedd.errors import InvalidInputError, describe
-from perfectschedd.notify import spec as notify_spec
+from perfectschedd.settings import notify_spec
 
 MISFIRES = ("all", "latest", "skip")
 # A due occurrence while another of the schedule runs: waits (forbid), runs beside it

@@ -13,9 +13,8 @@ from typing import Any
 
 from perfectschedd.errors import InvalidInputError
 from perfectschedd.schedules import cron
-from perfectschedd.schedules.fields import PREVIEW_COUNT as DEFAULT_COUNT
-from perfectschedd.schedules.fields import PREVIEW_MAX as MAX_COUNT
 from perfectschedd.schedules.policy import jitter_offset
+from perfectschedd.vocabulary.fields import PREVIEW_COUNT, PREVIEW_MAX
 
 
 @dataclass(frozen=True)
@@ -40,12 +39,12 @@ def local_iso(ts: int, tz_name: str) -> str:
 
 def check_count(count: Any) -> int:
     if isinstance(count, bool) or not isinstance(count, int) or \
-            not 1 <= count <= MAX_COUNT:
-        raise InvalidInputError("count", f"must be a whole number from 1 to {MAX_COUNT}")
+            not 1 <= count <= PREVIEW_MAX:
+        raise InvalidInputError("count", f"must be a whole number from 1 to {PREVIEW_MAX}")
     return count
 
 
-def of_expression(expr: str, tz_name: str, start: int, count: int = DEFAULT_COUNT
+def of_expression(expr: str, tz_name: str, start: int, count: int = PREVIEW_COUNT
                   ) -> list[Fire]:
     """The first `count` occurrences of `expr` at or after `start` (an @every grid starts
     at `start`, as a schedule added then would)."""
@@ -58,7 +57,7 @@ def of_expression(expr: str, tz_name: str, start: int, count: int = DEFAULT_COUN
     return _walk(expr, tz_name, first, first, count, lambda t: t, start - 1)
 
 
-def of_schedule(info: Mapping[str, Any], count: int = DEFAULT_COUNT) -> list[Fire]:
+def of_schedule(info: Mapping[str, Any], count: int = PREVIEW_COUNT) -> list[Fire]:
     """The next `count` occurrences of a stored schedule (as `show` gives it): from its
     next_time on (the one after it when that one runs now), each run time with the delay
     and the key's jitter; the first as stored when it waits (--at, a retry's wait)."""
@@ -96,14 +95,14 @@ def _walk(expr: str, tz_name: str, first: int, anchor: int, count: int,
             return fires
 
 
-def of_expression_shown(expr: str, tz_name: str, start: int, count: int = DEFAULT_COUNT
+def of_expression_shown(expr: str, tz_name: str, start: int, count: int = PREVIEW_COUNT
                         ) -> dict[str, Any]:
     """`next --cron EXPR --json`, and GET /api/v1/next: the expression and its times."""
     fires = of_expression(expr, tz_name, start, count)
     return {"cron": expr, "timezone": tz_name, "times": [f.as_dict(tz_name) for f in fires]}
 
 
-def of_schedule_shown(info: Mapping[str, Any], count: int = DEFAULT_COUNT) -> dict[str, Any]:
+def of_schedule_shown(info: Mapping[str, Any], count: int = PREVIEW_COUNT) -> dict[str, Any]:
     """`next KEY --json`, and GET /api/v1/schedules/KEY/next: the schedule (as `show`
     gives it) and its times."""
     fires = of_schedule(info, count)

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from perfectschedd.errors import InvalidInputError, describe
-from perfectschedd.schedules.fields import (
+from perfectschedd.vocabulary.fields import (
     CRON_MAX,
     DATA_MAX,
     EXEC_TYPE,

@@ -39,7 +39,7 @@ from typing import Any
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from perfectschedd.errors import first_line
-from perfectschedd.metrics import counters as metrics
+from perfectschedd.metrics import counters
 
 log = logging.getLogger("perfectschedd")
 
@@ -129,7 +129,7 @@ class StatementWatch:
                     self._shut_down(conn)
 
     def _shut_down(self, conn: Any) -> None:
-        metrics.db_deadline_expired()
+        counters.db_deadline_expired()
         try:
             fd = self._socket_of(conn)
             # A duplicate of the descriptor: shutdown acts on the socket both share,

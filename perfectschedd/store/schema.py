@@ -15,31 +15,23 @@ from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 
-from perfectschedd.control.tokens import HASH_MAX, NAME_MAX
-from perfectschedd.schedules.fields import (  # noqa: F401 - the store's names too
+from perfectschedd.vocabulary.fields import (
     CLAIMED_FIELDS,
     CLAIMED_OPTIONAL,
     CRON_MAX,
-    DATA_MAX,
-    DELETED_META,
     ERROR_MAX,
-    EXEC_TYPE,
     KEY_MAX,
-    PAUSED_ALL_META,
-    PAUSED_ALL_REASON,
     PAUSED_REASON_MAX,
     POLICY_MAX,
     ROW_FIELDS,
     ROW_OPTIONAL,
-    RUN_NOW_MARK,
     SCHEDULE_FIELDS,
-    SOURCE_FILE,
     SOURCE_MAX,
     TYPE_MAX,
     TZ_MAX,
     UNIT_MAX,
-    deleted_marker_name,
 )
+from perfectschedd.vocabulary.tokens import HASH_MAX, NAME_MAX
 
 # How long an operation is tried again while the database says "try again" (a SQLite
 # writer waiting for the lock: busy_timeout and our retries; a deadlock victim).
@@ -203,7 +195,7 @@ def hosts_table(metadata: sa.MetaData, name: str) -> sa.Table:
 
 
 def tokens_table(metadata: sa.MetaData, name: str) -> sa.Table:
-    """API tokens (schema 4; control/tokens.py): one row per token ever made.  A revoked
+    """API tokens (schema 4; vocabulary/tokens.py): one row per token ever made.  A revoked
     token keeps its row (a schedule's creator may name it) and its name: names are
     never reused, so a name in a record always means one token."""
     return sa.Table(
@@ -223,8 +215,3 @@ def tokens_table(metadata: sa.MetaData, name: str) -> sa.Table:
     )
 
 
-HISTORY_COLUMNS = ("key", "type", "scheduled_time", "attempt", "started_at", "finished_at",
-                   "outcome", "worker", "unit", "exit_code", "signal", "duration", "output",
-                   "error")
-# The columns a run may leave out (NULL): every one schema 1 did not have.
-HISTORY_OPTIONAL = ("unit", "exit_code", "signal", "duration", "output", "error")

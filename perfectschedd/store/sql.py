@@ -20,11 +20,38 @@ from sqlalchemy.engine.url import URL, make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
 from perfectschedd.errors import ConfigError, SchemaError, first_line
-from perfectschedd.schedules.fields import (
+from perfectschedd.store import tokens as token_sql
+from perfectschedd.store import version as schemaversion
+from perfectschedd.store.backends.choice import open_backend
+from perfectschedd.store.backends.sqlite import missing_directory
+from perfectschedd.store.deadline import DEADLINE_MAX, statement_deadline
+from perfectschedd.store.schema import (
+    TRY_AGAIN_FOR,
+    Advance,
+    Claimed,
+    Row,
+)
+from perfectschedd.store.tokens import TokenRow
+from perfectschedd.vocabulary import outcomes, states
+from perfectschedd.vocabulary.fields import (
+    CRON_MAX,
+    DATA_MAX,
+    DELETED_META,
+    ERROR_MAX,
     EXEC_TYPE,
+    KEY_MAX,
+    PAUSED_ALL_META,
+    PAUSED_ALL_REASON,
+    PAUSED_REASON_MAX,
+    POLICY_MAX,
     REFUSED_ROW_REASON,
     ROW_FIELDS,
+    RUN_NOW_MARK,
     SCHEDULE_FIELDS,
+    SOURCE_FILE,
+    TYPE_MAX,
+    TZ_MAX,
+    deleted_marker_name,
     dumps_data,
     exec_entry_key,
     foreign_exec_row,
@@ -33,34 +60,8 @@ from perfectschedd.schedules.fields import (
     refused_reason,
     schedule_key,
 )
-from perfectschedd.store import states
-from perfectschedd.store import tokens as token_sql
-from perfectschedd.store import version as schemaversion
-from perfectschedd.store.backends.choice import open_backend
-from perfectschedd.store.backends.sqlite import missing_directory as sqlite_missing_directory
-from perfectschedd.store.deadline import DEADLINE_MAX, statement_deadline
-from perfectschedd.store.schema import (
-    CRON_MAX,
-    DATA_MAX,
-    DELETED_META,
-    ERROR_MAX,
-    HISTORY_COLUMNS,
-    KEY_MAX,
-    PAUSED_ALL_META,
-    PAUSED_ALL_REASON,
-    PAUSED_REASON_MAX,
-    POLICY_MAX,
-    RUN_NOW_MARK,
-    SOURCE_FILE,
-    TRY_AGAIN_FOR,
-    TYPE_MAX,
-    TZ_MAX,
-    Advance,
-    Claimed,
-    Row,
-    deleted_marker_name,
-)
-from perfectschedd.store.tokens import TokenRow
+from perfectschedd.vocabulary.history import HISTORY_COLUMNS
+from perfectschedd.vocabulary.outcomes import Outcome
 
 __all__ = ["CRON_MAX", "DATA_MAX", "KEY_MAX", "POLICY_MAX", "RUN_NOW_MARK", "TURN_LOST",
            "TURN_START", "TURN_WAIT", "TYPE_MAX", "TZ_MAX", "Advance", "Claimed", "Row",
@@ -131,7 +132,7 @@ def check_url(url: str) -> None:
     u = engine_url(url)
     if u.get_backend_name() == "sqlite" and (u.database or "") in ("", ":memory:"):
         raise ConfigError("url: the SQLite database must be a file (sqlite:///path)")
-    if u.get_backend_name() == "sqlite" and (missing := sqlite_missing_directory(u)):
+    if u.get_backend_name() == "sqlite" and (missing := missing_directory(u)):
         raise ConfigError(missing)
     try:
         dialect = u.get_dialect()
@@ -660,10 +661,10 @@ class Store:
     def last_success_and_failure(self, keys: Sequence[str], chunk: int = 100
                                  ) -> dict[str, tuple[float | None, float | None]]:
         """For each schedule key: when its latest successful run and its latest failed
-        one (states.FAILURES) ended, its KEY@run-... runs included (None: none kept)."""
+        one (outcomes.FAILURES) ended, its KEY@run-... runs included (None: none kept)."""
         h = self.h
         found: dict[str, list[float | None]] = {k: [None, None] for k in keys}
-        wanted = ("success", *states.FAILURES)
+        wanted = (Outcome.SUCCESS.value, *outcomes.FAILURES)
         with self._tx(readonly=True) as conn:
             for i in range(0, len(keys), chunk):
                 part = keys[i:i + chunk]
@@ -818,8 +819,8 @@ class Store:
         joined, last = self._last_run()
         outcome = last[0]
         retrying = sa.and_(t.c.attempt > 0, sa.or_(outcome.is_(None),
-                                                     outcome != states.LATER))
-        failed = outcome.in_(states.FAILURES)
+                                                     outcome != Outcome.LATER.value))
+        failed = outcome.in_(outcomes.FAILURES)
         unheld = sa.and_(t.c.paused == 0, t.c.owner.is_(None))
         cases = {
             states.PAUSED: t.c.paused != 0,
@@ -1260,7 +1261,7 @@ class Store:
 
     @_retried
     def record_runs(self, runs: Iterable[dict[str, Any]]) -> None:
-        """Append history rows (schema.HISTORY_COLUMNS) in one transaction.  A row may
+        """Append history rows (vocabulary/history.py) in one transaction.  A row may
         leave out the optional columns (HISTORY_OPTIONAL: a skipped occurrence has no
         exit code); the backends' statements bind every column, so they become None.  Keys
         that are not columns (what observers of the runs read) are left out."""

@@ -14,8 +14,8 @@ from typing import Any, NamedTuple
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from perfectschedd.control import tokens as secrets
 from perfectschedd.errors import AlreadyExistsError, InvalidInputError, NotFoundError, describe
+from perfectschedd.vocabulary import tokens
 
 
 class TokenRow(NamedTuple):
@@ -49,15 +49,15 @@ def add(conn: Connection, t: sa.Table, name: str, role: str, created_by: str,
         expires_at: float | None, now: float) -> tuple[int, str]:
     """Insert the token and set its hash; (id, secret).  AlreadyExistsError when the
     name is taken, by a live or a revoked token."""
-    secrets.check_name(name)
-    secrets.check_role(role)
+    tokens.check_name(name)
+    tokens.check_role(role)
     found = conn.execute(sa.select(t.c.revoked_at).where(t.c.name == name)).first()
     if found is not None:
         raise exists_error(name, found.revoked_at is not None)
     token_id = int(conn.execute(t.insert().values(
         name=name, role=role, hash="", created_at=now, created_by=created_by,
         expires_at=expires_at, revoked_at=None)).inserted_primary_key[0])
-    secret, stored = secrets.new_secret(token_id)
+    secret, stored = tokens.new_secret(token_id)
     conn.execute(t.update().where(t.c.id == token_id).values(hash=stored))
     return token_id, secret
 

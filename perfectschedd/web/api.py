@@ -18,7 +18,7 @@ from perfectschedd.control.protocol import ATTEMPT_MAX, HISTORY_MAX
 from perfectschedd.control.server import refusal_of
 from perfectschedd.errors import InvalidInputError, NotFoundError, PermissionDeniedError
 from perfectschedd.schedules import preview
-from perfectschedd.schedules.fields import PREVIEW_COUNT
+from perfectschedd.vocabulary.fields import PREVIEW_COUNT
 from perfectschedd.web.server import Request, Response, json_error
 
 Ask = Callable[[str, dict[str, Any]], Any]

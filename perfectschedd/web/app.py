@@ -14,8 +14,7 @@ from typing import Any
 
 from perfectschedd.config import RouteConfig
 from perfectschedd.control.auth import Caller
-from perfectschedd.web import api as api_mod
-from perfectschedd.web import periodic
+from perfectschedd.web import api, periodic
 from perfectschedd.web.console import Console
 from perfectschedd.web.credentials import CredentialError, Credentials, Identity, bearer
 from perfectschedd.web.server import Request, Response, json_error
@@ -80,7 +79,7 @@ class WebApp:
                 except CredentialError as exc:
                     return self._credential_error(exc)
             return self._metrics() if path == "/metrics" else self._health()
-        if path.startswith(api_mod.PREFIX):
+        if path.startswith(api.PREFIX):
             return self._api(request)
         if path == periodic.PREFIX or path.startswith(periodic.PREFIX + "/"):
             return self._periodic(request)
@@ -129,18 +128,18 @@ class WebApp:
         return response
 
     def _api(self, request: Request) -> Response:
-        def answer(ask: api_mod.Ask, caller: Caller) -> Response:
-            name, holes, allowed = api_mod.match(request.method, request.path)
+        def answer(ask: api.Ask, caller: Caller) -> Response:
+            name, holes, allowed = api.match(request.method, request.path)
             if name is None:
                 if allowed:
                     return self._not_allowed(allowed)
                 return json_error(404, f"no such path: {request.path[:200]}")
-            return api_mod.Api(ask).handle(request, name, holes)
+            return api.Api(ask).handle(request, name, holes)
 
         return self._as_token(request, answer)
 
     def _periodic(self, request: Request) -> Response:
-        def answer(ask: api_mod.Ask, caller: Caller) -> Response:
+        def answer(ask: api.Ask, caller: Caller) -> Response:
             if request.method not in periodic.METHODS:
                 return self._not_allowed(periodic.METHODS)
             return periodic.Periodic(ask, caller, self.routes()).handle(request)
@@ -148,7 +147,7 @@ class WebApp:
         return self._as_token(request, answer)
 
     def _as_token(self, request: Request,
-                  answer: Callable[[api_mod.Ask, Caller], Response]) -> Response:
+                  answer: Callable[[api.Ask, Caller], Response]) -> Response:
         """`answer` for the token the request shows, asking the master's dispatch as its
         caller; a refusal (credentials, or of a command) as one JSON line."""
         if self.api_refused is not None:
@@ -165,7 +164,7 @@ class WebApp:
         try:
             response = answer(ask, caller)
         except Exception as exc:  # noqa: BLE001 - every refusal is one JSON line
-            response = json_error(*api_mod.refused(exc))
+            response = json_error(*api.refused(exc))
         if request.method not in ("GET", "HEAD") and response.status < 400:
             log.info("http: %s (%s) %s %s -> %d", caller.name, identity.role,
                      request.method, request.path[:200], response.status)

@@ -1,7 +1,7 @@
 """Who an HTTP client is: a bearer token (or a console session that holds one), checked
 against the tokens every host shares in the database, and the throttle of bad guesses.
 
-A token's secret is checked against its salted slow hash (control/tokens.py) once; the
+A token's secret is checked against its salted slow hash (vocabulary/tokens.py) once; the
 answer is kept here by a digest of the secret, so a client polling the API pays the
 slow hash once, not per request.  The tokens' rows are read again at most every
 REFRESH seconds, so a token revoked (or expired) on any host is refused here within
@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from perfectschedd.control import tokens as token_rules
 from perfectschedd.control.auth import Caller
+from perfectschedd.vocabulary import tokens
 
 log = logging.getLogger("perfectschedd")
 
@@ -121,7 +121,7 @@ class Credentials:
             self.check_throttle(client)
             raise CredentialError(401, "credentials needed: send Authorization: Bearer "
                                   "TOKEN (perfectschedctl token add)")
-        token_id = token_rules.token_id_of(secret)
+        token_id = tokens.token_id_of(secret)
         rows = self._current_rows()
         # A throttled address keeps the tokens it already proved (no slow hash is asked
         # for them): loopback is every local user's address, and one of them guessing
@@ -138,11 +138,11 @@ class Credentials:
         if row is None or not self._matches(secret, row):
             self._count_bad(client)
             raise CredentialError(401, "bad credentials")
-        state = token_rules.state(row.revoked_at, row.expires_at, time.time())
-        if state == token_rules.REVOKED:
+        state = tokens.state(row.revoked_at, row.expires_at, time.time())
+        if state == tokens.REVOKED:
             self._count_bad(client)
             raise CredentialError(401, f"token {row.name} was revoked")
-        if state == token_rules.EXPIRED:
+        if state == tokens.EXPIRED:
             raise CredentialError(401, f"token {row.name} has expired")
         return Identity(row.id, row.name, row.role)
 
@@ -185,7 +185,7 @@ class Credentials:
         if self._proved(secret, row):
             return True
         digest = self._digest(secret, row)
-        if not token_rules.verify(secret, row.hash):
+        if not tokens.verify(secret, row.hash):
             return False
         with self.lock:
             self.verified[digest] = row.id
@@ -196,8 +196,8 @@ class Credentials:
     def still_valid(self, token_id: int) -> Identity | None:
         """The token of a console session, if it is neither revoked nor expired now."""
         row = self._current_rows().get(token_id)
-        if row is None or token_rules.state(row.revoked_at, row.expires_at,
-                                            time.time()) != token_rules.LIVE:
+        if row is None or tokens.state(row.revoked_at, row.expires_at,
+                                            time.time()) != tokens.LIVE:
             return None
         return Identity(row.id, row.name, row.role)
 

@@ -52,7 +52,7 @@ from perfectschedd.errors import (
     describe,
 )
 from perfectschedd.schedules.cron import ONCE
-from perfectschedd.schedules.fields import (
+from perfectschedd.vocabulary.fields import (
     EXEC_TYPE,
     LAST_INSTANT,
     RUN_NOW_MARK,

@@ -39,20 +39,21 @@ from perfectschedd.executors.base import (
 )
 from perfectschedd.executors.command import ExecHandler
 from perfectschedd.executors.router import Router, run_task
-from perfectschedd.executors.systemd import props as unitprops
-from perfectschedd.metrics import counters as metrics
+from perfectschedd.metrics import counters
 from perfectschedd.schedules import catchup
 from perfectschedd.schedules.collection import ScheduleCollection, Task
-from perfectschedd.schedules.fields import (
+from perfectschedd.settings import unit_props
+from perfectschedd.store.schema import lease_until
+from perfectschedd.store.sql import TURN_LOST, TURN_START, Store
+from perfectschedd.vocabulary.fields import (
     EXEC_TYPE,
+    RUN_NOW_MARK,
     exec_entry_key,
     foreign_exec_row,
     refused_line,
     refused_reason,
     schedule_key,
 )
-from perfectschedd.store.schema import RUN_NOW_MARK, lease_until
-from perfectschedd.store.sql import TURN_LOST, TURN_START, Store
 from perfectschedd.worker import pipe
 
 log = logging.getLogger("perfectschedd.worker")
@@ -152,7 +153,7 @@ class LeasePipeline:
         self.entry_data = {r.pattern[len(EXEC_TYPE):]: r.data for r in config.routes
                            if r.data is not None and r.pattern.startswith(EXEC_TYPE)}
         self.not_applied_logged: set[str] = set()
-        self.unit_tag = unitprops.daemon_tag(config.control_socket)  # units' Description
+        self.unit_tag = unit_props.daemon_tag(config.control_socket)  # units' Description
         self.node = config.node  # read once: socket.gethostname() is a system call per run
         self.running: dict[str, Task] = {}
         # Of `running`, the runs queued for their turn in their group (held, heartbeated,
@@ -219,9 +220,9 @@ class LeasePipeline:
                 log.error("database unreachable: %s; retrying with back-off",
                           self.store.describe_error(exc) if exc and self.sc is not None
                           else str(exc).splitlines()[0] if exc else "?")
-            metrics.db_error()
+            counters.db_error()
         if ok != self.db_ok:
-            metrics.set_db_up(ok)
+            counters.set_db_up(ok)
         self.db_ok = ok
 
     def new_run_id(self) -> str:
@@ -233,7 +234,7 @@ class LeasePipeline:
         never past the next history flush while rows wait (a run's row is written within
         HISTORY_FLUSH of its end, not at the next due time or poll)."""
         wait = self._step(submit)
-        metrics.flush_tasks()
+        counters.flush_tasks()
         if self.history:
             wait = min(wait, max(0.0, HISTORY_FLUSH - (time.monotonic() - self.last_flush)))
         return wait
@@ -417,7 +418,7 @@ class LeasePipeline:
             return True
         assert self.sc is not None
         if plan.skipped:
-            metrics.occurrences_skipped(task.type, len(plan.skipped))
+            counters.occurrences_skipped(task.type, len(plan.skipped))
             more = "+" if len(plan.skipped) >= catchup.COUNT_CAP else ""
             log.warning("key=%s: skipped %d%s missed occurrence(s) (misfire %s%s), %s",
                         task.key, len(plan.skipped), more, task.policy.misfire,
@@ -497,7 +498,7 @@ class LeasePipeline:
                 error = error_line(f"no route for type {task.type!r} on this host; given "
                                    "back untried")
                 return
-            metrics.task_started(task.type, max(0.0, started - due))
+            counters.task_started(task.type, max(0.0, started - due))
             logsetup.info(log, f"start key={task.key} type={task.type} scheduled="
                           f"{int(task.scheduled_time)} attempt={int(task.attempt)} "
                           f"late={started - due:.3f}s")
@@ -534,7 +535,7 @@ class LeasePipeline:
                 outcome, error = "failed", error_line(task.later_refused)
                 log.error("key=%s: %s", task.key, task.later_refused)
             if task.gave_up:
-                metrics.occurrence_given_up(task.type)
+                counters.occurrence_given_up(task.type)
             if task.gave_up and task.later_refused is None:
                 log.error("key=%s: gave up the occurrence of %d after %d failed attempt(s) "
                           "(max_attempts); the schedule moves on", task.key,
@@ -545,11 +546,11 @@ class LeasePipeline:
                           f"outcome={outcome}" + (f" exit={result.exit_code}"
                                                   if result.exit_code is not None else ""))
             if outcome == "preempted":
-                metrics.lease_lost(task.type)
+                counters.lease_lost(task.type)
         except PreemptedError:
             outcome = "preempted"
             error = error_line("lease lost (schedule deleted, modified or taken over)")
-            metrics.lease_lost(task.type)
+            counters.lease_lost(task.type)
         except DBAPIError as exc:
             outcome = "db_error"
             error = error_line("could not record the result (database error); the "
@@ -561,7 +562,7 @@ class LeasePipeline:
             error = error_line(f"internal error: {type(exc).__name__}: {exc}")
             log.exception("key=%s: internal error while running the task", task.key)
         finally:
-            metrics.task_finished(task.type, outcome, duration)
+            counters.task_finished(task.type, outcome, duration)
             # Its history row first: whoever waits for no run to be left (a drain, a
             # stop) then writes it; recorded after, it was lost when a worker exited
             # between the two (a draining worker's last run had no history).
@@ -679,7 +680,7 @@ class LeasePipeline:
             else:  # it runs nowhere again: nothing is left of it to run
                 log.warning("key=%s: %s before its finish was written; its result is "
                             "discarded", task.key, REASON_TEXT[why[task.key]])
-            metrics.lease_lost(task.type)
+            counters.lease_lost(task.type)
 
     def _why_lost(self, tasks: list[Task]) -> dict[str, StopReason]:
         """Why each of `tasks` lost its lease, as the database still tells: DELETED when
@@ -902,6 +903,6 @@ class LeasePipeline:
             log.error("could not write %d finished task(s); they run again when their "
                       "leases expire", len(self.finished))
         self.flush_history(force=True)
-        metrics.flush_tasks()
+        counters.flush_tasks()
         if self.sc is not None:
             self.sc.close()

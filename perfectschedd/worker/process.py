@@ -36,10 +36,9 @@ from typing import Any
 
 from perfectschedd import logsetup
 from perfectschedd.config import Config
-from perfectschedd.executors import command, runmarks
-from perfectschedd.executors import reaper as jobreaper
+from perfectschedd.executors import command, reaper, runmarks
 from perfectschedd.executors.base import StopReason
-from perfectschedd.metrics import counters as metrics
+from perfectschedd.metrics import counters
 from perfectschedd.notify.dispatch import STATE_OUTCOMES, Dispatcher
 from perfectschedd.schedules.collection import Task
 from perfectschedd.store.sql import Store
@@ -177,7 +176,7 @@ class Worker:
             self._ping(force=True)
             # Task starts and ends reach /metrics within a second also while the main
             # loop waits (on the database, or for the next due time).
-            metrics.flush_tasks()
+            counters.flush_tasks()
 
     def _ping(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -355,7 +354,7 @@ class Worker:
         if self.master_gone:
             # Their orphans went to init, not to a master that would kill them.
             me = os.getpid()
-            runmarks.kill_marked(lambda r: jobreaper.worker_of(r) == me, me=me)
+            runmarks.kill_marked(lambda r: reaper.worker_of(r) == me, me=me)
         self.pipeline.give_back_leftovers()
         if self.notices is not None:
             # The last runs' notifications, briefly: a stop must not wait on a receiver.

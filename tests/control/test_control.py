@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from daemon_harness import Daemon, wait_until
 
-from perfectschedd import config as config_mod
+from perfectschedd import config
 from perfectschedd.control import protocol
 from perfectschedd.control.server import ControlServer
 from perfectschedd.errors import NotFoundError
@@ -99,7 +99,7 @@ class FakeDispatch:
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[tuple[ControlServer, FakeDispatch]]:
-    cfg = config_mod.from_mapping({"type": "rdb_compat", "url": "sqlite:///unused.db",
+    cfg = config.from_mapping({"type": "rdb_compat", "url": "sqlite:///unused.db",
                                    "control_socket": str(tmp_path / "run" / "ctl.sock")})
     fake = FakeDispatch()
     srv = ControlServer(cfg, fake, log=log, max_clients=4, idle_timeout=0.5)
@@ -190,7 +190,7 @@ def test_client_that_never_reads_does_not_grow_the_server(
 
 
 def test_stop_removes_socket_and_restart_works(tmp_path: Path) -> None:
-    cfg = config_mod.from_mapping({"type": "rdb_compat", "url": "sqlite:///unused.db",
+    cfg = config.from_mapping({"type": "rdb_compat", "url": "sqlite:///unused.db",
                                    "control_socket": str(tmp_path / "ctl.sock")})
     for _ in range(2):
         srv = ControlServer(cfg, FakeDispatch(), log=log)

@@ -19,7 +19,7 @@ from perfectschedd.control.auth import Caller
 from perfectschedd.errors import ScheduleError
 from perfectschedd.schedules import deletions
 from perfectschedd.schedules.collection import ScheduleCollection
-from perfectschedd.schedules.fields import deleted_marker_name
+from perfectschedd.vocabulary.fields import deleted_marker_name
 
 T0 = 1_893_456_000
 ROOT = Caller.of(0, [0])

@@ -16,7 +16,7 @@ from perfectschedd.control import commands, registry
 from perfectschedd.control.auth import Caller
 from perfectschedd.errors import InvalidInputError, NotFoundError, PermissionDeniedError
 from perfectschedd.schedules.collection import ScheduleCollection
-from perfectschedd.schedules.fields import PAUSED_ALL_REASON
+from perfectschedd.vocabulary.fields import PAUSED_ALL_REASON
 
 ROOT = Caller.of(0, [0])
 MEMBER = Caller.of(65534, [65534])  # a control_group member: not root

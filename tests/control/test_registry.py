@@ -13,8 +13,7 @@ from typing import Any
 import pytest
 
 from perfectschedctl import cli
-from perfectschedd.control import commands, protocol, registry
-from perfectschedd.control import dbus_server as dbus_service
+from perfectschedd.control import commands, dbus_server, protocol, registry
 from perfectschedd.errors import InvalidInputError
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -104,9 +103,9 @@ def test_arguments_are_the_registry_s() -> None:
     with pytest.raises(InvalidInputError, match="^cron: required"):
         registry.check_args(add, {"key": "k", "type": "t"})
     # D-Bus takes add's and modify's options from the same place.
-    src = inspect.getsource(dbus_service.Manager)
+    src = inspect.getsource(dbus_server.Manager)
     assert "_ADD.args" in src and "_MODIFY.args" in src
-    assert dbus_service._ADD is add
+    assert dbus_server._ADD is add
 
 
 def test_the_protocol_document_lists_every_daemon_command_and_refusal() -> None:
@@ -123,6 +122,6 @@ def test_refusals_map_to_exit_statuses_and_dbus_names() -> None:
     for name, r in protocol.REFUSALS.items():
         assert r.exit_status == 1 and r.dbus_name == f"org.perfectsched1.Error.{name}"
     assert protocol.refusal("NoSuchThing") == protocol.REFUSALS["InternalError"]
-    err = dbus_service._error("NotFoundError", "schedule 'x' not found\nsecond line")
+    err = dbus_server._error("NotFoundError", "schedule 'x' not found\nsecond line")
     assert (err.type, err.text) == ("org.perfectsched1.Error.NotFoundError",
                                     "schedule 'x' not found")

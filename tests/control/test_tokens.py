@@ -1,4 +1,4 @@
-"""API tokens: control/tokens.py (names, roles, secrets and their hashes, --expires), and
+"""API tokens: vocabulary/tokens.py (names, roles, secrets and their hashes, --expires), and
 `perfectschedctl token add|list|revoke` as users meet it, through a real daemon's socket
 (and D-Bus) and in direct mode (-c): root's only, refusals in one line that store
 nothing, the secret shown once by `add` and never by `list` or in the log.
@@ -25,8 +25,9 @@ from test_callers import AS_NOBODY, Bus, ctl_as, needs_dbus, needs_root, refused
 
 import perfectschedd
 from perfectschedctl import cli
-from perfectschedd.control import commands, registry, tokens
+from perfectschedd.control import commands, registry
 from perfectschedd.errors import InvalidInputError, PermissionDeniedError
+from perfectschedd.vocabulary import tokens
 
 open_dir = test_callers.open_dir  # the fixture: a directory other users can traverse
 
@@ -34,7 +35,7 @@ T0 = 1_700_002_800.0
 SECRET = re.compile(r"pst_[0-9]+_[A-Za-z0-9_-]{43}")
 
 
-# -- control/tokens.py ----------------------------------------------------------------------
+# -- vocabulary/tokens.py ----------------------------------------------------------------------
 
 def test_a_new_secret_names_its_token_and_verifies() -> None:
     secret, stored = tokens.new_secret(42)
@@ -145,7 +146,7 @@ def test_token_names(name: str, ok: bool) -> None:
 
 
 def test_the_registry_names_the_roles_it_cannot_import() -> None:
-    """perfectschedctl's help lists the roles without loading control/tokens.py (and
+    """perfectschedctl's help lists the roles without loading vocabulary/tokens.py (and
     hashlib) at every start: held to tokens.ROLES here."""
     assert tokens.ROLES == ("viewer", "operator", "admin")
     role = next(a for a in registry.COMMANDS["token"].cli if a.dest == "role")

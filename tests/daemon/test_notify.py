@@ -15,7 +15,7 @@ from daemon_harness import YEARLY, Daemon, sh, shared_dir, wait_until
 from notify_receivers import Receiver, mails, sendmail_stand_in
 from scrape import scrape, value
 
-from perfectschedd import config as config_mod
+from perfectschedd import config
 from perfectschedd.schedules.collection import ScheduleCollection
 
 # A job that fails its first five runs, then succeeds: a counter in a file.
@@ -295,7 +295,7 @@ def test_a_members_flood_does_not_delay_roots_failure(daemon_factory: Any,
                           "root": {"webhook": root_hook.url}},
             "routes": [{"type": "fail", "python": "floodjobs:Fails", "user": "root"}]},
             extra_args=["-I", str(mods)]).start()
-        sc = ScheduleCollection(config_mod.load(str(d.config_path)))
+        sc = ScheduleCollection(config.load(str(d.config_path)))
         try:
             # As a member's add_many over the socket stores them: its uid as creator.
             sc.add_many([{"key": f"alice-{i}", "type": "fail", "cron": YEARLY, "at": 0,

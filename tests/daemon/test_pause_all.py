@@ -22,7 +22,7 @@ import pytest
 from daemon_harness import CTL, Daemon, lines, sh, wait_until
 from old_release import OldRelease
 
-from perfectschedd.schedules.fields import PAUSED_ALL_REASON
+from perfectschedd.vocabulary.fields import PAUSED_ALL_REASON
 
 JOB = "job"
 BEHIND = 600

@@ -28,8 +28,7 @@ from old_release import OldRelease
 
 from perfectschedctl import cli
 from perfectschedd.control import commands
-from perfectschedd.schedules import collection as schedules
-from perfectschedd.schedules import cron
+from perfectschedd.schedules import collection, cron
 from perfectschedd.store.version import SCHEMA_VERSION
 
 TABLE = "perfectsched"
@@ -103,7 +102,7 @@ def snapshot(many: Many, histories_of: set[str] | None = None) -> Snapshot:
 def direct_ctl(config: Path) -> Iterator[Many]:
     """This tree's `perfectschedctl --json -c CONFIG ...` without a process per call: its
     parser, its request and the commands it runs on the database, printed as JSON."""
-    with schedules.open(str(config)) as sc:
+    with collection.open(str(config)) as sc:
         def call(argvs: list[list[str]]) -> list[Any]:
             answers = []
             for args in argvs:

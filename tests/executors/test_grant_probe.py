@@ -28,7 +28,8 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv")
 PROBE = """
 import logging, sys
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="LOG %(message)s")
-from perfectschedd.executors.systemd import grant, props
+from perfectschedd.executors.systemd import grant
+from perfectschedd.settings import unit_props
 props.SYSTEMD_MARKER = sys.argv[1]
 state = grant.grant_state()
 print("HELD", state[0] if isinstance(state, tuple) else state)

@@ -16,8 +16,9 @@ from test_handlers import FakeTask, py, run, sh
 
 from perfectschedd.executors import base
 from perfectschedd.executors.application import Application
-from perfectschedd.executors.base import Outcome, OutputTail, RunControl, StopReason
-from perfectschedd.executors.systemd import unit as unitjobs
+from perfectschedd.executors.base import OutputTail, RunControl, StopReason
+from perfectschedd.executors.systemd import unit
+from perfectschedd.vocabulary.outcomes import Outcome
 
 LOG = logging.getLogger("test.run_output")
 NAME = "perfectsched-k-1357000000.service"
@@ -257,5 +258,5 @@ EXITED, KILLED = 1, 2
 def test_a_unit_run_records_its_status_and_error(state: dict[str, Any], last: str,
                                                  why: str | None, want: str | None) -> None:
     task = FakeTask(key="k")
-    outcome = unitjobs.end_task(task, NAME, state, last, why, None, 2, LOG)
-    assert unitjobs.unit_error(outcome, NAME, state, last, why, None, 2) == want
+    outcome = unit.end_task(task, NAME, state, last, why, None, 2, LOG)
+    assert unit.unit_error(outcome, NAME, state, last, why, None, 2) == want

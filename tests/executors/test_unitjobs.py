@@ -17,10 +17,11 @@ import pytest
 from test_handlers import FakeTask
 
 from perfectschedd.config import RouteConfig
-from perfectschedd.executors.base import Outcome, RunControl, StopReason
-from perfectschedd.executors.systemd import props as unitprops
+from perfectschedd.executors.base import RunControl, StopReason
 from perfectschedd.executors.systemd import unit as unitjobs
 from perfectschedd.executors.systemd.unit import UnitHandler
+from perfectschedd.settings import unit_props
+from perfectschedd.vocabulary.outcomes import Outcome
 
 LOG = logging.getLogger("test.unitjobs")
 NAME = "perfectsched-k-1357000000.service"
@@ -34,14 +35,14 @@ def handler(**route: Any) -> UnitHandler:
 
 def props(task: FakeTask, h: UnitHandler) -> dict[str, tuple[str, Any]]:
     got = unitjobs.properties(task, h, NAME, node="host1", kill_grace=5,
-                              tag=unitprops.daemon_tag("/run/perfectsched/perfectschedd.sock"))
+                              tag=unit_props.daemon_tag("/run/perfectsched/perfectschedd.sock"))
     return {name: (v.signature, v.value) for name, v in got}
 
 
 def test_the_transient_unit_of_a_run() -> None:
     task = FakeTask(key="k", type="exec:k", data={"x": [1]}, attempt=2)
     h = handler(timeout=90, user="nobody", env=(("A", "1"),),
-                unit=unitprops.convert({"MemoryMax": "1G", "CPUQuota": "50%"}))
+                unit=unit_props.convert({"MemoryMax": "1G", "CPUQuota": "50%"}))
     p = props(task, h)
     assert p["Type"] == ("s", "exec")
     path, argv, ignore = p["ExecStart"][1][0]
@@ -64,10 +65,10 @@ def test_the_transient_unit_of_a_run() -> None:
     assert p["Description"][1].endswith(unitjobs.owner_mark("host1", __import__("os")
                                                             .getpid()))
     # Which daemon of this host started it: the clean-ups of another leave it alone.
-    tag = unitprops.daemon_tag("/run/perfectsched/perfectschedd.sock")
-    assert tag in p["Description"][1] and unitprops.started_by(p["Description"][1], tag)
-    assert not unitprops.started_by(p["Description"][1], unitprops.daemon_tag("/tmp/x.sock"))
-    assert unitprops.started_by("PerfectSched job k (worker host1:1)", tag)  # 0.1.0's
+    tag = unit_props.daemon_tag("/run/perfectsched/perfectschedd.sock")
+    assert tag in p["Description"][1] and unit_props.started_by(p["Description"][1], tag)
+    assert not unit_props.started_by(p["Description"][1], unit_props.daemon_tag("/tmp/x.sock"))
+    assert unit_props.started_by("PerfectSched job k (worker host1:1)", tag)  # 0.1.0's
 
 
 def test_a_route_s_key_is_the_last_argument_and_no_timeout_no_limit() -> None:

@@ -1,4 +1,4 @@
-"""Jobs as systemd units, the parts that need no systemd (perfectschedd/unitprops.py and
+"""Jobs as systemd units, the parts that need no systemd (perfectschedd/unit_props.py and
 where routes and schedules files take `executor:`/`unit:`): unit names as systemd-escape
 makes them, the `unit:` whitelist and its D-Bus types, and the one-line refusals at load,
 including `executor: systemd` on a host that systemd does not run (this suite's hosts)."""
@@ -20,8 +20,8 @@ from daemon_harness import Daemon, wait_until
 
 from perfectschedd import ConfigError
 from perfectschedd.config import Config, from_mapping, refuse_routes
-from perfectschedd.executors.systemd import props as unitprops
-from perfectschedd.schedules import files as schedfiles
+from perfectschedd.schedules import files
+from perfectschedd.settings import unit_props
 
 BASE = {"type": "rdb_compat", "url": "sqlite:////tmp/x.db"}
 ROUTE = {"type": "backup", "exec": ["/usr/local/bin/backup"], "executor": "systemd"}
@@ -33,12 +33,12 @@ def with_systemd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A host that systemd runs, as far as the check at load can tell."""
     marker = tmp_path / "run-systemd-system"
     marker.mkdir()
-    monkeypatch.setattr(unitprops, "SYSTEMD_MARKER", str(marker))
+    monkeypatch.setattr(unit_props, "SYSTEMD_MARKER", str(marker))
 
 
 @pytest.fixture
 def without_systemd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(unitprops, "SYSTEMD_MARKER", str(tmp_path / "no-such-dir"))
+    monkeypatch.setattr(unit_props, "SYSTEMD_MARKER", str(tmp_path / "no-such-dir"))
 
 
 # -- unit names ---------------------------------------------------------------------------
@@ -52,12 +52,12 @@ KEYS = ["nightly", "a/b/c", "db backup", "-dash-", ".hidden", "über:ü", "x\\y"
 def test_keys_are_escaped_as_systemd_escape_does(key: str) -> None:
     want = subprocess.run(["systemd-escape", "--", key], capture_output=True, text=True,
                           check=True).stdout.strip()
-    assert unitprops.escape(key) == want
+    assert unit_props.escape(key) == want
 
 
 @pytest.mark.parametrize("key", KEYS)
 def test_every_key_gives_a_valid_unit_name(key: str) -> None:
-    name = unitprops.unit_name(key, 1357000000)
+    name = unit_props.unit_name(key, 1357000000)
     assert name.startswith("perfectsched-") and name.endswith("-1357000000.service")
     assert len(name) <= 255
     assert all(c.isascii() and (c.isalnum() or c in ":-_.\\@") for c in name), name
@@ -68,13 +68,13 @@ def test_every_key_gives_a_valid_unit_name(key: str) -> None:
 
 
 def test_a_retry_is_a_unit_of_its_own() -> None:
-    assert unitprops.unit_name("k", 60) == "perfectsched-k-60.service"
-    assert unitprops.unit_name("k", 60, attempt=2) == "perfectsched-k-60-2.service"
+    assert unit_props.unit_name("k", 60) == "perfectsched-k-60.service"
+    assert unit_props.unit_name("k", 60, attempt=2) == "perfectsched-k-60-2.service"
 
 
 def test_long_keys_are_cut_and_told_apart_by_a_hash() -> None:
     a, b = "é" * 256, "é" * 255 + "è"
-    na, nb = unitprops.unit_name(a, 1357000000, 3), unitprops.unit_name(b, 1357000000, 3)
+    na, nb = unit_props.unit_name(a, 1357000000, 3), unit_props.unit_name(b, 1357000000, 3)
     assert len(na) <= 255 and len(nb) <= 255 and na != nb
     assert na.endswith("-1357000000-3.service")
     # Whole escapes only (never \\x4 of \\x41), then _ and the hash.
@@ -86,7 +86,7 @@ def test_long_keys_are_cut_and_told_apart_by_a_hash() -> None:
 @pytest.mark.parametrize("key", ["rootjob/1795585905", "a/b/0", "x_0123456789abcdef",
                                  "/7", "a/5/_0123456789abcdef"])
 def test_systemd_reads_an_escaped_tail_back_as_the_key(key: str) -> None:
-    name = unitprops.unit_name(key, 60)
+    name = unit_props.unit_name(key, 60)
     res = subprocess.run(["systemd-escape", "--unescape", "--",
                           name.removeprefix("perfectsched-").removesuffix("-60.service")],
                          capture_output=True, text=True, check=True)
@@ -96,8 +96,8 @@ def test_systemd_reads_an_escaped_tail_back_as_the_key(key: str) -> None:
 def test_a_key_ending_in_slash_digits_is_not_another_occurrence() -> None:
     """The reported pair: the '/' of a trailing "/<digits>" escaped as '-' made key
     rootjob/1795585905 at time 2 the second attempt of rootjob at 1795585905."""
-    a = unitprops.unit_name("rootjob", 1795585905, 2)
-    b = unitprops.unit_name("rootjob/1795585905", 2, 1)
+    a = unit_props.unit_name("rootjob", 1795585905, 2)
+    b = unit_props.unit_name("rootjob/1795585905", 2, 1)
     assert a == "perfectsched-rootjob-1795585905-2.service"
     assert b == "perfectsched-rootjob\\x2f1795585905-2.service" and a != b
 
@@ -125,7 +125,7 @@ def unescape(escaped: str) -> str | None:
 def readings(name: str) -> list[tuple[str | None, int, int]]:
     """Every (key, scheduled_time, attempt) that a unit name could be read as: its middle
     cut at each "-<digits>" (or two) at its end."""
-    middle = name.removeprefix(unitprops.UNIT_PREFIX).removesuffix(unitprops.UNIT_SUFFIX)
+    middle = name.removeprefix(unit_props.UNIT_PREFIX).removesuffix(unit_props.UNIT_SUFFIX)
     out = []
     parts = middle.split("-")
     for tail in (1, 2):
@@ -161,18 +161,18 @@ def test_unit_names_are_unique_per_key_time_and_attempt() -> None:
     triples |= {("rootjob", 1795585905, 2), ("rootjob/1795585905", 2, 1)}
     named: dict[str, tuple[str, int, int]] = {}
     for key, when, attempt in sorted(triples):
-        name = unitprops.unit_name(key, when, attempt)
+        name = unit_props.unit_name(key, when, attempt)
         assert named.setdefault(name, (key, when, attempt)) == (key, when, attempt), name
-        assert len(name) <= unitprops.UNIT_NAME_MAX
+        assert len(name) <= unit_props.UNIT_NAME_MAX
         for other_key, other_when, other_attempt in readings(name):
             if other_key and (other_key, other_when, other_attempt) != (key, when, attempt):
-                assert unitprops.unit_name(other_key, other_when, other_attempt) != name, \
+                assert unit_props.unit_name(other_key, other_when, other_attempt) != name, \
                     (name, other_key, key)
     assert len(named) == len(triples)
 
 
 def test_bus_path_is_systemd_s_bus_label() -> None:
-    assert unitprops.bus_path("perfectsched-a\\x2fb-1.service") == (
+    assert unit_props.bus_path("perfectsched-a\\x2fb-1.service") == (
         "/org/freedesktop/systemd1/unit/perfectsched_2da_5cx2fb_2d1_2eservice")
 
 
@@ -180,7 +180,7 @@ def test_bus_path_is_systemd_s_bus_label() -> None:
 
 
 def test_properties_become_dbus_values() -> None:
-    got = unitprops.convert({
+    got = unit_props.convert({
         "MemoryMax": "1G", "CPUQuota": "50%", "CPUWeight": 200, "IOWeight": 50, "Nice": -5,
         "TasksMax": 64, "PrivateTmp": True, "ProtectSystem": "strict",
         "ReadWritePaths": ["/var/lib/backup", "/srv"], "WorkingDirectory": "/srv"})
@@ -212,8 +212,8 @@ def test_properties_become_dbus_values() -> None:
     ({"CPUQuota": "0.0001%"}, ("CPUQuotaPerSecUSec", "t", 1)),
     ({"CPUQuota": "1844674407370955.1615%"}, ("CPUQuotaPerSecUSec", "t", 2**64 - 1)),
 ])
-def test_each_property_s_type(raw: dict[str, Any], want: unitprops.Property) -> None:
-    assert unitprops.convert(raw) == (want,)
+def test_each_property_s_type(raw: dict[str, Any], want: unit_props.Property) -> None:
+    assert unit_props.convert(raw) == (want,)
 
 
 @pytest.mark.parametrize("raw,error", [
@@ -251,8 +251,8 @@ def test_each_property_s_type(raw: dict[str, Any], want: unitprops.Property) -> 
                                "1844674407370955.1615%)"),
 ])
 def test_bad_properties_are_refused_by_name(raw: Any, error: str) -> None:
-    with pytest.raises(unitprops.UnitPropertyError) as caught:
-        unitprops.convert(raw)
+    with pytest.raises(unit_props.UnitPropertyError) as caught:
+        unit_props.convert(raw)
     assert str(caught.value).startswith(error) and "\n" not in str(caught.value)
 
 
@@ -307,7 +307,7 @@ def test_executor_systemd_is_refused_where_systemd_does_not_run(without_systemd:
     marked, refused = refuse_routes(config)
     assert refused == [
         "/etc/perfectsched/perfectsched.yml: routes[1].executor: systemd is not running on "
-        f"this host ({unitprops.SYSTEMD_MARKER} is missing); use executor exec"]
+        f"this host ({unit_props.SYSTEMD_MARKER} is missing); use executor exec"]
     assert marked.routes[0] == config.routes[0] and marked.routes[1].refused == refused[0]
     check_host(from_mapping({**BASE, "routes": [{**ROUTE, "executor": "exec",
                                                  "user": "root"}]}))
@@ -393,10 +393,10 @@ def test_bad_route_users_and_envs_are_refused(with_systemd: None, route: dict[st
     assert str(caught.value) == error
 
 
-def load_one(tmp_path: Path, entries: Any, **kw: Any) -> schedfiles.Loaded:
+def load_one(tmp_path: Path, entries: Any, **kw: Any) -> files.Loaded:
     f = tmp_path / "one.yml"
     f.write_text(yaml.safe_dump(entries))
-    return schedfiles.load([f], **kw)
+    return files.load([f], **kw)
 
 
 def test_an_entry_with_executor_systemd(with_systemd: None, tmp_path: Path) -> None:
@@ -441,13 +441,13 @@ def test_an_entry_with_executor_systemd_is_refused_without_systemd(
         without_systemd: None, tmp_path: Path) -> None:
     loaded = load_one(tmp_path, [ENTRY])
     assert loaded.errors == [f"{tmp_path / 'one.yml'}: entry 1 (nightly): executor: systemd "
-                             f"is not running on this host ({unitprops.SYSTEMD_MARKER} is "
+                             f"is not running on this host ({unit_props.SYSTEMD_MARKER} is "
                              "missing); use executor exec"]
     # `apply` from a workstation only stores what the file holds: it does not ask.
     assert load_one(tmp_path, [ENTRY], need_user_support=False).errors == []
 
 
-@pytest.mark.skipif(unitprops.systemd_booted(), reason="this host runs systemd")
+@pytest.mark.skipif(unit_props.systemd_booted(), reason="this host runs systemd")
 def test_the_daemon_refuses_the_file_and_runs_the_rest(daemon_factory: Any, tmp_path: Path
                                                        ) -> None:
     """Without systemd (this suite's hosts): a schedules file with an `executor: systemd`

@@ -18,8 +18,7 @@ import pytest
 from daemon_harness import wait_until
 
 import perfectschedd
-from perfectschedd import __version__
-from perfectschedd import config as config_mod
+from perfectschedd import __version__, config
 from perfectschedd.config import Config
 from perfectschedd.errors import DatabaseUnavailableError
 from perfectschedd.master import database
@@ -30,7 +29,7 @@ NODE = "dbtest-node"
 
 
 def make_config(url: str, **changes: object) -> Config:
-    cfg = config_mod.load({"type": "rdb_compat", "url": url, "node_name": NODE,
+    cfg = config.load({"type": "rdb_compat", "url": url, "node_name": NODE,
                            "schedules_dir": None})
     return dataclasses.replace(cfg, **changes)  # type: ignore[arg-type]
 

@@ -13,7 +13,7 @@ import pytest
 from daemon_harness import wait_until
 
 import perfectschedd
-from perfectschedd import config as config_mod
+from perfectschedd import config
 from perfectschedd.errors import ConfigError
 from perfectschedd.master import database
 from perfectschedd.master.database import MasterDatabase
@@ -54,7 +54,7 @@ def test_old_runs_of_deleted_and_existing_keys_go_in_bounded_steps(
     monkeypatch.setattr(database, "PRUNE_EVERY", 0.2)
     monkeypatch.setattr(database, "PRUNE_OLD_BATCH", 4)  # several steps, and passes
     monkeypatch.setattr(database, "PRUNE_OLD_STEPS", 2)
-    cfg = dataclasses.replace(config_mod.load({"type": "rdb_compat", "url": sqlite_url,
+    cfg = dataclasses.replace(config.load({"type": "rdb_compat", "url": sqlite_url,
                                                "schedules_dir": None}),
                               history_keep_days=30.0)
     db = MasterDatabase(cfg)
@@ -89,13 +89,13 @@ def test_one_step_reads_at_most_its_limit(db_url: str) -> None:
 @pytest.mark.parametrize("bad", [-1, "90d", True])
 def test_a_bad_value_is_refused_in_one_line(bad: Any) -> None:
     with pytest.raises(ConfigError, match="^history_keep_days: must be"):
-        config_mod.load({"type": "rdb_compat", "url": "sqlite:///x.db",
+        config.load({"type": "rdb_compat", "url": "sqlite:///x.db",
                          "history_keep_days": bad})
 
 
 def test_zero_keeps_runs_of_any_age() -> None:
-    cfg = config_mod.load({"type": "rdb_compat", "url": "sqlite:///x.db",
+    cfg = config.load({"type": "rdb_compat", "url": "sqlite:///x.db",
                            "history_keep_days": 0})
     assert cfg.history_keep_days == 0
-    assert config_mod.load({"type": "rdb_compat", "url": "sqlite:///x.db"}
+    assert config.load({"type": "rdb_compat", "url": "sqlite:///x.db"}
                            ).history_keep_days == 90

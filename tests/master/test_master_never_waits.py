@@ -180,7 +180,7 @@ def test_http_answers_inside_its_deadline_while_postgresql_is_frozen(
     inside its own deadline, and neither the control socket nor /healthz waits."""
     from api_client import call, make_token
 
-    from perfectschedd.web import server as web_server
+    from perfectschedd.web import server
 
     d = daemon_factory({"routes": [sh("t", "true")], "poll_interval": 0.5},
                        url=pg_url).start()
@@ -198,7 +198,7 @@ def test_http_answers_inside_its_deadline_while_postgresql_is_frozen(
             a = call(d.metrics_port, method, path, token, body)
             took = time.monotonic() - t0
             assert a.status == 503, (path, a.status, a.body)
-            assert took < web_server.ANSWER_DEADLINE + 2, (path, took)
+            assert took < server.ANSWER_DEADLINE + 2, (path, took)
             assert "\n" not in a.error
         # Meanwhile: the socket answers status at once, and /metrics too.
         t0 = time.monotonic()

@@ -19,13 +19,13 @@ from typing import Any
 import pytest
 
 import perfectschedd
-from perfectschedd import config as config_mod
-from perfectschedd.executors.systemd import props as unitprops
-from perfectschedd.master import supervisor as supervisor_mod
+from perfectschedd import config
+from perfectschedd.master import supervisor
 from perfectschedd.master.cleanup import UnitStopper
 from perfectschedd.master.processes import Processes
 from perfectschedd.master.supervisor import Supervisor
 from perfectschedd.schedules.collection import ScheduleCollection
+from perfectschedd.settings import unit_props
 
 
 class RecordingProcesses(Processes):
@@ -74,7 +74,7 @@ class RecordingProcesses(Processes):
 
 @pytest.fixture
 def sup(tmp_path: Path) -> Iterator[tuple[Supervisor, RecordingProcesses]]:
-    cfg = config_mod.load({"type": "rdb_compat", "url": f"sqlite:///{tmp_path / 'db'}",
+    cfg = config.load({"type": "rdb_compat", "url": f"sqlite:///{tmp_path / 'db'}",
                            "workers": 2, "worker_timeout": 5,
                            "control_socket": str(tmp_path / "s.sock")})
     procs = RecordingProcesses()
@@ -144,7 +144,7 @@ def test_pings_read_in_a_turn_put_off_make_the_daemon_ready_at_turn_min(
     what is left of TURN_MIN, not when something next wakes the loop (up to 0.5 s)."""
     # A TURN_MIN long enough that a loaded machine cannot stall past it between the two
     # turns below, and still shorter than the loop's 0.5 s wait.
-    monkeypatch.setattr(supervisor_mod, "TURN_MIN", 0.4)
+    monkeypatch.setattr(supervisor, "TURN_MIN", 0.4)
     s, procs = sup
     s.sel.close()
     s.sel = RecordingSelector()
@@ -227,8 +227,8 @@ def test_a_dead_workers_units_stop_off_the_loop_and_hold_its_replacement_and_giv
 
     def slow_systemd(belongs: Callable[[str, str], bool], names: list[str]) -> list[str]:
         mark = f"(worker {cfg.node}:{victim})"
-        ours = unitprops.daemon_tag(cfg.control_socket)
-        another = unitprops.daemon_tag(cfg.control_socket + ".other")
+        ours = unit_props.daemon_tag(cfg.control_socket)
+        another = unit_props.daemon_tag(cfg.control_socket + ".other")
         asked.append((names, belongs("perfectsched-k-1.service", f"PerfectSched job k {mark}")
                       and belongs("perfectsched-k-1.service",
                                   f"PerfectSched job k {ours} {mark}"),
@@ -299,7 +299,7 @@ def test_units_that_could_not_be_stopped_keep_their_leases(
 def units_supervisor(tmp_path: Path, workers: int, stopper: UnitStopper
                      ) -> tuple[Supervisor, RecordingProcesses]:
     """A Supervisor whose routes run systemd units, its database open, workers forked."""
-    cfg = config_mod.load({"type": "rdb_compat", "url": f"sqlite:///{tmp_path / 'db'}",
+    cfg = config.load({"type": "rdb_compat", "url": f"sqlite:///{tmp_path / 'db'}",
                            "workers": workers, "worker_timeout": 5,
                            "control_socket": str(tmp_path / "s.sock"),
                            "routes": [{"type": "u", "exec": ["/bin/true"],
@@ -338,7 +338,7 @@ def wait_until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> No
 def test_workers_are_forked_once_the_store_is_open(tmp_path: Path) -> None:
     """The master opens its store before the first fork: the workers share what opening
     built, and each is handed that store (store_for_worker) instead of opening one."""
-    cfg = config_mod.load({"type": "rdb_compat", "url": f"sqlite:///{tmp_path / 'db'}",
+    cfg = config.load({"type": "rdb_compat", "url": f"sqlite:///{tmp_path / 'db'}",
                            "workers": 2, "worker_timeout": 5,
                            "control_socket": str(tmp_path / "s.sock")})
     procs = RecordingProcesses()

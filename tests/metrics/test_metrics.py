@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from scrape import Samples, get, scrape, value
 
 from perfectschedd.control import protocol
-from perfectschedd.metrics import counters as metrics
+from perfectschedd.metrics import counters
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "etc" / "prometheus" / "perfectsched.rules.yml"
@@ -157,7 +157,7 @@ def test_metrics_summed_over_workers_and_kept_across_worker_replacement(
     assert value(s, "perfectsched_schedules_paused") == 0
     assert value(s, "perfectsched_schedules_overdue") == 1  # the unrouted one waits
     assert value(s, "perfectsched_schedule_counts_timestamp_seconds") >= t0
-    assert value(s, "perfectsched_build_info", version=metrics.__version__) == 1
+    assert value(s, "perfectsched_build_info", version=counters.__version__) == 1
     assert value(s, "perfectsched_schedule_state", key="fail-1", state="retrying") == 1
     assert value(s, "perfectsched_schedule_last_failure_timestamp_seconds", key="fail-1") >= t0
     assert value(s, "perfectsched_schedule_last_success_timestamp_seconds", key="job-9") >= t0
@@ -283,8 +283,8 @@ def test_scrape_while_a_worker_creates_its_files(tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     # A starting worker's file exists, still empty, for an instant: no failed scrape.
     (tmp_path / "counter_4242.db").write_bytes(b"")
-    monkeypatch.setattr(metrics, "_dir", str(tmp_path))
-    assert metrics.render() == b""
+    monkeypatch.setattr(counters, "_dir", str(tmp_path))
+    assert counters.render() == b""
 
 
 def test_dead_workers_files_are_folded_and_totals_never_go_down(
@@ -347,12 +347,12 @@ def test_a_worker_that_died_before_writing_a_value_is_folded_quietly(
     """A worker stopped as it started leaves an empty metric file: it holds nothing to
     fold, and must not be reported as an error (a failed start's one line is the
     database's, tests/store/test_schema_version.py)."""
-    from perfectschedd.metrics import archive as metrics_archive
+    from perfectschedd.metrics import archive
 
     (tmp_path / "counter_4242.db").write_bytes(b"")
     (tmp_path / "histogram_4242.db").write_bytes(b"\0\0")
     with caplog.at_level("ERROR", logger="perfectschedd"):
-        metrics_archive.fold_dead(str(tmp_path), 4242)
+        archive.fold_dead(str(tmp_path), 4242)
     assert caplog.records == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["counter_archive.db",
                                                          "histogram_archive.db"]
@@ -416,11 +416,11 @@ def test_observe_many_is_observe_per_amount() -> None:
     from prometheus_client import Histogram
 
     amounts = [0.0, 0.001, 0.0011, 0.005, 0.3, 1.0, 99.0, 86400.0, 90000.0, 1e-9]
-    one = Histogram("one", "h", buckets=metrics.BUCKETS, registry=None)
-    many = Histogram("many", "h", buckets=metrics.BUCKETS, registry=None)
+    one = Histogram("one", "h", buckets=counters.BUCKETS, registry=None)
+    many = Histogram("many", "h", buckets=counters.BUCKETS, registry=None)
     for a in amounts:
         one.observe(a)
-    metrics._observe_many(many, amounts)
+    counters._observe_many(many, amounts)
 
     def samples(h: Any) -> dict[tuple[str, str], float]:
         return {(x.name.split("_", 1)[1], x.labels.get("le", "")): x.value

@@ -12,7 +12,7 @@ from pathlib import Path
 from daemon_harness import Daemon, wait_until
 from scrape import Samples, scrape, value
 
-from perfectschedd import config as config_mod
+from perfectschedd import config
 from perfectschedd.schedules.collection import ScheduleCollection
 
 OTHER, LABELS_MAX = "_other", 100  # counters.OTHER_TYPE, counters.TYPE_LABELS_MAX
@@ -39,7 +39,7 @@ def test_300_types_of_a_regexp_route_make_at_most_100_labels(
         "routes": [{"type": "exact-job", "python": "typejobs:Ok", "user": "root"},
                    {"type": "/^t-/", "python": "typejobs:Ok", "user": "root"}],
     }, extra_args=["-I", str(tmp_path)]).start()
-    sc = ScheduleCollection(config_mod.load(str(d.config_path)))
+    sc = ScheduleCollection(config.load(str(d.config_path)))
     try:
         sc.add_many([{"key": f"k{i}", "type": f"t-{i}", "cron": ONCE, "at": 0}
                      for i in range(many)])

@@ -14,7 +14,7 @@ import pytest
 from daemon_harness import shared_dir
 from notify_receivers import wait_for
 
-from perfectschedd import config as config_mod
+from perfectschedd import config
 from perfectschedd.notify import dispatch
 from perfectschedd.notify.dispatch import STATE_OUTCOMES, Dispatcher
 from perfectschedd.schedules.collection import ScheduleCollection
@@ -30,7 +30,7 @@ def make(tmp_path: Path, **extra: Any) -> tuple[Dispatcher, ScheduleCollection, 
                          "every": {"exec": argv, "when": "every-failure"},
                          "out": {"exec": argv, "when": "output"}},
            "notify": "log", **extra}
-    cfg = config_mod.from_mapping(raw)
+    cfg = config.from_mapping(raw)
     sc = ScheduleCollection(cfg)
     sc.init()
     queries: list[str] = []

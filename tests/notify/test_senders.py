@@ -10,7 +10,7 @@ import pytest
 from notify_receivers import Receiver, mails, sendmail_stand_in
 
 from perfectschedd.notify import senders
-from perfectschedd.notify.spec import Notifier
+from perfectschedd.settings.notify_spec import Notifier
 
 RUN = {"key": "backup", "type": "t", "scheduled_time": 1700000000, "attempt": 2,
        "started_at": 1700000001.0, "finished_at": 1700000003.5, "outcome": "failed",

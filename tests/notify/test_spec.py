@@ -1,4 +1,4 @@
-"""Notifiers in the configuration (notify/spec.py through config.from_mapping): what is
+"""Notifiers in the configuration (settings/notify_spec.py through config.from_mapping): what is
 taken, and bad notifier settings refused in one line naming the key."""
 
 from __future__ import annotations
@@ -7,16 +7,16 @@ from typing import Any
 
 import pytest
 
-from perfectschedd import config as config_mod
+from perfectschedd import config
 from perfectschedd.errors import ConfigError, InvalidInputError
-from perfectschedd.notify import spec
 from perfectschedd.schedules import files, policy
+from perfectschedd.settings import notify_spec
 
 BASE = {"type": "rdb_compat", "url": "sqlite:////tmp/x.db"}
 
 
-def load(**extra: Any) -> config_mod.Config:
-    return config_mod.from_mapping({**BASE, **extra})
+def load(**extra: Any) -> config.Config:
+    return config.from_mapping({**BASE, **extra})
 
 
 def test_named_default_and_route_notifiers() -> None:
@@ -29,12 +29,12 @@ def test_named_default_and_route_notifiers() -> None:
                      {"type": "c", "exec": ["/bin/true"],
                       "notify": {"webhook": "http://127.0.0.1:9/h"}}],
              sendmail="/usr/lib/sendmail")
-    assert c.notifier("ops") == spec.Notifier("webhook", "https://hooks.example/x",
+    assert c.notifier("ops") == notify_spec.Notifier("webhook", "https://hooks.example/x",
                                               "change", "ops")
     assert c.notify is c.notifier("ops")
     assert c.routes[0].notify is c.notifier("mails")
     assert c.routes[0].notify.when == "every-failure"
-    assert c.routes[1].notify is spec.SILENT
+    assert c.routes[1].notify is notify_spec.SILENT
     assert c.routes[2].notify.kind == "webhook"
     assert c.notifier("pager").target == ("/usr/local/bin/page", "-q")
     assert c.sendmail == "/usr/lib/sendmail"
@@ -71,11 +71,11 @@ def test_bad_notifier_settings_are_refused_in_one_line_naming_the_key(
 
 def test_mail_without_sendmail_is_a_host_refusal(tmp_path: Any) -> None:
     c = load(notifiers={"m": {"mail": "ops@example.com"}}, sendmail=str(tmp_path / "none"))
-    why = config_mod.notify_refusal(c)
+    why = config.notify_refusal(c)
     assert why is not None and why.startswith("sendmail: ") and "\n" not in why
     # Only a mail notifier needs it; an executable sendmail satisfies it.
-    assert config_mod.notify_refusal(load(sendmail=str(tmp_path / "none"))) is None
-    assert config_mod.notify_refusal(
+    assert config.notify_refusal(load(sendmail=str(tmp_path / "none"))) is None
+    assert config.notify_refusal(
         load(notifiers={"m": {"mail": "ops@example.com"}}, sendmail="/bin/true")) is None
 
 
@@ -97,7 +97,7 @@ def test_schedules_file_entries_take_a_name_inline_or_none() -> None:
     assert inline.policy.notify is None and inline.notify is not None
     assert inline.notify.target == "a@b.example"
     silent = files.check_entry({**base, "notify": "none"}, "file:a.yml")
-    assert silent.notify is spec.SILENT
+    assert silent.notify is notify_spec.SILENT
     with pytest.raises(InvalidInputError, match=r"^notify\.webhook: "):
         files.check_entry({**base, "notify": {"webhook": "gopher://x"}}, "file:a.yml")
     # What `apply` sends over the socket: a name, never an inline notifier.

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from perfectschedd.schedules.fields import (
+from perfectschedd.vocabulary.fields import (
     PAUSED_REASON_MAX,
     REFUSED_ROW_REASON,
     foreign_exec_row,

@@ -17,13 +17,13 @@ import pytest
 import yaml
 from daemon_harness import Daemon, foreign_python, wait_until
 
-from perfectschedd.schedules import files as schedfiles
+from perfectschedd.schedules import files
 
 
-def load_one(tmp_path: Path, entries: Any, **kw: Any) -> schedfiles.Loaded:
+def load_one(tmp_path: Path, entries: Any, **kw: Any) -> files.Loaded:
     f = tmp_path / "one.yml"
     f.write_text(entries if isinstance(entries, str) else yaml.safe_dump(entries))
-    return schedfiles.load([f], **kw)
+    return files.load([f], **kw)
 
 
 GOOD = {"key": "k", "cron": "@daily", "type": "t"}
@@ -42,7 +42,7 @@ def test_a_good_file(tmp_path: Path) -> None:
     route = e.route()
     assert route is not None and route.pattern == "exec:e" and not route.append_key
     assert loaded.entries["k"].route() is None  # a type entry runs on the config's routes
-    assert schedfiles.load([tmp_path / "nothing-here"]).errors[0].endswith(
+    assert files.load([tmp_path / "nothing-here"]).errors[0].endswith(
         "cannot read: No such file or directory")
 
 
@@ -52,7 +52,7 @@ def test_each_file_s_owner_is_recorded(tmp_path: Path) -> None:
     for name, uid in (("root.yml", 0), ("nobody.yml", 65534)):
         (tmp_path / name).write_text(yaml.safe_dump([{**GOOD, "key": name[:-4]}]))
         os.chown(tmp_path / name, uid, -1)
-    loaded = schedfiles.load([tmp_path])
+    loaded = files.load([tmp_path])
     assert loaded.owners == {"file:root.yml": 0, "file:nobody.yml": 65534}
 
 
@@ -109,7 +109,7 @@ def test_bad_files(tmp_path: Path, text: str, error: str) -> None:
 def test_a_key_in_two_files_rejects_the_second(tmp_path: Path) -> None:
     (tmp_path / "a.yml").write_text(yaml.safe_dump([GOOD]))
     (tmp_path / "b.yml").write_text(yaml.safe_dump([GOOD, {**GOOD, "key": "other"}]))
-    loaded = schedfiles.load([tmp_path])
+    loaded = files.load([tmp_path])
     assert loaded.sources == {"file:a.yml"} and loaded.broken == {"file:b.yml"}
     assert set(loaded.entries) == {"k"}
     assert loaded.errors == [f"{tmp_path / 'b.yml'}: key 'k' is also in a.yml"]
@@ -210,26 +210,26 @@ def test_the_daemon_s_own_files_may_not_say_who_runs_a_job(tmp_path: Path) -> No
     that user; naming a user or an executor is root's alone, so such a file is rejected
     whole in one line."""
     ours = owned(tmp_path / "d" / "ours.yml", [PLAIN], NOBODY)
-    assert schedfiles.load([ours], daemon_uid=NOBODY).entries.keys() == {"plain"}
+    assert files.load([ours], daemon_uid=NOBODY).entries.keys() == {"plain"}
     for extra in ({"user": "nobody"}, {"executor": "exec"}):
         owned(ours, [PLAIN, {**PLAIN, "key": "who", **extra}], NOBODY)
-        loaded = schedfiles.load([ours], daemon_uid=NOBODY)
+        loaded = files.load([ours], daemon_uid=NOBODY)
         field = next(iter(extra))
         assert loaded.entries == {} and loaded.errors == [
             f"{ours}: entry 2 (who): {field}: only a file that root owns may name a user or "
             "an executor, and it is owned by uid 65534 (nobody): rejected"]
     roots = owned(tmp_path / "d" / "roots.yml", [{**PLAIN, "user": "nobody"}])
-    assert schedfiles.load([roots], daemon_uid=NOBODY).errors == []
+    assert files.load([roots], daemon_uid=NOBODY).errors == []
     link = tmp_path / "d" / "link.yml"
     link.symlink_to(roots)
     os.lchown(link, NOBODY, NOBODY)
-    assert schedfiles.load([link], daemon_uid=NOBODY).errors == [
+    assert files.load([link], daemon_uid=NOBODY).errors == [
         f"{link}: entry 1 (plain): user: only a file that root owns may name a user or an "
         "executor, and a symlink to it is owned by uid 65534 (nobody): rejected"]
     # Their directory: they could swap any file in it, root's too.
     owned(ours, [PLAIN], NOBODY)
     os.chown(tmp_path / "d", NOBODY, NOBODY)
-    loaded = schedfiles.load([tmp_path / "d"], daemon_uid=NOBODY)
+    loaded = files.load([tmp_path / "d"], daemon_uid=NOBODY)
     assert loaded.sources == {"file:ours.yml"} and loaded.broken == {
         "file:link.yml", "file:roots.yml"}
     assert f"{roots}: entry 1 (plain): user: only a file that root owns may name a user " \
@@ -248,14 +248,14 @@ def test_files_others_may_write_are_rejected(tmp_path: Path, uid: int, mode: int
                                              dir_mode: int, why: str) -> None:
     f = owned(tmp_path / "d" / "x.yml", [PLAIN], uid, mode)
     f.parent.chmod(dir_mode)
-    loaded = schedfiles.load([f.parent], daemon_uid=NOBODY)
+    loaded = files.load([f.parent], daemon_uid=NOBODY)
     assert loaded.entries == {} and len(loaded.errors) == 1
     assert loaded.errors[0].endswith(why), loaded.errors
     if dir_mode == 0o757:
         assert loaded.errors[0] == (f"{f.parent}: world-writable (mode 0757): none of its "
                                     "files are read") and loaded.refused_dirs == {str(f.parent)}
     # perfectschedctl apply reads what its caller can: only stored fields leave it.
-    assert schedfiles.load([f.parent]).entries.keys() == {"plain"}
+    assert files.load([f.parent]).entries.keys() == {"plain"}
 
 
 @needs_root
@@ -267,14 +267,14 @@ def test_every_symlink_on_the_way_is_checked(tmp_path: Path) -> None:
     link = tmp_path / "d" / "x.yml"
     link.parent.mkdir()
     link.symlink_to("../away/middle.yml")  # relative, as ln -s makes them
-    assert schedfiles.load([link.parent], daemon_uid=0).errors == [
+    assert files.load([link.parent], daemon_uid=0).errors == [
         f"{link}: its symlink {link.parent}/../away/middle.yml owned by uid 4321, not root: "
         "rejected"]
     os.lchown(middle, 0, 0)
-    assert schedfiles.load([link.parent], daemon_uid=0).entries.keys() == {"plain"}
+    assert files.load([link.parent], daemon_uid=0).entries.keys() == {"plain"}
     loop = tmp_path / "d" / "loop.yml"
     loop.symlink_to(loop)
-    assert schedfiles.load([loop], daemon_uid=0).errors == [
+    assert files.load([loop], daemon_uid=0).errors == [
         f"{loop}: too many levels of symbolic links: rejected"]
 
 
@@ -283,7 +283,7 @@ def test_a_fifo_is_not_read(tmp_path: Path) -> None:
     fifo = tmp_path / "x.yml"
     os.mkfifo(fifo, 0o644)
     started = time.monotonic()
-    assert schedfiles.load([fifo], daemon_uid=os.geteuid()).errors == [
+    assert files.load([fifo], daemon_uid=os.geteuid()).errors == [
         f"{fifo}: not a regular file: rejected"]
     assert time.monotonic() - started < 5
 

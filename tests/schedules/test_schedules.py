@@ -19,7 +19,7 @@ from perfectschedd import (
     ScheduleCollection,
     ScheduleError,
 )
-from perfectschedd.store.sql import DATA_MAX, KEY_MAX
+from perfectschedd.vocabulary.fields import DATA_MAX, KEY_MAX
 
 T0 = 1_700_002_800
 

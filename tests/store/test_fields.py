@@ -1,4 +1,4 @@
-"""One list of a schedule's fields (schedules/fields.py): the table's columns, Row,
+"""One list of a schedule's fields (vocabulary/fields.py): the table's columns, Row,
 Claimed and ScheduleInfo all follow it."""
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ import sys
 
 import sqlalchemy as sa
 
-from perfectschedd.schedules import fields, policy
+from perfectschedd.schedules import policy
 from perfectschedd.schedules.collection import ScheduleInfo
 from perfectschedd.store.schema import Claimed, Row, schedules_table
+from perfectschedd.vocabulary import fields
 
 
 def test_the_table_has_a_column_for_each_field_in_order() -> None:
@@ -29,7 +30,7 @@ def test_row_claimed_and_info_are_made_from_the_list() -> None:
 
 
 def test_the_list_loads_no_sqlalchemy() -> None:
-    code = "import sys, perfectschedd.schedules.fields; print('sqlalchemy' in sys.modules)"
+    code = "import sys, perfectschedd.vocabulary.fields; print('sqlalchemy' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "False"

@@ -22,13 +22,13 @@ from daemon_harness import Daemon, wait_until
 import perfectschedd
 from perfectschedd.control import commands
 from perfectschedd.errors import ConfigError, SchemaError
-from perfectschedd.store import version as schemaversion
+from perfectschedd.store import version
 from perfectschedd.store.sql import Store
 
 T0 = 1_700_002_800
-CURRENT = str(schemaversion.SCHEMA_VERSION)
+CURRENT = str(version.SCHEMA_VERSION)
 # A schema from a release after this one.
-NEWER = schemaversion.SCHEMA_VERSION + 1
+NEWER = version.SCHEMA_VERSION + 1
 
 
 def meta(url: str) -> dict[str, str]:
@@ -110,8 +110,8 @@ def make_newer(url: str, compatible_from: int | None) -> None:
 def test_a_new_database_records_its_schema(db_url: str) -> None:
     store = Store(db_url)
     assert store.init() is True
-    assert meta(db_url) == {"schema_version": str(schemaversion.SCHEMA_VERSION),
-                            "compatible_from": str(schemaversion.COMPATIBLE_FROM),
+    assert meta(db_url) == {"schema_version": str(version.SCHEMA_VERSION),
+                            "compatible_from": str(version.COMPATIBLE_FROM),
                             "written_by": perfectschedd.__version__}
     assert store.init() is False  # idempotent
     assert meta(db_url)["schema_version"] == CURRENT
@@ -149,7 +149,7 @@ def test_a_0_2_0_database_gains_the_tokens_table_keeping_its_rows(db_url: str) -
                 "revoked_at")), [])
     assert meta(db_url) == {"schema_version": "4", "compatible_from": "1",
                             "written_by": perfectschedd.__version__}
-    assert schemaversion.RELEASES[4] == perfectschedd.__version__ == "0.3.0"
+    assert version.RELEASES[4] == perfectschedd.__version__ == "0.3.0"
     store = Store(db_url)
     store.init()
     token_id, _ = store.add_token("after-upgrade", "viewer", "root", None, T0)

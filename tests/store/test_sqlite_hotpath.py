@@ -16,7 +16,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 import perfectschedd
 from perfectschedd import ScheduleCollection
 from perfectschedd.store.backends.sqlite import CLAIMED_COLUMNS, SQLiteBackend
-from perfectschedd.store.sql import Advance, Claimed
+from perfectschedd.store.schema import Advance, Claimed
 
 T0 = 1_700_002_800
 ALIVE = 300

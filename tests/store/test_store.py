@@ -770,7 +770,7 @@ def test_a_forced_delete_records_its_marker_until_the_key_is_added_again(
         sc: ScheduleCollection) -> None:
     """The marker of a forced delete (schedules/deletions.py) is written in the delete's
     transaction, only when a row was deleted, and any insert of the key ends it."""
-    from perfectschedd.schedules.fields import deleted_marker_name
+    from perfectschedd.vocabulary.fields import deleted_marker_name
 
     long_key = "k" * 256
     for key in ("nightly", long_key, "bulk"):
@@ -808,7 +808,7 @@ def test_a_forced_delete_s_marker_is_made_from_the_row_as_it_is_deleted(
     changed since the caller read it (a convergence) is marked as it is, or it would come
     back at the next apply.  A marker that refuses (raises) deletes nothing and marks
     nothing; one that gives None marks nothing."""
-    from perfectschedd.schedules.fields import deleted_marker_name
+    from perfectschedd.vocabulary.fields import deleted_marker_name
 
     sc.add("nightly", "t", cron="@daily", source="file:backup.yml", now=T0)
     read_before = sc["nightly"].info()
@@ -834,7 +834,7 @@ def _refuse(why: str) -> str:
 def test_a_batch_add_ends_the_markers_of_its_own_keys_only(sc: ScheduleCollection) -> None:
     """add_many reads the markers of forced deletes once for the whole batch: those of its
     keys end, wherever in a batch of more than 500 they are; the others stay."""
-    from perfectschedd.schedules.fields import deleted_marker_name
+    from perfectschedd.vocabulary.fields import deleted_marker_name
 
     for key in ("j3", "j1100", "elsewhere"):
         sc.add(key, "t", cron="@daily", source="file:a.yml", now=T0)

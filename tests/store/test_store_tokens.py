@@ -15,14 +15,15 @@ from collections.abc import Iterator
 import pytest
 import sqlalchemy as sa
 
-from perfectschedd.control import tokens
 from perfectschedd.errors import (
     AlreadyExistsError,
     InvalidInputError,
     NotFoundError,
     ScheduleError,
 )
-from perfectschedd.store.sql import Store, TokenRow
+from perfectschedd.store.sql import Store
+from perfectschedd.store.tokens import TokenRow
+from perfectschedd.vocabulary import tokens
 
 T0 = 1_700_002_800.25
 

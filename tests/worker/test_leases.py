@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from perfectschedd import config as config_mod
+from perfectschedd import config
 from perfectschedd.executors.application import Application
 from perfectschedd.executors.base import StopReason
 from perfectschedd.schedules.collection import ScheduleCollection, Task
@@ -29,7 +29,7 @@ class Finishes(Application):
 
 def pipeline(tmp_path: Path, on_recorded: Any = None, **extra: Any
              ) -> tuple[LeasePipeline, list[str]]:
-    cfg = config_mod.load({
+    cfg = config.load({
         "type": "rdb_compat", "url": f"sqlite:///{tmp_path / 'db'}", "alive_time": 30,
         "kill_grace": 2, "routes": [
             {"type": "py", "python": f"{__name__}:Finishes"},

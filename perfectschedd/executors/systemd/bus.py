@@ -25,7 +25,7 @@ from dbus_next import BusType, Message, MessageType, Variant
 from dbus_next.aio import MessageBus
 
 from perfectschedd.errors import first_line
-from perfectschedd.executors.systemd import props as unitprops
+from perfectschedd.settings import unit_props
 
 __all__ = ["Systemd", "SystemdError", "Watch", "stop_units"]
 
@@ -37,7 +37,7 @@ MANAGER = "org.freedesktop.systemd1.Manager"
 UNIT = "org.freedesktop.systemd1.Unit"
 SERVICE = "org.freedesktop.systemd1.Service"
 PROPERTIES = "org.freedesktop.DBus.Properties"
-UNIT_PATTERN = f"{unitprops.UNIT_PREFIX}*{unitprops.UNIT_SUFFIX}"
+UNIT_PATTERN = f"{unit_props.UNIT_PREFIX}*{unit_props.UNIT_SUFFIX}"
 # A D-Bus call to systemd that takes longer than this is an error (systemd is stuck).
 CALL_TIMEOUT = 30.0
 # The error of a unit object that no longer exists (systemd collected the unit).
@@ -202,7 +202,7 @@ class Systemd:
     def start(self, name: str, properties: list[tuple[str, Variant]], fds: list[int]
               ) -> Watch:
         """Start a transient unit and watch it; returns once systemd accepted it."""
-        path = unitprops.bus_path(name)
+        path = unit_props.bus_path(name)
         watch = Watch(name, path)
         self._ensure_connected()  # before the watch: a first connection watches nothing
         self._watches[path] = watch
@@ -352,7 +352,7 @@ def stop_units(belongs: Callable[[str, str], bool], names: Iterable[str] = (),
             while left and time.monotonic() < end:
                 for name in list(left):
                     try:
-                        reply = await call(bus, unitprops.bus_path(name), PROPERTIES, "Get",
+                        reply = await call(bus, unit_props.bus_path(name), PROPERTIES, "Get",
                                            "ss", [UNIT, "ActiveState"])
                         if reply[0].value in _ENDED:
                             left.discard(name)

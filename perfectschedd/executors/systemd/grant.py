@@ -21,7 +21,7 @@ import logging
 import os
 import pwd
 
-from perfectschedd.executors.systemd import props as unitprops
+from perfectschedd.settings import unit_props
 
 log = logging.getLogger("perfectschedd")
 
@@ -33,8 +33,8 @@ _probes = itertools.count(1)
 
 
 def probe_name() -> str:
-    return f"{unitprops.UNIT_PREFIX}grant-probe-{os.getpid()}-{next(_probes)}" \
-           f"{unitprops.UNIT_SUFFIX}"
+    return f"{unit_props.UNIT_PREFIX}grant-probe-{os.getpid()}-{next(_probes)}" \
+           f"{unit_props.UNIT_SUFFIX}"
 
 
 def holds_grant(timeout: float = PROBE_TIMEOUT) -> bool:
@@ -42,7 +42,7 @@ def holds_grant(timeout: float = PROBE_TIMEOUT) -> bool:
     SystemdError when it cannot tell (no system bus, no answer in time)."""
     if os.geteuid() == 0:
         return True
-    if not unitprops.systemd_booted():
+    if not unit_props.systemd_booted():
         return False
     # D-Bus only where it is asked.
     from dbus_next import BusType, Variant

@@ -31,7 +31,6 @@ from dbus_next import Variant
 from perfectschedd.executors.base import (
     REASON_TEXT,
     Log,
-    Outcome,
     RunOptions,
     RunResult,
     TaskLike,
@@ -40,9 +39,10 @@ from perfectschedd.executors.base import (
     stop_reason,
 )
 from perfectschedd.executors.command import ExecHandler, exec_error, exec_verdict
-from perfectschedd.executors.systemd import props as unitprops
 from perfectschedd.executors.systemd.bus import Systemd, SystemdError, Watch
-from perfectschedd.schedules.fields import schedule_key
+from perfectschedd.settings import unit_props
+from perfectschedd.vocabulary.fields import schedule_key
+from perfectschedd.vocabulary.outcomes import Outcome
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ def run(task: TaskLike, handler: UnitHandler, log: Log, stop: Any, kill_grace: f
     """Run one task as a unit and end it (as command.py's exec runs do).  Its output stays
     in the journal (perfectschedctl logs reads it there): the result carries none."""
     key = task.key
-    name = unitprops.unit_name(key, task.scheduled_time, task.attempt)
+    name = unit_props.unit_name(key, task.scheduled_time, task.attempt)
     verdict_r, verdict_w = os.pipe()
     try:
         try:

@@ -22,11 +22,12 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.engine.url import URL
 from sqlalchemy.exc import DBAPIError
 
-from perfectschedd.metrics import counters as metrics
+from perfectschedd.metrics import counters
 from perfectschedd.store import schema
 from perfectschedd.store.deadline import DEADLINE_MAX, StatementWatch
 from perfectschedd.store.schema import Advance, Claimed
 from perfectschedd.store.writelock import HostWriteLock
+from perfectschedd.vocabulary.history import HISTORY_COLUMNS
 
 
 class DriverStatement:
@@ -100,7 +101,7 @@ class Backend(ABC):
         self.delete_fenced_stmt = t.delete().where(
             t.c.key == sa.bindparam("k"), t.c.fence == sa.bindparam("f"))
         self.history_many = DriverStatement(self.h.insert().inline(), self.engine.dialect,
-                                            schema.HISTORY_COLUMNS)
+                                            HISTORY_COLUMNS)
         self.restrict_types((), (), None)
 
     # -- set-up ---------------------------------------------------------------------------
@@ -220,7 +221,7 @@ class Backend(ABC):
         self.finish_and_claim([], -1, 0, "", 1)
 
     def record_runs(self, runs: list[dict[str, Any]]) -> None:
-        """Append run history rows (schema.HISTORY_COLUMNS), in one transaction."""
+        """Append run history rows (HISTORY_COLUMNS), in one transaction."""
         with self.transaction() as conn:
             self.history_many.executemany(conn, runs)
 
@@ -267,7 +268,7 @@ class ServerBackend(Backend):
                 cut = watch.was_cut(dbapi_conn)
             if not cut and self.timed_out(ctx.original_exception):
                 cut = True
-                metrics.db_deadline_expired()  # the watchdog counts its own cuts
+                counters.db_deadline_expired()  # the watchdog counts its own cuts
             if cut and ctx.sqlalchemy_exception is not None:
                 ctx.sqlalchemy_exception.perfectsched_deadline = self.deadline
             if cut or self.not_primary(ctx.original_exception):
@@ -277,13 +278,13 @@ class ServerBackend(Backend):
 
         def invalidated(dbapi_conn: Any, record: Any, exc: BaseException | None) -> None:
             if exc is not None:
-                metrics.db_connection_abandoned()
+                counters.db_connection_abandoned()
                 self.lost = True
 
         def connected(dbapi_conn: Any, record: Any) -> None:
             if self.lost:
                 self.lost = False
-                metrics.db_reconnected()
+                counters.db_reconnected()
 
         event.listen(engine, "handle_error", failed)
         event.listen(engine, "invalidate", invalidated)

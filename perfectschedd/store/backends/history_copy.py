@@ -20,7 +20,7 @@ from typing import Any
 
 from sqlalchemy.engine import Connection
 
-from perfectschedd.store.schema import HISTORY_COLUMNS
+from perfectschedd.vocabulary.history import HISTORY_COLUMNS
 
 # What each column is written as, and the type OIDs the table's column may have for
 # that: text columns are TEXT or VARCHAR(n) (both take text's binary form; VARCHAR

@@ -19,7 +19,6 @@ from sqlalchemy import event
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from perfectschedd.schedules.fields import CLAIMED_FIELDS
 from perfectschedd.store.backends.base import ServerBackend, in_cron_order
 from perfectschedd.store.backends.history_copy import HistoryCopy
 from perfectschedd.store.deadline import (
@@ -28,7 +27,9 @@ from perfectschedd.store.deadline import (
     StatementWatch,
     pg_sqlstate,
 )
-from perfectschedd.store.schema import HISTORY_COLUMNS, Advance, Claimed
+from perfectschedd.store.schema import Advance, Claimed
+from perfectschedd.vocabulary.fields import CLAIMED_FIELDS
+from perfectschedd.vocabulary.history import HISTORY_COLUMNS
 
 # A transaction the server rolled back to break a deadlock or a serialization conflict:
 # running it again is the documented remedy.  A worker's heartbeat and its finish touch

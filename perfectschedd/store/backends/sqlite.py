@@ -27,10 +27,10 @@ from sqlalchemy.engine.url import URL
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from perfectschedd.errors import ConfigError
-from perfectschedd.schedules.fields import CLAIMED_FIELDS
 from perfectschedd.store.backends.base import Backend, in_cron_order
 from perfectschedd.store.schema import TRY_AGAIN_FOR, Advance, Claimed, lease_until
 from perfectschedd.store.writelock import HostWriteLock
+from perfectschedd.vocabulary.fields import CLAIMED_FIELDS
 
 # RETURNING: the claim is one statement that leases the rows and hands them back.
 MIN_SQLITE = (3, 35, 0)

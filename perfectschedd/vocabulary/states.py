@@ -15,10 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-# Outcomes of a run that count as a failure (a worker that died with the run: `lost`).
-FAILURES = ("failed", "timeout", "lost")
-# The run asked to be run again later (SCHED_LATER N): an attempt, not a failure.
-LATER = "later"
+from perfectschedd.vocabulary.outcomes import Outcome, is_failure
 
 OK, PAUSED, RUNNING, RETRYING, FAILED = "ok", "paused", "running", "retrying", "failed"
 STATES = (OK, PAUSED, RUNNING, RETRYING, FAILED)
@@ -35,9 +32,9 @@ def state_of(paused: Any, owner: str | None, attempt: int, last_outcome: str | N
         return PAUSED
     if owner is not None:
         return RUNNING
-    if attempt > 0 and last_outcome != LATER:
+    if attempt > 0 and last_outcome != Outcome.LATER:
         return RETRYING
-    if last_outcome in FAILURES:
+    if is_failure(last_outcome):
         return FAILED
     return OK
 
