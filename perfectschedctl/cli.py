@@ -17,7 +17,7 @@ from perfectschedd import ConfigError, ScheduleError, __version__
 from perfectschedd.control import protocol, registry
 from perfectschedd.control.protocol import HISTORY_MAX
 from perfectschedd.paths import DEFAULT_SOCKET
-from perfectschedd.schedules.fields import MAX_DEPTH, PREVIEW_MAX, json_depth
+from perfectschedd.vocabulary.fields import MAX_DEPTH, PREVIEW_MAX, json_depth
 
 from .client import DaemonUnavailable, SocketClient
 from .output import format_time, print_result, terminal_text
@@ -259,16 +259,15 @@ def _apply_request(ns: argparse.Namespace, daemon_status: dict[str, Any] | None
     would reject on reload fails here for the same reason.  With -c (no daemon asked),
     or a daemon that does not say how it checks (older than 0.2.0), only what the
     database stores is checked."""
-    from perfectschedd.schedules import converge
-    from perfectschedd.schedules import files as schedfiles
+    from perfectschedd.schedules import converge, files
 
     missing = [p for p in ns.paths if not os.path.exists(p)]
     if missing:
         raise _BadArgument(f"{missing[0]}: no such file or directory")
     host = None if daemon_status is None else \
-        schedfiles.HostChecks.of_status(daemon_status, os.geteuid())
-    loaded = schedfiles.check(ns.paths, host) if host is not None else \
-        schedfiles.load(ns.paths, need_user_support=False)
+        files.HostChecks.of_status(daemon_status, os.geteuid())
+    loaded = files.check(ns.paths, host) if host is not None else \
+        files.load(ns.paths, need_user_support=False)
     problems = loaded.problems()
     if problems:
         raise _BadArgument("\n".join(f"perfectschedctl: {e}" for e in problems)
@@ -282,7 +281,7 @@ def _note_exec_entries(entries: list[dict[str, Any]], paths: list[str],
     """After an apply: where its exec entries run (said once it was taken, so that a
     refusal stays one line), unless the files are the daemon's own already (in its
     `schedules_dir`: a reload reads them there)."""
-    from perfectschedd.schedules.fields import EXEC_TYPE
+    from perfectschedd.vocabulary.fields import EXEC_TYPE
 
     if isinstance(schedules_dir, str) and paths and all(
             os.path.dirname(os.path.realpath(p)) == os.path.realpath(schedules_dir)
@@ -314,26 +313,26 @@ def _json_arg(name: str, text: str) -> Any:
 
 def _direct(ns: argparse.Namespace, cmd: str, args: dict[str, Any]) -> Any:
     from perfectschedd.control import auth, commands
-    from perfectschedd.schedules import collection as schedules
+    from perfectschedd.schedules import collection
 
     # Before opening anything: a root-only command is refused to anyone else here too.
     auth.check_root_only(registry.command(cmd, registry.DIRECT), auth.Caller.this_process())
-    with schedules.open(ns.config, ns.environment) as sc:
+    with collection.open(ns.config, ns.environment) as sc:
         return commands.execute(sc, cmd, args, where=registry.DIRECT)
 
 
 def _import_crontab(ns: argparse.Namespace) -> int:
     """Local only: reads a file, prints a schedules file, talks to no daemon."""
-    from perfectschedd.schedules import from_crontab as crontab
+    from perfectschedd.schedules import from_crontab
 
     try:
-        tab = crontab.read(ns.file, user=ns.user, system=ns.system)
-    except crontab.CrontabRefused as exc:
+        tab = from_crontab.read(ns.file, user=ns.user, system=ns.system)
+    except from_crontab.CrontabRefused as exc:
         raise _BadArgument(str(exc)) from None
     except OSError as exc:
         raise _BadArgument(f"{ns.file}: {exc.strerror}") from None
-    done = crontab.convert(tab.text, name=tab.name, system=tab.system, user=tab.user,
-                           default_timezone=crontab.system_timezone())
+    done = from_crontab.convert(tab.text, name=tab.name, system=tab.system, user=tab.user,
+                           default_timezone=from_crontab.system_timezone())
     sys.stdout.write(done.text)
     for warning in done.warnings:
         print(f"perfectschedctl: warning: {warning}", file=sys.stderr)
@@ -446,9 +445,9 @@ def _import_legacy(ns: argparse.Namespace, send: Callable[[str, dict[str, Any]],
                    ) -> int:
     """Read the legacy table here; add its schedules through the usual channel (the
     daemon, or the database of -c), all checked before the first is written."""
-    from perfectschedd.schedules import from_legacy as legacy
+    from perfectschedd.schedules import from_legacy
 
-    found, problems = legacy.read(ns.url, ns.table)
+    found, problems = from_legacy.read(ns.url, ns.table)
     if problems:
         raise _BadArgument("\n".join(f"perfectschedctl: cannot import {p}" for p in problems)
                            .removeprefix("perfectschedctl: "))
