@@ -9,10 +9,10 @@ DEVENV := $(if $(filter 0,$(shell id -u)),root,user)
 # pytest-xdist processes: the tests mostly wait on daemons' timers and database servers,
 # so twice the cores keeps a 2-core machine busy without starving those timers.
 TEST_WORKERS ?= $(shell echo $$(( $$(nproc) * 2 )))
-# Print the slowest tests of each run (the 20 s rule: README "Tests").
+# Print the slowest tests of each run, so that one that grows is seen.
 DURATIONS := --durations=15 --durations-min=1
 
-.PHONY: run test check test-deps test-slow test-faults test-debian test-system lint bench deb clean
+.PHONY: run test test-quick check test-deps test-slow test-faults test-debian test-system lint bench deb clean
 
 $(BIN)/perfectschedd: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,15 @@ test: $(BIN)/perfectschedd test-deps
 	$(BIN)/pytest -q $(DURATIONS) -m "serial and not system and not faults" || rc=1; \
 	echo "make test: $$(( $$(date +%s) - start )) s with $(TEST_WORKERS) test processes" \
 	  "(rc $$rc)"; exit $$rc
+
+# The loop to run while working: the package's own tests that start no daemon and no
+# database server (marker `quick`, set by tests/conftest.py), ruff first.  Under a minute;
+# `make test` before a commit.  A room alone: make test-quick QUICK=tests/store
+QUICK ?= tests
+test-quick: $(BIN)/perfectschedd
+	@start=$$(date +%s); rc=0; \
+	$(BIN)/ruff check . && $(BIN)/pytest -q -n $(TEST_WORKERS) -p no:cacheprovider -m quick $(QUICK) || rc=1; \
+	echo "make test-quick: $$(( $$(date +%s) - start )) s (rc $$rc)"; exit $$rc
 
 # The tests that wait a minute or more (jobs of 120 s through reloads, 30 s stops), and
 # the PostgreSQL and MariaDB runs of the longest tests (slow_on_servers, whose SQLite run

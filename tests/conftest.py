@@ -62,12 +62,32 @@ _DB_FIXTURE_MARKS = {
 }
 
 
+# What starts a whole daemon (or an old release's) in a test module: its tests are not
+# `make test-quick`'s.
+_DAEMON_NAMES = ("Daemon", "start_plain_daemon", "OldRelease")
+_DAEMON_FIXTURES = {"daemon_factory", "old_release", "release_0_2_0"}
+_HEAVY_FOLDERS = {"daemon", "faults", "system"}
+
+
+def _is_heavy(item: pytest.Item) -> bool:
+    """A test that starts a daemon or a database server, or waits on one."""
+    module = getattr(item, "module", None)
+    return (item.path.parent.name in _HEAVY_FOLDERS
+            or any(hasattr(module, name) for name in _DAEMON_NAMES)
+            or bool(_DAEMON_FIXTURES & set(getattr(item, "fixturenames", ())))
+            or any(item.get_closest_marker(m) is not None
+                   for m in ("postgresql", "mysql", "slow", "serial", "faults", "system")))
+
+
 def pytest_itemcollected(item: pytest.Item) -> None:
     # Tests that use a server fixture directly get its marker, so that -m "not mysql"
     # deselects them too.  (Only one pytest_itemcollected may exist in this file.)
     for fixture, mark in _DB_FIXTURE_MARKS.items():
         if fixture in getattr(item, "fixturenames", ()):
             item.add_marker(mark)
+    # make test-quick: the package's own tests, in one process each, no daemon, no server.
+    if not _is_heavy(item):
+        item.add_marker(pytest.mark.quick)
     # The longest tests run on SQLite in make test and on the servers in make check
     # (pyproject.toml: slow_on_servers), to keep make test within its 8 minutes.
     if item.get_closest_marker("slow_on_servers") is not None and (

@@ -65,13 +65,13 @@ def test_add_and_modify_have_a_flag_for_each_policy_option() -> None:
     perfectschedctl reads it at every start); an option added to policy.OPTIONS without
     its flag fails here."""
     from perfectschedd.schedules import policy
-    from perfectschedd.schedules.preview import DEFAULT_COUNT, MAX_COUNT
+    from perfectschedd.vocabulary.fields import PREVIEW_COUNT, PREVIEW_MAX
 
     assert {a.dest for a in registry.POLICIES} == set(policy.OPTIONS)
     for name in ("add", "modify"):
         assert set(policy.OPTIONS) <= set(registry.COMMANDS[name].args), name
     count = next(a for a in registry.COMMANDS["next"].cli if a.dest == "count")
-    assert count.default == DEFAULT_COUNT and f"1-{MAX_COUNT}," in count.help
+    assert count.default == PREVIEW_COUNT and f"1-{PREVIEW_MAX}," in count.help
 
 
 def test_every_database_command_has_a_handler_and_no_other_does() -> None:

@@ -4,7 +4,7 @@ user) and one line says so.
 
 A real probe, as a daemon that is not root makes it (user nobody), against a system bus
 that accepts the connection and never answers (a real socket, silent).  The host need
-not run systemd: the probe is told where its marker is (as test_unitprops.py does).
+not run systemd: the probe is told where its marker is (as tests/settings/test_unit_props.py does).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import logging, sys
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="LOG %(message)s")
 from perfectschedd.executors.systemd import grant
 from perfectschedd.settings import unit_props
-props.SYSTEMD_MARKER = sys.argv[1]
+unit_props.SYSTEMD_MARKER = sys.argv[1]
 state = grant.grant_state()
 print("HELD", state[0] if isinstance(state, tuple) else state)
 """

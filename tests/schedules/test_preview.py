@@ -21,6 +21,7 @@ from croniter import croniter
 
 from perfectschedctl.cli import main
 from perfectschedd.schedules import cron, preview
+from perfectschedd.vocabulary.fields import PREVIEW_COUNT
 
 ZONES = ("Europe/Berlin", "America/New_York", "Australia/Lord_Howe", "UTC",
          "Asia/Kolkata", "Pacific/Chatham", "America/Santiago", "Antarctica/Troll",
@@ -219,7 +220,7 @@ def test_count_is_bounded(capsys: pytest.CaptureFixture[str], count: str) -> Non
 def test_default_is_five_from_now(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run_next(capsys, "--json", "next", "--cron", "@hourly")
     times = [t["scheduled_time"] for t in json.loads(out)["times"]]
-    assert code == 0 and len(times) == preview.DEFAULT_COUNT == 5
+    assert code == 0 and len(times) == PREVIEW_COUNT == 5
     assert all(b - a == 3600 for a, b in zip(times, times[1:], strict=False))
 
 
