@@ -49,13 +49,13 @@ from perfectschedd.metrics import counters
 from perfectschedd.notify import senders
 from perfectschedd.settings.notify_spec import SILENT, Notifier
 from perfectschedd.vocabulary.fields import RUN_NOW_MARK, schedule_key
+from perfectschedd.vocabulary.outcomes import FAILURES, Outcome
 
 log = logging.getLogger("perfectschedd.notify")
 
-SUCCESS = "success"
-# Outcomes that are a failure for notifications: the run failed, timed out, or was lost
-# (its worker or host died under it).
-FAILURES = frozenset({"failed", "timeout", "lost"})
+# A key's state for notifications: its latest run that counts succeeded, or failed (any
+# of FAILURES: it failed, timed out, or was lost with its worker or host).
+SUCCESS, FAILED = Outcome.SUCCESS.value, Outcome.FAILED.value
 # The outcomes that make a key's state; the rest (later, skipped, preempted, released,
 # stopped, ...) change nothing.
 STATE_OUTCOMES = (SUCCESS, *sorted(FAILURES))
@@ -225,7 +225,7 @@ class Dispatcher:
                     later.append(r)  # a recovery only if the history says so: asked apart
                     continue
             elif outcome in FAILURES:
-                seen[key] = "failed"
+                seen[key] = FAILED
             else:
                 continue
             keep.append(r)
@@ -339,11 +339,11 @@ class Dispatcher:
         for key, _ in ask:
             prior = found.get(key)
             state[schedule_of(key)] = (UNKNOWN if prior is None
-                                       else "failed" if prior in FAILURES else SUCCESS)
+                                       else FAILED if prior in FAILURES else SUCCESS)
         told = []
         for r in runs:
             key = schedule_of(r["key"])
-            if state.get(key) == "failed":
+            if state.get(key) == FAILED:
                 told.append(r)
             else:
                 state[key] = SUCCESS
@@ -391,7 +391,7 @@ class Dispatcher:
         run_key = str(run.get("key"))
         key = schedule_of(run_key)
         failed = run.get("outcome") in FAILURES
-        now_state = "failed" if failed else SUCCESS
+        now_state = FAILED if failed else SUCCESS
         before = None if run.get("untold_before") else state.get(key)
         if before is None and notifier is not None and notifier.when != "output" \
                 and not run.get("untold_before"):
@@ -400,7 +400,7 @@ class Dispatcher:
             started = run.get("state_since", run.get("started_at"))
             prior = self.previous(run_key,
                                   float(started if started is not None else time.time()))
-            before = None if prior is None else ("failed" if prior in FAILURES else SUCCESS)
+            before = None if prior is None else (FAILED if prior in FAILURES else SUCCESS)
         state[key] = now_state
         state.move_to_end(key)
         if len(state) > STATE_MAX:
@@ -410,10 +410,10 @@ class Dispatcher:
         if notifier.when == "output":
             return "output" if run.get("output") else None
         if failed:
-            if notifier.when == "every-failure" or before != "failed":
+            if notifier.when == "every-failure" or before != FAILED:
                 return "failure"
             return None
-        return "recovery" if before == "failed" else None
+        return "recovery" if before == FAILED else None
 
     def deliver(self, notifier: Notifier, message: senders.Message) -> bool:
         why = "?"
