@@ -166,7 +166,7 @@ class Config:
     notify_as: str | None = None
     notify_refused: str | None = None
     # Schedules files' entries' own `notify:` (inline or none), by key: on this host only,
-    # as their commands (set by converge.FileSchedules.load).
+    # as their commands (set by master/file_schedules.FileSchedules.load).
     entry_notify: tuple[tuple[str, Notifier], ...] = ()
     source: str | None = field(default=None, compare=False)
 

@@ -43,12 +43,12 @@ from perfectschedd.executors.systemd import grant as unitgrant
 from perfectschedd.master import heap
 from perfectschedd.master.cleanup import RunCleanup, UnitStopper, stop_units_over_dbus
 from perfectschedd.master.database import HOST_EVERY, MasterDatabase, refusal_of
+from perfectschedd.master.file_schedules import FileSchedules
 from perfectschedd.master.grantwatch import GrantWatch
 from perfectschedd.master.listeners import Listeners
 from perfectschedd.master.processes import Processes
 from perfectschedd.master.workertable import DRAIN_ROOM, WorkerProc, WorkerTable
 from perfectschedd.metrics import counters
-from perfectschedd.schedules.converge import FileSchedules
 from perfectschedd.schedules.files import HostChecks
 from perfectschedd.settings import runas
 from perfectschedd.store.sql import check_url, engine_url
