@@ -3,8 +3,9 @@
 Invariants:
 - The master's main loop never waits on the database.  The store is opened, status
   figures are read and history is pruned by one housekeeping thread, which publishes a
-  snapshot; commands run on a small pool with a deadline, so a database that hangs
-  answers "database unreachable" instead of hanging the caller.
+  snapshot (what a reading holds is snapshot.py's); commands run on a small pool with a
+  deadline, so a database that hangs answers "database unreachable" instead of hanging
+  the caller.
 - The loop forks workers only while no master thread is inside a database call
   (`fork_gate`): a worker never inherits a lock held mid-call (SQLite's mutexes, the
   connection pool's).  If a call is in flight, the fork waits for the next turn of the
@@ -20,9 +21,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from sqlalchemy.exc import DBAPIError
@@ -31,24 +31,28 @@ from perfectschedd import __version__
 from perfectschedd.config import Config
 from perfectschedd.errors import DatabaseUnavailableError, SchemaError, first_line
 from perfectschedd.master import heap
+from perfectschedd.master.snapshot import (
+    Series,
+    Snapshot,
+    States,
+    read_figures,
+    read_states,
+    show_on_metrics,
+    snapshot_of,
+)
 from perfectschedd.metrics import counters
 from perfectschedd.notify.dispatch import STATE_OUTCOMES, Dispatcher
-from perfectschedd.schedules import overdue, policy
-from perfectschedd.schedules.collection import ScheduleCollection, waits_its_turn
+from perfectschedd.schedules import policy
+from perfectschedd.schedules.collection import ScheduleCollection
 from perfectschedd.schedules.validate import key_problem
 from perfectschedd.store import deadline
-from perfectschedd.store.schema import Row
 from perfectschedd.store.sql import Store
-from perfectschedd.vocabulary import states
-from perfectschedd.vocabulary.fields import RUN_NOW_MARK, schedule_key
-from perfectschedd.vocabulary.outcomes import Outcome
+from perfectschedd.vocabulary.fields import schedule_key
 
 log = logging.getLogger("perfectschedd")
 
 T = TypeVar("T")
 
-# The schedules that run next, in status (the web console's overview).
-NEXT_DUE_SHOWN = 10
 COMMAND_TIMEOUT = 10.0  # a command that needs the database answers within this
 COMMAND_THREADS = 4     # calls in flight at once; more wait for a thread (and a deadline)
 PROBE_EVERY = 2.0       # a cheap query: is the database answering?
@@ -66,8 +70,6 @@ PRUNE_OLD_BATCH = 1000
 PRUNE_OLD_STEPS = 10
 PRUNE_OLD_RESTART = 3600.0
 OPEN_RETRY_MAX = 2.0  # cheap queries: the master may look again soon
-# Due and unclaimed for this long: no live worker takes it (shown by status and metrics).
-UNCLAIMED_AFTER = 60
 RENAME_CHECK_EVERY = 3600.0  # a read of every key: rare, and off the master's loop
 # SQLite's page cache per connection of the master (the default is 2 MiB).  Its reads
 # scan whole tables (counts, states, keys), so the default cache fills and stays full: at
@@ -88,50 +90,10 @@ FORK_AFTER_NETWORK_WAIT = 2.0
 # While a fork waits for calls in flight to end, new calls hold back this long, so that a
 # steady stream of requests cannot starve worker starts.
 FORK_PRIORITY = 1.0
-# Failing and overdue schedules named by status (the totals count them all).
-FAILING_SHOWN = 20
 # A status call in flight this long means the database does not answer.
 UNANSWERED_AFTER = 3.0
 # This host's row in the hosts table is refreshed this often (status reads "last seen").
 HOST_EVERY = 10.0
-# A host not heard of for this long has gone for good: its row is deleted.
-HOST_FORGET_AFTER = 7 * 86400.0
-
-
-@dataclass
-class Snapshot:
-    """What the housekeeping thread last read; replaced whole, never changed in place."""
-
-    counts: dict[str, int] = field(default_factory=dict)
-    running: list[dict[str, Any]] = field(default_factory=list)
-    # The schedules that run next (NEXT_DUE_SHOWN): key, type, run_at.
-    next_due: list[dict[str, Any]] = field(default_factory=list)
-    # Claimed runs waiting for their schedule's running one to end (`run KEY` under forbid)
-    queued: list[dict[str, Any]] = field(default_factory=list)
-    unclaimed: dict[str, int] = field(default_factory=dict)  # type -> occurrences
-    # Keys stored before today's key rules (they work; a rename is advised): key -> why.
-    rename: dict[str, str] = field(default_factory=dict)
-    # The hosts table (name, version, last_seen, ...), and nodes seen at work (leases,
-    # recent runs) that are not in it: hosts of a release before 0.2.0.
-    hosts: list[dict[str, Any]] = field(default_factory=list)
-    unrecorded_nodes: list[str] = field(default_factory=list)
-    # Schedules by state (vocabulary/states.py); those retrying or whose latest run failed
-    # (at most FAILING_SHOWN, and how many in all); overdue ones (schedules/overdue.py).
-    states: dict[str, int] = field(default_factory=dict)
-    failing: list[dict[str, Any]] = field(default_factory=list)
-    failing_total: int = 0
-    oldest_overdue: float = 0.0        # seconds; 0: nothing overdue
-    beyond_period: list[dict[str, Any]] = field(default_factory=list)
-    beyond_period_total: int = 0
-    # While everything is paused (pause --all): since, by, and the schedules it holds.
-    paused_all: dict[str, Any] | None = None
-    # Rows paused as not their file entry's own (fields.foreign_exec_row): key, type,
-    # creator, why.
-    refused_rows: list[dict[str, Any]] = field(default_factory=list)
-    read_at: float | None = None       # Unix time of `counts`/`running`
-    ok: bool | None = None             # None: not asked yet
-    unreachable_since: float | None = None
-    error: str | None = None
 
 
 class MasterDatabase:
@@ -160,8 +122,8 @@ class MasterDatabase:
         self._refreshed = threading.Condition()
         # The latest reading of the schedules' states (Store.state_summary without its
         # overdue rows), and when the next one is due unasked (monotonic).
-        self._states: dict[str, Any] | None = None
-        self._series: tuple[list[counters.ScheduleSeries], int] = ([], 0)
+        self._states: States | None = None
+        self._series: Series = ([], 0)
         self._next_states = 0.0
         self._thread = threading.Thread(target=self._housekeeping, name="housekeeping",
                                         daemon=True)
@@ -372,7 +334,7 @@ class MasterDatabase:
             if self.snapshot.ok is False:
                 self._mark(True)  # it answered: say so before the next probe does
             return result
-        except FutureTimeout:
+        except TimeoutError:  # concurrent.futures.TimeoutError since 3.11
             future.cancel()  # not started yet: it never will (a stale write, later)
             self._mark(False, f"no answer within {timeout:g}s")
             raise DatabaseUnavailableError(self._why(f"no answer within {timeout:g}s")
@@ -581,100 +543,25 @@ class MasterDatabase:
         self._publish(replace(self.snapshot, rename=rename))
         heap.trim()  # it read every key
 
-    def _read_series(self) -> tuple[list[counters.ScheduleSeries], int]:
-        """The schedules with series of their own on /metrics (policy `metrics`, a
-        route's default), at most schedule_metrics_max, and how many there are in all."""
-        store, limit = self.store, self.config.schedule_metrics_max
-        assert store is not None
-        routed = [r for r in self.config.routes if r.metrics]
-        types = {r.pattern for r in routed if r.regexp is None}
-        if any(r.regexp is not None for r in routed):
-            types.update(t for t in store.types_present()
-                         if any(r.matches(t) for r in routed))
-        rows, total = store.series_rows(types, limit)
-        last = store.last_success_and_failure([r.key for r in rows])
-        series = []
-        for r in rows:
-            success, failure = last.get(r.key, (None, None))
-            series.append(counters.ScheduleSeries(
-                key=r.key, type=r.type,
-                state=states.state_of(r.paused, r.owner, r.attempt,
-                                      _latest_outcome(success, failure)),
-                next_due=None if r.paused else float(overdue.due_of(r)),
-                period=overdue.period_of(r), last_success=success, last_failure=failure))
-        return series, total - len(series)
-
     def _read_status(self, states: bool = True, now: float | None = None) -> None:
-        """Read what status and /metrics show; `states`: the schedules' states too (else
-        the latest reading of them is shown again, see STATES_SHARE).  `now`: when the
-        reading began (its read_at)."""
+        """Read what status and /metrics show (snapshot.py); `states`: the schedules'
+        states too (else the latest reading of them is shown again, see STATES_SHARE).
+        `now`: when the reading began (its read_at)."""
         store, sc = self.store, self.sc
         assert store is not None and sc is not None
         now = time.time() if now is None else now
         with self._gate():
-            paused_all = sc.paused_all()
-            if paused_all is not None:
-                paused_all = {**paused_all, "schedules": store.count_paused(with_all=True)}
-            counts = store.counts(int(now))
-            refused_rows = [r._asdict() for r in store.refused_rows()]
             if states or self._states is None:
                 began = time.monotonic()
-                self._states = store.state_summary(int(now), overdue=0)
                 # Read with the states, and counted in their share of the time: the
                 # choice of the schedules with series of their own reads every row too.
-                self._series = self._read_series()
-                heap.trim()  # it read every schedule with its latest run
+                self._states, self._series = read_states(store, self.config, now)
                 took = time.monotonic() - began
                 self._next_states = began + max(COUNTS_EVERY, took / STATES_SHARE)
-            summary = {**self._states, "overdue": store.overdue_rows(int(now))}
-            rows = store.running()
-            holders = store.group_holders({schedule_key(r.key) for r in rows
-                                           if RUN_NOW_MARK in r.key})
-            unclaimed = store.unclaimed(int(now) - UNCLAIMED_AFTER)
-            hosts = store.hosts(forget_before=now - HOST_FORGET_AFTER)
-            next_due = [{"key": k, "type": ty, "run_at": at}
-                        for k, ty, at in store.next_due(NEXT_DUE_SHOWN)]
-            at_work = store.nodes_at_work(now - self.config.alive_time)
-        running: list[dict[str, Any]] = []
-        queued: list[dict[str, Any]] = []
-        for r in rows:
-            waits = waits_its_turn(r.key, policy.from_text(r.policy).concurrency,
-                                   holders.get(schedule_key(r.key)))
-            (queued if waits else running).append({
-                "key": r.key, "type": r.type, "scheduled_time": r.next_time,
-                "timezone": r.timezone, "owner": r.owner,
-                "age": round(now - r.claimed_at, 3) if r.claimed_at else None,
-                "attempt": r.attempt})
-        failing = [_failing(r, last, now) for r, last in summary["problems"]]
-        lates = overdue.late([*summary["overdue"], *(r for r, _ in summary["problems"])],
-                             now)
-        beyond = [{"key": x.key, "due": x.due, "overdue_by": x.overdue_by,
-                   "period": x.period} for x in lates if x.beyond_period]
-        oldest = lates[0].overdue_by if lates else 0.0
-        # The series before the counts: a scrape that sees this reading's time (the
-        # counts' timestamp) sees its series too.
-        counters.set_schedule_series(*self._series)
-        counters.set_schedule_counts(counts, now, unclaimed)
-        counters.set_schedule_states(summary["counts"], oldest, len(beyond))
-        recorded = {h["name"] for h in hosts}
-        self._publish(replace(self.snapshot, counts=counts, running=running, queued=queued,
-                              next_due=next_due,
-                              states=summary["counts"], failing=failing[:FAILING_SHOWN],
-                              failing_total=len(failing), oldest_overdue=oldest,
-                              beyond_period=beyond[:FAILING_SHOWN],
-                              beyond_period_total=len(beyond),
-                              unclaimed=unclaimed, hosts=hosts, paused_all=paused_all,
-                              refused_rows=refused_rows,
-                              unrecorded_nodes=sorted(at_work - recorded),
-                              read_at=now, ok=True,
-                              unreachable_since=None, error=None))
-
-
-def _latest_outcome(success: float | None, failure: float | None) -> str | None:
-    """Of a schedule's latest success and latest failure, the outcome of the later."""
-    if failure is not None and (success is None or failure > success):
-        return Outcome.FAILED
-    return "success" if success is not None else None
+            figures = read_figures(store, sc, self.config, now)
+        snap = snapshot_of(self.snapshot, figures, self._states, now)
+        show_on_metrics(snap, self._series)
+        self._publish(snap)
 
 
 # How long a reload that moves to another database waits to learn whether this version
@@ -711,18 +598,3 @@ def _notifying(config: Config) -> tuple[Any, ...]:
     return (config.notifiers, config.notify, config.sendmail, config.node,
             config.entry_notify, tuple(r.notify for r in config.routes),
             tuple(r.pattern for r in config.routes))
-
-
-def _failing(row: Row, last: dict[str, Any] | None, now: float) -> dict[str, Any]:
-    """One schedule status lists as failing: retrying its occurrence (since that
-    occurrence was due), or failed (since its latest run ended)."""
-    outcome = last["outcome"] if last else None
-    state = states.state_of(row.paused, row.owner, row.attempt, outcome)
-    since = overdue.due_of(row) if state == states.RETRYING else \
-        (last["finished_at"] if last else None)
-    return {"key": row.key, "type": row.type, "state": state, "attempt": row.attempt,
-            "scheduled_time": row.next_time, "timezone": row.timezone,
-            "since": round(since, 3) if since is not None else None,
-            "next_try": row.next_run_time if state == states.RETRYING else None,
-            "last_outcome": outcome, "creator": row.creator,  # who may read the error
-            "error": states.first_line(last.get("error")) if last else None}

@@ -22,7 +22,8 @@ from perfectschedd import __version__, config
 from perfectschedd.config import Config
 from perfectschedd.errors import DatabaseUnavailableError
 from perfectschedd.master import database
-from perfectschedd.master.database import PAGE_CACHE_KIB, UNCLAIMED_AFTER, MasterDatabase
+from perfectschedd.master.database import PAGE_CACHE_KIB, MasterDatabase
+from perfectschedd.master.snapshot import UNCLAIMED_AFTER
 from perfectschedd.schedules.collection import ScheduleCollection
 
 NODE = "dbtest-node"
