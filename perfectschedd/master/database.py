@@ -564,35 +564,6 @@ class MasterDatabase:
         self._publish(snap)
 
 
-# How long a reload that moves to another database waits to learn whether this version
-# may use it (the master's loop waits meanwhile).
-RELOAD_CHECK_WAIT = 3.0
-
-
-def refusal_of(config: Config, wait: float = RELOAD_CHECK_WAIT) -> str | None:
-    """Why this version can never use `config`'s database (Store.refusal), asked on a
-    thread of its own for at most `wait` seconds; None when it can, or when the database
-    does not answer in time or at all: then nobody can tell yet, and the daemon waits for
-    it as at a start."""
-    found: list[str | None] = []
-
-    def ask() -> None:
-        store = None
-        try:
-            store = Store(config.url, config.table, config.alive_time, PAGE_CACHE_KIB)
-            found.append(store.refusal())
-        except Exception:  # noqa: BLE001 - unreachable, or the driver's word: cannot tell
-            found.append(None)
-        finally:
-            if store is not None:
-                store.close()
-
-    thread = threading.Thread(target=ask, name="reload-database-check", daemon=True)
-    thread.start()
-    thread.join(wait)
-    return found[0] if found else None
-
-
 def _notifying(config: Config) -> tuple[Any, ...]:
     """What the master's notification thread reads of a configuration."""
     return (config.notifiers, config.notify, config.sendmail, config.node,

@@ -5,8 +5,17 @@ self-pipe; the main loop acts.  Workers prove liveness by writing to a pipe; a s
 one is killed and replaced, and a worker that keeps dying is replaced with a back-off.
 
 Nothing of a dead worker's runs survives it: before a replacement is forked, what its
-runs left is cleaned up (cleanup.py).  The control socket, metrics HTTP and D-Bus are
-listeners.py's; the command line is main.py's.
+runs left is cleaned up (cleanup.py).
+
+Here: the main loop, the worker pool's upkeep (fork, reap, replace, drain), reload and
+stop, and the control requests.  Elsewhere in master/: the worker table's decisions
+(workertable.py) and the process layer (processes.py); what a forked worker does first
+(worker_start.py); the configuration as this host runs it, its schedules files and the
+polkit grant (host_config.py, file_schedules.py, grantwatch.py); a reload's checks
+(reload_checks.py); the database, off the loop (database.py, snapshot.py); the status
+answer (status.py); systemd's messages (service_manager.py); the self-pipe
+(selfpipe.py); the control socket, HTTP and D-Bus (listeners.py); the command line
+(main.py).
 """
 
 from __future__ import annotations
@@ -22,10 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import sdnotify
-
 from perfectschedd import __version__, logsetup
-from perfectschedd import config as config_mod
 from perfectschedd.config import Config
 from perfectschedd.control import auth, commands, registry
 from perfectschedd.control.auth import Caller
@@ -33,25 +39,22 @@ from perfectschedd.errors import (
     EXIT_UNUSABLE_DATABASE,
     ConfigError,
     InvalidInputError,
-    NotSupportedError,
-    SchemaError,
-    first_line,
 )
 from perfectschedd.executors import guard, reaper
 from perfectschedd.executors.base import signal_name
-from perfectschedd.executors.systemd import grant as unitgrant
 from perfectschedd.master import heap
 from perfectschedd.master.cleanup import RunCleanup, UnitStopper, stop_units_over_dbus
-from perfectschedd.master.database import HOST_EVERY, MasterDatabase, refusal_of
-from perfectschedd.master.file_schedules import FileSchedules
-from perfectschedd.master.grantwatch import GrantWatch
+from perfectschedd.master.database import MasterDatabase
+from perfectschedd.master.host_config import HostConfig
 from perfectschedd.master.listeners import Listeners
 from perfectschedd.master.processes import Processes
+from perfectschedd.master.reload_checks import read_new_config, rejection
+from perfectschedd.master.selfpipe import SelfPipe
+from perfectschedd.master.service_manager import ServiceManager
+from perfectschedd.master.status import healthy, status_line, status_reply
 from perfectschedd.master.workertable import DRAIN_ROOM, WorkerProc, WorkerTable
 from perfectschedd.metrics import counters
-from perfectschedd.schedules.files import HostChecks
-from perfectschedd.settings import runas
-from perfectschedd.store.sql import check_url, engine_url
+from perfectschedd.store.sql import engine_url
 from perfectschedd.worker import pipe
 
 log = logging.getLogger("perfectschedd")
@@ -62,7 +65,6 @@ STATUS_EVERY = 2.0
 # last ones it has (and their age): it answers within a second whatever the database does.
 STATUS_FRESH_WAIT = 0.5
 RELOAD_ANSWER_WAIT = 10.0
-LAST_ERROR_MAX = 2000  # characters of status' last_error when it lists several problems
 SPAWN_RETRY = 2.0  # after a fork or pipe failed
 TURN_MIN = 0.05  # the loop's duties at most this often when only run reports arrive
 REPORT_GATHER = 0.01  # after a turn woken only by run reports, the next one waits this
@@ -81,35 +83,22 @@ class Supervisor:
         self.guard: guard.Guard | None = None
         self.signals: list[int] = []
         self.wake_pending = False
-        self.selfpipe_r, self.selfpipe_w = os.pipe()
-        for fd in (self.selfpipe_r, self.selfpipe_w):
-            os.set_blocking(fd, False)
+        self.selfpipe = SelfPipe()
         self.cleanup = RunCleanup(unit_stopper, self._poke, self.procs)
         self.unit_cleanups = self.cleanup.units
         self.sel = selectors.DefaultSelector()
-        self.notifier = sdnotify.SystemdNotifier()
-        self.watchdog_interval = self._watchdog_interval()
-        self.last_watchdog = 0.0
+        self.systemd = ServiceManager()
         self.state = "starting"
         self.started = time.time()
         self.started_mono = time.monotonic()
         self.ready = False
         # Why the daemon must stop with a failure (a database it can never use).
         self.fatal: str | None = None
-        # The routes of the configuration this host refuses (config.refuse_routes).
-        self.refused_routes: list[str] = []
-        # Whether this daemon may start systemd units (the polkit grant; host_grant),
-        # re-checked by itself while it runs (grantwatch.py; a root daemon holds every
-        # right anyway).
-        self.unit_grant = False
-        self.grant_watch = None if os.geteuid() == 0 else GrantWatch(
-            self._poke, unitgrant.grant_state, unitgrant.signature)
         self.db = MasterDatabase(config)
-        self.files = FileSchedules()
-        # The configuration as read, before host_config: what a change of the grant
-        # applies again.
-        self.loaded_config = config
-        self.config = self.host_config(config)
+        # The configuration as this host runs it (its schedules files, its refusals, the
+        # polkit grant).
+        self.host = HostConfig(config, self._poke)
+        self.config = self.host.of(config)
         self.spawn_postponed = False
         self.gc_frozen = False
         self.last_spawn_error = -SPAWN_RETRY
@@ -126,36 +115,17 @@ class Supervisor:
         # For child processes: fds of the master that a worker must close after fork.
         self.listener_fds: Callable[[], list[int]] = lambda: []
 
-    # -- systemd --------------------------------------------------------------------------
-
-    @staticmethod
-    def _watchdog_interval() -> float | None:
-        usec = os.environ.pop("WATCHDOG_USEC", None)
-        wpid = os.environ.pop("WATCHDOG_PID", None)
-        if not usec or (wpid and wpid.isdigit() and int(wpid) != os.getpid()):
-            return None
-        try:
-            return int(usec) / 1e6 / 2
-        except ValueError:
-            return None
-
-    def notify(self, *lines: str) -> None:
-        self.notifier.notify("\n".join(lines))
-
     # -- signals --------------------------------------------------------------------------
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.signals.append(signum)
-        try:
-            os.write(self.selfpipe_w, b"s")
-        except OSError:
-            pass
+        self.selfpipe.wake(b"s")
 
     def _install_signals(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP,
                     signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
             signal.signal(sig, self._on_signal)
-        self.sel.register(self.selfpipe_r, selectors.EVENT_READ, "signal")
+        self.sel.register(self.selfpipe.r, selectors.EVENT_READ, "signal")
 
     # -- workers --------------------------------------------------------------------------
 
@@ -172,7 +142,9 @@ class Supervisor:
         return True
 
     def _fork_worker(self, index: int) -> None:
-        from perfectschedd.worker import process
+        # Loaded by the master, before the fork and the freeze below: shared by every
+        # worker.
+        from perfectschedd.master.worker_start import run_worker
 
         if not self.gc_frozen:
             # What the master built at start (imported modules, mostly) is shared with
@@ -184,20 +156,8 @@ class Supervisor:
         heap.trim()  # free pages the worker would otherwise map too
 
         def child(wake_r: int, alive_w: int) -> int:
-            try:
-                self._child_cleanup()
-                return process.run(self.config, index, wake_r, alive_w, self.master_pid,
-                                  self.db.store_for_worker(self.config))
-            except SchemaError as exc:
-                # The master says it as an error, once: it finds the same on its own.
-                log.info("worker %d cannot use the database: %s", index, first_line(exc))
-                return EXIT_UNUSABLE_DATABASE
-            except BaseException:  # noqa: BLE001 - never return into the master's code
-                log.exception("worker %d crashed", index)
-                return 1
-            finally:
-                logsetup.shutdown()
-                logging.shutdown()
+            return run_worker(self.config, index, wake_r, alive_w, self.master_pid,
+                              self.db, self.sel, self._master_fds)
 
         pid, wake_w, alive_r = self.procs.fork(child)
         now = time.monotonic()
@@ -206,24 +166,10 @@ class Supervisor:
         self.sel.register(alive_r, selectors.EVENT_READ, pid)
         log.info("worker %d spawned (pid %d, generation %d)", index, pid, generation)
 
-    def _child_cleanup(self) -> None:
-        logsetup.after_fork()
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGCHLD):
-            signal.signal(sig, signal.SIG_DFL)
-        # Until the worker installs its handlers, a USR2 or reload sent to the whole
-        # group must not kill it (their default action is to terminate).
-        for sig in (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
-            signal.signal(sig, signal.SIG_IGN)
-        self.sel.close()
-        for fd in [self.selfpipe_r, self.selfpipe_w, *self.listener_fds()]:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        for w in self.table:
-            self.procs.close(w.wake_w, w.alive_r)
-        self.db.after_fork()
-        counters.after_fork_in_worker(counters.exact_types(self.config.routes))
+    def _master_fds(self) -> list[int]:
+        """The master's descriptors, which a worker closes after the fork."""
+        return [*self.selfpipe.fds(), *self.listener_fds(),
+                *(fd for w in self.table for fd in (w.wake_w, w.alive_r))]
 
     def _forget(self, proc: WorkerProc) -> None:
         try:
@@ -328,17 +274,11 @@ class Supervisor:
         owns the worker pipes (a pipe it just closed could otherwise be a reused fd).
         """
         self.wake_pending = True
-        try:
-            os.write(self.selfpipe_w, b"w")
-        except OSError:
-            pass
+        self.selfpipe.wake(b"w")
 
     def _poke(self) -> None:
         """From another thread: the loop takes a whole turn now."""
-        try:
-            os.write(self.selfpipe_w, b"p")
-        except OSError:
-            pass
+        self.selfpipe.wake(b"p")
 
     def _wake_now(self) -> None:
         self.wake_pending = False
@@ -392,8 +332,8 @@ class Supervisor:
             raise ConfigError(f"reload rejected, the running configuration stays: {answer[0]}")
         # What the new files hold is known once the database has been converged to them
         # (an entry whose key is another's is refused there): wait for it, bounded.
-        converged = self.files.wait_converged(max(0.0, deadline - time.monotonic()))
-        problems = self.load_problems()
+        converged = self.host.files.wait_converged(max(0.0, deadline - time.monotonic()))
+        problems = self.host.problems()
         # Partly refused: what was refused stays as it was (a rejected file's schedules)
         # or does not run here (a refused route or entry); the rest runs.
         return {"reload": "partial" if problems else "done", "workers": self.config.workers,
@@ -402,209 +342,54 @@ class Supervisor:
                 "pending": self.table.reload_pending is not None,
                 "draining": len(self.table.draining())}
 
-    def load_problems(self) -> list[str]:
-        """What the running configuration refused (routes and entries this host cannot
-        run, schedules files rejected, entries whose key is another's), one line each;
-        empty once a load took everything."""
-        return [*self.refused_routes, *self.files.problems()]
-
     def status(self, fresh: bool = True) -> dict[str, Any]:
         """Called from the control threads; never waits on the database for more than
         STATUS_FRESH_WAIT: the figures are the housekeeping thread's snapshot (`fresh`:
         a new reading asked for first; else the latest one as it is)."""
         procs = list(self.table)  # a copy: never iterate the live table
         snap = self.db.fresh_snapshot(STATUS_FRESH_WAIT) if fresh else self.db.snapshot
-        problems = self.load_problems()
-        now = time.time()
-        mono = time.monotonic()
-        workers = [{"pid": p.pid, "index": p.index, "generation": p.generation,
-                    "age": round(mono - p.started, 1), "last_seen": round(mono - p.last_seen, 1),
-                    "running": p.running, "draining": p.draining_since is not None,
-                    # The name before 0.2.0 (a retiring worker was stopped, not drained).
-                    "retiring": p.draining_since is not None, "db_ok": p.db_ok,
-                    "in_db_call": p.in_db}
-                   for p in sorted(procs, key=lambda p: (p.generation, p.index))]
-        ok, since, why = self.db.health()
-        reachable = ok is not False and all(p.db_ok for p in procs)
-        database: dict[str, Any] = {"ok": reachable}
-        if since is not None:
-            database["unreachable_since"] = round(since, 3)
-            database["error"] = why
-        if snap.read_at is not None:
-            database["figures_age"] = round(max(0.0, now - snap.read_at), 3)
-        return {
-            "version": __version__, "host": self.config.node, "pid": os.getpid(),
-            "uptime": round(now - self.started, 1), "state": self.state,
-            "workers_configured": self.config.workers,
-            "workers_alive": sum(1 for p in procs if p.draining_since is None),
-            "workers": workers, "running": list(snap.running), "queued": list(snap.queued),
-            "next_due": list(snap.next_due),
-            "draining": self._draining(procs, [*snap.running, *snap.queued], now, mono),
-            "reload_pending": self.table.reload_pending is not None,
-            "unclaimed": [{"type": t, "occurrences": n,
-                           "routed_here": self._routed_here(t)}
-                          for t, n in snap.unclaimed.items()],
-            "keys_to_rename": [{"key": k, "why": why} for k, why in snap.rename.items()],
-            # Rows paused because they are not their file entry's own: they never run.
-            "refused_rows": list(snap.refused_rows),
-            "last_error": self.last_error or (f"database: {why}" if why else None) or (
-                "; ".join(problems)[:LAST_ERROR_MAX] if problems else None),
-            "refused_routes": list(self.refused_routes), "refused": problems,
-            "unit_grant": self.unit_grant,
-            # After the grant came on: the workers still stopping their runs as the
-            # daemon's user (perfectsched-grant enable waits for none).
-            "grant_stopping": self._grant_stopping(procs, snap.running),
-            # What `perfectschedctl apply` needs to check files as this daemon does
-            # (files.HostChecks.of_status).
-            "daemon_uid": os.geteuid(), "sendmail": self.config.sendmail,
-            # ...and whether the files it is given are this daemon's own already.
-            "schedules_dir": (os.path.abspath(self.config.schedules_dir)
-                              if self.config.schedules_dir else None),
-            "database_ok": reachable, "database": database,
-            "hosts": self._hosts(snap, now),
-            # Schedules by state; those retrying or failed; overdue (docs/metrics.md).
-            # pause --all in force (on every host): since, by, schedules held; else None.
-            "paused_all": snap.paused_all,
-            "states": dict(snap.states), "failing": list(snap.failing),
-            "failing_total": snap.failing_total,
-            "oldest_overdue": snap.oldest_overdue,
-            "overdue_beyond_period": list(snap.beyond_period),
-            "overdue_beyond_period_total": snap.beyond_period_total,
-            **{k: snap.counts.get(k, 0) for k in ("schedules", "paused", "due")},
-        }
-
-    def _draining(self, procs: list[WorkerProc], running: list[dict[str, Any]], now: float,
-                  mono: float) -> list[dict[str, Any]]:
-        """The draining workers, since when (Unix time), and the keys of the jobs each
-        still runs: the rows whose lease it holds (owner NODE:PID, as the database said
-        at `figures_age`), whatever the executor."""
-        node = self.config.node
-        return [{"pid": p.pid, "index": p.index, "generation": p.generation,
-                 "since": round(now - (mono - p.draining_since), 3), "running": p.running,
-                 "keys": [r["key"] for r in running if r.get("owner") == f"{node}:{p.pid}"]}
-                for p in sorted(procs, key=lambda p: (p.generation, p.index))
-                if p.draining_since is not None]
-
-    def _grant_stopping(self, procs: list[WorkerProc], running: list[dict[str, Any]]
-                        ) -> list[dict[str, Any]]:
-        node = self.config.node
-        return [{"pid": p.pid, "index": p.index,
-                 "keys": [r["key"] for r in running if r.get("owner") == f"{node}:{p.pid}"]}
-                for p in procs if p.grant_pending]
-
-    def _routed_here(self, task_type: str) -> bool:
-        route = next((r for r in self.config.routes if r.matches(task_type)), None)
-        return route is not None and route.refused is None
-
-    def _hosts(self, snap: Any, now: float) -> list[dict[str, Any]]:
-        """The hosts on this database: those that record themselves (0.2.0 on), and nodes
-        seen at work that do not (an older release)."""
-        live_after = now - max(self.config.alive_time, 3 * HOST_EVERY)
-        hosts = [{"name": h["name"], "version": h["version"],
-                  "schema_version": h["schema_version"], "pid": h["pid"],
-                  "started_at": round(h["started_at"], 3),
-                  "last_seen": round(h["last_seen"], 3),
-                  "live": h["last_seen"] >= live_after}
-                 for h in snap.hosts]
-        hosts += [{"name": n, "version": "0.1.0", "schema_version": 1, "pid": None,
-                   "started_at": None, "last_seen": None, "live": True}
-                  for n in snap.unrecorded_nodes]
-        return sorted(hosts, key=lambda h: h["name"])
+        return status_reply(
+            self.config, procs, snap, self.db.health(), state=self.state,
+            started=self.started, last_error=self.last_error,
+            refused_routes=self.host.refused_routes, problems=self.host.problems(),
+            unit_grant=self.host.unit_grant,
+            reload_pending=self.table.reload_pending is not None)
 
     def _update_status(self) -> None:
         now = time.monotonic()
         if now - self.last_status < STATUS_EVERY:
             return
         self.last_status = now
-        alive = self.table.active()
-        running = sum(p.running for p in self.table)
-        draining = len(self.table.draining())
         db_ok = self.db.health()[0] is not False and all(p.db_ok for p in self.table)
-        counts = self.db.snapshot.counts
-        line = (f"{len(alive)} workers, {running} running, "
-                f"{counts.get('due', 0)} due, {counts.get('schedules', 0)} schedules")
-        if draining:
-            line += f"; {draining} worker(s) draining"
-        if not db_ok:
-            line += "; database unreachable"
-        if self.db.snapshot.paused_all is not None:
-            line += "; everything paused"  # pause --all, on every host
-        counters.set_workers(self.config.workers, len(alive))
+        line = status_line(self.table, db_ok, self.db.snapshot)
+        counters.set_workers(self.config.workers, len(self.table.active()))
         counters.set_alive_time(self.config.alive_time)  # a reload may change it alone
         counters.set_route_types(counters.exact_types(self.config.routes))
         if line != self.status_line:
             self.status_line = line
-            self.notify(f"STATUS={line}")
-
-    def _watchdog(self) -> None:
-        if self.watchdog_interval is None:
-            return
-        now = time.monotonic()
-        if now - self.last_watchdog < self.watchdog_interval:
-            return
-        # Healthy: the loop runs and at least one worker proved liveness recently.
-        healthy = self.table.any_alive(now) or self.state == "starting"
-        if healthy:
-            self.last_watchdog = now
-            self.notify("WATCHDOG=1")
+            self.systemd.notify(f"STATUS={line}")
 
     # -- reload / stop --------------------------------------------------------------------
-
-    def host_config(self, config: Config, grant: bool | None = None) -> Config:
-        """The configuration as this host runs it: the schedules files' entries first,
-        and every route or entry it cannot run marked refused (reported once).  `grant`:
-        whether this daemon holds the polkit grant; None: ask (host_grant)."""
-        if grant is None:
-            grant, sure = host_grant()
-            if self.grant_watch is not None:
-                self.grant_watch.settled(sure, time.monotonic())
-        self.unit_grant = grant
-        config, refused = config_mod.refuse_routes(config, grant)
-        # The checks `perfectschedctl apply` runs too, with this daemon's facts.
-        config = self.files.load(config, HostChecks(os.geteuid(), config.sendmail, grant))
-        self.report_refused_routes(refused + list(self.files.loaded.refused.values()))
-        return config
-
-    def report_refused_routes(self, refused: list[str]) -> None:
-        """Say once, in the journal and in status, which routes this host refuses."""
-        for why in refused:
-            if why not in self.refused_routes:
-                log.error("%s; this route is refused, the other routes run", why)
-        self.refused_routes = list(refused)
 
     def reload(self) -> str | None:
         """Re-read the configuration; the reason it was rejected (the running one stays),
         or None once the new one is in place and its workers are starting."""
         mono_usec = int(time.clock_gettime(time.CLOCK_MONOTONIC) * 1e6)
-        self.notify("RELOADING=1", f"MONOTONIC_USEC={mono_usec}", "STATUS=reloading")
+        self.systemd.notify("RELOADING=1", f"MONOTONIC_USEC={mono_usec}", "STATUS=reloading")
         old = self.config
         try:
-            new = config_mod.load(self.config_source, self.environment)
-            refusal = config_mod.notify_refusal(new) or config_mod.schedules_dir_refusal(new)
-            if refusal is not None:
-                raise ConfigError(refusal)
-            if (new.url, new.table) != (old.url, old.table):
-                check_url(new.url)  # the old store stays unless the new one can be made
-                # ... and unless this version may use it: a database it refuses would stop
-                # the daemon once its store opened (one that does not answer yet is waited
-                # for, as at a start).
-                refusal = refusal_of(new)
-                if refusal is not None:
-                    raise ConfigError(f"url: {refusal}")
+            new = read_new_config(self.config_source, self.environment, old)
             self.listeners.swap(old, new)
         except Exception as exc:  # noqa: BLE001 - whatever the new file does, the old one runs
-            # One bounded line, never a repr() of what the file holds.
-            why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:500]
-            if not isinstance(exc, ConfigError | NotSupportedError | OSError):
-                why = f"{type(exc).__name__}: {why}"
+            why = rejection(exc)
             log.error("reload failed, keeping the running configuration: %s", why)
             self.last_error = f"reload: {why}"
-            self.notify("READY=1", f"STATUS={self.status_line} (reload failed)")
+            self.systemd.notify("READY=1", f"STATUS={self.status_line} (reload failed)")
             return why
         if self.last_error is not None and self.last_error.startswith("reload: "):
             self.last_error = None  # that error is over: this configuration loaded
-        self.loaded_config = new
-        new = self.host_config(new)  # a bad schedules file is its own error, never fatal
+        self.host.loaded = new
+        new = self.host.of(new)  # a bad schedules file is its own error, never fatal
         self.config = new
         if (new.url, new.table) != (old.url, old.table):
             self.db.stop_in_background()
@@ -622,10 +407,10 @@ class Supervisor:
 
     def _watch_grant(self) -> None:
         """Apply a change of the polkit grant seen by the watch (grantwatch.py)."""
-        if self.grant_watch is None or self.state == "stopping":
+        if self.state == "stopping":
             return
-        held = self.grant_watch.poll(time.monotonic())
-        if held is not None and held != self.unit_grant:
+        held = self.host.grant_change()
+        if held is not None:
             self._grant_changed(held)
 
     def _grant_changed(self, held: bool) -> None:
@@ -634,22 +419,9 @@ class Supervisor:
         Coming on, the jobs that run as the daemon's user stop at once, not at their
         end: each worker stops them and drains (pipe.GRANT), and workers of the new
         refusals take their places."""
-        user = runas.daemon_user(os.geteuid())
         if held:
-            now = time.monotonic()
-            for proc in self.table:
-                proc.grant_pending, proc.grant_sent = True, False
-                if proc.draining_since is None:
-                    proc.draining_since = now
-                proc.drain_sent = True  # GRANT drains it too
-            log.warning("the polkit grant to start units is now held: no job may run as "
-                        "%s, the daemon's user; its routes are refused and their running "
-                        "jobs stopped", user)
-        else:
-            log.warning("the polkit grant to start units is now off: routes that run as "
-                        "%s run again; those with executor: systemd are refused", user)
-        # The watch keeps its own answer (and asks again if that was not sure).
-        self.config = self.host_config(self.loaded_config, held)
+            self.table.grant_on(time.monotonic())
+        self.config = self.host.grant_changed(held)
         if held:
             self._send_grants()
         elif self.table.begin_reload(self.config.workers, self.config.worker_timeout,
@@ -662,9 +434,8 @@ class Supervisor:
     def _send_grants(self) -> None:
         """pipe.GRANT to each worker told of the grant, once; a full pipe is tried again
         next turn."""
-        for proc in self.table:
-            if proc.grant_pending and not proc.grant_sent and \
-                    self.procs.grant(proc.pid, proc.wake_w):
+        for proc in self.table.grants_to_send():
+            if self.procs.grant(proc.pid, proc.wake_w):
                 proc.grant_sent = True
                 log.info("worker %d (pid %d) stops its runs as the daemon's user and "
                          "drains: %d running", proc.index, proc.pid, proc.running)
@@ -676,7 +447,7 @@ class Supervisor:
         log.warning("reload: the new configuration's workers start once fewer workers run "
                     "(%d now, %d of them draining; at most %d before a new generation)",
                     len(self.table), n, DRAIN_ROOM * self.config.workers)
-        self.notify("READY=1", f"STATUS=reload pending: {n} worker(s) draining")
+        self.systemd.notify("READY=1", f"STATUS=reload pending: {n} worker(s) draining")
 
     def _start_pending_reload(self) -> None:
         if self.table.start_pending(time.monotonic()):
@@ -689,7 +460,7 @@ class Supervisor:
             self._send_drains()
             self.last_status = 0.0
             log.info("reloaded; %d old worker(s) drain", len(old))
-            self.notify("READY=1")
+            self.systemd.notify("READY=1")
         elif self.table.drains_to_send():
             self._send_drains()
 
@@ -715,7 +486,7 @@ class Supervisor:
     def stop(self) -> None:
         self.state = "stopping"
         log.info("stopping")
-        self.notify("STOPPING=1", "STATUS=stopping")
+        self.systemd.notify("STOPPING=1", "STATUS=stopping")
         self.listeners.stop()
         for p in self.table:
             self.procs.kill(p.pid, signal.SIGTERM)
@@ -740,13 +511,8 @@ class Supervisor:
         self.last_error = why
 
     def _healthy(self) -> bool:
-        """Running, a worker alive, and the database reachable from the master and from
-        every worker (as each last saw it): a daemon that cannot write cannot run jobs."""
-        now = time.monotonic()
-        procs = list(self.table)
-        return self.state in ("running", "reloading") and any(
-            now - p.last_seen < self.config.worker_timeout for p in procs) \
-            and self.db.health()[0] is not False and all(p.db_ok for p in procs)
+        return healthy(self.state, list(self.table), self.db.health(),
+                       self.config.worker_timeout)
 
     # -- main loop ------------------------------------------------------------------------
 
@@ -800,7 +566,7 @@ class Supervisor:
             # Waiting will not fix it: fail (the start, under systemd) rather than run
             # workers that can do nothing.
             log.error("%s: %s", "stopping" if self.ready else "cannot start", self.fatal)
-            self.notify(f"STATUS=failed: {self.fatal}"[:400])
+            self.systemd.notify(f"STATUS=failed: {self.fatal}"[:400])
             return True
         only_reports = True
         timeout = 0.02 if self.spawn_postponed else 0.5
@@ -811,10 +577,7 @@ class Supervisor:
         for key, _ in self.sel.select(timeout=timeout):
             if key.data == "signal":
                 only_reports = False
-                try:
-                    os.read(self.selfpipe_r, 4096)
-                except BlockingIOError:
-                    pass
+                self.selfpipe.empty()
             else:
                 self.read_alive(key.data)
         now = time.monotonic()
@@ -853,8 +616,9 @@ class Supervisor:
         self.sweep_orphans()
         self._start_pending_reload()
         self.manage_workers()
-        if self.db.sc is not None and self.files.take_pending():
-            self.db.in_background("applying schedules files", self.files.apply)
+        files = self.host.files
+        if self.db.sc is not None and files.take_pending():
+            self.db.in_background("applying schedules files", files.apply)
         self._finish_reload()
         self._watch_grant()
         self._send_grants()
@@ -864,25 +628,16 @@ class Supervisor:
             self.ready = True
             self.state = "running"
             log.info("ready")
-            self.notify("READY=1", f"MAINPID={os.getpid()}")
+            self.systemd.notify("READY=1", f"MAINPID={os.getpid()}")
             # STATUS= says at once what is up, even when the line is the one sent while
             # the database was still opening: the READY message is where one looks.
             self.last_status = 0.0
             self.status_line = ""
         self._update_status()
-        self._watchdog()
+        # Healthy: the loop runs and at least one worker proved liveness recently.
+        now = time.monotonic()
+        self.systemd.watchdog(now, self.table.any_alive(now) or self.state == "starting")
         return False
-
-
-def host_grant() -> tuple[bool, bool]:
-    """Whether this daemon may start systemd units (the polkit grant), and whether that
-    is a sure answer (grant.grant_state).  Asked only where it decides something: a
-    daemon that is not root."""
-    if os.geteuid() == 0:
-        return False, True
-    held, sure = unitgrant.grant_state()
-    log.info("polkit grant to start units: %s", "held" if held else "not held")
-    return held, sure
 
 
 # READY=1 waits this long at most for the first try to open the database: a database

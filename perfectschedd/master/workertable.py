@@ -8,7 +8,7 @@ at most (1 + DRAIN_ROOM) x `workers` worker processes ever exist; a reload beyon
 waits (`reload_pending`) until drains end.
 
 No processes and no clock here: the supervisor passes `now` (monotonic seconds) and acts
-on the answers through its process layer (workerprocs.py), so every decision is tested
+on the answers through its process layer (processes.py), so every decision is tested
 in-process (tests/master/test_workertable.py).
 """
 
@@ -224,6 +224,19 @@ class WorkerTable:
 
     def draining(self) -> list[WorkerProc]:
         return [p for p in self if p.draining_since is not None]
+
+    def grant_on(self, now: float) -> None:
+        """The polkit grant came on: every worker is to stop its runs as the daemon's user
+        and drain (pipe.GRANT, which drains it too: no drain byte of its own)."""
+        for proc in self:
+            proc.grant_pending, proc.grant_sent = True, False
+            if proc.draining_since is None:
+                proc.draining_since = now
+            proc.drain_sent = True
+
+    def grants_to_send(self) -> list[WorkerProc]:
+        """Workers told of the grant whose GRANT byte is not in their pipe yet."""
+        return [p for p in self if p.grant_pending and not p.grant_sent]
 
     # -- health -------------------------------------------------------------------------------
 
