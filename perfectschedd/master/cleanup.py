@@ -49,7 +49,7 @@ class UnitCleanups:
     """Dead workers' systemd units being stopped, each on a thread of its own (a hung bus
     or systemd must not stop the master's loop, its watchdog or `status`).  While a
     worker's units stop, its index gets no replacement and its leases are not given back:
-    the occurrence must not run again beside them.  Bounded: systemdbus.stop_units gives
+    the occurrence must not run again beside them.  Bounded: bus.stop_units gives
     up after 20 s, and then the leases expire as any lease does."""
 
     def __init__(self, stopper: UnitStopper, wake: Callable[[], None]) -> None:
@@ -139,11 +139,11 @@ class RunCleanup:
         True when its units are being stopped: `then` runs once they have."""
         units_stopping = False
         if proc.units or runs_units(config):
-            from perfectschedd.executors.systemd import unit
+            from perfectschedd.executors.systemd.unit import owner_mark
 
             # The units it reported, and any other that names it as its owner (a report
             # lost with the worker): stopped before its leases are given back.
-            mark = unit.owner_mark(config.node, proc.pid)
+            mark = owner_mark(config.node, proc.pid)
             tag = unit_props.daemon_tag(config.control_socket)
             self.units.start(
                 proc.index, f"worker {proc.index} (pid {proc.pid})",
@@ -170,9 +170,9 @@ class RunCleanup:
         twice."""
         if not runs_units(config):
             return
-        from perfectschedd.executors.systemd import unit
+        from perfectschedd.executors.systemd.unit import owner_mark
 
-        mark = unit.owner_mark(config.node, 0).rsplit(":", 1)[0] + ":"
+        mark = owner_mark(config.node, 0).rsplit(":", 1)[0] + ":"
         # Only this instance's: another daemon of this host (another table, database
         # or configuration, one socket each) keeps its units.
         tag = unit_props.daemon_tag(config.control_socket)

@@ -47,10 +47,10 @@ class Listeners:
     # -- control socket -------------------------------------------------------------------
 
     def start_control(self, config: Config) -> None:
-        from perfectschedd.control import server as control
+        from perfectschedd.control.server import ControlServer
 
         previous = self.control  # set (and stopped) when a reload moved the socket
-        server = control.ControlServer(config, self.dispatch, log=log)
+        server = ControlServer(config, self.dispatch, log=log)
         try:
             server.start()
         except ConfigError as exc:
@@ -59,7 +59,7 @@ class Listeners:
                 raise SystemExit(1) from None
             log.error("%s; keeping the control socket at %s", exc, previous.path)
             self.on_error(str(exc))
-            server = control.ControlServer(config, self.dispatch, log=log,
+            server = ControlServer(config, self.dispatch, log=log,
                                            path=previous.path)
             server.start()
         self.control = server
@@ -166,7 +166,7 @@ class Listeners:
     def swap(self, old: Config, new: Config) -> None:
         """Open what the new configuration needs before closing what the old one had, so
         a new port in use or an unwritable log path leaves everything as it was."""
-        from perfectschedd.control import server as control
+        from perfectschedd.control.server import ControlServer
 
         new_control = new_http = None
         reconfigured = False
@@ -180,7 +180,7 @@ class Listeners:
             if new.control_socket != old.control_socket or \
                     new.control_group != old.control_group or \
                     (self.control is not None and not self.control.file_intact()):
-                new_control = control.ControlServer(new, self.dispatch, log=log)
+                new_control = ControlServer(new, self.dispatch, log=log)
                 if new.control_socket == old.control_socket and self.control is not None:
                     self.control.stop()  # same path: it must be free to bind again
                 new_control.start()

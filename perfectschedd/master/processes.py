@@ -1,7 +1,7 @@
 """The process layer of the worker pool: fork with pipes, signal, reap, read pipes.
 
 The supervisor decides (workertable.py) and acts through an object of this shape, which
-tests replace with one that records instead of forking (tests/master/test_supervisor_unit.py).
+tests replace with one that records instead of forking (tests/master/test_supervisor.py).
 """
 
 from __future__ import annotations

@@ -1,359 +1,356 @@
-"""The master process, tested on real daemons: sd_notify, signals, worker supervision.
-
-Every test starts `perfectschedd` with a temp config and a NOTIFY_SOCKET it binds
-(tests/daemon_harness.py), sends real signals and looks at processes in /proc.
-"""
+"""The Supervisor in-process: its process layer replaced by one that records instead of
+forking (gunicorn tests its Arbiter the same way).  Real pipes, a real process group for
+the run that must be killed; no worker processes."""
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
-import re
+import selectors
 import signal
 import subprocess
+import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_harness import DAEMON, YEARLY, Daemon, is_guard, lines, pid_alive, sh, wait_until
 
 import perfectschedd
+from perfectschedd import config
+from perfectschedd.master import supervisor
+from perfectschedd.master.cleanup import UnitStopper
+from perfectschedd.master.processes import Processes
+from perfectschedd.master.supervisor import Supervisor
+from perfectschedd.schedules.collection import ScheduleCollection
+from perfectschedd.settings import unit_props
 
 
-def row(d: Daemon, key: str) -> Any:
-    with perfectschedd.open({"type": "rdb_compat", "url": d.config["url"]}) as sc:
-        return sc[key].info()
+class RecordingProcesses(Processes):
+    """Forks nothing: each 'worker' is a pair of real pipes and a made-up pid."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int, int]] = []
+        self.exits: list[tuple[int, int]] = []
+        self.alive_w: dict[int, int] = {}
+        self.next_pid = 900_000
+        self.before_fork: Callable[[], None] | None = None  # called at each fork
+
+    def fork(self, child: Callable[[int, int], int]) -> tuple[int, int, int]:
+        if self.before_fork is not None:
+            self.before_fork()
+        self.next_pid += 1
+        wake_r, wake_w = os.pipe()
+        alive_r, alive_w = os.pipe()
+        os.close(wake_r)
+        os.set_blocking(alive_r, False)
+        self.alive_w[self.next_pid] = alive_w
+        self.events.append(("fork", self.next_pid, 0))
+        return self.next_pid, wake_w, alive_r
+
+    def kill(self, pid: int, sig: int) -> None:
+        self.events.append(("kill", pid, sig))
+
+    def drain(self, pid: int, fd: int) -> bool:
+        self.events.append(("drain", pid, 0))
+        return True
+
+    def reap(self) -> list[tuple[int, int]]:
+        done, self.exits = self.exits, []
+        return done
+
+    def say(self, pid: int, *lines: str) -> None:
+        os.write(self.alive_w[pid], "".join(f"{line}\n" for line in lines).encode())
+
+    def die(self, pid: int, code: int) -> None:
+        os.close(self.alive_w.pop(pid))
+        self.exits.append((pid, code))
+
+    def forks(self) -> list[int]:
+        return [pid for what, pid, _ in self.events if what == "fork"]
 
 
-def owner_pid(d: Daemon, key: str) -> int:
-    def find() -> int | None:
-        owner = d.ctl_json("show", key).get("owner")
-        return int(owner.rsplit(":", 1)[1]) if owner else None
-    return int(wait_until(find, what=f"{key} leased"))
+@pytest.fixture
+def sup(tmp_path: Path) -> Iterator[tuple[Supervisor, RecordingProcesses]]:
+    cfg = config.load({"type": "rdb_compat", "url": f"sqlite:///{tmp_path / 'db'}",
+                           "workers": 2, "worker_timeout": 5,
+                           "control_socket": str(tmp_path / "s.sock")})
+    procs = RecordingProcesses()
+    s = Supervisor(cfg, str(tmp_path / "cfg.yml"), None, processes=procs)
+    # The master here is the test process: a sweep for orphans would kill its children
+    # (the test database servers).  tests/master/test_orphan_sweep.py covers the sweep.
+    s.cleanup.next_sweep = math.inf
+    yield s, procs
+    s.db.stop(timeout=1)
 
 
-def all_dead(pids: list[int], timeout: float = 10.0) -> None:
-    wait_until(lambda: not [p for p in pids if pid_alive(p)], timeout,
-               what=f"processes {pids} gone")
+def test_starts_the_configured_workers_and_replaces_a_dead_one(
+        sup: tuple[Supervisor, RecordingProcesses]) -> None:
+    s, procs = sup
+    s.manage_workers()
+    first = procs.forks()
+    assert len(first) == 2
+    for pid in first:
+        procs.say(pid, "0 1 0.1 0")
+        s.read_alive(pid)
+    assert s.table.all_pinged()
+    procs.die(first[0], -9)
+    s.reap()
+    s.manage_workers()
+    assert len(procs.forks()) == 2  # a quick death: not before the back-off
+    s.table.next_spawn = 0.0
+    s.manage_workers()
+    assert len(procs.forks()) == 3 and s.table.restarts == 1
 
 
-def stop_keep_messages(d: Daemon, sig: int | None = signal.SIGTERM, timeout: float = 30.0,
-                       descendants: list[int] | None = None) -> tuple[int, list[str]]:
-    """Signal the daemon (unless sig is None), wait for its exit, check that nothing it
-    started survives, and return (exit code, notify messages)."""
-    assert d.proc is not None
-    descendants = d.descendants() if descendants is None else descendants
-    if sig is not None:
-        d.send_signal(sig)
-    guards = [p for p in descendants if is_guard(p)]
-    code = d.proc.wait(timeout)
-    msgs = d.messages()
-    # The job guard ends by itself once master and workers are gone (one /proc scan).
-    all_dead(guards, timeout=5.0)
-    survivors = [p for p in descendants if pid_alive(p)]
-    d.kill()
-    assert not survivors, f"processes outlived the daemon: {survivors}"
-    return code, msgs
-
-
-# -- sd_notify --------------------------------------------------------------------------
-
-
-def test_ready_after_workers_run_and_status_kept_current(daemon_factory: Any,
-                                                         tmp_path: Path) -> None:
-    d = daemon_factory({"workers": 3, "routes": [sh("t", "sleep 4")]})
-    d.start()
-    msgs = d.messages()
-    ready = next(m for m in msgs if "READY=1" in m)
-    assert f"MAINPID={d.pid}" in ready
-    # READY only once every worker proved it runs.  Each process logs through its own
-    # writer thread: wait for the lines, and compare their times, not their places.
-    d.wait_log(" ready")
-    d.wait_log("started", count=3)
-    (ready_at,) = d.logged_at(r": ready$")
-    started = d.logged_at(r"worker \d started")
-    assert len(started) == 3 and max(started) <= ready_at, d.log()
-    assert len(d.children()) == 3
-    # No WATCHDOG=1 without WATCHDOG_USEC.
-    assert not any("WATCHDOG=1" in m for m in msgs)
-    statuses = [m for m in msgs if m.startswith("STATUS=")]
-    assert statuses and all("\n" not in m and len(m) < 120 for m in statuses), statuses
-    # The STATUS sent with READY counts them (one sent before the forks, which wait for
-    # the store to open, says 0 workers).
-    d.wait_notify(lambda m: m.startswith("STATUS=3 workers, 0 running"),
-                  after=msgs.index(ready), what="STATUS with the 3 workers")
-
-    # STATUS follows what runs: a running task shows up, then goes away.
-    n = len(d.messages())
-    d.ctl("add", "k", "t", YEARLY, "--at", "0")
-    d.wait_notify(lambda m: m.startswith("STATUS=3 workers, 1 running"), after=n,
-                  what="STATUS with 1 running")
-    n = len(d.messages())
-    d.wait_notify(lambda m: m.startswith("STATUS=3 workers, 0 running"), after=n,
-                  timeout=30, what="STATUS with 0 running")
-    code, msgs = stop_keep_messages(d)
-    assert code == 0
-    assert any("STOPPING=1" in m for m in msgs)
-
-
-def test_runs_silently_without_notify_socket(daemon_factory: Any, tmp_path: Path) -> None:
-    d = daemon_factory({"routes": [sh("t", f"echo ran >> {tmp_path}/out")]})
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC") and not k.startswith("PERFECTSCHED_")}
-    env["WATCHDOG_USEC"] = "1000000"  # set, but with nowhere to send to
-    with d.log_path.open("ab") as out:
-        proc = subprocess.Popen([*DAEMON, "-c", str(d.config_path)], stdout=out,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    d.proc = proc  # so that the fixture kills it whatever happens
+def test_a_dead_workers_runs_are_killed_before_its_replacement_starts(
+        sup: tuple[Supervisor, RecordingProcesses]) -> None:
+    s, procs = sup
+    s.manage_workers()
+    victim = procs.forks()[0]
+    job = subprocess.Popen(["sleep", "60"], start_new_session=True)
     try:
-        wait_until(lambda: os.path.exists(d.socket_path) and
-                   d.ctl("status", check=False).returncode == 0, what="control socket")
-        d.ctl("add", "k", "t", YEARLY, "--at", "0")
-        wait_until(lambda: lines(tmp_path / "out") == ["ran"], what="task ran")
-        time.sleep(1.5)  # several watchdog periods with nowhere to send them
-        assert proc.poll() is None
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
+        procs.say(victim, "s 1.1.1", f"g 1.1.1 {job.pid}")
+        procs.die(victim, -9)
+        s.reap()
+        assert job.wait(5) == -signal.SIGKILL  # killed inside reap(), before any fork
+        assert len(procs.forks()) == 2
+        s.table.next_spawn = 0.0  # past the back-off
+        s.manage_workers()
+        assert len(procs.forks()) == 3
     finally:
-        d.kill()
-    log = d.log()
-    assert "Traceback" not in log and "ERROR" not in log and "notify" not in log.lower(), log
+        if job.poll() is None:
+            job.kill()
 
 
-def test_watchdog_cadence(daemon_factory: Any) -> None:
-    usec = 2_000_000
-    d = daemon_factory(watchdog_usec=usec).start()
-    t0 = time.monotonic()
-    wait_until(lambda: sum("WATCHDOG=1" in m for _, m in d.notify.timed()) >= 6, timeout=30,
-               what="6 WATCHDOG=1")
-    stamps = [t for t, m in d.notify.timed() if "WATCHDOG=1" in m and t >= t0]
-    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
-    # Sent at half of WATCHDOG_USEC: never late enough for systemd to kill us, not spammed.
-    assert max(gaps) < usec / 1e6, gaps
-    assert sum(gaps) / len(gaps) > 0.35 * usec / 1e6, gaps
-    assert d.stop() == 0
+class RecordingSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
+    """The real selector, noting how long each select() may wait."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.timeouts: list[float | None] = []
+
+    def select(self, timeout: float | None = None) -> list[Any]:
+        self.timeouts.append(timeout)
+        return super().select(timeout)
 
 
-# -- stop -------------------------------------------------------------------------------
+def test_pings_read_in_a_turn_put_off_make_the_daemon_ready_at_turn_min(
+        sup: tuple[Supervisor, RecordingProcesses], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The workers' first pings arrive within TURN_MIN of the last whole turn: the turn
+    that reads them puts off the rest (readiness included), and the next one comes after
+    what is left of TURN_MIN, not when something next wakes the loop (up to 0.5 s)."""
+    # A TURN_MIN long enough that a loaded machine cannot stall past it between the two
+    # turns below, and still shorter than the loop's 0.5 s wait.
+    monkeypatch.setattr(supervisor, "TURN_MIN", 0.4)
+    s, procs = sup
+    s.sel.close()
+    s.sel = RecordingSelector()
+    s.db.first_open.set()  # the first try to open the database has ended
+    s.manage_workers()
+    pids = procs.forks()
+    assert len(pids) == 2
+    for pid in pids:
+        procs.say(pid, "0 1 0.1 0")
+    s.last_turn = time.monotonic()  # a whole turn just ran
+    s._loop_once()
+    assert s.table.all_pinged() and not s.ready  # read; the rest of the turn put off
+    s._loop_once()
+    assert s.ready
+    assert s.sel.timeouts[-1] is not None and s.sel.timeouts[-1] <= 0.4
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGQUIT],
-                         ids=["TERM", "INT", "QUIT"])
-def test_graceful_stop_lets_running_task_finish(daemon_factory: Any, tmp_path: Path,
-                                                sig: int) -> None:
-    out = tmp_path / "out"
-    # The job leaves a grandchild in its own session: only the subreaper can find it.
-    script = (f"setsid sleep 300 & echo $! > {out}.orphan; "
-              f"echo started >> {out}; sleep 2; echo done >> {out}")
-    d = daemon_factory({"routes": [sh("t", script)]}).start()
-    d.ctl("add", "k", "t", YEARLY, "--at", "0")
-    wait_until(lambda: lines(out) == ["started"], what="task started")
-    orphan = int(wait_until(lambda: lines(Path(f"{out}.orphan")), what="orphan pid")[0])
-    workers = d.children()
-    descendants = d.descendants()
-    d.send_signal(sig)
-    d.wait_log("stopping")
-    # Due while stopping: an idle worker would take it within poll_interval, a stopping
-    # one must not.
-    with perfectschedd.open({"type": "rdb_compat", "url": d.config["url"]}) as sc:
-        sc.add("late", "t", YEARLY, at=0)
-    code, msgs = stop_keep_messages(d, None, descendants=descendants)
-    assert code == 0
-    assert lines(out) == ["started", "done"]  # finished, not killed
-    assert "start key=late" not in d.log()
-    late = row(d, "late")
-    assert late.owner is None and late.attempt == 0 and late.next_run_time == 0
-    assert "outcome=success" in d.log()
-    assert any("STOPPING=1" in m for m in msgs)
-    assert not pid_alive(orphan)
-    assert not [p for p in workers if pid_alive(p)]
-    info = row(d, "k")
-    assert info.owner is None and info.next_time > time.time() + 86400  # advanced
+def test_a_silent_worker_is_killed_and_a_database_wait_is_not(
+        sup: tuple[Supervisor, RecordingProcesses]) -> None:
+    s, procs = sup
+    s.manage_workers()
+    silent, waiting = procs.forks()
+    procs.say(waiting, "0 1 30.0 1")
+    s.read_alive(waiting)
+    s.table.procs[silent].last_seen = time.monotonic() - 6
+    s.manage_workers()
+    assert ("kill", silent, signal.SIGKILL) in procs.events
+    assert not any(e[0] == "kill" and e[1] == waiting for e in procs.events)
 
 
-def test_stop_is_bounded_and_releases_unfinished_task(daemon_factory: Any,
-                                                      tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    d = daemon_factory({"shutdown_timeout": 1, "kill_grace": 1,
-                        "routes": [sh("t", f"echo $$ >> {out}; exec sleep 300")]}).start()
-    d.ctl("add", "k", "t", YEARLY, "--at", "0")
-    job = int(wait_until(lambda: lines(out), what="task started")[0])
-    t0 = time.monotonic()
-    code, _ = stop_keep_messages(d)
-    took = time.monotonic() - t0
-    assert code == 0
-    assert took < 15, took  # shutdown_timeout + kill_grace + slack, not 300 s
-    assert not pid_alive(job)
-    info = row(d, "k")
-    # Given back untried: due now, no owner, attempt not counted.
-    assert info.owner is None
-    assert info.next_run_time <= time.time()
-    assert info.attempt == 0
-    assert "stopped" in d.log()
+def test_reload_starts_a_generation_then_drains_the_old_one(
+        sup: tuple[Supervisor, RecordingProcesses]) -> None:
+    s, procs = sup
+    s.manage_workers()
+    old = procs.forks()
+    s.table.begin_reload(2, 5, time.monotonic())
+    s.manage_workers()
+    new = procs.forks()[2:]
+    assert len(new) == 2
+    s._finish_reload()
+    assert not any(e[0] in ("kill", "drain") for e in procs.events)  # new ones not up yet
+    for pid in new:
+        procs.say(pid, "0 1")
+        s.read_alive(pid)
+    s._finish_reload()
+    # Told to drain, never signalled: their jobs run on.
+    assert sorted(pid for what, pid, _ in procs.events if what == "drain") == sorted(old)
+    assert not any(e[0] == "kill" for e in procs.events)
+    s._finish_reload()
+    assert len([e for e in procs.events if e[0] == "drain"]) == 2  # once each
+    # A draining worker that gives back queued work wakes the others at once.
+    procs.say(old[0], "b")
+    s.read_alive(old[0])
+    assert s.wake_pending
+    # Its exit is no death: nothing replaces it.
+    procs.die(old[0], 0)
+    s.reap()
+    s.table.next_spawn = 0.0
+    s.manage_workers()
+    assert len(procs.forks()) == 4 and s.table.restarts == 0
 
 
-# -- reload -----------------------------------------------------------------------------
+def test_no_fork_while_a_master_database_call_is_in_flight(
+        sup: tuple[Supervisor, RecordingProcesses]) -> None:
+    s, procs = sup
+    with s.db._gate():  # as a control thread inside a query
+        s.manage_workers()
+        assert procs.forks() == [] and s.spawn_postponed
+    s.manage_workers()
+    assert len(procs.forks()) == 2 and not s.spawn_postponed
 
 
-@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGUSR1], ids=["HUP", "USR1"])
-def test_reload_starts_new_workers_before_retiring_old(daemon_factory: Any, tmp_path: Path,
-                                                       sig: int) -> None:
-    out = tmp_path / "out"
-    d = daemon_factory({"routes": [sh("old", f"echo old >> {out}")]}).start()
-    old_workers = sorted(d.children())
-    assert len(old_workers) == 2
-    d.config["routes"] = [sh("new", f"echo new >> {out}")]
-    d.config["workers"] = 3
-    d.write_config()
-    n = len(d.messages())
-    before = time.clock_gettime(time.CLOCK_MONOTONIC)
-    d.send_signal(sig)
-    reloading = d.wait_notify(lambda m: "RELOADING=1" in m, after=n, what="RELOADING=1")
-    usec = int(re.search(r"MONOTONIC_USEC=(\d+)", reloading).group(1))  # type: ignore[union-attr]
-    assert before - 1 <= usec / 1e6 <= time.clock_gettime(time.CLOCK_MONOTONIC) + 1
-    after = d.messages().index(reloading) + 1
-    d.wait_notify(lambda m: "READY=1" in m, after=after, what="READY=1 after reload")
-    all_dead(old_workers)
-    assert d.alive()  # same process: no re-exec, systemd keeps its MAINPID
-    new_workers = wait_until(lambda: len(d.children()) == 3 and d.children(),
-                             what="3 new workers")
-    assert not set(new_workers) & set(old_workers)
-    # New workers were up (logged "started") before any old one exited.  (A worker is
-    # gone from /proc once reaped, a moment before the master logs its exit.)
-    wait_until(lambda: all(f"(pid {p}) exited" in d.log() for p in old_workers),
-               what="the old workers' exits in the log")
-    for p in new_workers:
-        d.wait_log(f"[{p}]: worker {_index(d.log(), p)} started")
-    last_new_start = max(max(d.logged_at(rf"\[{p}\]: worker \d+ started"))
-                         for p in new_workers)
-    first_old_exit = min(min(d.logged_at(rf"\(pid {p}\) exited")) for p in old_workers)
-    assert last_new_start <= first_old_exit
-    log = d.log()
-    assert "died" not in log
-    # The new configuration is in force.
-    d.ctl("add", "k", "new", YEARLY, "--at", "0")
-    wait_until(lambda: lines(out) == ["new"], what="task of the new route")
-    assert d.stop() == 0
+def test_a_dead_workers_units_stop_off_the_loop_and_hold_its_replacement_and_give_back(
+        tmp_path: Path) -> None:
+    """systemd (or the bus) slow to stop a dead worker's unit: reap() returns at once (the
+    loop, its watchdog and `status` go on), but the worker's index gets no replacement and
+    its lease stays held until the unit has stopped; then both happen."""
+    systemd_done = threading.Event()
+    asked: list[tuple[list[str], bool, bool]] = []
 
+    def slow_systemd(belongs: Callable[[str, str], bool], names: list[str]) -> list[str]:
+        mark = f"(worker {cfg.node}:{victim})"
+        ours = unit_props.daemon_tag(cfg.control_socket)
+        another = unit_props.daemon_tag(cfg.control_socket + ".other")
+        asked.append((names, belongs("perfectsched-k-1.service", f"PerfectSched job k {mark}")
+                      and belongs("perfectsched-k-1.service",
+                                  f"PerfectSched job k {ours} {mark}"),
+                      belongs("perfectsched-k-1.service", "PerfectSched job k (worker x:1)")
+                      # Another daemon of this host whose worker had the same pid.
+                      or belongs("perfectsched-k-1.service",
+                                 f"PerfectSched job k {another} {mark}")))
+        systemd_done.wait(10)
+        return names
 
-def _index(log: str, pid: int) -> int:
-    m = re.search(rf"worker (\d+) spawned \(pid {pid},", log)
-    assert m, f"no spawn line for {pid}"
-    return int(m.group(1))
-
-
-@pytest.mark.parametrize("broken", ["routes: [\n", "type: rdb_compat\nworkers: 0\n"],
-                         ids=["yaml", "invalid"])
-def test_reload_with_broken_config_keeps_running(daemon_factory: Any, tmp_path: Path,
-                                                 broken: str) -> None:
-    out = tmp_path / "out"
-    d = daemon_factory({"routes": [sh("t", f"echo $1 >> {out}")]}).start()
-    workers = sorted(d.children())
-    d.write_config(raw=broken)
-    n = len(d.messages())
-    d.send_signal(signal.SIGHUP)
-    d.wait_notify(lambda m: "RELOADING=1" in m, after=n, what="RELOADING=1")
-    d.wait_notify(lambda m: "READY=1" in m, after=n, what="READY=1 after failed reload")
-    d.wait_log("reload failed")
-    assert d.alive()
-    # The old configuration goes on: same workers, same routes.
-    d.ctl("add", "k1", "t", YEARLY, "--at", "0")
-    wait_until(lambda: lines(out) == ["k1"], what="task after failed reload")
-    assert sorted(d.children()) == workers
-    # A fixed config is then taken as usual.
-    d.write_config()
-    d.send_signal(signal.SIGHUP)
-    d.wait_log("reloaded")
-    all_dead(workers)
-    assert d.stop() == 0
-
-
-# -- logs -------------------------------------------------------------------------------
-
-
-def _fd_targets(pid: int) -> set[str]:
-    out = set()
+    s, procs = units_supervisor(tmp_path, 2, slow_systemd)
+    cfg = s.config
     try:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                out.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
-            except OSError:
-                pass
-    except OSError:
-        pass
-    return out
+        victim, other = procs.forks()
+        with unit_run_of_a_dying_worker(s, procs, victim) as sc:
+            began = time.monotonic()
+            s.reap()
+            assert time.monotonic() - began < 1.0  # not waiting on systemd
+            wait_until(lambda: bool(asked), "systemd asked to stop the unit")
+            assert asked[0] == (["perfectsched-k-1.service"], True, False)
+            s.table.next_spawn = 0.0  # past the back-off
+            s.manage_workers()
+            time.sleep(1.0)  # a give-back, were it not held, would be written by now
+            assert procs.forks() == [victim, other]
+            assert sc["k"].info().owner == f"{cfg.node}:{victim}"
+
+            systemd_done.set()
+            wait_until(lambda: sc["k"].info().owner is None, "the lease given back")
+            assert [r["outcome"] for r in sc.store.history("k", 10)] == ["lost"]
+            wait_until(lambda: (s.manage_workers(), len(procs.forks()) == 3)[1],
+                       "the replacement forked")
+    finally:
+        systemd_done.set()
+        s.unit_cleanups.join(5)
+        s.db.stop(timeout=1)
 
 
-def test_usr2_reopens_log_files_in_master_and_workers(daemon_factory: Any,
-                                                      tmp_path: Path) -> None:
-    logfile = tmp_path / "perfectschedd.log"
-    d = daemon_factory({"log": str(logfile), "routes": [sh("t", "true")]}).start()
-    procs = [d.pid, *d.children()]
-    wait_until(lambda: all(str(logfile) in _fd_targets(p) for p in procs), what="log open")
-    rotated = tmp_path / "perfectschedd.log.1"
-    os.rename(logfile, rotated)
-    d.send_signal(signal.SIGUSR2)
-    wait_until(lambda: all(str(logfile) in _fd_targets(p) and str(rotated) not in
-                           _fd_targets(p) for p in procs), what="every process reopened")
-    d.ctl("add", "k", "t", YEARLY, "--at", "0")
-    wait_until(lambda: "outcome=success" in logfile.read_text(), what="worker line in new log")
-    assert d.stop() == 0
-    new = logfile.read_text()
-    assert "start key=k" in new and "] stopped" not in rotated.read_text()
-    assert re.search(r"master\[\d+\]: stopped", new)
+
+def test_units_that_could_not_be_stopped_keep_their_leases(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """systemd does not answer: the worker is replaced (its units are systemd's to bound,
+    RuntimeMaxSec=), but its leases are not given back early; they expire after
+    alive_time, as they would were the whole host gone."""
+    from perfectschedd.executors.systemd.bus import SystemdError
+
+    def dead_systemd(belongs: Callable[[str, str], bool], names: list[str]) -> list[str]:
+        raise SystemdError("no answer from systemd within 20s")
+
+    s, procs = units_supervisor(tmp_path, 1, dead_systemd)
+    cfg = s.config
+    try:
+        victim = procs.forks()[0]
+        with unit_run_of_a_dying_worker(s, procs, victim) as sc:
+            s.reap()
+            s.unit_cleanups.join(5)
+            s.table.next_spawn = 0.0
+            wait_until(lambda: (s.manage_workers(), len(procs.forks()) == 2)[1],
+                       "the replacement forked")
+            time.sleep(1.0)  # a give-back would be written by now
+            assert sc["k"].info().owner == f"{cfg.node}:{victim}"
+            assert sc.store.history("k", 10) == []
+        assert (f"cannot stop the systemd units of worker 0 (pid {victim}): no answer from "
+                "systemd within 20s; their leases expire after alive_time") in caplog.text
+    finally:
+        s.unit_cleanups.join(5)
+        s.db.stop(timeout=1)
+
+def units_supervisor(tmp_path: Path, workers: int, stopper: UnitStopper
+                     ) -> tuple[Supervisor, RecordingProcesses]:
+    """A Supervisor whose routes run systemd units, its database open, workers forked."""
+    cfg = config.load({"type": "rdb_compat", "url": f"sqlite:///{tmp_path / 'db'}",
+                           "workers": workers, "worker_timeout": 5,
+                           "control_socket": str(tmp_path / "s.sock"),
+                           "routes": [{"type": "u", "exec": ["/bin/true"],
+                                       "executor": "systemd"}]})
+    procs = RecordingProcesses()
+    s = Supervisor(cfg, str(tmp_path / "cfg.yml"), None, processes=procs,
+                   unit_stopper=stopper)
+    s.db.start()
+    wait_until(lambda: (s.manage_workers(), len(procs.forks()) == workers)[1],
+               "the workers forked (after the master's first query)")
+    return s, procs
 
 
-# -- supervision ------------------------------------------------------------------------
+@contextlib.contextmanager
+def unit_run_of_a_dying_worker(s: Supervisor, procs: RecordingProcesses, victim: int
+                               ) -> Iterator[ScheduleCollection]:
+    """Schedule "k" leased by worker `victim`, which reported its unit and then died of
+    SIGKILL (not reaped yet)."""
+    with perfectschedd.open({"type": "rdb_compat", "url": s.config.url}) as sc:
+        sc.owner = f"{s.config.node}:{victim}"
+        due = int(time.time()) // 60 * 60
+        sc.add("k", "u", cron="* * * * *", next_time=due, now=due)
+        assert sc.poll(now=due + 1) is not None
+        procs.say(victim, "u 1.1.1 perfectsched-k-1.service")
+        procs.die(victim, -9)
+        yield sc
 
 
-def test_killed_worker_is_replaced_and_its_task_runs_again(daemon_factory: Any,
-                                                           tmp_path: Path) -> None:
-    out = tmp_path / "runs"
-    alive_time = 4
-    script = (f'echo "$PERFECTSCHED_ATTEMPT $$" >> {out}; '
-              f'if [ "$PERFECTSCHED_ATTEMPT" = 1 ]; then sleep 300; fi')
-    d = daemon_factory({"alive_time": alive_time, "shutdown_timeout": 1,
-                        "routes": [sh("t", script)]}).start()
-    d.ctl("add", "k", "t", YEARLY, "--at", "0")
-    wait_until(lambda: len(lines(out)) == 1, what="first attempt")
-    victim = owner_pid(d, "k")
-    assert victim in d.children()
-    killed_at = time.monotonic()
-    os.kill(victim, signal.SIGKILL)
-    wait_until(lambda: len(d.children()) == 2 and victim not in d.children(),
-               what="worker replaced")
-    wait_until(lambda: len(lines(out)) == 2, timeout=alive_time + 20, what="second attempt")
-    # The dead worker's job was killed and its lease given back: the occurrence ran
-    # again without waiting for the lease to expire, and never beside the first copy.
-    rerun_after = time.monotonic() - killed_at
-    assert rerun_after < alive_time, rerun_after
-    first_job = int(lines(out)[0].split()[1])
-    assert not pid_alive(first_job)
-    assert lines(out)[1].split()[0] == "2"
-    d.wait_log("attempt=2 duration")
-    wait_until(lambda: re.search(rf"worker \d \(pid {victim}\) died \(signal 9\)", d.log()),
-               what="the master's line on the death")
-    code, _ = stop_keep_messages(d)
-    assert code == 0
+def wait_until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.05)
 
 
-def test_silent_worker_is_killed_and_replaced(daemon_factory: Any) -> None:
-    d = daemon_factory({"worker_timeout": 3}, watchdog_usec=2_000_000).start()
-    victim, other = d.children()
-    os.kill(victim, signal.SIGSTOP)
-    d.wait_log(f"(pid {victim}) silent", timeout=30)
-    wait_until(lambda: not pid_alive(victim), what="silent worker killed")
-    wait_until(lambda: len(d.children()) == 2 and victim not in d.children(),
-               what="replacement")
-    assert other in d.children()
-    # The master stayed healthy throughout: the watchdog kept going.
-    n = len(d.messages())
-    d.wait_notify(lambda m: "WATCHDOG=1" in m, after=n, what="WATCHDOG after replacement")
-    assert d.stop() == 0
-
-
-def test_workers_exit_when_master_dies(daemon_factory: Any) -> None:
-    d = daemon_factory().start()
-    workers = d.children()
-    os.kill(d.pid, signal.SIGKILL)
-    all_dead(workers, timeout=15)
+def test_workers_are_forked_once_the_store_is_open(tmp_path: Path) -> None:
+    """The master opens its store before the first fork: the workers share what opening
+    built, and each is handed that store (store_for_worker) instead of opening one."""
+    cfg = config.load({"type": "rdb_compat", "url": f"sqlite:///{tmp_path / 'db'}",
+                           "workers": 2, "worker_timeout": 5,
+                           "control_socket": str(tmp_path / "s.sock")})
+    procs = RecordingProcesses()
+    s = Supervisor(cfg, str(tmp_path / "cfg.yml"), None, processes=procs)
+    at_fork: list[tuple[bool, bool]] = []
+    procs.before_fork = lambda: at_fork.append(
+        (s.db.first_open.is_set(), s.db.store_for_worker(s.config) is s.db.store))
+    try:
+        s.db.start()
+        s.manage_workers()  # at once, while the store is (most likely) still opening
+        wait_until(lambda: (s.manage_workers(), len(procs.forks()) == 2)[1],
+                   "the workers forked")
+        assert at_fork == [(True, True), (True, True)]
+    finally:
+        s.db.stop(timeout=1)

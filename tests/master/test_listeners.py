@@ -1,4 +1,5 @@
-"""Reload that needs new listeners: refused whole when one cannot be opened."""
+"""listeners.py on a real daemon: a reload that needs new listeners is refused whole when
+one cannot be opened."""
 
 from __future__ import annotations
 
