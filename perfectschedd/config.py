@@ -1,8 +1,9 @@
-"""YAML -> validated, immutable Config."""
+"""YAML -> validated, immutable Config: the file read, its top-level keys checked, and
+what only the host that runs the jobs can check of it (host_refusals, refuse_routes).
+The `routes` section is settings/routes.py's, a notifier settings/notify_spec.py's."""
 
 from __future__ import annotations
 
-import math
 import os
 import pwd
 import re
@@ -18,66 +19,16 @@ from perfectschedd.errors import ConfigError, InvalidInputError, NotSupportedErr
 from perfectschedd.paths import DEFAULT_CONFIG_PATH, DEFAULT_SCHEDULES_DIR, DEFAULT_SOCKET
 from perfectschedd.settings import notify_spec, runas, unit_props
 from perfectschedd.settings.notify_spec import Notifier
+from perfectschedd.settings.numbers import number
+from perfectschedd.settings.routes import RouteConfig, parse_routes
+from perfectschedd.settings.runas import ACCOUNT_NAME
 
 # Documented default port of /metrics (README, perfectschedd(8)); not registered with IANA.
 DEFAULT_METRICS_PORT = 9839
 DEFAULT_METRICS_LISTEN = f"127.0.0.1:{DEFAULT_METRICS_PORT}"
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
-# A user or group name in a route's allow: (what useradd takes, and then some).
-_ACCOUNT_NAME = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]{0,63}\$?$")
 _NODE_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-
-
-@dataclass(frozen=True)
-class RouteConfig:
-    """One entry of `routes`: which task types go to which handler."""
-
-    pattern: str  # as written: an exact type, or /regexp/
-    exec: tuple[str, ...] | None = None
-    python: str | None = None
-    timeout: float | None = None
-    env: tuple[tuple[str, str], ...] = ()  # added to the job's environment
-    # Run the job as this user: the daemon is root, or systemd sets it (executor systemd);
-    # a python route's runs inside the daemon, so it can only name the daemon's own user.
-    # Under a root daemon a route without one is refused (route_refusal).
-    user: str | None = None
-    # Who besides root may schedule this route's types when it has a `user` (user names,
-    # @group names; auth.Access.check_route).  A route without `user` is the group's.
-    allow: tuple[str, ...] = ()
-    append_key: bool = True  # the key as last argument (a schedules file's entry: never)
-    # "systemd": each run is a transient unit (unitjobs.py) with these properties
-    # (unit_props.convert: D-Bus name, signature, value).
-    executor: str = "exec"
-    unit: tuple[tuple[str, str, Any], ...] = ()
-    # Why this host cannot run the route (refuse_routes), or None: a refused route still
-    # takes the types it matches (first match wins), and runs none of them here.
-    refused: str | None = None
-    # Who hears of this route's failures (notify_spec.SILENT: nobody); None: the
-    # configuration's default.
-    notify: Notifier | None = None
-    # Its schedules get series of their own on /metrics unless one says otherwise
-    # (policy.metrics; docs/metrics.md).
-    metrics: bool = False
-    # A schedules file's exec entry: its file (file:NAME), whose own row alone it runs
-    # (fields.foreign_exec_row); None for the configuration's routes.
-    source: str | None = None
-    # ...and its data (canonical JSON): row K holding other data (another host's version,
-    # or a client's of 0.1.0 not yet overwritten by this host's convergence) is not run
-    # here with this host's command.
-    data: str | None = None
-
-    @property
-    def regexp(self) -> re.Pattern[str] | None:
-        if len(self.pattern) >= 2 and self.pattern.startswith("/") and self.pattern.endswith("/"):
-            return re.compile(self.pattern[1:-1])
-        return None
-
-    def matches(self, task_type: str) -> bool:
-        rx = self.regexp
-        if rx is None:
-            return task_type == self.pattern
-        return rx.search(task_type) is not None
 
 
 # output_limit: the default keeps a screenful of a failing job's last words; history then
@@ -190,8 +141,6 @@ class Config:
 
 # A configuration file larger than this is refused unread (it is a few kB).
 CONFIG_MAX = 1 << 20
-# Largest number any setting takes (seconds, counts): ten years of seconds.
-_NUMBER_MAX = 315_360_000
 
 _KNOWN_KEYS = {
     "type", "url", "password_file", "table", "log", "poll_interval", "timezone", "alive_time",
@@ -204,26 +153,6 @@ _KNOWN_KEYS = {
     "node_name", "schedules_dir", "notifiers", "notify", "sendmail", "notify_user",
 }
 
-# The keys of an entry of `routes` (perfectschedd(8) has an entry for each).
-_ROUTE_KEYS = frozenset({"type", "exec", "python", "timeout", "executor", "unit", "user",
-                         "env", "allow", "notify", "metrics"})
-
-
-def _number(raw: Mapping[str, Any], key: str, default: float, *, minimum: float,
-            integer: bool = False) -> Any:
-    value = raw.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{key}: must be a number, got {describe(value)}")
-    if not math.isfinite(value) or abs(value) > _NUMBER_MAX:
-        # .inf made int() raise, and .nan passes every comparison (an idle loop spun).
-        raise ConfigError(f"{key}: must be a finite number up to {_NUMBER_MAX:g}, "
-                          f"got {describe(value)}")
-    if integer and int(value) != value:
-        raise ConfigError(f"{key}: must be a whole number, got {describe(value)}")
-    if value < minimum:
-        raise ConfigError(f"{key}: must be at least {minimum}, got {describe(value)}")
-    return int(value) if integer else float(value)
-
 
 # Per-schedule series are a scrape's size and Prometheus' memory: 10,000 keys of 5
 # series each are about 3 MB a scrape.
@@ -231,7 +160,7 @@ SCHEDULE_METRICS_CEILING = 10_000
 
 
 def _schedule_metrics_max(raw: Mapping[str, Any]) -> int:
-    value = _number(raw, "schedule_metrics_max", 500, minimum=0, integer=True)
+    value = number(raw, "schedule_metrics_max", 500, minimum=0, integer=True)
     if value > SCHEDULE_METRICS_CEILING:
         raise ConfigError(f"schedule_metrics_max: at most {SCHEDULE_METRICS_CEILING}, "
                           f"got {value}")
@@ -239,7 +168,7 @@ def _schedule_metrics_max(raw: Mapping[str, Any]) -> int:
 
 
 def _output_limit(raw: Mapping[str, Any]) -> int:
-    value: int = _number(raw, "output_limit", DEFAULT_OUTPUT_LIMIT, minimum=0, integer=True)
+    value: int = number(raw, "output_limit", DEFAULT_OUTPUT_LIMIT, minimum=0, integer=True)
     if value != 0 and not OUTPUT_LIMIT_MIN <= value <= OUTPUT_LIMIT_MAX:
         raise ConfigError(f"output_limit: must be 0 (keep no output) or from "
                           f"{OUTPUT_LIMIT_MIN} to {OUTPUT_LIMIT_MAX} bytes, got {value}")
@@ -286,114 +215,6 @@ def _flag(raw: Mapping[str, Any], key: str) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"{key}: must be true or false, got {describe(value)}")
     return value
-
-
-def _routes(raw: Any, notifiers: Mapping[str, Notifier]) -> tuple[RouteConfig, ...]:
-    if raw is None:
-        return ()
-    if not isinstance(raw, list):
-        raise ConfigError("routes: must be a list")
-    out = []
-    for i, entry in enumerate(raw):
-        where = f"routes[{i}]"
-        if not isinstance(entry, Mapping):
-            raise ConfigError(f"{where}: must be a mapping")
-        unknown = set(entry) - _ROUTE_KEYS
-        if unknown:
-            raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
-        pattern = entry.get("type")
-        if not isinstance(pattern, str) or not pattern:
-            raise ConfigError(f"{where}.type: must be a non-empty string")
-        route_exec, python = entry.get("exec"), entry.get("python")
-        if (route_exec is None) == (python is None):
-            raise ConfigError(f"{where}: needs exactly one of exec or python")
-        if route_exec is not None and (
-            not isinstance(route_exec, list) or not route_exec
-            or not all(isinstance(a, str) for a in route_exec)
-        ):
-            raise ConfigError(f"{where}.exec: must be a non-empty list of strings")
-        if python is not None and (not isinstance(python, str) or ":" not in python):
-            raise ConfigError(f"{where}.python: must be 'module:Class', got {describe(python)}")
-        timeout = entry.get("timeout")
-        if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, int | float)
-            or not 0 < timeout <= _NUMBER_MAX  # also refuses NaN
-        ):
-            raise ConfigError(f"{where}.timeout: must be a positive number of seconds")
-        try:
-            # Whether systemd runs here is for the daemon to check (check_host): a client
-            # reading the same file (perfectschedctl -c) runs no job.
-            executor = unit_props.check_executor(entry.get("executor"), runs_here=False)
-        except ValueError as exc:
-            raise ConfigError(f"{where}.executor: {exc}") from None
-        if executor == "systemd" and route_exec is None:
-            raise ConfigError(f"{where}.executor: systemd runs exec routes only")
-        if "unit" in entry and executor != "systemd":
-            raise ConfigError(f"{where}.unit: only with executor: systemd")
-        try:
-            unit = unit_props.convert(entry.get("unit"))
-        except unit_props.UnitPropertyError as exc:
-            raise ConfigError(f"{where}.unit: {exc}") from None
-        if entry.get("env") is not None and route_exec is None:
-            raise ConfigError(f"{where}.env: only for exec routes (a python handler runs "
-                              "inside the daemon, in its environment)")
-        try:
-            # Whether the user exists and may be used here is check_host's, as above.
-            user = (runas.check_user(entry["user"], False)
-                    if entry.get("user") is not None else None)
-            env = runas.check_env(entry.get("env"))
-        except InvalidInputError as exc:
-            raise ConfigError(f"{where}.{exc}") from None
-        allow = _allow(where, entry.get("allow"))
-        if allow and user is None:
-            raise ConfigError(f"{where}.allow: only for a route with user: (a route without "
-                              "one is open to control_group)")
-        notify = None
-        if entry.get("notify") is not None:
-            try:
-                notify = notify_spec.parse_ref(entry["notify"], notifiers, f"{where}.notify")
-            except ValueError as exc:
-                raise ConfigError(f"{where}.{exc}") from None
-        metrics = entry.get("metrics", False)
-        if not isinstance(metrics, bool):
-            raise ConfigError(f"{where}.metrics: must be true or false, got "
-                              f"{describe(metrics)}")
-        route = RouteConfig(
-            pattern=pattern,
-            notify=notify,
-            metrics=metrics,
-            exec=tuple(route_exec) if route_exec is not None else None,
-            python=python,
-            timeout=float(timeout) if timeout is not None else None,
-            executor=executor,
-            unit=unit,
-            user=user,
-            env=env,
-            allow=allow,
-        )
-        try:
-            route.regexp  # noqa: B018 - compile now so a bad regexp is a config error
-        except re.error as exc:
-            raise ConfigError(f"{where}.type: bad regular expression: {exc}") from None
-        out.append(route)
-    return tuple(out)
-
-
-def _allow(where: str, raw: Any) -> tuple[str, ...]:
-    """A route's allow: list of user names and @group names (none: root only)."""
-    if raw is None:
-        return ()
-    if not isinstance(raw, list):
-        raise ConfigError(f"{where}.allow: must be a list of user names and @group names")
-    seen: list[str] = []
-    for name in raw:
-        if not isinstance(name, str) or not _ACCOUNT_NAME.match(name.removeprefix("@")):
-            raise ConfigError(f"{where}.allow: {describe(name)} is not a user name or "
-                              "@group name")
-        if name in seen:
-            raise ConfigError(f"{where}.allow: {name!r} appears twice")
-        seen.append(name)
-    return tuple(seen)
 
 
 def _with_password(url: str, ref: Any) -> str:
@@ -485,7 +306,7 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     notify_user = raw.get("notify_user", "nobody")
-    if not isinstance(notify_user, str) or not _ACCOUNT_NAME.match(notify_user):
+    if not isinstance(notify_user, str) or not ACCOUNT_NAME.match(notify_user):
         raise ConfigError(f"notify_user: must be a user name, got {describe(notify_user)}")
     sendmail = raw.get("sendmail", notify_spec.DEFAULT_SENDMAIL)
     if not isinstance(sendmail, str) or not sendmail.startswith("/") or "\0" in sendmail:
@@ -501,15 +322,15 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
         url=url,
         table=table,
         log=log,
-        poll_interval=_number(raw, "poll_interval", 1.0, minimum=0.01),
+        poll_interval=number(raw, "poll_interval", 1.0, minimum=0.01),
         timezone=tz,
-        alive_time=_number(raw, "alive_time", 300, minimum=1, integer=True),
-        retry_wait=_number(raw, "retry_wait", 300, minimum=0, integer=True),
-        retry_wait_max=_number(raw, "retry_wait_max", 3600, minimum=0, integer=True),
-        max_attempts=_number(raw, "max_attempts", 0, minimum=0, integer=True),
-        later_limit=_number(raw, "later_limit", 86400, minimum=0, integer=True),
-        workers=_number(raw, "workers", 2, minimum=1, integer=True),
-        concurrency=_number(raw, "concurrency", 8, minimum=1, integer=True),
+        alive_time=number(raw, "alive_time", 300, minimum=1, integer=True),
+        retry_wait=number(raw, "retry_wait", 300, minimum=0, integer=True),
+        retry_wait_max=number(raw, "retry_wait_max", 3600, minimum=0, integer=True),
+        max_attempts=number(raw, "max_attempts", 0, minimum=0, integer=True),
+        later_limit=number(raw, "later_limit", 86400, minimum=0, integer=True),
+        workers=number(raw, "workers", 2, minimum=1, integer=True),
+        concurrency=number(raw, "concurrency", 8, minimum=1, integer=True),
         control_socket=sock,
         control_group=group,
         http_listen=_http_listen(raw),
@@ -519,14 +340,14 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
         metrics_token=_flag(raw, "metrics_token"),
         dbus=dbus,
         dbus_address=dbus_address,
-        shutdown_timeout=_number(raw, "shutdown_timeout", 30.0, minimum=0),
-        kill_grace=_number(raw, "kill_grace", 5.0, minimum=0),
-        worker_timeout=_number(raw, "worker_timeout", 30.0, minimum=2),
-        routes=_routes(raw.get("routes"), notifiers),
-        history_limit=_number(raw, "history_limit", 100, minimum=0, integer=True),
-        history_keep_days=_number(raw, "history_keep_days", 90.0, minimum=0),
+        shutdown_timeout=number(raw, "shutdown_timeout", 30.0, minimum=0),
+        kill_grace=number(raw, "kill_grace", 5.0, minimum=0),
+        worker_timeout=number(raw, "worker_timeout", 30.0, minimum=2),
+        routes=parse_routes(raw.get("routes"), notifiers),
+        history_limit=number(raw, "history_limit", 100, minimum=0, integer=True),
+        history_keep_days=number(raw, "history_keep_days", 90.0, minimum=0),
         output_limit=_output_limit(raw),
-        log_output_limit=_number(raw, "log_output_limit", DEFAULT_LOG_OUTPUT_LIMIT,
+        log_output_limit=number(raw, "log_output_limit", DEFAULT_LOG_OUTPUT_LIMIT,
                                  minimum=0, integer=True),
         schedule_metrics_max=_schedule_metrics_max(raw),
         node_name=node_name,
@@ -576,10 +397,10 @@ def schedules_dir_refusal(config: Config) -> str | None:
 def host_refusals(config: Config, grant: bool = False) -> list[tuple[int, str]]:
     """What only a host that runs the jobs can check (the daemon, at start and on reload):
     routes with `executor: systemd` need systemd to run this host and the polkit grant
-    (`grant`: this daemon may start units, unitgrant.py); a route's `user` must exist
-    here, and the daemon be root unless systemd sets the user; and no job may run under
-    a uid that may start units (docs/security.md).  Each route this host cannot run, by
-    index, with one line saying why."""
+    (`grant`: this daemon may start units, executors/systemd/grant.py); a route's `user`
+    must exist here, and the daemon be root unless systemd sets the user; and no job may
+    run under a uid that may start units (docs/security.md).  Each route this host cannot
+    run, by index, with one line saying why."""
     refusals = []
     where = f"{config.source}: " if config.source else ""
     for i, route in enumerate(config.routes):

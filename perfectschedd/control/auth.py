@@ -44,11 +44,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from perfectschedd.config import RouteConfig
 from perfectschedd.control.registry import Command
 from perfectschedd.errors import InvalidInputError, PermissionDeniedError
 from perfectschedd.schedules import ownership
 from perfectschedd.schedules.ownership import user_name
+from perfectschedd.settings.routes import RouteConfig
 from perfectschedd.vocabulary.fields import EXEC_TYPE, SOURCE_FILE, SOURCE_FORCED
 
 

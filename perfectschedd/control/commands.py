@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from perfectschedd.config import RouteConfig
 from perfectschedd.control import registry
 from perfectschedd.control.auth import WITHHELD, Access, Caller, check_force, check_root_only
 from perfectschedd.control.protocol import ATTEMPT_MAX, HISTORY_MAX, HISTORY_OUTPUT_BYTES
@@ -25,6 +24,7 @@ from perfectschedd.schedules.ownership import known_user_name
 from perfectschedd.schedules.policy import OPTIONS as POLICY_OPTIONS
 from perfectschedd.schedules.validate import check_key, check_type, lookup_key
 from perfectschedd.settings import notify_spec
+from perfectschedd.settings.routes import RouteConfig
 from perfectschedd.vocabulary import states, tokens
 from perfectschedd.vocabulary.fields import (
     RUN_NOW_MARK,

@@ -25,7 +25,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from perfectschedd.config import RouteConfig
 from perfectschedd.errors import PreemptedError, ProcessStopError
 from perfectschedd.executors.base import (
     REASON_TEXT,
@@ -39,6 +38,7 @@ from perfectschedd.executors.base import (
     output_tail,
     stop_reason,
 )
+from perfectschedd.settings.routes import RouteConfig
 
 __all__ = ["Application", "HandlerTimeout", "PythonHandler"]
 

@@ -23,7 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from perfectschedd.config import DEFAULT_LOG_OUTPUT_LIMIT, RouteConfig
+from perfectschedd.config import DEFAULT_LOG_OUTPUT_LIMIT
+from perfectschedd.settings.routes import RouteConfig
 from perfectschedd.vocabulary.fields import ERROR_MAX
 from perfectschedd.vocabulary.outcomes import Outcome
 

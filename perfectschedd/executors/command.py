@@ -31,7 +31,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from perfectschedd.config import RouteConfig
 from perfectschedd.executors.base import (
     REASON_TEXT,
     Log,
@@ -49,6 +48,7 @@ from perfectschedd.executors.base import (
 from perfectschedd.executors.runmarks import RUN_ID_ENV
 from perfectschedd.executors.spawn import Child, spawn
 from perfectschedd.settings import runas
+from perfectschedd.settings.routes import RouteConfig
 from perfectschedd.vocabulary.fields import schedule_key
 
 __all__ = ["RUN_ID_ENV", "ExecHandler", "exec_error", "exec_verdict", "kill_all_groups",

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from perfectschedd.config import DEFAULT_LOG_OUTPUT_LIMIT, RouteConfig
+from perfectschedd.config import DEFAULT_LOG_OUTPUT_LIMIT
 from perfectschedd.errors import PreemptedError
 from perfectschedd.executors.application import PythonHandler
 from perfectschedd.executors.base import (
@@ -36,6 +36,7 @@ from perfectschedd.executors.base import (
     stop_reason,
 )
 from perfectschedd.executors.command import ExecHandler
+from perfectschedd.settings.routes import RouteConfig
 
 __all__ = ["HANDLER_CLASSES", "Router", "handler_class", "run_task"]
 

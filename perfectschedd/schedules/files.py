@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from perfectschedd.config import RouteConfig, privilege_refusal
+from perfectschedd.config import privilege_refusal
 from perfectschedd.errors import InvalidInputError, describe
 from perfectschedd.schedules import cron as cron_mod
 from perfectschedd.schedules import filetrust
@@ -32,6 +32,7 @@ from perfectschedd.schedules.validate import (
 )
 from perfectschedd.settings import notify_spec, runas, unit_props
 from perfectschedd.settings.notify_spec import Notifier
+from perfectschedd.settings.routes import RouteConfig
 from perfectschedd.vocabulary.fields import EXEC_TYPE, SOURCE_FILE, TYPE_MAX
 
 FILE_MAX = 4 << 20      # bytes of one schedules file

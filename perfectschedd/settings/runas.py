@@ -13,6 +13,9 @@ from typing import Any
 from perfectschedd.errors import InvalidInputError, describe
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# A user or group name as the configuration writes one (a route's allow:, notify_user:):
+# what useradd takes, and then some.
+ACCOUNT_NAME = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]{0,63}\$?$")
 
 
 def check_env(value: Any) -> tuple[tuple[str, str], ...]:

@@ -2,8 +2,8 @@
 its unit's name, and the `unit:` properties of a route or entry, checked and converted to
 D-Bus (name, signature, value) triples when the configuration or file loads.
 
-Nothing here talks to D-Bus (unitjobs.py does): a bad property is refused at load with
-one line naming it, never when a job starts.
+Nothing here talks to D-Bus (executors/systemd/unit.py does): a bad property is refused
+at load with one line naming it, never when a job starts.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from perfectschedd.config import RouteConfig
 from perfectschedd.control.auth import Caller
+from perfectschedd.settings.routes import RouteConfig
 from perfectschedd.web import api, periodic
 from perfectschedd.web.console import Console
 from perfectschedd.web.credentials import CredentialError, Credentials, Identity, bearer

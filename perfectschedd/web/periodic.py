@@ -42,7 +42,6 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from perfectschedd.config import RouteConfig
 from perfectschedd.control.auth import Caller, check_command, route_of
 from perfectschedd.errors import (
     AlreadyExistsError,
@@ -52,6 +51,7 @@ from perfectschedd.errors import (
     describe,
 )
 from perfectschedd.schedules.cron import ONCE
+from perfectschedd.settings.routes import RouteConfig
 from perfectschedd.vocabulary.fields import (
     EXEC_TYPE,
     LAST_INSTANT,

@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
-from perfectschedd.config import RouteConfig
 from perfectschedd.errors import PreemptedError
 from perfectschedd.executors import base, command
 from perfectschedd.executors.application import Application, HandlerTimeout, PythonHandler
 from perfectschedd.executors.command import ExecHandler
 from perfectschedd.executors.router import Router, run_task
+from perfectschedd.settings.routes import RouteConfig
 from perfectschedd.vocabulary.outcomes import Outcome
 
 LOGGER = "test.handlers"

@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 from test_handlers import FakeTask
 
-from perfectschedd.config import RouteConfig
 from perfectschedd.executors.base import RunControl, StopReason
 from perfectschedd.executors.systemd import unit as unitjobs
 from perfectschedd.executors.systemd.unit import UnitHandler
 from perfectschedd.settings import unit_props
+from perfectschedd.settings.routes import RouteConfig
 from perfectschedd.vocabulary.outcomes import Outcome
 
 LOG = logging.getLogger("test.unitjobs")
