@@ -40,7 +40,7 @@ from perfectschedd.master.snapshot import (
     show_on_metrics,
     snapshot_of,
 )
-from perfectschedd.metrics import counters
+from perfectschedd.metrics import exposition
 from perfectschedd.notify.dispatch import STATE_OUTCOMES, Dispatcher
 from perfectschedd.schedules import policy
 from perfectschedd.schedules.collection import ScheduleCollection
@@ -164,7 +164,7 @@ class MasterDatabase:
 
     def start(self) -> None:
         self._started_mono = time.monotonic()
-        counters.watch_database(lambda: self.health()[1])  # the metrics are set up by now
+        exposition.watch_database(lambda: self.health()[1])  # the metrics are set up by now
         self._thread.start()
 
     def opening(self) -> bool:

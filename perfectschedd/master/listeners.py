@@ -20,7 +20,7 @@ from typing import Any
 from perfectschedd import logsetup
 from perfectschedd.config import Config
 from perfectschedd.errors import ConfigError
-from perfectschedd.metrics import counters
+from perfectschedd.metrics import exposition, multiproc
 from perfectschedd.web.credentials import Credentials
 
 log = logging.getLogger("perfectschedd")
@@ -109,7 +109,7 @@ class Listeners:
         from perfectschedd.web.app import WebApp
 
         assert config.http_listen is not None
-        app = WebApp(self.dispatch, self.credentials, counters.render_with_type,
+        app = WebApp(self.dispatch, self.credentials, exposition.render_with_type,
                      self.healthy, listen_host=config.http_listen[0],
                      tls=config.http_tls is not None, insecure=config.http_insecure,
                      metrics_token=config.metrics_token,
@@ -231,7 +231,7 @@ class Listeners:
         for obj in (self.control, self.http, self.dbus):
             if obj is not None and hasattr(obj, "fds"):
                 fds.extend(obj.fds())
-        fds.extend(counters.master_fds())
+        fds.extend(multiproc.master_fds())
         return fds
 
     def stop(self) -> None:

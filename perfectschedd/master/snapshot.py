@@ -14,7 +14,8 @@ from typing import Any
 
 from perfectschedd.config import Config
 from perfectschedd.master import heap
-from perfectschedd.metrics import counters
+from perfectschedd.metrics import exposition
+from perfectschedd.metrics.schedule_series import ScheduleSeries
 from perfectschedd.schedules import overdue, policy
 from perfectschedd.schedules.collection import ScheduleCollection, waits_its_turn
 from perfectschedd.store.schema import Row
@@ -33,9 +34,9 @@ FAILING_SHOWN = 20
 HOST_FORGET_AFTER = 7 * 86400.0
 
 # The schedules' states as last read (Store.state_summary without its overdue rows),
-# and the schedules with series of their own (counters.set_schedule_series' arguments).
+# and the schedules with series of their own (exposition.set_schedule_series' arguments).
 States = dict[str, Any]
-Series = tuple[list[counters.ScheduleSeries], int]
+Series = tuple[list[ScheduleSeries], int]
 
 
 @dataclass
@@ -113,7 +114,7 @@ def read_series(store: Store, config: Config) -> Series:
     series = []
     for r in rows:
         success, failure = last.get(r.key, (None, None))
-        series.append(counters.ScheduleSeries(
+        series.append(ScheduleSeries(
             key=r.key, type=r.type,
             state=states.state_of(r.paused, r.owner, r.attempt,
                                   _latest_outcome(success, failure)),
@@ -180,9 +181,9 @@ def show_on_metrics(snap: Snapshot, series: Series) -> None:
     """A reading's figures on /metrics.  The series before the counts: a scrape that sees
     this reading's time (the counts' timestamp) sees its series too."""
     assert snap.read_at is not None
-    counters.set_schedule_series(*series)
-    counters.set_schedule_counts(snap.counts, snap.read_at, snap.unclaimed)
-    counters.set_schedule_states(snap.states, snap.oldest_overdue, snap.beyond_period_total)
+    exposition.set_schedule_series(*series)
+    exposition.set_schedule_counts(snap.counts, snap.read_at, snap.unclaimed)
+    exposition.set_schedule_states(snap.states, snap.oldest_overdue, snap.beyond_period_total)
 
 
 def _latest_outcome(success: float | None, failure: float | None) -> str | None:

@@ -53,7 +53,8 @@ from perfectschedd.master.selfpipe import SelfPipe
 from perfectschedd.master.service_manager import ServiceManager
 from perfectschedd.master.status import healthy, status_line, status_reply
 from perfectschedd.master.workertable import DRAIN_ROOM, WorkerProc, WorkerTable
-from perfectschedd.metrics import counters
+from perfectschedd.metrics import exposition
+from perfectschedd.metrics.type_labels import exact_types, set_route_types
 from perfectschedd.store.sql import engine_url
 from perfectschedd.worker import pipe
 
@@ -189,7 +190,7 @@ class Supervisor:
             ended = self.table.exited(pid, time.monotonic(), self.state == "stopping")
             assert ended is not None
             self._forget(proc)
-            counters.worker_exited(pid)
+            exposition.worker_exited(pid)
             # Before anything else starts: nothing of its runs may outlive it.
             self.cleanup.after_death(proc, code, self.config, self.master_pid,
                                      self._give_back)
@@ -199,7 +200,7 @@ class Supervisor:
             if code == EXIT_UNUSABLE_DATABASE and self.fatal is None:
                 self.fatal = "a worker cannot use the database (its reason is logged above)"
                 continue
-            counters.worker_restarted()
+            exposition.worker_restarted()
             how = f"signal {-code}" if code < 0 else f"status {code}"
             log.error("worker %d (pid %d) died (%s) after %.1fs; replacing it",
                       proc.index, pid, how, ended.lived)
@@ -362,9 +363,9 @@ class Supervisor:
         self.last_status = now
         db_ok = self.db.health()[0] is not False and all(p.db_ok for p in self.table)
         line = status_line(self.table, db_ok, self.db.snapshot)
-        counters.set_workers(self.config.workers, len(self.table.active()))
-        counters.set_alive_time(self.config.alive_time)  # a reload may change it alone
-        counters.set_route_types(counters.exact_types(self.config.routes))
+        exposition.set_workers(self.config.workers, len(self.table.active()))
+        exposition.set_alive_time(self.config.alive_time)  # a reload may change it alone
+        set_route_types(exact_types(self.config.routes))
         if line != self.status_line:
             self.status_line = line
             self.systemd.notify(f"STATUS={line}")
@@ -534,7 +535,7 @@ class Supervisor:
         # running one (its metric files, its port) is touched.
         self.listeners.start_control(self.config)
         try:
-            counters.setup_master(self.config)
+            exposition.setup_master(self.config)
             self.listeners.start_metrics(self.config)
         except ConfigError as exc:
             log.error("%s", exc)

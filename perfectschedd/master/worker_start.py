@@ -22,6 +22,7 @@ from perfectschedd.config import Config
 from perfectschedd.errors import EXIT_UNUSABLE_DATABASE, SchemaError, first_line
 from perfectschedd.master.database import MasterDatabase
 from perfectschedd.metrics import counters
+from perfectschedd.metrics.type_labels import exact_types
 from perfectschedd.worker import process
 
 log = logging.getLogger("perfectschedd")
@@ -65,4 +66,4 @@ def _let_go(config: Config, db: MasterDatabase, sel: selectors.BaseSelector,
         except OSError:
             pass
     db.after_fork()
-    counters.after_fork_in_worker(counters.exact_types(config.routes))
+    counters.after_fork_in_worker(exact_types(config.routes))

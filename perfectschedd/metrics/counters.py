@@ -1,40 +1,32 @@
-"""The metric objects, nothing else: Prometheus metrics summed over all forked workers.
+"""The workers' counters: what each worker process counts (task starts and ends, skipped
+and given-up occurrences, notifications, lease losses, database errors), written with
+prometheus_client in multiprocess mode to files of its own pid in the multiprocess
+directory (multiproc.py), which the master's /metrics sums (exposition.py).
 
-Workers count tasks with prometheus_client in multiprocess mode: every worker process
-writes its own files in PROMETHEUS_MULTIPROC_DIR, and the master's /metrics sums them with
-``MultiProcessCollector``, so a worker that dies or is replaced keeps its counts in the
-totals.  The master's own numbers (workers, restarts, schedule counts, build info) are
-held in memory and exported by a small collector: one writer needs no files, and no
-gauge merge mode (``mostrecent`` is missing on prometheus-client 0.16) is involved.
-
-Every function is a cheap no-op until ``setup_master`` ran (library use, perfectschedctl
--c) and, for the worker-side ones, until ``after_fork_in_worker`` ran in this process.
-prometheus_client is only imported once the directory is set up.
+Every function is a cheap no-op until the master set the directory up
+(exposition.setup_master; never in library use or perfectschedctl -c) and
+``after_fork_in_worker`` ran in this process.  prometheus_client is only imported once
+the directory is set up.
 """
 
 from __future__ import annotations
 
-import atexit
 import bisect
-import contextlib
-import fcntl
-import glob
-import json
-import logging
 import os
-import shutil
-import sys
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any
 
-from perfectschedd import __version__, logsetup
-from perfectschedd.errors import ConfigError
-
-log = logging.getLogger("perfectschedd")
+from perfectschedd import logsetup
+from perfectschedd.metrics import multiproc
+from perfectschedd.metrics.type_labels import (
+    FOLDED_REMEMBERED,
+    OTHER_TYPE,
+    TYPE_LABELS_MAX,
+    share,
+    type_label,
+)
 
 PREFIX = "perfectsched"
 LOG_DROPPED = f"{PREFIX}_log_records_dropped"
@@ -43,104 +35,8 @@ LOG_DROPPED_HELP = ("Log records dropped, not written: the log output did not ke
 # Lateness and duration: from a millisecond to a day.
 BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
            300.0, 600.0, 1800.0, 3600.0, 7200.0, 14400.0, 43200.0, 86400.0)
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-# Distinct task types with a `type` label of their own, besides the exact types of this
-# host's routes: a /regexp/ route takes types that users choose, and each one adds series
-# to every scrape.  The rest are counted under OTHER_TYPE.
-TYPE_LABELS_MAX = 100
-OTHER_TYPE = "_other"
-# The types admitted so far, one JSON string a line, shared by the master and every
-# worker through the multiprocess directory: the bound holds across workers and their
-# replacements (their counts stay in the totals).
-TYPES_FILE = "type-labels"
-# Folded types a worker remembers (each is counted once per worker).
-FOLDED_REMEMBERED = 10_000
-
-_dir: str | None = None      # the multiprocess directory, once setup_master ran
-_dir_lock: int | None = None  # the master's lock on it
-_master: _MasterState | None = None
 _worker: _WorkerMetrics | None = None
-
-
-# --------------------------------------------------------------------------- worker side
-
-class TypeLabels:
-    """Which `type` label a task type is counted under: its own (an exact route's type,
-    or one of the first TYPE_LABELS_MAX others admitted in `path`), else OTHER_TYPE."""
-
-    def __init__(self, path: str | None, exact: Iterable[str] = ()) -> None:
-        self.path = path
-        self.exact = frozenset(exact)
-        self.admitted: set[str] = set()
-        self.full = False  # the file holds TYPE_LABELS_MAX types: it never changes again
-        self.folded: set[str] = set()
-        self.on_folded: Callable[[], None] = lambda: None
-
-    def label(self, task_type: str) -> str:
-        if task_type in self.exact or task_type in self.admitted:
-            return task_type
-        if task_type in self.folded:
-            return OTHER_TYPE
-        if not self.full and self._admit(task_type):
-            return task_type
-        if len(self.folded) < FOLDED_REMEMBERED:
-            self.folded.add(task_type)
-            self.on_folded()
-        return OTHER_TYPE
-
-    def _admit(self, task_type: str) -> bool:
-        """Read the shared list (and add `task_type` while there is room), under its
-        lock: a new type costs this once per process."""
-        if self.path is None:
-            return False
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
-                         0o600)
-        except OSError:
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            with os.fdopen(os.dup(fd), "rb") as f:
-                self.admitted = self.read(f.read())
-            if task_type not in self.admitted and len(self.admitted) < TYPE_LABELS_MAX:
-                os.write(fd, json.dumps(task_type).encode() + b"\n")
-                self.admitted.add(task_type)
-            self.full = len(self.admitted) >= TYPE_LABELS_MAX
-        except OSError:
-            return False
-        finally:
-            os.close(fd)  # and its lock
-        return task_type in self.admitted
-
-    @staticmethod
-    def read(data: bytes) -> set[str]:
-        found = set()
-        for line in data.splitlines():
-            try:
-                found.add(str(json.loads(line)))
-            except ValueError:
-                continue  # a line cut by a crash: that type is simply not admitted
-        return found
-
-
-_types = TypeLabels(None)
-
-
-def exact_types(routes: Iterable[Any]) -> list[str]:
-    """The exact (not /regexp/) types of a configuration's routes."""
-    return [r.pattern for r in routes if r.regexp is None]
-
-
-def set_route_types(exact: Iterable[str]) -> None:
-    """This process' exact route types, which always have a label of their own."""
-    exact = frozenset(exact)
-    if exact != _types.exact:
-        _types.exact = exact
-
-
-def type_label(task_type: str) -> str:
-    return _types.label(task_type)
 
 
 class _WorkerMetrics:
@@ -304,10 +200,11 @@ def _observe_many(histogram: Any, amounts: list[float]) -> None:
 def after_fork_in_worker(exact: Iterable[str] = ()) -> None:
     """In a freshly forked worker: count into files of its own pid.  `exact`: the exact
     types of its routes."""
-    global _worker, _types
-    if _dir is None:
+    global _worker
+    directory = multiproc.directory()
+    if directory is None:
         return
-    _types = TypeLabels(os.path.join(_dir, TYPES_FILE), exact)
+    labels = share(directory, exact)
     from prometheus_client import values
 
     # A fresh value class: new files for this pid, and a lock no master thread can hold
@@ -320,7 +217,7 @@ def after_fork_in_worker(exact: Iterable[str] = ()) -> None:
     values.ValueClass = values.MultiProcessValue(process_identifier=lambda: pid)
     del _task_events[:]
     _worker = _WorkerMetrics()
-    _types.on_folded = _worker.types_folded.inc
+    labels.on_folded = _worker.types_folded.inc
 
 
 # Task threads queue their starts and ends here (list.append is one step under the GIL)
@@ -411,347 +308,3 @@ def db_reconnected() -> None:
 def set_db_up(ok: bool) -> None:
     if _worker is not None:
         _worker.db_up.set(1 if ok else 0)
-
-
-# --------------------------------------------------------------------------- master side
-
-@dataclass(frozen=True)
-class ScheduleSeries:
-    """What /metrics shows of one schedule that asked for series of its own."""
-
-    key: str
-    type: str
-    state: str                    # vocabulary/states.py
-    next_due: float | None        # None: paused
-    period: int | None            # None: a one-off
-    last_success: float | None    # when its latest success ended; None: none kept
-    last_failure: float | None
-
-
-class _MasterState:
-    """What only the master knows; read by the HTTP thread, written by the main loop."""
-
-    def __init__(self) -> None:
-        self.started = time.time()
-        self.workers_configured = 0
-        self.workers_alive = 0
-        self.restarts = 0
-        self.counts: dict[str, int] | None = None
-        self.counts_time = 0.0
-        self.unclaimed: dict[str, int] = {}
-        self.states: dict[str, int] | None = None
-        self.oldest_overdue = 0.0
-        self.beyond_period = 0
-        self.alive_time = 0.0
-        self.series: list[ScheduleSeries] | None = None
-        self.series_omitted = 0
-        # The master's view of its database, asked at each scrape: unreachable since (Unix
-        # time), or None.  Asked, not published: a call the database has not answered
-        # for a while says so before its deadline (or its retry's) ends it.
-        self.db_unreachable_since: Callable[[], float | None] = lambda: None
-
-
-class _MasterCollector:
-    def __init__(self, state: _MasterState) -> None:
-        self.state = state
-
-    def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        s, p = self.state, PREFIX
-        build = GaugeMetricFamily(f"{p}_build_info", "Version of the running perfectschedd.",
-                                  labels=["version", "python_version"])
-        build.add_metric([__version__, ".".join(map(str, sys.version_info[:3]))], 1)
-        yield build
-        yield GaugeMetricFamily(f"{p}_start_time_seconds",
-                                "Unix time the master process started.", value=s.started)
-        yield GaugeMetricFamily(f"{p}_workers_configured",
-                                "Worker processes the configuration asks for.",
-                                value=s.workers_configured)
-        yield GaugeMetricFamily(f"{p}_workers_alive", "Worker processes running.",
-                                value=s.workers_alive)
-        yield CounterMetricFamily(f"{p}_worker_restarts",
-                                  "Workers that died unexpectedly and were replaced.",
-                                  value=s.restarts)
-        yield GaugeMetricFamily(f"{p}_alive_time_seconds",
-                                "alive_time of the running configuration (lease length).",
-                                value=s.alive_time)
-        since = s.db_unreachable_since()
-        yield GaugeMetricFamily(
-            f"{p}_database_unreachable_seconds",
-            "How long the master has not reached the database (no answer, an error, "
-            "hung, not the primary); 0 while it does.",
-            value=0.0 if since is None else max(0.0, time.time() - since))
-        counts = s.counts
-        if counts is None:  # not read from the database yet: absent rather than wrong
-            return
-        for name, key, doc in (
-                ("registered", "schedules", "Schedules in the table."),
-                ("paused", "paused", "Paused schedules."),
-                ("overdue", "due", "Unpaused schedules due now that no worker holds."),
-                ("running", "running", "Schedules a worker holds (running tasks).")):
-            yield GaugeMetricFamily(f"{p}_schedules_{name}",
-                                    f"{doc} Refreshed every 15 s.", value=counts.get(key, 0))
-        yield GaugeMetricFamily(f"{p}_schedule_counts_timestamp_seconds",
-                                "Unix time the schedule counts were read.",
-                                value=s.counts_time)
-        if s.states is not None:
-            by_state = GaugeMetricFamily(
-                f"{p}_schedules", "Schedules by state: ok, paused, running, retrying (the "
-                "current occurrence failed and waits for another attempt), failed (the "
-                "latest run failed and was given up). Refreshed every 15 s.",
-                labels=["state"])
-            for state, n in s.states.items():
-                by_state.add_metric([state], n)
-            yield by_state
-            yield GaugeMetricFamily(
-                f"{p}_oldest_overdue_seconds",
-                "How long the most overdue occurrence has been due without starting or "
-                "succeeding (0: none). Refreshed every 15 s.", value=s.oldest_overdue)
-            yield GaugeMetricFamily(
-                f"{p}_schedules_overdue_beyond_period",
-                "Schedules whose current occurrence is overdue by more than their period "
-                "(docs/metrics.md). Refreshed every 15 s.", value=s.beyond_period)
-        if s.series is not None:
-            yield from _schedule_families(s.series, s.series_omitted)
-        unclaimed = GaugeMetricFamily(
-            f"{p}_occurrences_unclaimed",
-            "Occurrences due for over a minute that no worker claimed (no live host routes "
-            "their type, or every worker is busy), by type.", labels=["type"])
-        for task_type, n in sorted(fold_types(s.unclaimed).items()):
-            unclaimed.add_metric([task_type], n)
-        yield unclaimed
-
-
-def _schedule_families(series: list[ScheduleSeries], omitted: int) -> Iterator[Any]:
-    """The series of the schedules that asked for them (docs/metrics.md "Series of one
-    schedule"), labelled by key and type; a value that does not exist (no success kept, a
-    one-off's period) is a series left out, not a 0 that an alert would read as 1970."""
-    from prometheus_client.core import GaugeMetricFamily
-
-    p, labels = PREFIX, ["key", "type"]
-    fams = {
-        "last_success": GaugeMetricFamily(
-            f"{p}_schedule_last_success_timestamp_seconds",
-            "Unix time the schedule's latest successful run ended (of the runs history "
-            "keeps). Refreshed every 15 s.", labels=labels),
-        "last_failure": GaugeMetricFamily(
-            f"{p}_schedule_last_failure_timestamp_seconds",
-            "Unix time the schedule's latest failed run (failed, timeout, lost) ended. "
-            "Refreshed every 15 s.", labels=labels),
-        "next_due": GaugeMetricFamily(
-            f"{p}_schedule_next_run_timestamp_seconds",
-            "Unix time the schedule's current occurrence is due (a retry's own due time); "
-            "absent while paused.", labels=labels),
-        "period": GaugeMetricFamily(
-            f"{p}_schedule_period_seconds",
-            "The schedule's period: the gap between its cron times, at least 60 s; absent "
-            "for one-off runs.", labels=labels),
-    }
-    state = GaugeMetricFamily(
-        f"{p}_schedule_state", "1 for the schedule's state: ok, paused, running, retrying "
-        "or failed (vocabulary/states.py).", labels=[*labels, "state"])
-    for x in series:
-        for name, fam in fams.items():
-            value = getattr(x, name)
-            if value is not None:
-                fam.add_metric([x.key, x.type], float(value))
-        state.add_metric([x.key, x.type, x.state], 1)
-    yield from fams.values()
-    yield state
-    yield GaugeMetricFamily(
-        f"{p}_schedule_series_omitted",
-        "Schedules that asked for series of their own beyond schedule_metrics_max (not "
-        "shown).", value=omitted)
-
-
-def fold_types(counts: dict[str, int]) -> dict[str, int]:
-    """The master's counts by type under the workers' rule (their list is shared, and
-    the master adds to it: a type no host routes is never run, and still worth its own
-    label while there is room)."""
-    out: dict[str, int] = {}
-    for task_type, n in counts.items():
-        label = _types.label(task_type)
-        out[label] = out.get(label, 0) + n
-    return out
-
-
-def multiproc_dir(config: Any) -> str:
-    """Where the workers' metric files go (created if needed; not yet cleared)."""
-    runtime = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
-    candidates = []
-    if runtime:
-        candidates.append(os.path.join(runtime, "metrics"))
-    sock = getattr(config, "control_socket", None)
-    if sock:
-        stem = os.path.splitext(os.path.basename(sock))[0] or "perfectschedd"
-        candidates.append(os.path.join(os.path.dirname(os.path.abspath(sock)),
-                                       f"{stem}-metrics"))
-    for path in candidates:
-        try:
-            os.makedirs(path, mode=0o700, exist_ok=True)
-        except OSError:
-            continue
-        if os.access(path, os.W_OK | os.X_OK):
-            return path
-    path = tempfile.mkdtemp(prefix="perfectschedd-metrics-")
-    atexit.register(shutil.rmtree, path, True)
-    return path
-
-
-def _lock_dir(path: str) -> int:
-    """Hold the directory for this daemon: a second daemon given the same one (the same
-    RUNTIME_DIRECTORY, another socket) is refused before it clears the files of the
-    running one's workers.  The lock goes with the master's last descriptor of it."""
-    fd = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise ConfigError(f"metrics directory {path} is in use by another perfectschedd; "
-                          "give each daemon its own control_socket and runtime directory"
-                          ) from None
-    return fd
-
-
-def master_fds() -> list[int]:
-    """Descriptors only the master keeps (a forked worker closes them)."""
-    return [] if _dir_lock is None else [_dir_lock]
-
-
-def setup_master(config: Any) -> None:
-    """Prepare and clear the multiprocess directory, set the environment, master metrics."""
-    global _dir, _master, _dir_lock, _types
-    path = multiproc_dir(config)
-    _dir_lock = _lock_dir(path)
-    for f in [*glob.glob(os.path.join(path, "*.db")), os.path.join(path, TYPES_FILE)]:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(f)
-    _types = TypeLabels(os.path.join(path, TYPES_FILE),
-                        exact_types(getattr(config, "routes", ())))
-    # Read by prometheus_client's value classes in every process forked from here on.
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
-    _dir = path
-    _master = _MasterState()
-    # Imported here, once, not by each worker after its fork (its pages are then shared
-    # with every worker) nor lazily on a path that may run out of file descriptors.
-    import prometheus_client.multiprocess  # noqa: F401
-    import prometheus_client.values  # noqa: F401
-
-    from perfectschedd.metrics import archive  # noqa: F401
-
-
-def worker_exited(pid: int) -> None:
-    if _dir is None:
-        return
-    from prometheus_client import multiprocess  # imported by setup_master already
-
-    from perfectschedd.metrics import archive
-
-    multiprocess.mark_process_dead(pid, _dir)
-    archive.fold_dead(_dir, pid)
-
-
-def worker_restarted() -> None:
-    if _master is not None:
-        _master.restarts += 1
-
-
-def set_schedule_counts(counts: dict[str, int], read_at: float | None = None,
-                        unclaimed: dict[str, int] | None = None) -> None:
-    if _master is not None:
-        _master.unclaimed = dict(unclaimed or {})
-        _master.counts = dict(counts)
-        _master.counts_time = time.time() if read_at is None else read_at
-
-
-def set_schedule_states(by_state: dict[str, int], oldest_overdue: float,
-                        beyond_period: int) -> None:
-    if _master is not None:
-        _master.states = dict(by_state)
-        _master.oldest_overdue = float(oldest_overdue)
-        _master.beyond_period = int(beyond_period)
-
-
-def set_schedule_series(series: list[ScheduleSeries], omitted: int) -> None:
-    if _master is not None:
-        _master.series = list(series)
-        _master.series_omitted = int(omitted)
-
-
-def watch_database(unreachable_since: Callable[[], float | None]) -> None:
-    """Where the master's view of its database is asked at each scrape: unreachable since
-    (Unix time; None: it answers).  The database in use: set again when it changes."""
-    if _master is not None:
-        _master.db_unreachable_since = unreachable_since
-
-
-def set_alive_time(alive_time: float) -> None:
-    """The lease length of the running configuration, which alert rules compare with."""
-    if _master is not None:
-        _master.alive_time = float(alive_time)
-
-
-def set_workers(configured: int, alive: int) -> None:
-    if _master is not None:
-        _master.workers_configured = configured
-        _master.workers_alive = alive
-
-
-def _complete_files(path: str) -> list[str]:
-    """The *.db files past their 8-byte header.
-
-    A worker that starts creates its files empty and then sizes them; reading one in
-    between makes prometheus_client's reader fail (struct.error), so a scrape during a
-    worker replacement would fail.  Files only grow, so a size check first is enough."""
-    files = []
-    for f in glob.glob(os.path.join(path, "*.db")):
-        try:
-            if os.path.getsize(f) >= 8:
-                files.append(f)
-        except FileNotFoundError:  # a live gauge's file removed by mark_process_dead
-            pass
-    return files
-
-
-def render() -> bytes:
-    """The /metrics body: the workers' files summed, plus the master's own metrics."""
-    from prometheus_client import CollectorRegistry, generate_latest
-    from prometheus_client.multiprocess import MultiProcessCollector
-
-    class WorkerFiles(MultiProcessCollector):  # type: ignore[misc]
-        def collect(self) -> Any:
-            return _with_master_log_drops(self.merge(_complete_files(self._path),
-                                                     accumulate=True))
-
-    from perfectschedd.metrics import archive
-
-    registry = CollectorRegistry(auto_describe=False)
-    if _dir is not None and os.path.isdir(_dir):
-        WorkerFiles(registry, path=_dir)
-    if _master is not None:
-        registry.register(_MasterCollector(_master))
-    with archive.LOCK:  # no fold half-way: no total counted twice or missing
-        return bytes(generate_latest(registry))
-
-
-def _with_master_log_drops(families: list[Any]) -> list[Any]:
-    """The workers' log drops plus the master's own (counted in memory: the master
-    writes no metric files), as one counter."""
-    if _master is None:
-        return families
-    from prometheus_client.core import CounterMetricFamily
-
-    mine = logsetup.dropped()
-    for family in families:
-        if family.name == LOG_DROPPED:
-            family.samples = [s._replace(value=s.value + mine) if s.name.endswith("_total")
-                              else s for s in family.samples]
-            return families
-    total = CounterMetricFamily(LOG_DROPPED, LOG_DROPPED_HELP, value=mine)
-    return [*families, total]
-
-
-def render_with_type() -> tuple[bytes, str]:
-    """The /metrics body and its content type (web/app.py serves it)."""
-    return render(), CONTENT_TYPE

@@ -1,4 +1,5 @@
-"""metrics.py: Prometheus metrics summed over forked workers, /healthz, shipped rules."""
+"""metrics/: Prometheus metrics summed over forked workers (counters.py, exposition.py,
+multiproc.py, archive.py), /healthz, shipped rules."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ from daemon_harness import Daemon, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from scrape import Samples, get, scrape, value
 
+from perfectschedd import __version__
 from perfectschedd.control import protocol
-from perfectschedd.metrics import counters
+from perfectschedd.metrics import counters, exposition, multiproc
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "etc" / "prometheus" / "perfectsched.rules.yml"
@@ -157,7 +159,7 @@ def test_metrics_summed_over_workers_and_kept_across_worker_replacement(
     assert value(s, "perfectsched_schedules_paused") == 0
     assert value(s, "perfectsched_schedules_overdue") == 1  # the unrouted one waits
     assert value(s, "perfectsched_schedule_counts_timestamp_seconds") >= t0
-    assert value(s, "perfectsched_build_info", version=counters.__version__) == 1
+    assert value(s, "perfectsched_build_info", version=__version__) == 1
     assert value(s, "perfectsched_schedule_state", key="fail-1", state="retrying") == 1
     assert value(s, "perfectsched_schedule_last_failure_timestamp_seconds", key="fail-1") >= t0
     assert value(s, "perfectsched_schedule_last_success_timestamp_seconds", key="job-9") >= t0
@@ -245,11 +247,12 @@ def _listening_tcp(pid: int) -> set[int]:
 
 
 def test_calls_before_setup_are_cheap_no_ops() -> None:
-    code = ("import sys; from perfectschedd.metrics import counters as m\n"
-            "m.task_started('t', 1.0); m.task_finished('t', 'success', 2.0)\n"
-            "m.lease_lost('t'); m.db_error(); m.set_db_up(False); m.after_fork_in_worker()\n"
-            "m.worker_exited(1); m.worker_restarted(); m.set_workers(2, 1)\n"
-            "m.set_schedule_counts({'schedules': 1})\n"
+    code = ("import sys; from perfectschedd.metrics import counters, exposition\n"
+            "counters.task_started('t', 1.0); counters.task_finished('t', 'success', 2.0)\n"
+            "counters.lease_lost('t'); counters.db_error(); counters.set_db_up(False)\n"
+            "counters.after_fork_in_worker()\n"
+            "exposition.worker_exited(1); exposition.worker_restarted()\n"
+            "exposition.set_workers(2, 1); exposition.set_schedule_counts({'schedules': 1})\n"
             "assert 'prometheus_client' not in sys.modules, 'imported before setup'\n"
             "assert 'PROMETHEUS_MULTIPROC_DIR' not in __import__('os').environ\n")
     env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
@@ -283,8 +286,8 @@ def test_scrape_while_a_worker_creates_its_files(tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     # A starting worker's file exists, still empty, for an instant: no failed scrape.
     (tmp_path / "counter_4242.db").write_bytes(b"")
-    monkeypatch.setattr(counters, "_dir", str(tmp_path))
-    assert counters.render() == b""
+    monkeypatch.setattr(multiproc, "_dir", str(tmp_path))
+    assert exposition.render() == b""
 
 
 def test_dead_workers_files_are_folded_and_totals_never_go_down(
@@ -361,17 +364,17 @@ def test_a_worker_that_died_before_writing_a_value_is_folded_quietly(
 FLUSH_RACE = '''
 import sys, threading
 from types import SimpleNamespace
-from perfectschedd.metrics import counters as m
-m.setup_master(SimpleNamespace(control_socket=sys.argv[1]))
-m.after_fork_in_worker()
+from perfectschedd.metrics import counters, exposition
+exposition.setup_master(SimpleNamespace(control_socket=sys.argv[1]))
+counters.after_fork_in_worker()
 stop = threading.Event()
 def flusher():
     while not stop.is_set():
-        m.flush_tasks()
+        counters.flush_tasks()
 def run(n):
     for i in range(n):
-        m.task_started("t", (i % 3) * 0.004)
-        m.task_finished("t", "success" if i % 4 else "failed", 0.02)
+        counters.task_started("t", (i % 3) * 0.004)
+        counters.task_finished("t", "success" if i % 4 else "failed", 0.02)
 flushers = [threading.Thread(target=flusher) for _ in range(2)]
 runners = [threading.Thread(target=run, args=(5000,)) for _ in range(4)]
 for t in flushers + runners:
@@ -381,8 +384,8 @@ for t in runners:
 stop.set()
 for t in flushers:
     t.join()
-m.flush_tasks()
-sys.stdout.write(m.render().decode())
+counters.flush_tasks()
+sys.stdout.write(exposition.render().decode())
 '''
 
 

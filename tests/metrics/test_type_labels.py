@@ -15,7 +15,7 @@ from scrape import Samples, scrape, value
 from perfectschedd import config
 from perfectschedd.schedules.collection import ScheduleCollection
 
-OTHER, LABELS_MAX = "_other", 100  # counters.OTHER_TYPE, counters.TYPE_LABELS_MAX
+OTHER, LABELS_MAX = "_other", 100  # type_labels.OTHER_TYPE, type_labels.TYPE_LABELS_MAX
 ONCE = "0 0 1 1 *"  # with at=0: runs now, then not again for months
 JOB = """
 import perfectschedd
@@ -69,16 +69,16 @@ def test_300_types_of_a_regexp_route_make_at_most_100_labels(
 
 
 def test_the_constants_the_test_above_names() -> None:
-    from perfectschedd.metrics import counters
+    from perfectschedd.metrics.type_labels import OTHER_TYPE, TYPE_LABELS_MAX
 
-    assert (counters.OTHER_TYPE, counters.TYPE_LABELS_MAX) == (OTHER, LABELS_MAX)
+    assert (OTHER_TYPE, TYPE_LABELS_MAX) == (OTHER, LABELS_MAX)
 
 
 def test_the_list_is_shared_by_the_processes_and_exact_types_stay_apart(
         tmp_path: Path) -> None:
     """Two processes (a worker and its sibling, or the master) share one list in the
     metrics directory: the bound is theirs together, and survives either of them."""
-    from perfectschedd.metrics.counters import TypeLabels
+    from perfectschedd.metrics.type_labels import TypeLabels
 
     path = str(tmp_path / "type-labels")
     folded: list[int] = []

@@ -936,7 +936,7 @@ def test_history_is_bounded_per_schedule_also_for_rows_of_their_own(
 
 
 def test_series_rows_and_their_last_success_and_failure(sc: ScheduleCollection) -> None:
-    """The schedules with series of their own (metrics/counters.py), on every backend:
+    """The schedules with series of their own (metrics/schedule_series.py), on every backend:
     asked by policy or by a route's default and not refused, files' first, then root's,
     bounded; their latest success and failure, extra runs' included."""
     sc.add("m-member", "t", cron="@daily", now=T0, metrics=True, creator=1000)

@@ -21,7 +21,7 @@ from api_client import call, make_token
 from daemon_harness import Daemon, foreign_python, wait_until
 from scrape import get
 
-from perfectschedd.metrics import counters
+from perfectschedd.metrics import exposition
 from perfectschedd.web import server as web_server
 from perfectschedd.web.app import WebApp
 from perfectschedd.web.credentials import Credentials
@@ -29,7 +29,7 @@ from perfectschedd.web.credentials import Credentials
 
 def listener(healthy: Callable[[], bool] = lambda: True) -> web_server.HttpListener:
     app = WebApp(lambda cmd, args, caller: None, Credentials(lambda: []),
-                 counters.render_with_type, healthy, listen_host="127.0.0.1", tls=False,
+                 exposition.render_with_type, healthy, listen_host="127.0.0.1", tls=False,
                  insecure=False, metrics_token=False, group_gid=0, routes=tuple)
     return web_server.HttpListener(("127.0.0.1", 0), app)
 
