@@ -18,7 +18,7 @@ from perfectschedd.control.protocol import ATTEMPT_MAX, HISTORY_MAX
 from perfectschedd.control.server import refusal_of
 from perfectschedd.errors import InvalidInputError, NotFoundError, PermissionDeniedError
 from perfectschedd.schedules import preview
-from perfectschedd.vocabulary.fields import PREVIEW_COUNT
+from perfectschedd.vocabulary.fields import PREVIEW_COUNT, PREVIEW_MAX
 from perfectschedd.web.server import Request, Response, json_error
 
 Ask = Callable[[str, dict[str, Any]], Any]
@@ -222,12 +222,12 @@ class Api:
         return Response(200, (run.get("output") or "").encode(), "text/plain; charset=utf-8")
 
     def _next_of_schedule(self, request: Request, holes: dict[str, str]) -> Response:
-        count = _int_arg(request, "n", PREVIEW_COUNT, 1, preview.MAX_COUNT)
+        count = _int_arg(request, "n", PREVIEW_COUNT, 1, PREVIEW_MAX)
         return _ok(200, preview.of_schedule_shown(self.ask("show", {"key": holes["key"]}),
                                                   count))
 
     def _next_of_expression(self, request: Request, holes: dict[str, str]) -> Response:
-        count = _int_arg(request, "n", PREVIEW_COUNT, 1, preview.MAX_COUNT)
+        count = _int_arg(request, "n", PREVIEW_COUNT, 1, PREVIEW_MAX)
         expr = request.arg("cron")
         if not expr:
             raise InvalidInputError("cron", "required")
