@@ -3,7 +3,9 @@
 
 A timeout (or a stop: daemon stopping, lease lost) is delivered by one shared watchdog
 thread as an asynchronous exception (see :class:`_Watchdog`), after the application's
-``kill()`` was called; the application's calls to the store are never interrupted.
+``kill()`` was called.  The application's ``finish()``, ``retry()`` and ``release()``
+only say how the run ended (:class:`_ObservedTask`); the worker writes it once the run
+returned (worker/ending.py), so no interruption can cut a write in half.
 
 A run that raised leaves in its history row the exception ("ExcType: message") and the
 tail of its traceback (``output_limit`` bytes); what the application prints is not
@@ -23,13 +25,12 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from perfectschedd.errors import PreemptedError, ProcessStopError
+from perfectschedd.errors import AlreadyFinishedError, PreemptedError, ProcessStopError
 from perfectschedd.executors.base import (
     REASON_TEXT,
     Log,
-    Outcome,
     RunOptions,
     RunResult,
     Stop,
@@ -39,6 +40,7 @@ from perfectschedd.executors.base import (
     stop_reason,
 )
 from perfectschedd.settings.routes import RouteConfig
+from perfectschedd.vocabulary.outcomes import Outcome
 
 __all__ = ["Application", "HandlerTimeout", "PythonHandler"]
 
@@ -60,8 +62,9 @@ class Application:
     """Base class of python handlers (``python: "module:Class"`` routes).
 
     ``run()`` does the work and ends the task with ``self.task.finish()``,
-    ``self.task.retry(wait=None)`` or ``self.task.release()``. Returning
-    without any of them finishes the task; an exception retries it.
+    ``self.task.retry(wait=None)`` or ``self.task.release()`` (written by the worker
+    once ``run()`` returned). Returning without any of them finishes the task; an
+    exception retries it.
 
     ``kill()`` is called from another thread when the run must stop (timeout,
     daemon stopping, lease lost), just before ``run()`` is interrupted: override
@@ -83,6 +86,7 @@ class PythonHandler:
     route: RouteConfig
     app_class: type[Any]
     timeout: float | None
+    runs_commands: ClassVar[bool] = False  # it runs in the worker's own thread
 
     def __str__(self) -> str:
         return f"python {self.route.python}"
@@ -115,7 +119,7 @@ def _raise_in_thread(thread_id: int, exc: type[BaseException] | None) -> None:
 class _Watch:
     """One armed python run: its thread, deadline, stop event and kill() callback."""
 
-    __slots__ = ("thread_id", "deadline", "stop_event", "fired", "suspended", "done", "on_kill")
+    __slots__ = ("thread_id", "deadline", "stop_event", "fired", "done", "on_kill")
 
     def __init__(self, thread_id: int, deadline: float | None, stop_event: Stop | None) -> None:
         self.thread_id = thread_id
@@ -123,7 +127,6 @@ class _Watch:
         self.stop_event = stop_event
         self.on_kill: Callable[[], None] | None = None
         self.fired: type[BaseException] | None = None
-        self.suspended = False
         self.done = False
 
 
@@ -136,9 +139,8 @@ class _Watchdog:
     long C computation, time.sleep) is only interrupted once that call
     returns. Handlers should use timeouts on their own I/O.
 
-    The exception is never raised while the run talks to the store (see
-    ``_ObservedTask``), so a finish() is not cut in half. Each watch fires at
-    most once.
+    The run does not write its end (``_ObservedTask`` records it; the worker writes it
+    after the run), so no write can be cut in half. Each watch fires at most once.
     """
 
     def __init__(self) -> None:
@@ -184,22 +186,6 @@ class _Watchdog:
                     heapq.heapify(self._heap)
                     self._stale = 0
 
-    def suspend(self, watch: _Watch) -> None:
-        """No exception is raised in the watched thread until resume(watch).  Methods,
-        not a context manager: they run twice per python run, and a generator-based
-        one cost more than the lock they take."""
-        with self._cond:
-            watch.suspended = True
-            if watch.fired is not None:  # fired but maybe not raised yet: let the call run
-                _raise_in_thread(watch.thread_id, None)
-
-    def resume(self, watch: _Watch) -> None:
-        # No notify: a watch that came due while suspended keeps the loop polling every
-        # 10 ms (retry_soon), and a wake-up per finish() cost every task a turn of the
-        # watchdog thread.
-        with self._cond:
-            watch.suspended = False
-
     def _fire(self, watch: _Watch, exc: type[BaseException]) -> None:
         watch.fired = exc
         self._stoppable.discard(watch)
@@ -214,30 +200,19 @@ class _Watchdog:
         with self._cond:
             while True:
                 now = time.monotonic()
-                retry_soon = False
                 while self._heap and self._heap[0][0] <= now:
-                    watch = self._heap[0][2]
+                    watch = heapq.heappop(self._heap)[2]
                     if watch.done or watch.fired is not None:
-                        heapq.heappop(self._heap)
                         self._stale = max(0, self._stale - 1)
-                    elif watch.suspended:
-                        retry_soon = True
-                        break
                     else:
-                        heapq.heappop(self._heap)
                         self._fire(watch, HandlerTimeout)
                 for watch in list(self._stoppable):
                     if watch.stop_event is not None and watch.stop_event.is_set():
-                        if watch.suspended:
-                            retry_soon = True
-                        else:
-                            self._fire(watch, ProcessStopError)
+                        self._fire(watch, ProcessStopError)
                 wake: float | None = None
                 if self._heap:
                     wake = self._heap[0][0]
-                if retry_soon:
-                    wake = now + 0.01
-                elif self._stoppable:
+                if self._stoppable:
                     wake = min(wake, now + _STOP_POLL) if wake is not None else now + _STOP_POLL
                 self._wake_at = wake
                 self._cond.wait(None if wake is None else max(0.0, wake - now))
@@ -263,19 +238,20 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class _ObservedTask:
-    """The task as an Application sees it: records how the run ended it.
+    """The task as an Application sees it: ``finish()``, ``retry()`` and ``release()``
+    record how the run ended it (``ended``: the outcome, and the wait of a LATER), which
+    the executor returns and the worker writes once ``run()`` returned.  Attribute reads
+    (and the task's other methods) go to the real task.
 
-    Attribute reads go to the real task. Store calls run with the watchdog
-    suspended, so a timeout never interrupts a half-done finish().
+    One assignment records an end, so the watchdog's exception cannot leave half of
+    one behind.  A second end raises AlreadyFinishedError, as the task itself would.
     """
 
-    __slots__ = ("_task", "_watch", "action", "wait")
+    __slots__ = ("_task", "ended")
 
-    def __init__(self, task: TaskLike, watch: _Watch | None) -> None:
+    def __init__(self, task: TaskLike) -> None:
         self._task = task
-        self._watch = watch
-        self.action: str | None = None
-        self.wait: float | None = None
+        self.ended: tuple[Outcome, float | None] | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._task, name)
@@ -283,44 +259,26 @@ class _ObservedTask:
     def __repr__(self) -> str:
         return f"<task {self._task.key!r} via {type(self).__name__}>"
 
+    @property
+    def done(self) -> bool:
+        return self.ended is not None or self._task.done
+
+    def _end(self, outcome: Outcome, wait: float | None = None) -> None:
+        if self.done:
+            raise AlreadyFinishedError(f"task {self._task.key!r} was already finished")
+        self.ended = (outcome, wait)
+
     def finish(self) -> None:
-        watch = self._watch
-        if watch is not None:
-            _watchdog.suspend(watch)
-        try:
-            self._task.finish()
-            self.action = "finish"
-        finally:
-            if watch is not None:
-                _watchdog.resume(watch)
+        self._end(Outcome.SUCCESS)
 
     def retry(self, wait: float | None = None) -> None:
-        watch = self._watch
-        if watch is not None:
-            _watchdog.suspend(watch)
-        try:
-            if wait is None:
-                self._task.retry()
-            else:  # SCHED_LATER's equivalent: not a failure (max_attempts aside)
-                self._task.retry(wait=wait, later=True)
-            self.action, self.wait = "retry", wait
-        finally:
-            if watch is not None:
-                _watchdog.resume(watch)
+        if wait is None:
+            self._end(Outcome.FAILED)
+        else:  # SCHED_LATER's equivalent: not a failure (max_attempts aside)
+            self._end(Outcome.LATER, wait)
 
     def release(self) -> None:
-        watch = self._watch
-        if watch is not None:
-            _watchdog.suspend(watch)
-        try:
-            self._task.release()
-            self.action = "release"
-        finally:
-            if watch is not None:
-                _watchdog.resume(watch)
-
-
-_ACTION_OUTCOME = {"finish": Outcome.SUCCESS, "release": Outcome.RELEASED}
+        self._end(Outcome.RELEASED)
 
 
 def exception_line(exc: BaseException) -> str:
@@ -351,9 +309,9 @@ def _run_python(task: TaskLike, handler: PythonHandler, log: Log, stop_event: St
     """Run the application; the outcome, and what went wrong: the error line and the
     traceback's tail (for a timeout or a stop, where run() was interrupted)."""
     caught: list[BaseException] = []
-    outcome = _run_application(task, handler, log, stop_event, caught)
+    outcome, wait, already_ended = _run_application(task, handler, log, stop_event, caught)
     if outcome in (Outcome.SUCCESS, Outcome.RELEASED, Outcome.LATER):
-        return RunResult(outcome, 0.0)
+        return RunResult(outcome, 0.0, retry_wait=wait, already_ended=already_ended)
     error = caught[0] if caught else None
     output = traceback_tail(error, output_limit) if error is not None else None
     if outcome is Outcome.TIMEOUT:
@@ -368,15 +326,17 @@ def _run_python(task: TaskLike, handler: PythonHandler, log: Log, stop_event: St
 
 
 def _run_application(task: TaskLike, handler: PythonHandler, log: Log,
-                     stop_event: Stop | None, caught: list[BaseException]) -> Outcome:
-    """Run the application and end the task; what run() raised (an application's
+                     stop_event: Stop | None, caught: list[BaseException]
+                     ) -> tuple[Outcome, float | None, bool]:
+    """Run the application: its outcome, the wait of a LATER, and whether it ended the
+    task itself (through the task's own methods); what run() raised (an application's
     exception, or the watchdog's) is appended to `caught`."""
     timeout = handler.timeout
     watch = None
     if timeout is not None or stop_event is not None:
         deadline = time.monotonic() + timeout if timeout is not None else None
         watch = _watchdog.arm(deadline, stop_event)
-    observed = _ObservedTask(task, watch)
+    observed = _ObservedTask(task)
     error: BaseException | None = None
     try:
         try:
@@ -397,35 +357,29 @@ def _run_application(task: TaskLike, handler: PythonHandler, log: Log,
     if error is not None:
         caught.append(error)
 
-    if observed.action is not None:
+    if observed.ended is not None:
         if error is not None and not isinstance(error, HandlerTimeout | ProcessStopError):
             log.error("%s: %s raised after ending the task", task.key, handler.route.python,
                       exc_info=error)
-        if observed.action == "retry":
-            return Outcome.LATER if observed.wait is not None else Outcome.FAILED
-        return _ACTION_OUTCOME[observed.action]
+        outcome, wait = observed.ended
+        return outcome, wait, False
     if isinstance(error, PreemptedError):
         raise error
     if isinstance(error, ProcessStopError) or fired is ProcessStopError:
         reason = stop_reason(stop_event)
         log.warning("%s: %s; %s interrupted", task.key, REASON_TEXT[reason],
                     handler.route.python)
-        if not reason.gives_back:
-            return Outcome.PREEMPTED  # the lease is not ours to write
-        task.give_back()
-        return Outcome.STOPPED
+        # Given back; or, the lease not ours, nothing is written.
+        return (Outcome.STOPPED if reason.gives_back else Outcome.PREEMPTED), None, False
     if isinstance(error, HandlerTimeout) or fired is HandlerTimeout:
         log.warning("%s: %s timed out after %gs; interrupted", task.key, handler.route.python,
                     timeout)
-        task.retry()
-        return Outcome.TIMEOUT
+        return Outcome.TIMEOUT, None, False
     if isinstance(error, KeyboardInterrupt):
-        task.give_back()
-        raise error
+        raise error  # the worker gives the occurrence back (worker/ending.py)
     if error is not None:
         log.error("%s: %s failed", task.key, handler.route.python, exc_info=error)
-        task.retry()
-        return Outcome.FAILED
-    if not task.done:  # a run that ended the task behind our back keeps its word
-        task.finish()
-    return Outcome.SUCCESS
+        return Outcome.FAILED, None, False
+    # A run that ended the task behind our back (the task's own give_back()) keeps its
+    # word; else returning finishes it.
+    return Outcome.SUCCESS, None, task.done

@@ -3,6 +3,10 @@
 (:class:`StopReason`), how a run ended (:class:`Outcome`, :class:`RunResult`), and what
 every executor's handler is (:class:`Handler`).
 
+An executor only runs and returns a RunResult, as APScheduler's executors do; it never
+writes the task's end.  The worker ends the task by the result, in one place
+(worker/ending.py: finish, retry, release or give back).
+
 The executors are command.py (exec: a command in its own process group),
 systemd/unit.py (exec routes with ``executor: systemd``: a transient unit) and
 application.py (python: an :class:`~perfectschedd.executors.application.Application` in
@@ -21,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from perfectschedd.config import DEFAULT_LOG_OUTPUT_LIMIT
 from perfectschedd.settings.routes import RouteConfig
@@ -29,11 +33,9 @@ from perfectschedd.vocabulary.fields import ERROR_MAX
 from perfectschedd.vocabulary.outcomes import Outcome
 
 __all__ = [
-    "ERROR_MAX",
     "REASON_TEXT",
     "Handler",
     "Log",
-    "Outcome",
     "OutputTail",
     "RunControl",
     "RunOptions",
@@ -44,6 +46,7 @@ __all__ = [
     "clean_text",
     "cut_mark",
     "error_line",
+    "lease_lost_while_running",
     "output_tail",
     "signal_name",
     "status_text",
@@ -53,7 +56,8 @@ __all__ = [
 
 
 class TaskLike(Protocol):
-    """What handlers need of a task (``schedules.Task`` in the daemon)."""
+    """What handlers read of a task (``schedules.Task`` in the daemon).  None of its
+    methods that end it: the worker ends it by the RunResult (worker/ending.py)."""
 
     key: str
     type: str
@@ -64,22 +68,16 @@ class TaskLike(Protocol):
     @property
     def done(self) -> bool: ...
 
-    def finish(self) -> None: ...
-
-    def retry(self, wait: float | None = None, *, later: bool = False) -> None: ...
-
-    def release(self) -> None: ...
-
-    def give_back(self) -> None: ...
-
 
 Log = logging.Logger | logging.LoggerAdapter  # type: ignore[type-arg]
 
 
 @dataclass(frozen=True, slots=True)
 class RunResult:
-    """How a run ended, as its history row records it.  A handler's ``run`` returns one
-    with duration 0; ``run_task`` sets the duration it measured."""
+    """How a run ended, as its history row records it and as the worker ends its task
+    (worker/ending.py: the outcome says finish, retry, release, give back or nothing).  A
+    handler's ``run`` returns one with duration 0; ``run_task`` sets the duration it
+    measured."""
 
     outcome: Outcome
     duration: float              # seconds, monotonic
@@ -87,6 +85,10 @@ class RunResult:
     unit: str | None = None       # executor systemd: the run's unit
     output: str | None = None     # the tail of the output (output_tail), None: none kept
     error: str | None = None      # one line (error_line): what went wrong; None: nothing
+    retry_wait: float | None = None  # LATER: the seconds asked for (SCHED_LATER N)
+    # The run ended the task itself (an application calling the task's own give_back()):
+    # the worker writes nothing more of it.
+    already_ended: bool = False
 
     @property
     def status(self) -> int | None:
@@ -297,6 +299,15 @@ REASON_TEXT = {
 }
 
 
+def lease_lost_while_running(key: str, duration: float, log: Log) -> RunResult:
+    """The result of a run whose lease was found lost while it ran or as its end was
+    written (PreemptedError): nothing of it is written, and the log says so."""
+    log.warning("%s: lease lost while running; the result was discarded", key)
+    return RunResult(Outcome.PREEMPTED, duration, error=error_line(
+        "lease lost while running (schedule deleted, modified or taken over); the "
+        "result was discarded"))
+
+
 @dataclass(frozen=True, slots=True)
 class RunOptions:
     """How to run, besides the task and its handler (``run_task``'s keywords)."""
@@ -317,12 +328,18 @@ class Handler(Protocol):
     """An executor's handler of one route: made by the router (``from_route``), run by
     ``run_task`` (``run``).  A frozen dataclass: the worker replaces its ``timeout``.
 
-    ``run`` performs the task, ends it (``finish``, ``retry`` or ``release``; on a stop,
-    ``give_back`` or nothing) and returns a RunResult (outcome, exit status, unit name,
-    output tail, error line; duration 0: ``run_task`` measures it).  It may raise
-    ``PreemptedError`` (the lease was lost) and the store's errors; the handler's own
-    failures are outcomes.
+    ``run`` performs the task and returns a RunResult (outcome, exit status, unit name,
+    output tail, error line; duration 0: ``run_task`` measures it); it does not end the
+    task (the worker does, by the outcome).  It may raise ``PreemptedError`` (the lease
+    was lost: a python application's own store calls) and the store's errors; the
+    handler's own failures are outcomes.
+
+    ``runs_commands``: its runs start processes of their own (exec, systemd units), which
+    the master must know of before they exist (the worker reports them: worker/pipe.py's
+    Spawning and Ended lines).
     """
+
+    runs_commands: ClassVar[bool]
 
     @property
     def route(self) -> RouteConfig: ...

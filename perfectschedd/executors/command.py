@@ -2,8 +2,9 @@
 
 The task's data goes to the command's standard input as JSON; its output is logged line
 by line, each prefixed by the task key, up to ``log_output_limit`` bytes a run (then one
-line says how much was not logged), and its last stdout line or else its exit status
-ends the task (:func:`exec_verdict`: ``SCHED_LATER N``, ``SCHED_DONE``, ``SCHED_FAIL``).
+line says how much was not logged), and its last stdout line or else its exit status is
+the run's outcome (:func:`exec_verdict`: ``SCHED_LATER N``, ``SCHED_DONE``,
+``SCHED_FAIL``), by which the worker ends the task.
 The tail of its stdout and stderr together (``output_limit`` bytes, a ring) and its last
 non-empty line go into the run's history row (RunResult.output, .error).
 On timeout, or when the caller's ``RunControl`` says stop (daemon stopping, lease lost,
@@ -29,12 +30,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from perfectschedd.executors.base import (
     REASON_TEXT,
     Log,
-    Outcome,
     OutputTail,
     RunOptions,
     RunResult,
@@ -50,6 +50,7 @@ from perfectschedd.executors.spawn import Child, spawn
 from perfectschedd.settings import runas
 from perfectschedd.settings.routes import RouteConfig
 from perfectschedd.vocabulary.fields import schedule_key
+from perfectschedd.vocabulary.outcomes import Outcome
 
 __all__ = ["RUN_ID_ENV", "ExecHandler", "exec_error", "exec_verdict", "kill_all_groups",
            "running_groups"]
@@ -73,6 +74,7 @@ class ExecHandler:
     route: RouteConfig
     argv: tuple[str, ...]
     timeout: float | None
+    runs_commands: ClassVar[bool] = True  # the worker reports its process group
 
     def __str__(self) -> str:
         return f"exec {' '.join(self.argv)}"
@@ -104,7 +106,8 @@ def kill_all_groups(sig: int = signal.SIGKILL) -> int:
     """Send ``sig`` to every running exec group; returns how many were signalled.
 
     For the worker's last moments (exit path, atexit): the runs themselves
-    notice their command died and end their tasks as usual if they still can.
+    notice their command died and return, and their tasks end as usual if they still
+    can.
     """
     count = 0
     with _groups_lock:
@@ -295,7 +298,6 @@ def _run_exec(task: TaskLike, handler: ExecHandler, log: Log, stop_event: Stop |
         proc, fds = _spawn(argv, env, as_user)
     except OSError as exc:
         log.error("%s: cannot run %s: %s", key, argv[0], exc.strerror or exc)
-        task.retry()
         return RunResult(Outcome.FAILED, 0.0,
                          error=error_line(f"cannot run {argv[0]}", exc.strerror or str(exc)))
     pgid = proc.pid  # a session leader leads its own process group
@@ -321,17 +323,15 @@ def _run_exec(task: TaskLike, handler: ExecHandler, log: Log, stop_event: Stop |
         reason = stop_reason(stop_event)
         error = error_line(f"stopped: {REASON_TEXT[reason]}", tail.last_line)
         if reason.gives_back:
-            task.give_back()
             return RunResult(Outcome.STOPPED, 0.0, code, None, output, error)
         # Nothing to write: the lease is not ours.
         return RunResult(Outcome.PREEMPTED, 0.0, code, None, output, error)
     if why == "timeout":
-        task.retry()
         return RunResult(Outcome.TIMEOUT, 0.0, code, None, output, error_line(
             f"timed out after {handler.timeout:g} s", tail.last_line))
-    outcome = exec_verdict(task, last_line.strip(), code, log)
+    outcome, wait = exec_verdict(key, last_line.strip(), code, log)
     return RunResult(outcome, 0.0, code, None, output,
-                     exec_error(outcome, last_line.strip(), code, tail.last_line))
+                     exec_error(outcome, last_line.strip(), code, tail.last_line), wait)
 
 
 def _spawn(argv: list[str], env: dict[bytes, bytes],
@@ -369,30 +369,27 @@ def exec_error(outcome: Outcome, last: str, code: int, last_line: str) -> str | 
     return error_line(how, last_line)
 
 
-def exec_verdict(task: TaskLike, last: str, code: int, log: Log) -> Outcome:
-    """End the task by the command's last stdout line, else by its exit status.
+def exec_verdict(key: str, last: str, code: int, log: Log) -> tuple[Outcome, float | None]:
+    """The outcome of a command by its last stdout line, else by its exit status; and
+    for LATER the seconds it asked for (the worker retries it after them: asked for, not
+    a failure, max_attempts aside).
 
     An explicit line outranks the exit status: a command that says "again in N
     seconds" (or DONE, or FAIL) and then exits otherwise, as ``set -e`` scripts
     may, gets what it asked for.
     """
     if last == _SCHED_DONE:
-        task.finish()
-        return Outcome.SUCCESS
+        return Outcome.SUCCESS, None
     if last == _SCHED_FAIL:
-        task.retry()
-        return Outcome.FAILED
+        return Outcome.FAILED, None
     wait = _later(last) if last else None
     if wait is not None:
-        task.retry(wait=wait, later=True)  # asked for, not a failure: max_attempts aside
-        return Outcome.LATER
+        return Outcome.LATER, wait
     if last.startswith("SCHED_LATER"):
-        log.warning("%s: ignoring malformed %r (expected SCHED_LATER <seconds>)", task.key, last)
+        log.warning("%s: ignoring malformed %r (expected SCHED_LATER <seconds>)", key, last)
     if code == 0:
-        task.finish()
-        return Outcome.SUCCESS
-    task.retry()
-    return Outcome.FAILED
+        return Outcome.SUCCESS, None
+    return Outcome.FAILED, None
 
 
 def _supervise(proc: Child, fds: tuple[int, int, int], key: str,

@@ -1,8 +1,9 @@
 """Route a task type to its executor's handler, and run it.
 
 The worker asks a :class:`Router` for the handler of a task's type and calls
-:func:`run_task`, which performs the task and ends it itself (``finish``, ``retry`` or
-``release``) and returns a :class:`~perfectschedd.executors.base.RunResult`.
+:func:`run_task`, which performs the task and returns a
+:class:`~perfectschedd.executors.base.RunResult`; the worker then ends the task by it
+(worker/ending.py), as APScheduler's scheduler ends a job its executor ran.
 
 A route's executor is found by name in :data:`HANDLER_CLASSES`: ``exec`` (command.py: a
 command in its own process group), ``systemd`` (systemd/unit.py: a transient unit, for
@@ -27,16 +28,17 @@ from perfectschedd.executors.base import (
     REASON_TEXT,
     Handler,
     Log,
-    Outcome,
     RunOptions,
     RunResult,
     Stop,
     TaskLike,
     error_line,
+    lease_lost_while_running,
     stop_reason,
 )
 from perfectschedd.executors.command import ExecHandler
 from perfectschedd.settings.routes import RouteConfig
+from perfectschedd.vocabulary.outcomes import Outcome
 
 __all__ = ["HANDLER_CLASSES", "Router", "handler_class", "run_task"]
 
@@ -162,14 +164,16 @@ def run_task(task: TaskLike, handler: Handler, *, log: Log = logger,
              on_unit: Callable[[str], None] | None = None, node: str = "", tag: str = "",
              output_limit: int = 4096,
              log_output_limit: int = DEFAULT_LOG_OUTPUT_LIMIT) -> RunResult:
-    """Run ``task`` with ``handler`` and end it; never raises for handler failures.
+    """Run ``task`` with ``handler`` and return how it ended; never raises for handler
+    failures, and never ends the task (the worker does, by the result's outcome:
+    worker/ending.py).
 
     ``stop_event`` means "end now" (a :class:`RunControl` says why). An exec
     command then gets SIGTERM, SIGKILL after ``kill_grace``; a python
     application gets its ``kill()`` called and ``ProcessStopError`` raised. On
-    shutdown the task is given back (outcome ``stopped``); when the lease was
-    lost or could not be renewed nothing is written (outcome ``preempted``):
-    the occurrence belongs to whoever holds it next.
+    shutdown the outcome is ``stopped`` (the task goes back); when the lease was
+    lost or could not be renewed it is ``preempted`` (nothing is written: the
+    occurrence belongs to whoever holds it next).
 
     ``run_id`` goes into the environment of exec commands (RUN_ID_ENV);
     ``on_spawn(pgid)`` is called once the command's process group exists.  A unit run
@@ -180,7 +184,7 @@ def run_task(task: TaskLike, handler: Handler, *, log: Log = logger,
     (config.log_output_limit).
 
     Errors of the store other than ``PreemptedError`` (a database that is
-    down) propagate to the caller.
+    down, met by a python application's own calls) propagate to the caller.
     """
     start = time.monotonic()
     try:
@@ -192,20 +196,17 @@ def run_task(task: TaskLike, handler: Handler, *, log: Log = logger,
                              tag, output_limit, log_output_limit)
         result = handler.run(task, options)
     except PreemptedError:
-        log.warning("%s: lease lost while running; the result was discarded", task.key)
-        return RunResult(Outcome.PREEMPTED, time.monotonic() - start, error=error_line(
-            "lease lost while running (schedule deleted, modified or taken over); the "
-            "result was discarded"))
+        return lease_lost_while_running(task.key, time.monotonic() - start, log)
     # Built, not dataclasses.replace(): that one looks the fields up on every call.
     return RunResult(result.outcome, time.monotonic() - start, result.exit_code, result.unit,
-                     result.output, result.error)
+                     result.output, result.error, result.retry_wait, result.already_ended)
 
 
 def _stopped_before_start(task: TaskLike, stop: Stop, log: Log) -> Outcome:
+    """A run told to stop before it started: STOPPED (it goes back untried) or, when
+    the lease is not ours any more, PREEMPTED (logged: nothing is written)."""
     reason = stop_reason(stop)
     if reason.gives_back:
-        task.give_back()
         return Outcome.STOPPED
     log.warning("%s: not started: %s", task.key, REASON_TEXT[reason])
     return Outcome.PREEMPTED
-

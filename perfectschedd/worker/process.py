@@ -32,6 +32,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from perfectschedd import logsetup
@@ -42,7 +43,8 @@ from perfectschedd.metrics import counters
 from perfectschedd.notify.dispatch import STATE_OUTCOMES, Dispatcher
 from perfectschedd.schedules.collection import Task
 from perfectschedd.store.sql import Store
-from perfectschedd.worker import pipe
+from perfectschedd.worker import claims, pipe, runs, stopping
+from perfectschedd.worker.heartbeat import heartbeat_loop
 from perfectschedd.worker.leases import LeasePipeline
 
 log = logging.getLogger("perfectschedd.worker")
@@ -230,8 +232,8 @@ class Worker:
         sel = selectors.DefaultSelector()
         sel.register(self.wake_fd, selectors.EVENT_READ)
         sel.register(self.selfpipe_r, selectors.EVENT_READ)
-        pool = TaskThreads(self.config.concurrency, self.pipeline.run_one)
-        beat = threading.Thread(target=self.pipeline.heartbeat_loop, name="heartbeat",
+        pool = TaskThreads(self.config.concurrency, partial(runs.run_one, self.pipeline))
+        beat = threading.Thread(target=heartbeat_loop, args=(self.pipeline,), name="heartbeat",
                                 daemon=True)
         beat.start()
         threading.Thread(target=self._pinger, name="pinger", daemon=True).start()
@@ -241,7 +243,7 @@ class Worker:
                 self._ping()
                 self.in_db = True
                 try:
-                    wait = self.pipeline.step(pool.submit)
+                    wait = claims.step(self.pipeline, pool.submit)
                 finally:
                     # The loop moves on now: a ping between here and the next turn must
                     # not report the time spent waiting on the database as a stall.
@@ -289,14 +291,14 @@ class Worker:
         self.draining = True
         if not self.grant_pending:
             self.grant_pending = True
-            stopped = self.pipeline.stop_runs_as_daemon_user()
+            stopped = stopping.stop_runs_as_daemon_user(self.pipeline)
             log.warning("worker %d: the polkit grant is on: stopping %d run(s) as the "
                         "daemon's user; then it drains", self.index, stopped)
         self._grant_done()
 
     def _grant_done(self) -> None:
         """Tell the master once no run as the daemon's user is left here."""
-        if self.grant_pending and not self.pipeline.runs_as_daemon_user():
+        if self.grant_pending and not stopping.runs_as_daemon_user(self.pipeline):
             self.grant_pending = False
             self._report(pipe.GrantDone().line())
 
@@ -308,7 +310,7 @@ class Worker:
         queued = pool.take_queued()
         self.in_db = True
         try:
-            gave = self.pipeline.give_back_queued(queued)
+            gave = stopping.give_back_queued(self.pipeline, queued)
         finally:
             self.in_db = False
         if gave:
@@ -321,7 +323,7 @@ class Worker:
             self._ping()
             self.in_db = True
             try:
-                self.pipeline.drain_step()
+                claims.drain_step(self.pipeline)
             finally:
                 self.in_db = False
             self._sleep(sel, time.monotonic() + PING_INTERVAL)  # a run's end wakes it
@@ -344,7 +346,7 @@ class Worker:
             self._ping(force=True)
             time.sleep(0.05)
         # Exec groups get TERM/KILL, tasks are given back.
-        self.pipeline.stop_runs(StopReason.SHUTDOWN)
+        stopping.stop_runs(self.pipeline, StopReason.SHUTDOWN)
         pool.shutdown()  # queued tasks are not started; they are given back below
         end = time.monotonic() + self.config.kill_grace + 2
         while time.monotonic() < end and self.pipeline.running_count():
@@ -355,12 +357,12 @@ class Worker:
             # Their orphans went to init, not to a master that would kill them.
             me = os.getpid()
             runmarks.kill_marked(lambda r: reaper.worker_of(r) == me, me=me)
-        self.pipeline.give_back_leftovers()
+        stopping.give_back_leftovers(self.pipeline)
         if self.notices is not None:
             # The last runs' notifications, briefly: a stop must not wait on a receiver.
             self.pipeline.flush_history(force=True)
             self.notices.drain(NOTIFY_DRAIN)
-        self.pipeline.close()
+        claims.close(self.pipeline)
         log.info("worker %d stopped", self.index)
 
 

@@ -4,7 +4,8 @@ user) and one line says so.
 
 A real probe, as a daemon that is not root makes it (user nobody), against a system bus
 that accepts the connection and never answers (a real socket, silent).  The host need
-not run systemd: the probe is told where its marker is (as tests/settings/test_unit_props.py does).
+not run systemd: the probe is told where its marker is (as
+tests/settings/test_unit_props.py does).
 """
 
 from __future__ import annotations

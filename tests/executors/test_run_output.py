@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 import pytest
-from test_handlers import FakeTask, py, run, sh
+from executor_harness import FakeTask, py, run, sh
 
 from perfectschedd.executors import base
 from perfectschedd.executors.application import Application
@@ -257,6 +257,4 @@ EXITED, KILLED = 1, 2
 ])
 def test_a_unit_run_records_its_status_and_error(state: dict[str, Any], last: str,
                                                  why: str | None, want: str | None) -> None:
-    task = FakeTask(key="k")
-    outcome = unit.end_task(task, NAME, state, last, why, None, 2, LOG)
-    assert unit.unit_error(outcome, NAME, state, last, why, None, 2) == want
+    assert unit.unit_result("k", NAME, state, last, why, None, 2, LOG).error == want

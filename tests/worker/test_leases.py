@@ -1,4 +1,5 @@
-"""leases.py: the lease pipeline with a real SQLite file and no worker process."""
+"""leases.py: the lease pipeline with a real SQLite file and no worker process (and the
+modules that work on it: admission, runs, ending, heartbeat, history_queue, stopping)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,13 @@ from perfectschedd import config
 from perfectschedd.executors.application import Application
 from perfectschedd.executors.base import StopReason
 from perfectschedd.schedules.collection import ScheduleCollection, Task
-from perfectschedd.worker import leases
-from perfectschedd.worker.leases import HISTORY_FLUSH, LeasePipeline
+from perfectschedd.worker import claims
+from perfectschedd.worker.claims import close, drain_step, step
+from perfectschedd.worker.heartbeat import renew
+from perfectschedd.worker.history_queue import HISTORY_FLUSH
+from perfectschedd.worker.leases import LeasePipeline
+from perfectschedd.worker.runs import run_one
+from perfectschedd.worker.stopping import give_back_queued, stop_runs
 
 YEARLY = "0 0 1 1 *"
 
@@ -59,20 +65,20 @@ def test_a_run_s_history_row_is_written_within_half_a_second_not_at_the_next_pol
     p, _ = pipeline(tmp_path, poll_interval=30)
     add(p, "a")
     submitted: list[Task] = []
-    p.step(submitted.append)
-    p.run_one(submitted[0])
-    assert p.history  # queued, not yet written
+    step(p, submitted.append)
+    run_one(p, submitted[0])
+    assert p.history.rows  # queued, not yet written
     # As if a batch had just been written: this row waits for the next one.  (On a loaded
     # machine half a second can pass before the step, which then writes it at once.)
-    p.last_flush = time.monotonic()
-    wait = p.step(submitted.append)
-    if p.history:
+    p.history.last_flush = time.monotonic()
+    wait = step(p, submitted.append)
+    if p.history.rows:
         assert wait <= HISTORY_FLUSH
         time.sleep(wait)
-    p.step(submitted.append)
+    step(p, submitted.append)
     assert [r["outcome"] for r in p.sc.store.history("a", 10)] == ["success"]  # type: ignore[union-attr]
-    assert p.step(submitted.append) > HISTORY_FLUSH  # nothing left: the poll again
-    p.close()
+    assert step(p, submitted.append) > HISTORY_FLUSH  # nothing left: the poll again
+    close(p)
 
 
 def test_claim_run_and_batched_finish(tmp_path: Path) -> None:
@@ -80,20 +86,20 @@ def test_claim_run_and_batched_finish(tmp_path: Path) -> None:
     for key in ("a", "b"):
         add(p, key)
     submitted: list[Task] = []
-    p.step(submitted.append)
+    step(p, submitted.append)
     assert sorted(t.key for t in submitted) == ["a", "b"]
     assert set(p.controls) == {"a", "b"}
     lease_end = math.ceil(submitted[0].claimed_at) + p.config.alive_time
     assert p.controls["a"].fence_at == lease_end - p.fence_lead  # self-fencing armed
     for task in submitted:
-        p.run_one(task)
+        run_one(p, task)
     assert p.running_count() == 0 and p.controls == {}
     assert row(p, "a").owner is not None  # the finish is queued, not yet written
-    assert p.step(submitted.append) > 0
+    assert step(p, submitted.append) > 0
     assert row(p, "a").owner is None and row(p, "a").next_time > time.time()
     p.flush_history(force=True)
     assert [r["outcome"] for r in p.sc.store.history("a", 10)] == ["success"]  # type: ignore[union-attr]
-    p.close()
+    close(p)
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.001, 0.5, 0.999])
@@ -112,11 +118,11 @@ def test_a_lease_is_never_shorter_than_alive_time(tmp_path: Path, fraction: floa
         sc.heartbeat_many(tasks, now=claimed_at + 0.6)
         assert sc.store.get(tasks[0].key).next_run_time >= claimed_at + 2.6
     submitted: list[Task] = []
-    p.step(submitted.append)  # the pipeline's own claim, at the clock's fraction
+    step(p, submitted.append)  # the pipeline's own claim, at the clock's fraction
     first_heartbeat = max(0.2, p.config.alive_time / 3)
     assert p.controls["b"].fence_at - submitted[0].claimed_at >= 0.75 * p.config.alive_time
     assert 0.75 * p.config.alive_time > first_heartbeat + 0.5
-    p.close()
+    close(p)
 
 
 def test_heartbeat_stops_a_run_whose_lease_was_lost(tmp_path: Path,
@@ -128,7 +134,7 @@ def test_heartbeat_stops_a_run_whose_lease_was_lost(tmp_path: Path,
     add(p, "changed")
     add(p, "kept")
     submitted: list[Task] = []
-    p.step(submitted.append)
+    step(p, submitted.append)
     for task in submitted:  # running, as far as the pipeline knows
         p.running[task.key] = task
     assert p.sc is not None
@@ -136,7 +142,7 @@ def test_heartbeat_stops_a_run_whose_lease_was_lost(tmp_path: Path,
     p.sc["changed"].modify(delay=5)
     held = [(t.key, t.fence) for t in submitted]
     caplog.set_level(logging.WARNING, "perfectschedd.worker")
-    p.renew(held, now=time.time() + 5)
+    renew(p, held, now=time.time() + 5)
     assert p.controls["gone"].reason is StopReason.DELETED
     assert p.controls["changed"].reason is StopReason.PREEMPTED
     assert sorted(caplog.messages) == [
@@ -146,7 +152,7 @@ def test_heartbeat_stops_a_run_whose_lease_was_lost(tmp_path: Path,
     assert p.controls["kept"].fence_at == pytest.approx(
         int(time.time() + 5) + 1 + p.config.alive_time - p.fence_lead, abs=1)
     assert row(p, "kept").next_run_time >= int(time.time()) + 5 + p.config.alive_time
-    p.close()
+    close(p)
 
 
 def test_a_run_replaced_by_a_newer_occurrence_is_stopped_as_replaced(
@@ -159,22 +165,22 @@ def test_a_run_replaced_by_a_newer_occurrence_is_stopped_as_replaced(
         sc.add("r", "sh", cron=YEARLY, concurrency="replace")
         run_key = sc["r"].run_now()
     submitted: list[Task] = []
-    p.step(submitted.append)
+    step(p, submitted.append)
     [task] = submitted
     assert task.key == run_key and p.running == {run_key: task}  # its turn taken
     assert p.store.group_turn(f"r@run-{int(time.time())}-newer", "r", int(time.time()),
                               replace=True) == "start"
     caplog.set_level(logging.WARNING, "perfectschedd.worker")
-    p.renew([(task.key, task.fence)])
+    renew(p, [(task.key, task.fence)])
     assert p.controls[run_key].reason is StopReason.REPLACED
     assert caplog.messages == [f"key={run_key}: replaced by a newer occurrence "
                                "(concurrency: replace); stopping its run"]
-    p.run_one(task)  # stopped before it started
+    run_one(p, task)  # stopped before it started
     p.flush_history(force=True)
     [ran] = p.store.history(run_key, 10)
     assert (ran["outcome"], ran["error"]) == (
         "preempted", "not started: replaced by a newer occurrence (concurrency: replace)")
-    p.close()
+    close(p)
 
 
 def test_an_end_whose_schedule_was_deleted_meanwhile_says_so(
@@ -186,41 +192,41 @@ def test_an_end_whose_schedule_was_deleted_meanwhile_says_so(
         sc.add("d", "py", cron=YEARLY)  # not due: only its extra run runs
         run_key = sc["d"].run_now()
     submitted: list[Task] = []
-    p.step(submitted.append)
+    step(p, submitted.append)
     assert [t.key for t in submitted] == [run_key]
-    p.run_one(submitted[0])  # its end is queued
+    run_one(p, submitted[0])  # its end is queued
     assert p.sc is not None
     p.sc["d"].delete()
     caplog.set_level(logging.WARNING, "perfectschedd.worker")
-    p.step(submitted.append)
+    step(p, submitted.append)
     assert caplog.messages == [f"key={run_key}: schedule deleted before its finish was "
                                "written; its result is discarded"]
-    p.close()
+    close(p)
 
 
 def test_exec_runs_are_reported_before_and_after(tmp_path: Path) -> None:
     p, events = pipeline(tmp_path)
     add(p, "x", "sh")
     submitted: list[Task] = []
-    p.step(submitted.append)
-    p.run_one(submitted[0])
+    step(p, submitted.append)
+    run_one(p, submitted[0])
     kinds = [e.split()[0] for e in events]
     assert kinds == ["s", "g", "e"]
     run_ids = {e.split()[1] for e in events}
     assert len(run_ids) == 1 and run_ids.pop().startswith(f"{os.getpid()}.")
-    p.close()
+    close(p)
 
 
 def test_shutdown_gives_back_what_did_not_run(tmp_path: Path) -> None:
     p, _ = pipeline(tmp_path)
     add(p, "q")
     submitted: list[Task] = []
-    p.step(submitted.append)
-    p.stop_runs(StopReason.SHUTDOWN)
-    p.run_one(submitted[0])  # a queued task started after the stop: not run, given back
+    step(p, submitted.append)
+    stop_runs(p, StopReason.SHUTDOWN)
+    run_one(p, submitted[0])  # a queued task started after the stop: not run, given back
     r = row(p, "q")
     assert r.owner is None and r.attempt == 0 and r.next_run_time <= time.time()
-    p.close()
+    close(p)
 
 
 def test_a_stale_heartbeat_never_stops_the_next_run_of_the_same_key(tmp_path: Path) -> None:
@@ -229,22 +235,22 @@ def test_a_stale_heartbeat_never_stops_the_next_run_of_the_same_key(tmp_path: Pa
     p, _ = pipeline(tmp_path)
     add(p, "k")
     first: list[Task] = []
-    p.step(first.append)
+    step(p, first.append)
     old = first[0]
-    p.run_one(old)  # finished: queued
-    p.step(lambda t: None)  # written
+    run_one(p, old)  # finished: queued
+    step(p, lambda t: None)  # written
     assert p.sc is not None
     p.sc.store.update("k", {"next_run_time": int(time.time()) - 1}, take_lease=False)
     second: list[Task] = []
-    p.step(second.append)
+    step(p, second.append)
     new = second[0]
     p.running[new.key] = new
     assert new.fence > old.fence
-    p.renew([(old.key, old.fence)])
+    renew(p, [(old.key, old.fence)])
     assert p.controls["k"].reason is None
-    p.renew([(new.key, new.fence)])
+    renew(p, [(new.key, new.fence)])
     assert p.controls["k"].reason is None
-    p.close()
+    close(p)
 
 
 def test_task_threads_taking_run_ids_at_once_get_distinct_ids(tmp_path: Path) -> None:
@@ -271,14 +277,14 @@ def test_task_threads_taking_run_ids_at_once_get_distinct_ids(tmp_path: Path) ->
     assert errors == []
     every = [i for out in ids for i in out]
     assert len(every) == len(set(every)) == 8 * 20_000
-    p.close()
+    close(p)
 
 
 def run_due(p: LeasePipeline) -> None:
     submitted: list[Task] = []
-    p.step(submitted.append)
+    step(p, submitted.append)
     for task in submitted:
-        p.run_one(task)
+        run_one(p, task)
 
 
 def test_each_run_s_row_says_what_it_did_and_on_recorded_sees_it_once_written(
@@ -313,7 +319,7 @@ def test_each_run_s_row_says_what_it_did_and_on_recorded_sees_it_once_written(
     assert {k: stored[k] for k in bad} == bad
     p.flush_history(force=True)
     assert len(batches) == 1  # an empty flush hands nothing on
-    p.close()
+    close(p)
 
 
 def test_on_recorded_sees_nothing_that_was_not_written_and_its_errors_never_stop_runs(
@@ -331,7 +337,7 @@ def test_on_recorded_sees_nothing_that_was_not_written_and_its_errors_never_stop
     with p.sc.store.engine.begin() as conn:  # the write will fail: a real database error
         conn.exec_driver_sql("ALTER TABLE perfectsched_history RENAME TO away")
     p.flush_history(force=True)
-    assert calls == [] and [r["key"] for r in p.history] == ["a"]  # kept for the next one
+    assert calls == [] and [r["key"] for r in p.history.rows] == ["a"]  # kept for the next one
     with p.sc.store.engine.begin() as conn:
         conn.exec_driver_sql("ALTER TABLE away RENAME TO perfectsched_history")
     p.flush_history(force=True)
@@ -344,7 +350,7 @@ def test_on_recorded_sees_nothing_that_was_not_written_and_its_errors_never_stop
     # Logged once, then swallowed.
     assert [r.getMessage() for r in caplog.records if "on_recorded" in r.getMessage()] == [
         "on_recorded failed (logged once; the history is written)"]
-    p.close()
+    close(p)
 
 
 def test_a_drain_gives_back_what_did_not_start_and_writes_what_ran(tmp_path: Path) -> None:
@@ -355,23 +361,23 @@ def test_a_drain_gives_back_what_did_not_start_and_writes_what_ran(tmp_path: Pat
     for key in ("a", "b", "c"):
         add(p, key)
     submitted: list[Task] = []
-    p.step(submitted.append)
+    step(p, submitted.append)
     started, *queued = sorted(submitted, key=lambda t: t.key)
-    assert p.give_back_queued(queued) == 2
+    assert give_back_queued(p, queued) == 2
     assert set(p.running) == {"a"} and set(p.controls) == {"a"}
     for task in queued:
         r = row(p, task.key)
         assert r.owner is None and r.next_run_time <= time.time() and r.attempt == 0
     add(p, "d")  # due, but a draining worker claims nothing
-    p.run_one(started)
-    p.drain_step()
+    run_one(p, started)
+    drain_step(p)
     assert row(p, "a").owner is None and row(p, "a").next_time > time.time()
     assert row(p, "d").owner is None
     p.flush_history(force=True)
     store = p.sc.store  # type: ignore[union-attr]
     assert [r["outcome"] for r in store.history("a", 10)] == ["success"]
     assert store.history("b", 10) == [] and store.history("c", 10) == []
-    p.close()
+    close(p)
 
 
 def test_runs_ending_while_finishes_gather_do_not_wake_the_loop_until_threads_run_short(
@@ -380,23 +386,23 @@ def test_runs_ending_while_finishes_gather_do_not_wake_the_loop_until_threads_ru
     task queued, a run's end does not nudge the loop (it would only defer again); the run
     that leaves a thread without a queued task does, and so does any once a step no
     longer defers."""
-    monkeypatch.setattr(leases, "FINISH_DEFER", 60.0)  # no slow machine ends it early
+    monkeypatch.setattr(claims, "FINISH_DEFER", 60.0)  # no slow machine ends it early
     p, _ = pipeline(tmp_path, concurrency=1)
     nudges: list[float] = []
     p.nudge = lambda: nudges.append(time.monotonic())
     for key in ("a", "b", "c"):
         add(p, key)
     submitted: list[Task] = []
-    p.step(submitted.append)
+    step(p, submitted.append)
     assert len(submitted) == 3  # one thread, two queued behind it
-    p.run_one(submitted[0])
+    run_one(p, submitted[0])
     assert len(nudges) == 1  # the loop was not deferring
-    assert p.step(submitted.append) > 0  # a finish waits, each thread has a task queued
+    assert step(p, submitted.append) > 0  # a finish waits, each thread has a task queued
     assert p.deferred_until > time.monotonic()
-    p.run_one(submitted[1])
+    run_one(p, submitted[1])
     assert len(nudges) == 1  # "c" is still queued for the one thread: no wake-up
-    p.run_one(submitted[2])
+    run_one(p, submitted[2])
     assert len(nudges) == 2  # the thread has nothing queued: the loop must refill it
-    p.step(submitted.append)  # writes the three finishes, defers nothing
+    step(p, submitted.append)  # writes the three finishes, defers nothing
     assert p.deferred_until == 0.0 and not p.finished
-    p.close()
+    close(p)

@@ -1,5 +1,6 @@
 """Jobs as systemd transient units (routes and entries with `executor: systemd`): the
-unit a run asks for, the run itself, and how the unit's end ends the task.
+unit a run asks for, the run itself, and what the unit's end makes of the run (its
+RunResult, by which the worker ends the task).
 
 The invariant is the exec executor's (command.py): a unit runs only while its worker holds the
 occurrence's lease.  The worker starts the unit (StartTransientUnit, with AddRef so that
@@ -33,6 +34,7 @@ from perfectschedd.executors.base import (
     Log,
     RunOptions,
     RunResult,
+    Stop,
     TaskLike,
     error_line,
     stop_grace,
@@ -90,7 +92,8 @@ os.register_at_fork(after_in_child=_client.reset_after_fork)
 @dataclass(frozen=True, slots=True)
 class UnitHandler(ExecHandler):
     """An exec route with `executor: systemd`: each run is a transient unit.  An
-    ExecHandler to whatever reads routes (the worker reports its runs alike)."""
+    ExecHandler to whatever reads routes; its runs start processes too (the unit's), so
+    the worker reports them alike (runs_commands, inherited)."""
 
     def __str__(self) -> str:
         return f"systemd unit {' '.join(self.argv)}"
@@ -164,10 +167,12 @@ def properties(task: TaskLike, handler: UnitHandler, name: str, *, node: str, ki
     return props
 
 
-def run(task: TaskLike, handler: UnitHandler, log: Log, stop: Any, kill_grace: float,
-        node: str, on_unit: Callable[[str], None] | None, tag: str = "") -> RunResult:
-    """Run one task as a unit and end it (as command.py's exec runs do).  Its output stays
-    in the journal (perfectschedctl logs reads it there): the result carries none."""
+def run(task: TaskLike, handler: UnitHandler, log: Log, stop: Stop | None,
+        kill_grace: float, node: str, on_unit: Callable[[str], None] | None,
+        tag: str = "") -> RunResult:
+    """Run one task as a unit and return how it ended (as command.py's exec runs do).  Its
+    output stays in the journal (perfectschedctl logs reads it there): the result carries
+    none."""
     key = task.key
     name = unit_props.unit_name(key, task.scheduled_time, task.attempt)
     verdict_r, verdict_w = os.pipe()
@@ -179,7 +184,6 @@ def run(task: TaskLike, handler: UnitHandler, log: Log, stop: Any, kill_grace: f
             watch = _client.start(name, props, [verdict_w])
         except SystemdError as exc:
             log.error("%s: cannot start unit %s: %s", key, name, exc)
-            task.retry()
             return RunResult(Outcome.FAILED, 0.0, None, name,
                              error=error_line(f"cannot start unit {name}", str(exc)))
         finally:
@@ -190,9 +194,7 @@ def run(task: TaskLike, handler: UnitHandler, log: Log, stop: Any, kill_grace: f
         last = _read_verdict(verdict_r)
     finally:
         os.close(verdict_r)
-    outcome = end_task(task, name, state, last, why, stop, handler.timeout, log)
-    return RunResult(outcome, 0.0, exit_code(state), name,
-                     error=unit_error(outcome, name, state, last, why, stop, handler.timeout))
+    return unit_result(key, name, state, last, why, stop, handler.timeout, log)
 
 
 def exit_code(state: dict[str, Any]) -> int | None:
@@ -203,40 +205,46 @@ def exit_code(state: dict[str, Any]) -> int | None:
     return status if state.get("ExecMainCode") == _CLD_EXITED else -status
 
 
-def end_task(task: TaskLike, name: str, state: dict[str, Any], last: str, why: str | None,
-             stop: Any, timeout: float | None, log: Log) -> Outcome:
-    """End the task by how its unit ended: `why` we stopped it (stop, timeout) first,
+def unit_result(key: str, name: str, state: dict[str, Any], last: str, why: str | None,
+                stop: Stop | None, timeout: float | None, log: Log) -> RunResult:
+    """How a run ended by how its unit ended: `why` we stopped it (stop, timeout) first,
     then the unit's Result (timeout, oom-kill, start failures), then the exec protocol
     (the last stdout line, else the exit status) as for an exec run."""
-    key = task.key
+    outcome, wait = unit_outcome(key, name, state, last, why, stop, timeout, log)
+    return RunResult(outcome, 0.0, exit_code(state), name,
+                     error=unit_error(outcome, name, state, last, why, stop, timeout),
+                     retry_wait=wait)
+
+
+def unit_outcome(key: str, name: str, state: dict[str, Any], last: str, why: str | None,
+                 stop: Stop | None, timeout: float | None, log: Log
+                 ) -> tuple[Outcome, float | None]:
+    """unit_result's outcome, and for LATER the seconds asked for; logs what went
+    wrong."""
     result = str(state.get("Result", "unknown"))
     code = exit_code(state)
     if why == "stop":
         if stop_reason(stop).gives_back:
-            task.give_back()
-            return Outcome.STOPPED
-        return Outcome.PREEMPTED  # nothing to write: the lease is not ours
+            return Outcome.STOPPED, None
+        return Outcome.PREEMPTED, None  # nothing to write: the lease is not ours
     if why == "timeout" or result == "timeout":
         log.warning("%s: unit %s timed out after %gs and was stopped", key, name,
                     timeout or 0)
-        task.retry()
-        return Outcome.TIMEOUT
+        return Outcome.TIMEOUT, None
     if result == "oom-kill":
         log.error("%s: unit %s was killed: out of memory (OOM, its MemoryMax)", key, name)
-        task.retry()
-        return Outcome.FAILED
+        return Outcome.FAILED, None
     if result not in ("success", "exit-code", "signal", "core-dump") or code is None:
         log.error("%s: unit %s failed: result %s%s", key, name, result,
                   f", status {code}" if code is not None else
                   " (no exit status: its result was lost)" if result == "success" else "")
-        task.retry()
-        return Outcome.FAILED
-    return exec_verdict(task, last, code, log)
+        return Outcome.FAILED, None
+    return exec_verdict(key, last, code, log)
 
 
 def unit_error(outcome: Outcome, name: str, state: dict[str, Any], last: str,
-               why: str | None, stop: Any, timeout: float | None) -> str | None:
-    """The error line of a unit's run that end_task ended with `outcome` (the same
+               why: str | None, stop: Stop | None, timeout: float | None) -> str | None:
+    """The error line of a unit's run that unit_outcome gave `outcome` (the same
     reasons, in the same order); None when nothing went wrong."""
     result = str(state.get("Result", "unknown"))
     code = exit_code(state)
@@ -254,8 +262,8 @@ def unit_error(outcome: Outcome, name: str, state: dict[str, Any], last: str,
     return exec_error(outcome, last, code, "" if last.startswith("SCHED_") else last)
 
 
-def _wait(watch: Watch, name: str, key: str, timeout: float | None, log: Log, stop: Any,
-          kill_grace: float) -> str | None:
+def _wait(watch: Watch, name: str, key: str, timeout: float | None, log: Log,
+          stop: Stop | None, kill_grace: float) -> str | None:
     """Wait for the unit to end; stop it on a stop request, or if it outlives its
     RuntimeMaxSec by far.  Returns why we stopped it (None: it ended by itself)."""
     deadline = time.monotonic() + timeout + kill_grace + _DEADLINE_SLACK \

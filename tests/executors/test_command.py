@@ -1,5 +1,6 @@
-"""The executors (router.py, command.py, application.py): routing, exec and python handlers,
-timeouts, kills, stop."""
+"""The exec executor (command.py): a command per run in its own process group, its
+outcome by its last line or exit status (and the task the worker then ends by it),
+timeouts, kills, stops and lost leases."""
 
 from __future__ import annotations
 
@@ -7,97 +8,19 @@ import json
 import logging
 import os
 import pwd
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from executor_harness import LOGGER, FakeTask, gone, pids, run, sh
 
-from perfectschedd.errors import PreemptedError
 from perfectschedd.executors import base, command
-from perfectschedd.executors.application import Application, HandlerTimeout, PythonHandler
 from perfectschedd.executors.command import ExecHandler
-from perfectschedd.executors.router import Router, run_task
+from perfectschedd.executors.router import run_task
 from perfectschedd.settings.routes import RouteConfig
 from perfectschedd.vocabulary.outcomes import Outcome
-
-LOGGER = "test.handlers"
-
-
-class FakeTask:
-    """Stands in for schedules.Task: records how the handler ended it."""
-
-    def __init__(self, key: str = "job-1", type: str = "t", data: dict[str, Any] | None = None,
-                 scheduled_time: int = 1357000000, attempt: int = 1,
-                 preempted: bool = False) -> None:
-        self.key = key
-        self.type = type
-        self.data = {} if data is None else data
-        self.scheduled_time = scheduled_time
-        self.attempt = attempt
-        self.preempted = preempted
-        self.calls: list[tuple[Any, ...]] = []
-
-    @property
-    def done(self) -> bool:
-        return bool(self.calls)
-
-    def _end(self, *call: Any) -> None:
-        if self.preempted:
-            raise PreemptedError(self.key)
-        assert not self.calls, f"task ended twice: {self.calls} then {call}"
-        self.calls.append(call)
-
-    def finish(self) -> None:
-        self._end("finish")
-
-    def retry(self, *args: Any, **kwargs: Any) -> None:
-        self._end("retry", args, kwargs)
-
-    def release(self) -> None:
-        self._end("release")
-
-    def give_back(self) -> None:  # the daemon's release (stop): recorded alike
-        self._end("release")
-
-
-def sh(script: str, timeout: float | None = None) -> ExecHandler:
-    """An exec handler running a shell script; the key arrives as $1."""
-    argv = ("/bin/sh", "-c", script, "sh")
-    return ExecHandler(RouteConfig(pattern="t", exec=argv, timeout=timeout), argv, timeout)
-
-
-def py(cls: type, timeout: float | None = None) -> PythonHandler:
-    route = RouteConfig(pattern="t", python=f"{__name__}:{cls.__name__}", timeout=timeout)
-    return PythonHandler(route, cls, timeout)
-
-
-def run(task: FakeTask, handler: base.Handler, **kw: Any) -> base.RunResult:
-    kw.setdefault("log", logging.getLogger(LOGGER))
-    kw.setdefault("kill_grace", 1.0)
-    return run_task(task, handler, **kw)
-
-
-def gone(pid: int, within: float = 3.0) -> bool:
-    """True once pid no longer runs (dead, or a zombie waiting for its reaper)."""
-    end = time.monotonic() + within
-    while True:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError):
-            return True
-        if state in ("Z", "X"):
-            return True
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.01)
-
-
-def pids(path: Path) -> list[int]:
-    return [int(x) for x in path.read_text().split()]
-
 
 # --------------------------------------------------------------------------- exec
 
@@ -347,14 +270,6 @@ def test_exec_stop_terminates_and_releases(tmp_path: Path) -> None:
     assert result.duration < 1.5
 
 
-def test_stop_before_start_releases() -> None:
-    stop = threading.Event()
-    stop.set()
-    task = FakeTask()
-    assert run(task, sh("exit 0"), stop_event=stop).outcome == Outcome.STOPPED
-    assert task.calls == [("release",)]
-
-
 def test_kill_all_groups(tmp_path: Path) -> None:
     pidfile = tmp_path / "pids"
     script = f"sleep 1000 & echo $! > {pidfile}; wait"
@@ -378,218 +293,6 @@ def test_kill_all_groups(tmp_path: Path) -> None:
 
 def test_exec_preempted() -> None:
     assert run(FakeTask(preempted=True), sh("exit 0")).outcome == Outcome.PREEMPTED
-
-
-# --------------------------------------------------------------------------- python
-
-
-class Finishes(Application):
-    def run(self) -> None:
-        self.task.finish()
-
-
-class ReturnsQuietly(Application):
-    def run(self) -> None:
-        pass
-
-
-class RetriesLater(Application):
-    def run(self) -> None:
-        self.task.retry(wait=12)
-
-
-class Retries(Application):
-    def run(self) -> None:
-        self.task.retry()
-
-
-class Releases(Application):
-    def run(self) -> None:
-        self.task.release()
-
-
-class Raises(Application):
-    def run(self) -> None:
-        raise ValueError("boom")
-
-
-class Spins(Application):
-    def run(self) -> None:
-        while True:
-            time.sleep(0.01)
-
-
-class SpinsCatchingException(Application):
-    def run(self) -> None:
-        while True:
-            try:
-                time.sleep(0.01)
-            except Exception:  # must not swallow HandlerTimeout
-                pass
-
-
-class FinishesSlowly(Application):
-    def run(self) -> None:
-        self.task.finish()
-        while True:
-            time.sleep(0.01)
-
-
-@pytest.mark.parametrize("cls,outcome,calls", [
-    (Finishes, Outcome.SUCCESS, [("finish",)]),
-    (ReturnsQuietly, Outcome.SUCCESS, [("finish",)]),
-    (Retries, Outcome.FAILED, [("retry", (), {})]),
-    # SCHED_LATER's equivalent: not a failure (issue 39 item 3).
-    (RetriesLater, Outcome.LATER, [("retry", (), {"wait": 12, "later": True})]),
-    (Releases, Outcome.RELEASED, [("release",)]),
-])
-@pytest.mark.parametrize("armed", [False, True])
-def test_python_outcomes(cls: type, outcome: Outcome, calls: list[Any], armed: bool) -> None:
-    task = FakeTask()
-    kw: dict[str, Any] = {"stop_event": threading.Event()} if armed else {}
-    result = run(task, py(cls, timeout=10 if armed else None), **kw)
-    assert result.outcome == outcome
-    assert result.exit_code is None
-    assert task.calls == calls
-
-
-def test_python_exception_retries_with_traceback(caplog: pytest.LogCaptureFixture) -> None:
-    task = FakeTask(key="k-raise")
-    assert run(task, py(Raises)).outcome == Outcome.FAILED
-    assert task.calls == [("retry", (), {})]
-    record = next(r for r in caplog.records if r.getMessage().startswith("k-raise:"))
-    assert record.levelno == logging.ERROR
-    assert record.exc_info is not None and "boom" in caplog.text
-
-
-def test_python_preempted() -> None:
-    assert run(FakeTask(preempted=True), py(Finishes)).outcome == Outcome.PREEMPTED
-    assert run(FakeTask(preempted=True), py(ReturnsQuietly)).outcome == Outcome.PREEMPTED
-
-
-@pytest.mark.parametrize("cls", [Spins, SpinsCatchingException])
-def test_python_timeout_retries_and_thread_goes_on(cls: type,
-                                                   caplog: pytest.LogCaptureFixture) -> None:
-    out: list[Any] = []
-
-    def worker() -> None:
-        first = FakeTask(key="spin")
-        out.append((run(first, py(cls, timeout=0.2)), first.calls))
-        time.sleep(0.3)  # no stray exception arrives later
-        second = FakeTask()
-        out.append((run(second, py(Finishes, timeout=5)), second.calls))
-
-    t = threading.Thread(target=worker)
-    t.start()
-    t.join(5)
-    assert not t.is_alive()
-    (first, first_calls), (second, second_calls) = out
-    assert first.outcome == Outcome.TIMEOUT
-    assert 0.2 <= first.duration < 1.0
-    assert first_calls == [("retry", (), {})]
-    assert second.outcome == Outcome.SUCCESS and second_calls == [("finish",)]
-    assert "spin: " in caplog.text and "timed out after 0.2s" in caplog.text
-
-
-def test_python_timeout_after_finish_keeps_success() -> None:
-    task = FakeTask()
-    result = run(task, py(FinishesSlowly, timeout=0.1))
-    assert result.outcome == Outcome.SUCCESS
-    assert task.calls == [("finish",)]
-
-
-def test_python_stop_releases() -> None:
-    stop = threading.Event()
-    threading.Timer(0.2, stop.set).start()
-    task = FakeTask()
-    result = run(task, py(Spins), stop_event=stop)
-    assert result.outcome == Outcome.STOPPED
-    assert task.calls == [("release",)]
-    assert result.duration < 1.0
-
-
-def test_handler_timeout_is_not_an_exception() -> None:
-    assert not issubclass(HandlerTimeout, Exception)
-
-
-def test_python_overhead_is_microseconds() -> None:
-    handler = py(ReturnsQuietly, timeout=60)
-    stop = threading.Event()
-    log = logging.getLogger(LOGGER)
-    for kw in ({}, {"stop_event": stop}):
-        plain = py(ReturnsQuietly)
-        for h in (plain, handler):
-            n = 2000
-            start = time.perf_counter()
-            for _ in range(n):
-                run_task(FakeTask(), h, log=log, **kw)
-            per_task = (time.perf_counter() - start) / n
-            assert per_task < 100e-6, (h, kw, per_task)
-
-
-# --------------------------------------------------------------------------- router
-
-
-def routes(*pairs: tuple[str, str]) -> tuple[RouteConfig, ...]:
-    out = []
-    for pattern, target in pairs:
-        if ":" in target:
-            out.append(RouteConfig(pattern=pattern, python=target))
-        else:
-            out.append(RouteConfig(pattern=pattern, exec=(target,), timeout=5))
-    return tuple(out)
-
-
-def test_router_exact_regexp_first_wins() -> None:
-    router = Router(routes(
-        ("backup", "/bin/backup"),
-        ("/^report-.*$/", "/bin/report"),
-        ("/report/", "/bin/other"),
-        ("report-x", "/bin/never"),
-    ))
-    backup = router.match("backup")
-    assert isinstance(backup, ExecHandler)
-    assert backup.argv == ("/bin/backup",) and backup.timeout == 5
-    report = router.match("report-x")
-    assert isinstance(report, ExecHandler) and report.argv == ("/bin/report",)
-    other = router.match("my-report")
-    assert isinstance(other, ExecHandler) and other.argv == ("/bin/other",)
-    assert router.match("backup2") is None
-    assert router.match("unknown") is None
-    assert router.match("backup") is backup
-
-
-def test_router_imports_python_lazily_once(tmp_path: Path,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    (tmp_path / "handlers_lazy_jobs.py").write_text(
-        "import perfectschedd.executors.application as h\n"
-        "IMPORTS = globals().get('IMPORTS', 0) + 1\n"
-        "class Report(h.Application):\n"
-        "    def run(self):\n"
-        "        self.task.finish()\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    router = Router(routes(("/^report-/", "handlers_lazy_jobs:Report")))
-    assert "handlers_lazy_jobs" not in sys.modules
-    a = router.match("report-a")
-    b = router.match("report-b")
-    assert isinstance(a, PythonHandler) and a is b
-    assert a.app_class.__name__ == "Report"
-    task = FakeTask()
-    assert run_task(task, a).outcome == Outcome.SUCCESS
-    monkeypatch.delitem(sys.modules, "handlers_lazy_jobs")
-
-
-@pytest.mark.parametrize("target", ["no_such_module_xyz:Job", "json:NoSuchClass", "json:dumps"])
-def test_router_broken_python_route(target: str, caplog: pytest.LogCaptureFixture) -> None:
-    router = Router(routes(("job", target), ("/.*/", "/bin/fallback")))
-    assert router.match("job") is None
-    assert router.match("job") is None
-    broken = [r for r in caplog.records if "cannot run here" in r.getMessage()]
-    assert len(broken) == 1
-    assert broken[0].levelno == logging.ERROR
-    assert target in broken[0].getMessage() and "'job'" in broken[0].getMessage()
-    assert isinstance(router.match("other"), ExecHandler)
 
 
 # --------------------------------------------------------------------------- lease-bound runs
@@ -660,36 +363,3 @@ def test_exec_run_id_is_in_the_environment(tmp_path: Path) -> None:
         on_spawn=spawned.append)
     run_id, pid = out.read_text().split()
     assert run_id == "123.4.5" and spawned == [int(pid)]
-
-
-class KillRecorder(Application):
-    killed: list[str] = []
-
-    def run(self) -> None:
-        while True:
-            time.sleep(0.01)
-
-    def kill(self) -> None:
-        KillRecorder.killed.append(self.task.key)
-
-
-@pytest.mark.parametrize("how", ["timeout", "stop", "preempted"])
-def test_python_kill_is_called_when_the_run_is_stopped(how: str) -> None:
-    KillRecorder.killed = []
-    control = base.RunControl()
-    if how == "stop":
-        threading.Timer(0.2, control.stop, args=(base.StopReason.SHUTDOWN,)).start()
-    elif how == "preempted":
-        threading.Timer(0.2, control.stop, args=(base.StopReason.PREEMPTED,)).start()
-    task = FakeTask(key=f"k-{how}")
-    result = run(task, py(KillRecorder, timeout=0.2 if how == "timeout" else None),
-                 stop_event=control)
-    expected = {"timeout": Outcome.TIMEOUT, "stop": Outcome.STOPPED,
-                "preempted": Outcome.PREEMPTED}[how]
-    assert result.outcome == expected
-    wait = time.monotonic() + 2
-    while not KillRecorder.killed and time.monotonic() < wait:
-        time.sleep(0.01)
-    assert KillRecorder.killed == [f"k-{how}"]
-    assert task.calls == {"timeout": [("retry", (), {})], "stop": [("release",)],
-                          "preempted": []}[how]

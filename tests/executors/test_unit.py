@@ -1,7 +1,8 @@
-"""unitjobs.py and unitwrap.py without systemd: the transient unit a run asks for (its
-D-Bus properties), how a unit's end becomes the task's outcome, and the wrapper that
-passes the last stdout line to the worker while the output goes on to the journal.
-Runs under a real systemd are tests/system/test_units.py's."""
+"""executors/systemd/unit.py and wrap.py without systemd: the transient unit a run asks
+for (its D-Bus properties), how a unit's end becomes the run's outcome (and the task the
+worker then ends by it), and the wrapper that passes the last stdout line to the worker
+while the output goes on to the journal.  Runs under a real systemd are
+tests/system/test_units.py's."""
 
 from __future__ import annotations
 
@@ -14,16 +15,17 @@ import sys
 from typing import Any
 
 import pytest
-from test_handlers import FakeTask
+from executor_harness import FakeTask
 
 from perfectschedd.executors.base import RunControl, StopReason
-from perfectschedd.executors.systemd import unit as unitjobs
+from perfectschedd.executors.systemd import unit
 from perfectschedd.executors.systemd.unit import UnitHandler
 from perfectschedd.settings import unit_props
 from perfectschedd.settings.routes import RouteConfig
 from perfectschedd.vocabulary.outcomes import Outcome
+from perfectschedd.worker.ending import end_task
 
-LOG = logging.getLogger("test.unitjobs")
+LOG = logging.getLogger("test.unit")
 NAME = "perfectsched-k-1357000000.service"
 
 
@@ -34,7 +36,7 @@ def handler(**route: Any) -> UnitHandler:
 
 
 def props(task: FakeTask, h: UnitHandler) -> dict[str, tuple[str, Any]]:
-    got = unitjobs.properties(task, h, NAME, node="host1", kill_grace=5,
+    got = unit.properties(task, h, NAME, node="host1", kill_grace=5,
                               tag=unit_props.daemon_tag("/run/perfectsched/perfectschedd.sock"))
     return {name: (v.signature, v.value) for name, v in got}
 
@@ -47,7 +49,7 @@ def test_the_transient_unit_of_a_run() -> None:
     assert p["Type"] == ("s", "exec")
     path, argv, ignore = p["ExecStart"][1][0]
     assert p["ExecStart"][0] == "a(sasb)" and path == sys.executable and ignore is False
-    assert argv[1:3] == ["-I", unitjobs._WRAPPER] and argv[3:] == ["--", "/bin/sh", "-c",
+    assert argv[1:3] == ["-I", unit._WRAPPER] and argv[3:] == ["--", "/bin/sh", "-c",
                                                                      "echo hi"]
     assert p["StandardInput"] == ("s", "data")
     assert p["StandardInputData"] == ("ay", b'{"x": [1]}')
@@ -62,7 +64,7 @@ def test_the_transient_unit_of_a_run() -> None:
     assert {"PERFECTSCHED_KEY=k", "PERFECTSCHED_TYPE=exec:k", "PERFECTSCHED_ATTEMPT=2",
             "PERFECTSCHED_SCHEDULED_TIME=1357000000", f"PERFECTSCHED_UNIT={NAME}",
             "A=1"} <= set(env)
-    assert p["Description"][1].endswith(unitjobs.owner_mark("host1", __import__("os")
+    assert p["Description"][1].endswith(unit.owner_mark("host1", __import__("os")
                                                             .getpid()))
     # Which daemon of this host started it: the clean-ups of another leave it alone.
     tag = unit_props.daemon_tag("/run/perfectsched/perfectschedd.sock")
@@ -111,8 +113,9 @@ def test_how_a_unit_s_end_ends_the_task(state: dict[str, Any], last: str, outcom
                                         caplog: pytest.LogCaptureFixture) -> None:
     task = FakeTask(key="k")
     with caplog.at_level(logging.INFO, logger=LOG.name):
-        got = unitjobs.end_task(task, NAME, state, last, None, None, 2, LOG)
-    assert got is outcome and task.calls == [call]
+        got = unit.unit_result(task.key, NAME, state, last, None, None, 2, LOG)
+    end_task(task, got)
+    assert got.outcome is outcome and task.calls == [call]
     if logged is not None:
         assert any(logged in r.getMessage() and NAME in r.getMessage()
                    for r in caplog.records), caplog.text
@@ -127,12 +130,14 @@ def test_a_stopped_unit_is_given_back_on_shutdown_and_written_nowhere_when_preem
         control = RunControl()
         control.stop(reason)
         task = FakeTask(key="k")
-        assert unitjobs.end_task(task, NAME, state, "SCHED_DONE", "stop", control, None,
-                                 LOG) is outcome
+        result = unit.unit_result(task.key, NAME, state, "SCHED_DONE", "stop", control, None,
+                                  LOG)
+        assert result.outcome is outcome
+        end_task(task, result)
         assert task.calls == calls
-    assert unitjobs.exit_code(state) == -15
-    assert unitjobs.exit_code({"ExecMainCode": EXITED, "ExecMainStatus": 4}) == 4
-    assert unitjobs.exit_code({"Result": "resources"}) is None
+    assert unit.exit_code(state) == -15
+    assert unit.exit_code({"ExecMainCode": EXITED, "ExecMainStatus": 4}) == 4
+    assert unit.exit_code({"Result": "resources"}) is None
 
 
 # -- the wrapper --------------------------------------------------------------------------
@@ -141,7 +146,7 @@ def test_a_stopped_unit_is_given_back_on_shutdown_and_written_nowhere_when_preem
 def wrap(*argv: str, data: bytes = b"") -> subprocess.CompletedProcess[bytes]:
     """unitwrap as systemd starts it: stdout (the journal here) and stderr (the worker's
     verdict pipe) kept apart."""
-    return subprocess.run([sys.executable, "-I", unitjobs._WRAPPER, "--", *argv],
+    return subprocess.run([sys.executable, "-I", unit._WRAPPER, "--", *argv],
                           input=data, capture_output=True, timeout=30)
 
 
