@@ -218,7 +218,7 @@ class StopReason(enum.StrEnum):
     FENCED = "fenced"        # the lease could not be renewed and is about to expire
     GRANT = "grant"          # the polkit grant came on: no job may run as the daemon's
     #                          user (given back untried, as at a stop)
-    # PREEMPTED with what the database still says of why (worker/leases.py):
+    # PREEMPTED with what the database still says of why (worker/heartbeat.py):
     DELETED = "deleted"      # its schedule was deleted
     REPLACED = "replaced"    # a newer occurrence took its place (concurrency: replace)
 

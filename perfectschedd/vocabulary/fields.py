@@ -68,7 +68,7 @@ def foreign_exec_row(key: str, task_type: str, schedule: tuple[str, str | None] 
     as K's user, and it is not entry K's own row.  The one rule (SPEC "Privilege model":
     a row is trusted no more than its writer, whatever version wrote it), used by the
     upgrade (store/sql.py), the daemon's start and reloads (schedules/converge.py) and
-    the worker before each run (worker/leases.py).
+    the worker before each run (worker/runs.py).
 
     Entry K's own: key K or one of K's extra runs (K@run-...), whose schedule, the row
     keyed K (`schedule`: its type and source, None when there is none; an extra run

@@ -4,7 +4,7 @@ job once; here the worker writes what the result's outcome means: finish, retry 
 the wait a LATER asked for), release, give back, or nothing when the lease is not ours.
 
 A finish is not written at once: it is queued (:class:`BatchedTask`) and written with
-the worker's next claim, in one transaction (leases.py); the others are written now.
+the worker's next claim, in one transaction (claims.py); the others are written now.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The lines a worker writes to its master (the `alive` pipe): the one place their format
-lives.  The worker writes them (worker/process.py, worker/leases.py), the master parses
+lives.  The worker writes them (worker/process.py, worker/runs.py), the master parses
 them (master/workertable.py).
 
 One line per message, ASCII words separated by spaces, ended by a newline; each is

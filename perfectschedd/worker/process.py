@@ -1,4 +1,5 @@
-"""One forked worker: the process shell around its lease pipeline (leases.py).
+"""One forked worker: the process shell around its lease pipeline (leases.py, and its
+steps: claims.py, runs.py, heartbeat.py, stopping.py).
 
 The worker talks to its master through two pipes: it reads `wake` (pipe.WAKE means
 "look for due work now", pipe.DRAIN "drain": a reload; EOF means the master died) and

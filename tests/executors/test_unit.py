@@ -144,7 +144,7 @@ def test_a_stopped_unit_is_given_back_on_shutdown_and_written_nowhere_when_preem
 
 
 def wrap(*argv: str, data: bytes = b"") -> subprocess.CompletedProcess[bytes]:
-    """unitwrap as systemd starts it: stdout (the journal here) and stderr (the worker's
+    """wrap.py as systemd starts it: stdout (the journal here) and stderr (the worker's
     verdict pipe) kept apart."""
     return subprocess.run([sys.executable, "-I", unit._WRAPPER, "--", *argv],
                           input=data, capture_output=True, timeout=30)

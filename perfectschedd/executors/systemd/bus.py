@@ -1,5 +1,5 @@
 """The D-Bus side of jobs as systemd units: one connection to systemd per worker process,
-on which runs start, watch, stop and read their units (unitjobs.py), and the master's
+on which runs start, watch, stop and read their units (unit.py), and the master's
 short-lived one that stops units whose worker is gone.
 
 A run learns its unit's end from signals, never by polling: the start job's JobRemoved,

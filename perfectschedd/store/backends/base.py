@@ -175,7 +175,7 @@ class Backend(ABC):
         """The SQL condition "a type this process routes" (true: every type).  Patterns
         are the database's own regular expressions (`~`, REGEXP), which agree with
         Python's on everyday patterns: a type one matches that Python does not is given
-        back by the worker untried (see leases.py)."""
+        back by the worker untried (see worker/runs.py)."""
         if routed is None:
             return sa.true()
         t = self.t
