@@ -22,6 +22,8 @@ class Outcome(enum.StrEnum):
     SKIPPED = "skipped"      # an occurrence not run (misfire policy, catch-up bound)
     REFUSED = "refused"      # a row the daemon will not run (a planted exec:K row)
     NO_ROUTE = "no_route"    # no route takes the schedule's type
+    DB_ERROR = "db_error"    # the run's end could not be written (database error): it
+    #                          runs again when its lease expires
 
 
 # Outcomes that count as a failure (retries, the `failed` state, notifications).  A

@@ -83,14 +83,14 @@ def _run_one(p: LeasePipeline, task: Task) -> None:
         run.error = error_line("lease lost (schedule deleted, modified or taken over)")
         counters.lease_lost(task.type)
     except DBAPIError as exc:
-        run.outcome = "db_error"
+        run.outcome = Outcome.DB_ERROR
         run.error = error_line("could not record the result (database error); the "
                                "occurrence runs again when its lease expires")
         p.set_db(False, exc)
         log.error("key=%s: could not record the result (database error); the "
                   "occurrence runs again when its lease expires", task.key)
     except Exception as exc:  # noqa: BLE001 - a worker never dies of one task
-        run.error = error_line(f"internal error: {type(exc).__name__}: {exc}")
+        run.error = error_line(f"internal error: {type(exc).__name__}: {exc}")  # FAILED
         log.exception("key=%s: internal error while running the task", task.key)
     finally:
         _ended(p, task, run)

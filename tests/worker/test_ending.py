@@ -59,7 +59,7 @@ def test_a_task_ended_by_its_run_is_not_ended_again() -> None:
 
 
 @pytest.mark.parametrize("outcome", [Outcome.LOST, Outcome.SKIPPED, Outcome.REFUSED,
-                                     Outcome.NO_ROUTE])
+                                     Outcome.NO_ROUTE, Outcome.DB_ERROR])
 def test_outcomes_no_executor_returns_are_refused(outcome: Outcome) -> None:
     with pytest.raises(ValueError, match="no run of an executor"):
         end_task(Recorder(), RunResult(outcome, 0.0))
