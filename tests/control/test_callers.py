@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import test_dbus_service as dbus_harness
+import test_dbus_server
 from daemon_harness import Daemon, foreign_ctl, foreign_python
 
 import perfectschedd
@@ -64,15 +64,15 @@ asyncio.run(main())
 """
 
 
-open_dir = dbus_harness.open_dir  # the fixture: a directory other users can traverse
+open_dir = test_dbus_server.open_dir  # the fixture: a directory other users can traverse
 
 
-class Bus(dbus_harness.Bus):
+class Bus(test_dbus_server.Bus):
     """A private bus anyone may use (the D-Bus tests' own), and calls made on it as
     another user."""
 
     def __init__(self, directory: Path) -> None:
-        super().__init__(directory, dbus_harness.OPEN_POLICY)
+        super().__init__(directory, test_dbus_server.OPEN_POLICY)
 
     def call(self, user: list[str], method: str, *args: Any) -> tuple[str, str]:
         """(error name or "OK", the result or message) of one call made as `user`."""

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import test_dbus_service as dbus_harness
+import test_dbus_server
 from daemon_harness import Daemon, foreign_ctl, sh, wait_until
 from old_release import OldRelease
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow_on_servers
 needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
                                 reason="needs root and setpriv")
 AS_NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
-open_dir = dbus_harness.open_dir
+open_dir = test_dbus_server.open_dir
 DETACHED = "forced:file:backup.yml"
 
 

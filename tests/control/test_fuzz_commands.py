@@ -156,7 +156,7 @@ def test_fuzz_the_control_socket(daemon_factory: Any) -> None:
 @pytest.mark.skipif(shutil.which("dbus-daemon") is None, reason="dbus-daemon is not installed")
 def test_fuzz_dbus(daemon_factory: Any, tmp_path: Path) -> None:
     from dbus_next import DBusError
-    from test_dbus_service import OPEN_POLICY, Bus, manager
+    from test_dbus_server import OPEN_POLICY, Bus, manager
 
     bus = Bus(tmp_path, OPEN_POLICY)
     try:
