@@ -11,7 +11,8 @@ in any case, the socket's rule (auth.admission): root, the daemon's user, or mem
 its group (checked with the bus's GetConnectionCredentials, once per caller).
 
 dbus-next runs an asyncio loop; it gets its own thread, so the master's select loop and
-this interface never wait for each other.  Requests run on a small thread pool.
+this interface never wait for each other.  Requests run on small thread pools, which
+transport.py picks, as it writes their refusals, as for the socket.
 """
 
 # No "from __future__ import annotations": dbus-next reads the D-Bus signatures below from
@@ -27,7 +28,6 @@ import pwd
 import socket
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
 from typing import Any
 
 from dbus_next import BusType, DBusError, Message, MessageType, NameFlag, RequestNameReply
@@ -38,15 +38,18 @@ from dbus_next.service import PropertyAccess, ServiceInterface, dbus_property, m
 from perfectschedd import __version__
 from perfectschedd.control import protocol, registry
 from perfectschedd.control.auth import Caller, admission
-from perfectschedd.errors import ConfigError, ScheduleError
+from perfectschedd.control.transport import Dispatch, RequestPools, one_page, refusal_of
+from perfectschedd.errors import ConfigError
 
 BUS_NAME = "org.perfectsched1"
 OBJECT_PATH = "/org/perfectsched1"
 INTERFACE = "org.perfectsched1.Manager"
 ERROR_PREFIX = protocol.DBUS_ERROR_PREFIX
 START_TIMEOUT = 10.0
-LIST_PAGE = protocol.LIST_PAGE
 RECONNECT_EVERY = 5.0
+# Requests run at once, and the quick commands' own pool (transport.RequestPools).
+REQUEST_THREADS = 4
+QUICK_THREADS = 1
 
 # D-Bus signatures, as annotations.
 S = "s"
@@ -54,8 +57,6 @@ U = "u"
 ASV = "a{sv}"
 SS = "ss"
 
-# One request of a caller: the daemon's Supervisor.dispatch.
-Dispatch = Callable[[str, dict[str, Any], Caller], Any]
 # The unique bus name of the caller whose method call is being answered (set for each
 # call's task by _Bus, read by DBusService.call).
 _SENDER: contextvars.ContextVar[str] = contextvars.ContextVar("sender", default="")
@@ -258,9 +259,7 @@ class DBusService:
         self.bus: MessageBus | None = None
         self.manager: Manager | None = None
         self.thread: threading.Thread | None = None
-        self.pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="dbus-req")
-        self.quick_pool = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="dbus-quick")
+        self.pools = RequestPools("dbus", REQUEST_THREADS, QUICK_THREADS)
         self.stopping: asyncio.Event | None = None
         # Unique bus names are never reused: who a caller is, and the verdict on it, hold
         # for its connection.
@@ -292,8 +291,7 @@ class DBusService:
                 pass
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join(5.0)
-        self.pool.shutdown(wait=False, cancel_futures=True)
-        self.quick_pool.shutdown(wait=False, cancel_futures=True)
+        self.pools.shutdown()
 
     def fds(self) -> list[int]:
         """Descriptors a forked worker must close (the bus connection)."""
@@ -383,10 +381,8 @@ class DBusService:
     # -- requests -------------------------------------------------------------------------
 
     async def call(self, cmd: str, args: dict[str, Any]) -> Any:
-        """One control request of the method call's sender, on the thread pool; refusals
-        become D-Bus errors."""
-        from sqlalchemy.exc import SQLAlchemyError
-
+        """One control request of the method call's sender, on its pool; refusals become
+        D-Bus errors."""
         verdict = self.verdicts.get(_SENDER.get())
         if verdict is None or verdict[1] is not None:  # _gate lets no such call through
             raise _error("PermissionDenied", verdict[1] if verdict is not None else
@@ -396,25 +392,13 @@ class DBusService:
         if cmd == "list":
             # An answer waits whole in memory until the bus takes it: at most one page;
             # callers page on with Call("list", {"after": <last key>}).
-            limit = args.get("limit")
-            if limit is None or (type(limit) is int and limit > LIST_PAGE):
-                args = {**args, "limit": LIST_PAGE}
+            args = one_page(args)
         try:
-            # Status never queues behind requests waiting on the database.
-            quick = cmd in registry.COMMANDS and registry.COMMANDS[cmd].quick
-            pool = self.quick_pool if quick else self.pool
-            result = await loop.run_in_executor(pool, self.dispatch, cmd, args, caller)
-        except ScheduleError as exc:
-            raise _error(protocol.error_type(exc), str(exc)) from None
-        except ConfigError as exc:
-            raise _error("ConfigError", str(exc)) from None
-        except SQLAlchemyError as exc:
-            orig = getattr(exc, "orig", None) or exc
-            raise _error("DatabaseError", f"database error: {orig}") from None
+            return await loop.run_in_executor(self.pools.of(cmd), self.dispatch, cmd, args,
+                                              caller)
         except Exception as exc:  # noqa: BLE001 - a request never takes the daemon down
-            self.log.exception("D-Bus request %s failed", cmd)
-            raise _error("InternalError", f"internal error: {exc}") from None
-        return result
+            raise _error(*refusal_of(exc, None, self.log, note_versions=False,
+                                     what=f"D-Bus request {cmd}")) from None
 
     def _gate(self, msg: Message) -> Message | bool | None:
         """Authorise method calls to our object before dbus-next dispatches them.

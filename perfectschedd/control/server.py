@@ -2,13 +2,16 @@
 
 Protocol: protocol.py and docs/protocol.md (newline-delimited JSON, MAX_FRAME bytes per
 frame).  Every connection is authorised by its peer's credentials (SO_PEERCRED and
-SO_PEERGROUPS), by callers.py's rule: root, the daemon's own user, or a member of
+SO_PEERGROUPS), by auth.admission's rule: root, the daemon's own user, or a member of
 `control_group` (default: the daemon's group).
 
 One thread owns every connection (a selector loop: idle or slow clients cost a buffer, not
-a thread); complete requests run on a small thread pool, because dispatch() talks to the
+a thread); complete requests run on small thread pools, because dispatch() talks to the
 database.  A connection has at most one request in flight and is not read meanwhile, so
 neither a flood of requests nor a client that never reads its answers grows our buffers.
+
+What the socket shares with D-Bus and HTTP (its pools, the refusal ladder, `list` pages)
+is transport.py's; here is only the socket's own: the file, the peers, the frames.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import grp
-import json
 import logging
 import math
 import os
@@ -27,24 +29,24 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy.exc import SQLAlchemyError
-
 from perfectschedd import __version__
 from perfectschedd.config import Config
-from perfectschedd.control import commands, protocol, registry
+from perfectschedd.control import protocol
 from perfectschedd.control.auth import Caller, admission
-from perfectschedd.errors import ConfigError, InvalidInputError, ScheduleError, first_line
+from perfectschedd.control.transport import (
+    Dispatch,
+    RequestPools,
+    list_page,
+    peek_command,
+    refusal_of,
+)
+from perfectschedd.errors import ConfigError
 from perfectschedd.fdguard import AcceptGuard
 
-# One request of a caller: the daemon's Supervisor.dispatch.
-Dispatch = Callable[[str, dict[str, Any], Caller], Any]
-# One request, the caller known.
-_Ask = Callable[[str, dict[str, Any]], Any]
 # Connections open at once; one more is answered with a "Busy" error and closed.
 MAX_CLIENTS = 256
 # A connection with no request in flight and no traffic for this long is closed.
@@ -53,7 +55,8 @@ IDLE_TIMEOUT = 60.0
 REQUEST_DEADLINE = 10.0
 # Requests executed at once (each may wait on the database).
 DISPATCH_THREADS = 8
-# `status` never waits behind requests that wait on the database: its own small pool.
+# The quick commands' (`status`) own pool: they never wait behind requests that wait on
+# the database (transport.RequestPools).
 QUICK_THREADS = 2
 _PEERCRED = struct.Struct("3i")
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux >= 4.13
@@ -120,8 +123,7 @@ class ControlServer:
         self.inode: tuple[int, int] | None = None
         self.thread: threading.Thread | None = None
         self.stopping = threading.Event()
-        self.pool: ThreadPoolExecutor | None = None
-        self.quick_pool: ThreadPoolExecutor | None = None
+        self.pools: RequestPools | None = None
         self.sel: selectors.BaseSelector | None = None
         self.wake_r, self.wake_w = -1, -1
         self.done: queue.SimpleQueue[tuple[_Conn, bytes]] = queue.SimpleQueue()
@@ -148,8 +150,7 @@ class ControlServer:
         except ConfigError:
             self._release_lock()
             raise
-        self.pool = ThreadPoolExecutor(DISPATCH_THREADS, thread_name_prefix="control-req")
-        self.quick_pool = ThreadPoolExecutor(QUICK_THREADS, thread_name_prefix="control-quick")
+        self.pools = RequestPools("control", DISPATCH_THREADS, QUICK_THREADS)
         self.sel = selectors.DefaultSelector()
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         assert self.sock is not None
@@ -247,9 +248,8 @@ class ControlServer:
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join(5.0)
         self.accept_guard.close()
-        for pool in (self.pool, self.quick_pool):
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
+        if self.pools is not None:
+            self.pools.shutdown()
         if self.sock is not None:
             self.sock.close()
             self.sock = None
@@ -426,10 +426,10 @@ class ControlServer:
                 return
             if not line.strip():
                 continue
-            assert self.pool is not None
-            pool = self.quick_pool if _is_quick(line) else self.pool
+            assert self.pools is not None
             try:
-                future = pool.submit(self.handle, line, conn.caller)
+                future = self.pools.of(peek_command(line)).submit(self.handle, line,
+                                                                  conn.caller)
             except RuntimeError:  # the pool is shut down: we are stopping
                 self._close(conn)
                 return
@@ -520,85 +520,3 @@ class ControlServer:
     def _error(type_: str, message: str) -> bytes:
         return protocol.error(type_, message, daemon=__version__)
 
-
-def refusal_of(exc: Exception, client: str | None, log: logging.Logger) -> tuple[str, str]:
-    """(error type, one-line message) of a request that ended in `exc`, as every
-    transport answers it (the socket, D-Bus and HTTP; protocol.REFUSALS says how each
-    shows the type).  `client`: its version, when it said (for a note on commands or
-    arguments one end does not know).  A bug is logged with its traceback."""
-    if isinstance(exc, protocol.ProtocolError):
-        return "ProtocolError", str(exc)
-    if isinstance(exc, ScheduleError):
-        message = str(exc)
-        if isinstance(exc, InvalidInputError) and any(
-                m in message for m in protocol.UNKNOWN_TO_ONE_END):
-            message += protocol.versions_note(client, __version__)
-        return protocol.error_type(exc), message
-    if isinstance(exc, ConfigError):
-        return "ConfigError", str(exc)
-    if isinstance(exc, SQLAlchemyError):
-        orig = getattr(exc, "orig", None) or exc
-        return "DatabaseError", f"database error: {first_line(orig)}"
-    log.error("request failed", exc_info=exc)
-    return "InternalError", f"internal error: {exc}"
-
-
-def list_page(dispatch: _Ask, args: dict[str, Any]) -> bytes:
-    """A `list` answer of at most LIST_PAGE schedules and about LIST_PAGE_BYTES, with a
-    "more" marker when the client asked for more than that (or for all).
-
-    Rows are read in batches sized to what is left of the byte budget, so a page of large
-    schedules never has a thousand of them in memory at once."""
-    want = commands.check_limit(args.get("limit"))
-    page = protocol.LIST_PAGE if want is None else min(want, protocol.LIST_PAGE)
-    items: list[bytes] = []
-    size = 0
-    after = args.get("after")
-    batch = _FIRST_BATCH
-    more = False
-    while len(items) < page:
-        ask = min(batch, page - len(items))
-        rows = dispatch("list", {**args, "after": after, "limit": ask + 1} if after is not None
-                        else {**args, "limit": ask + 1})
-        for row in rows[:ask]:
-            item = protocol.encode_item(row)
-            if items and size + len(item) > protocol.LIST_PAGE_BYTES:
-                more = True
-                break
-            items.append(item)
-            size += len(item) + 1
-            after = row["key"]
-        if more or len(rows) <= ask:
-            more = more or len(rows) > ask
-            break
-        # The next batch holds about what is left of the byte budget at this row size.
-        batch = max(_FIRST_BATCH, (protocol.LIST_PAGE_BYTES - size) * len(items) // size)
-    else:
-        more = len(items) == page and _has_after(dispatch, args, after)
-    if want is not None and len(items) >= want:
-        more = False
-    return protocol.ok_page(items, after if more and items else None)
-
-
-# Rows read by a page's first query: a schedule holds up to 64 kB of data.
-_FIRST_BATCH = 16
-
-
-def _has_after(dispatch: _Ask, args: dict[str, Any], after: str | None) -> bool:
-    rest = {**args, "limit": 1} if after is None else {**args, "after": after, "limit": 1}
-    return bool(dispatch("list", rest))
-
-
-def _is_quick(line: bytes) -> bool:
-    """A small request for a quick command (registry: answered from the daemon's own
-    state); handle() checks it fully."""
-    if len(line) > 512:
-        return False
-    try:
-        request = json.loads(line)
-    except ValueError:
-        return False
-    if not isinstance(request, dict) or not isinstance(request.get("cmd"), str):
-        return False
-    cmd = registry.COMMANDS.get(request["cmd"])
-    return cmd is not None and cmd.quick

@@ -15,7 +15,7 @@ from typing import Any
 
 from perfectschedd.control import protocol, registry
 from perfectschedd.control.protocol import ATTEMPT_MAX, HISTORY_MAX
-from perfectschedd.control.server import refusal_of
+from perfectschedd.control.transport import refusal_of
 from perfectschedd.errors import InvalidInputError, NotFoundError, PermissionDeniedError
 from perfectschedd.schedules import preview
 from perfectschedd.vocabulary.fields import PREVIEW_COUNT, PREVIEW_MAX
@@ -60,7 +60,7 @@ ROUTES: list[tuple[str, tuple[str, ...], str]] = [
 
 def refused(exc: Exception) -> tuple[int, str]:
     """(HTTP status, one-line message) of a request that ended in `exc`: the transports'
-    one ladder (control.server.refusal_of), protocol.REFUSALS' status for its type, 409
+    one ladder (control.transport.refusal_of), protocol.REFUSALS' status for its type, 409
     for a schedule a schedules file owns.  The API and the console answer with it."""
     type_, message = refusal_of(exc, None, log)
     status = protocol.refusal(type_).http_status

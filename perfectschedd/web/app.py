@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from perfectschedd.control.auth import Caller
+from perfectschedd.control.transport import Dispatch
 from perfectschedd.settings.routes import RouteConfig
 from perfectschedd.web import api, periodic
 from perfectschedd.web.console import Console
@@ -20,8 +21,6 @@ from perfectschedd.web.credentials import CredentialError, Credentials, Identity
 from perfectschedd.web.server import Request, Response, json_error
 
 log = logging.getLogger("perfectschedd")
-
-Dispatch = Callable[[str, dict[str, Any], Caller], Any]
 
 # Every answer: no framing by other sites, no referrer leaking keys in URLs.
 SECURITY_HEADERS = [
