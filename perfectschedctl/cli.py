@@ -13,9 +13,10 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from perfectschedd import ConfigError, ScheduleError, __version__
+from perfectschedd import __version__
 from perfectschedd.control import protocol, registry
 from perfectschedd.control.protocol import HISTORY_MAX
+from perfectschedd.errors import ConfigError, InvalidInputError, ScheduleError
 from perfectschedd.paths import DEFAULT_SOCKET
 from perfectschedd.vocabulary.fields import MAX_DEPTH, PREVIEW_MAX, json_depth
 
@@ -94,41 +95,36 @@ class _CommandParser(_Parser):
             self._intermixing = False
 
 
-def _unix_time(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a Unix time in seconds: {text!r}") from None
+# Past every bound an option has (a whole number past it is compared as this): check_int
+# takes JSON's numbers, floats too, and a float holds no larger ones.
+_EDGE = 1 << 63
 
 
-def _seconds(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number of seconds: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative: {text!r}")
-    return value
+def _whole_number(not_one: str, minimum: int | None = None, maximum: int | None = None,
+                  out_of_bounds: str = "") -> Callable[[str], int]:
+    """An argparse type: the text as a whole number (else "`not_one`: 'TEXT'") from
+    `minimum` to `maximum`, by the daemon's own rule (validate.check_int; else
+    "`out_of_bounds`: 'TEXT'").  No minimum: any whole number, for the daemon to bound;
+    no maximum: as large as the daemon takes (it refuses more, naming the field)."""
 
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{not_one}: {text!r}") from None
+        if minimum is None:
+            return value
+        # Only here: validate's regular expressions would take ms of every start.
+        from perfectschedd.schedules.validate import check_int
 
-def _limit(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if not 1 <= value <= HISTORY_MAX:
-        raise argparse.ArgumentTypeError(f"must be from 1 to {HISTORY_MAX}: {text!r}")
-    return value
+        try:
+            check_int(not_one, max(-_EDGE, min(value, _EDGE)), minimum=minimum,
+                      maximum=_EDGE if maximum is None else maximum)
+        except InvalidInputError:
+            raise argparse.ArgumentTypeError(f"{out_of_bounds}: {text!r}") from None
+        return value
 
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more: {text!r}")
-    return value
+    return convert
 
 
 def _policy_value(text: str) -> Any:
@@ -142,30 +138,19 @@ def _policy_value(text: str) -> Any:
     return text
 
 
-def _attempt(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if not 1 <= value <= protocol.ATTEMPT_MAX:
-        raise argparse.ArgumentTypeError(f"must be 1 or more (1 is the first try): {text!r}")
-    return value
-
-
-def _iterations(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if not 1 <= value <= PREVIEW_MAX:
-        raise argparse.ArgumentTypeError(f"must be from 1 to {PREVIEW_MAX}: {text!r}")
-    return value
-
-
+_NOT_WHOLE = "not a whole number"
 # How perfectschedctl reads each kind of argument (registry.Arg.kind).
-_TYPES: dict[str, Any] = {"seconds": _seconds, "unix_time": _unix_time, "limit": _limit,
-                          "count": _count, "attempt": _attempt, "policy": _policy_value,
-                          "iterations": _iterations}
+_TYPES: dict[str, Any] = {
+    "seconds": _whole_number("not a whole number of seconds", 0,
+                             out_of_bounds="must not be negative"),
+    "unix_time": _whole_number("not a Unix time in seconds"),
+    "limit": _whole_number(_NOT_WHOLE, 1, HISTORY_MAX, f"must be from 1 to {HISTORY_MAX}"),
+    "count": _whole_number(_NOT_WHOLE, 0, out_of_bounds="must be 0 or more"),
+    "attempt": _whole_number(_NOT_WHOLE, 1, protocol.ATTEMPT_MAX,
+                             "must be 1 or more (1 is the first try)"),
+    "iterations": _whole_number(_NOT_WHOLE, 1, PREVIEW_MAX, f"must be from 1 to {PREVIEW_MAX}"),
+    "policy": _policy_value,
+}
 
 
 def _add_argument(parser: argparse.ArgumentParser, arg: registry.Arg) -> None:
