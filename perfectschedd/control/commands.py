@@ -1,4 +1,4 @@
-"""One request (a JSON-able dict) -> one schedules.py call -> a JSON-able result.
+"""One request (a JSON-able dict) -> one ScheduleCollection call -> a JSON-able result.
 
 Shared by the control socket, D-Bus and `perfectschedctl -c` (direct mode), so the three
 accept the same arguments and refuse the same bad input with the same messages.  What
@@ -80,7 +80,7 @@ def _arg(args: Mapping[str, Any], name: str, required: bool = True) -> Any:
 
 
 def _may_schedule(access: Access, key: Any, task_type: Any) -> None:
-    """Whether the caller may make `task_type` run as `key` (callers.py), once both are
+    """Whether the caller may make `task_type` run as `key` (auth.py), once both are
     what add would take."""
     access.check_route(check_key(key), check_type(task_type))
 
@@ -275,7 +275,7 @@ def _detaching_source(source: str | None) -> str | None:
 
 def _delete(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
     # Deleted, a schedule has no source left to record: a marker of the entry as it was
-    # keeps every host's convergence from adding it back until it changes (deletions.py).
+    # keeps every host's convergence from adding it back until it changes (schedules/deletions.py).
     info = _changing(sc, a, access)
     if _detaching_source(info.source) is not None:
         # A host of an older release reads no marker: it would add the entry back at its
@@ -371,7 +371,7 @@ def _pausing(sc: ScheduleCollection, a: Args, which: str, access: Access
              ) -> tuple[list[str], dict[str, str]]:
     """The keys a pause or resume by key or prefix (`which`) is about, once the caller
     may change every one of them (a schedules file's only with root's `force`:
-    callers.py), and the new sources of the schedules files' ones that force detaches
+    auth.py), and the new sources of the schedules files' ones that force detaches
     (_detaching); any refusal refuses the whole request."""
     force = check_force(access.caller, a.get("force"))
     if which == "key":

@@ -244,7 +244,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in (
     Command("reload", "reload the daemon's configuration (like SIGHUP)",
             where=frozenset({DAEMON})),
     Command("init", "create the table (with -c)", where=frozenset({DIRECT})),
-    # The roles are control/tokens.ROLES (tests/control/test_tokens.py holds the help to
+    # The roles are vocabulary/tokens.ROLES (tests/control/test_tokens.py holds the help to
     # them: importing that module here would load hashlib in every perfectschedctl).
     Command("token", "manage the HTTP API's tokens (root only): add NAME --role ROLE "
                      "prints its secret once; list; revoke NAME", (
