@@ -21,7 +21,6 @@ from perfectschedd.errors import InvalidInputError, NotFoundError, ScheduleError
 from perfectschedd.schedules import cron, deletions, policy
 from perfectschedd.schedules.collection import ScheduleCollection, ScheduleInfo, waits_its_turn
 from perfectschedd.schedules.ownership import known_user_name
-from perfectschedd.schedules.policy import OPTIONS as POLICY_OPTIONS
 from perfectschedd.schedules.validate import check_key, check_type, lookup_key
 from perfectschedd.settings import notify_spec
 from perfectschedd.settings.routes import RouteConfig
@@ -40,7 +39,7 @@ log = logging.getLogger("perfectschedd")
 
 # Fields of `list --json` (SPEC) and of `show`, in this order.
 LIST_FIELDS = ("key", "type", "cron", "delay", "timezone", "next_time", "next_run_time", "data",
-               *POLICY_OPTIONS, "source", "creator")
+               *policy.OPTIONS, "source", "creator")
 SHOW_FIELDS = LIST_FIELDS + ("paused", "paused_reason", "attempt", "owner", "claimed_at")
 
 
@@ -137,7 +136,7 @@ def _check_catch_up(a: Mapping[str, Any], now: float, sc: ScheduleCollection) ->
 
 
 def _add(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
-    options = {k: a[k] for k in ("delay", "timezone", "start", "at", "data", *POLICY_OPTIONS)
+    options = {k: a[k] for k in ("delay", "timezone", "start", "at", "data", *policy.OPTIONS)
                if a.get(k) is not None}
     _may_schedule(access, _arg(a, "key"), _arg(a, "type"))
     _check_notify(sc, a.get("notify"))
@@ -152,7 +151,7 @@ def _add_many(sc: ScheduleCollection, a: Args, now: float, access: Access) -> di
     if not isinstance(items, list) or not all(isinstance(i, Mapping) for i in items):
         raise InvalidInputError("schedules", "must be a list of objects")
     allowed = {"key", "type", "cron", "delay", "timezone", "start", "at", "data",
-               *POLICY_OPTIONS}
+               *policy.OPTIONS}
     for item in items:
         unknown = set(item) - allowed
         if unknown:
@@ -299,7 +298,7 @@ def _delete(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict
 
 def _modify(sc: ScheduleCollection, a: Args, now: float, access: Access) -> dict[str, Any]:
     changes = {k: a[k] for k in ("type", "cron", "delay", "timezone", "data", "at",
-                                 *POLICY_OPTIONS) if k in a}
+                                 *policy.OPTIONS) if k in a}
     info = _changing(sc, a, access)  # what runs as its route's user changes: allow:
     _check_notify(sc, a.get("notify"))
     _check_concurrency(sc, a.get("concurrency"), now)

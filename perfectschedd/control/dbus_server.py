@@ -30,8 +30,15 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from dbus_next import BusType, DBusError, Message, MessageType, NameFlag, RequestNameReply
-from dbus_next import Variant as DBusVariant
+from dbus_next import (
+    BusType,
+    DBusError,
+    Message,
+    MessageType,
+    NameFlag,
+    RequestNameReply,
+    Variant,
+)
 from dbus_next.aio import MessageBus
 from dbus_next.service import PropertyAccess, ServiceInterface, dbus_property, method, signal
 
@@ -70,7 +77,7 @@ def _unwrap(options: dict[str, Any], what: str, allowed: set[str]) -> dict[str, 
         if name not in allowed:
             known = ", ".join(sorted(allowed))
             raise _error("InvalidInputError", f"{what}: unknown option {name!r} (known: {known})")
-        out[name] = value.value if isinstance(value, DBusVariant) else value
+        out[name] = value.value if isinstance(value, Variant) else value
     return out
 
 
