@@ -38,7 +38,7 @@ class Arg(NamedTuple):  # not a dataclass: see protocol.Refusal
     dest: str
     help: str = ""
     # How perfectschedctl reads it: text, json, seconds, unix_time, limit, count, attempt
-    # (1 or more), iterations (1 to preview.MAX_COUNT), policy (a number, or text the
+    # (1 or more), iterations (1 to fields.PREVIEW_MAX), policy (a number, or text the
     # daemon refuses by name), flag, paths (one or more), keys (none or more: one is sent
     # as `key`, several as `keys`).
     kind: str = "text"
