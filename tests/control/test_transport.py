@@ -1,7 +1,7 @@
 """control/transport.py: what the socket, D-Bus and HTTP share, without a server: the
 pool a request runs on, the refusal ladder, and how `list` answers are paged.  The
-transports' own tests (test_server.py, test_dbus_server.py, tests/web/) meet the same
-rules through a daemon."""
+transports' own tests (test_control_server.py, test_dbus_server.py, tests/web/) meet
+the same rules through a daemon."""
 
 from __future__ import annotations
 
