@@ -19,9 +19,9 @@ import yaml
 
 from perfectschedd.config import privilege_refusal
 from perfectschedd.errors import InvalidInputError, describe
-from perfectschedd.schedules import cron as cron_mod
 from perfectschedd.schedules import filetrust
-from perfectschedd.schedules import policy as policy_mod
+from perfectschedd.schedules.cron import is_once
+from perfectschedd.schedules.policy import DEFAULT, OPTIONS, Policy
 from perfectschedd.schedules.validate import (
     check_cron,
     check_data,
@@ -39,7 +39,7 @@ FILE_MAX = 4 << 20      # bytes of one schedules file
 ENTRIES_MAX = 20_000    # entries of one file
 SUFFIX = ".yml"
 ENTRY_KEYS = frozenset({"key", "cron", "type", "exec", "timezone", "delay", "data", "user",
-                        "env", "executor", "unit", "notify", *policy_mod.OPTIONS})
+                        "env", "executor", "unit", "notify", *OPTIONS})
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class Entry:
     timezone: str | None                 # None: the configuration's default
     delay: int
     data: str                            # canonical JSON text
-    policy: policy_mod.Policy
+    policy: Policy
     exec: tuple[str, ...] | None = None  # argv; a shell line is ("/bin/sh", "-c", LINE)
     env: tuple[tuple[str, str], ...] = ()
     user: str | None = None
@@ -344,7 +344,7 @@ def check_entry(raw: Any, source: str, need_user_support: bool = True,
     if "cron" not in raw:
         raise InvalidInputError("cron", "required")
     expr = check_cron(raw["cron"])
-    if cron_mod.is_once(expr):
+    if is_once(expr):
         raise InvalidInputError("cron", "@once is not for schedules files (it would run "
                                 "again after every reload); use perfectschedctl add")
     has_type, has_exec = raw.get("type") is not None, raw.get("exec") is not None
@@ -366,7 +366,7 @@ def check_entry(raw: Any, source: str, need_user_support: bool = True,
     delay = check_int("delay", raw.get("delay", 0))
     data = check_data(raw.get("data"))
     local_notify = None
-    options = {k: raw[k] for k in policy_mod.OPTIONS if k in raw}
+    options = {k: raw[k] for k in OPTIONS if k in raw}
     if isinstance(options.get("notify"), Mapping) or options.get("notify") == "none":
         # An inline notifier holds a command or a destination: it stays in the file, on
         # the hosts that read it (never sent by apply, never stored).
@@ -378,7 +378,7 @@ def check_entry(raw: Any, source: str, need_user_support: bool = True,
         except ValueError as exc:
             where, _, why = str(exc).partition(": ")
             raise InvalidInputError(where, why) from None
-    chosen = policy_mod.DEFAULT.changed(options)
+    chosen = DEFAULT.changed(options)
     env = runas.check_env(raw.get("env"))
     if env and argv is None:
         raise InvalidInputError("env", "only for exec entries (a type's route has its own)")

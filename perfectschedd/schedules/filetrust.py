@@ -42,7 +42,7 @@ def who(uid: int) -> str:
 
 
 def owners_of(daemon_uid: int) -> frozenset[int]:
-    """Root, and the daemon's own user (whose files may not name users: schedfiles)."""
+    """Root, and the daemon's own user (whose files may not name users: files.py)."""
     return frozenset({ROOT, daemon_uid})
 
 

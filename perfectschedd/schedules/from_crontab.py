@@ -1,5 +1,5 @@
 """A crontab as a schedules file (perfectschedctl import-crontab): the rules of
-crontab(5), Debian's cron and cronie, written out as schedfiles entries.
+crontab(5), Debian's cron and cronie, written out as schedules-file entries (files.py).
 
 - Blank lines and lines starting with `#` are skipped; `NAME=value` (spaces around `=`
   allowed, the value optionally in matching quotes) sets a variable for the lines after

@@ -21,6 +21,7 @@ from croniter import croniter
 
 from perfectschedctl.cli import main
 from perfectschedd.schedules import cron, preview
+from perfectschedd.schedules.policy import jitter_offset
 from perfectschedd.vocabulary.fields import PREVIEW_COUNT
 
 ZONES = ("Europe/Berlin", "America/New_York", "Australia/Lord_Howe", "UTC",
@@ -228,7 +229,7 @@ def test_a_schedule_shows_delay_jitter_and_the_stored_first_run() -> None:
     info = {"key": "k", "cron": "@every 10m", "timezone": "Asia/Tokyo", "delay": 5,
             "jitter": 60, "next_time": 1_000_000_000, "next_run_time": 1_000_000_200,
             "owner": None}
-    offset = preview.jitter_offset("k", 60)
+    offset = jitter_offset("k", 60)
     fires = preview.of_schedule(info, 3)
     assert [f.scheduled_time for f in fires] == [1_000_000_000, 1_000_000_600,
                                                  1_000_001_200]

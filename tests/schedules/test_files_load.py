@@ -1,5 +1,5 @@
-"""Reading schedules files (perfectschedd/schedfiles.py): what an entry may hold, and the
-one-line errors for what it may not; `user:` only where the daemon can honour it."""
+"""Reading schedules files (perfectschedd/schedules/files.py): what an entry may hold, and
+the one-line errors for what it may not; `user:` only where the daemon can honour it."""
 
 from __future__ import annotations
 
@@ -123,9 +123,9 @@ def test_user_needs_a_daemon_that_can_switch_users(tmp_path: Path) -> None:
     f.write_text(yaml.safe_dump([{"key": "k", "cron": "@daily", "exec": "id",
                                   "user": "daemon"}]))
     code = textwrap.dedent(f"""
-        from perfectschedd.schedules import files as schedfiles
-        print(schedfiles.load([{str(f)!r}]).errors)
-        print(schedfiles.load([{str(f)!r}], need_user_support=False).errors)
+        from perfectschedd.schedules import files
+        print(files.load([{str(f)!r}]).errors)
+        print(files.load([{str(f)!r}], need_user_support=False).errors)
     """)
     f_copy = Path(tempfile.mkdtemp(prefix="perfectsched-user-")) / "u.yml"
     f_copy.parent.chmod(0o755)
@@ -304,9 +304,9 @@ def test_an_alias_bomb_is_refused_at_once(tmp_path: Path) -> None:
     bomb = tmp_path / "x.yml"
     bomb.write_text(alias_bomb())
     assert len(bomb.read_bytes()) < 450
-    code = ("import sys, time\nfrom perfectschedd.schedules import files as schedfiles\n"
+    code = ("import sys, time\nfrom perfectschedd.schedules import files\n"
             "t = time.monotonic()\n"
-            "errors = schedfiles.load([sys.argv[1]]).errors\n"
+            "errors = files.load([sys.argv[1]]).errors\n"
             "print(time.monotonic() - t)\nprint(*errors, sep='\\n')\n")
     res = subprocess.run([sys.executable, "-c", code, str(bomb)], capture_output=True,
                          text=True, timeout=60)
