@@ -37,7 +37,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from perfectschedd.config import load  # noqa: E402
-from perfectschedd.schedules.collection import ScheduleCollection, Task  # noqa: E402
+from perfectschedd.schedules.collection import ScheduleCollection  # noqa: E402
+from perfectschedd.schedules.task import Task  # noqa: E402
 from perfectschedd.store.schema import Row  # noqa: E402
 from perfectschedd.store.sql import Store  # noqa: E402
 from perfectschedd.worker.leases import HISTORY_FLUSH  # noqa: E402

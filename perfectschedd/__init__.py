@@ -31,7 +31,7 @@ __all__ = [
 # routes) is not its business either.
 _LAZY = {"Config": "config",
          "Schedule": "schedules.collection", "ScheduleCollection": "schedules.collection",
-         "ScheduleInfo": "schedules.collection", "Task": "schedules.collection",
+         "ScheduleInfo": "schedules.collection", "Task": "schedules.task",
          "open": "schedules.collection", "Application": "executors.application"}
 
 

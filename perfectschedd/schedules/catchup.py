@@ -14,11 +14,12 @@ import math
 from dataclasses import dataclass
 
 from perfectschedd.schedules import cron
-from perfectschedd.schedules.collection import Task
 
 # Skipped occurrences counted (log, metric) at most per catch-up, the history keeping the
 # newest of them: the cap resume --skip-missed uses too (missed.py says why it is 1,000).
 from perfectschedd.schedules.missed import COUNT_CAP
+from perfectschedd.schedules.policy import due_shift
+from perfectschedd.schedules.task import Task
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ def plan(task: Task, now: float) -> CatchUp | None:
     expr = task.cron
     if expr is None or cron.is_once(expr) or task.attempt != 1:
         return None  # extra runs and one-shots run; a retry is not a misfire
-    shift = task.delay + policy.offset(task.key)  # due = occurrence + shift
+    shift = due_shift(task.key, task.delay, policy.jitter)  # due = occurrence + shift
     first = task.scheduled_time
     if policy.misfire == "all":
         assert grace is not None

@@ -1,4 +1,5 @@
-"""Public API: open(), ScheduleCollection, Schedule, Task.
+"""Public API: open(), ScheduleCollection, Schedule, ScheduleInfo (a leased occurrence,
+Task, is task.py's).
 
 Validation of user input happens here, before anything reaches the store, so a refused
 request never changes what is stored.
@@ -8,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -18,15 +18,14 @@ from perfectschedd import __version__
 from perfectschedd.config import Config, load
 from perfectschedd.errors import (
     AlreadyExistsError,
-    AlreadyFinishedError,
     InvalidInputError,
     NotFoundError,
     NotSupportedError,
-    PreemptedError,
 )
-from perfectschedd.schedules import cron, missed
-from perfectschedd.schedules import cron as cron_mod
-from perfectschedd.schedules import policy as policy_mod
+from perfectschedd.schedules import missed
+from perfectschedd.schedules.cron import first_at_or_after, is_once, period
+from perfectschedd.schedules.policy import DEFAULT, OPTIONS, Policy, check, due_time, from_text
+from perfectschedd.schedules.task import Task
 from perfectschedd.schedules.validate import (
     MAX_DEPTH,
     check_cron,
@@ -37,7 +36,7 @@ from perfectschedd.schedules.validate import (
     check_type,
     lookup_key,
 )
-from perfectschedd.store.schema import Advance, Claimed, Row, lease_until
+from perfectschedd.store.schema import Row, lease_until
 from perfectschedd.store.sql import Store
 from perfectschedd.vocabulary.fields import (
     INFO_FIELDS,
@@ -47,13 +46,15 @@ from perfectschedd.vocabulary.fields import (
     SCHEDULE_FIELDS,
     SOURCE_API,
     dumps_data,
-    schedule_key,
 )
+from perfectschedd.vocabulary.history import history_row
 from perfectschedd.vocabulary.outcomes import FAILURES, Outcome
 
 _UNSET: Any = object()
 # What refuse_on_older_hosts names for an interval schedule.
 INTERVAL_FEATURE = "@every"
+# A host that recorded itself this recently is live (it writes every 10 s: master/database.py).
+OLDER_HOSTS_WINDOW = 30.0
 
 
 class _ScheduleView:
@@ -74,17 +75,14 @@ class _ScheduleView:
     def from_row(cls, row: Row) -> Any:
         shown = {n: getattr(row, n) for n in INFO_FIELDS if n not in _SHOWN_OTHERWISE}
         return cls(**shown, data=_stored_data(row.data), source=row.source or SOURCE_API,
-                   **policy_mod.from_text(row.policy).as_fields())
+                   **from_text(row.policy).as_fields())
 
     @property
-    def policy(self) -> policy_mod.Policy:
-        return policy_mod.Policy(**{k: getattr(self, k) for k in policy_mod.OPTIONS})
+    def policy(self) -> Policy:
+        return Policy(**{k: getattr(self, k) for k in OPTIONS})
 
 
 # The fields shown otherwise than stored: data decoded, source named, policy as options.
-# A host that recorded itself this recently is live (it writes every 10 s: master/database.py).
-OLDER_HOSTS_WINDOW = 30.0
-
 _SHOWN_OTHERWISE = {"data": dict[str, Any], "source": str, "policy": None}
 # The fields after `data` may be left out; their defaults when not None.
 _SHOWN_DEFAULTS = {"paused": False, "attempt": 0, "source": SOURCE_API}
@@ -96,7 +94,7 @@ def _shown_fields() -> list[tuple[Any, ...]]:
     for name in INFO_FIELDS:
         if name == "policy":
             out += [(f.name, f.type, dataclasses.field(default=f.default))
-                    for f in dataclasses.fields(policy_mod.Policy)]
+                    for f in dataclasses.fields(Policy)]
             continue
         kind = _SHOWN_OTHERWISE.get(name) or SCHEDULE_FIELDS[name]
         out.append((name, kind, dataclasses.field(default=_SHOWN_DEFAULTS.get(name)))
@@ -121,250 +119,10 @@ def _stored_data(text: str) -> dict[str, Any]:
                               "delete this schedule"}
 
 
-# -- tasks --------------------------------------------------------------------------------
-
-def _run_at(now: float, wait: float) -> int:
-    """The whole second at which an occurrence given back at `now` comes due again: the
-    current one when it may run at once (rounding up would hold it for up to a second),
-    else not before `wait` seconds have passed."""
-    return math.ceil(now + wait) if wait else int(now)
-
-
 # How a run of a row ends in its history (the latest says why an unheld row waits).
 RUN_ENDS = tuple(sorted({*FAILURES, *(o.value for o in (
     Outcome.SUCCESS, Outcome.LATER, Outcome.RELEASED, Outcome.STOPPED, Outcome.PREEMPTED,
     Outcome.NO_ROUTE))}))
-
-
-def _retry_at(now: float, wait: float) -> int:
-    """The whole second at which an attempt that ended at `now` is tried again: not before
-    `wait` seconds, and never in the same second, even without a wait (retry_wait: 0,
-    SCHED_LATER 0), so that a job failing at once with no limit on attempts runs at most
-    once a second rather than as fast as a worker can claim it."""
-    return max(math.ceil(now + wait), math.floor(now) + 1)
-
-
-class Task:
-    """One leased occurrence of a schedule.  Exactly one of finish/retry/release ends it."""
-
-    __slots__ = ("_collection", "key", "type", "cron", "delay", "timezone", "scheduled_time",
-                 "attempt", "fence", "_data_text", "_data", "done", "claimed_at",
-                 "due_time", "has_extra", "_advance", "policy", "gave_up", "creator",
-                 "later_refused")
-
-    def __init__(self, collection: ScheduleCollection, claimed: Claimed, claimed_at: float):
-        self._collection = collection
-        self.key = claimed.key
-        self.type = claimed.type
-        self.cron = claimed.cron
-        self.delay = claimed.delay
-        self.timezone = claimed.timezone
-        self.scheduled_time = claimed.next_time
-        self.attempt = claimed.attempt
-        self.fence = claimed.fence
-        self._data_text = claimed.data
-        self._data: dict[str, Any] | None = None
-        self.done = False
-        self.claimed_at = claimed_at
-        self.due_time = claimed.due_time
-        self.has_extra = bool(claimed.has_extra)
-        self._advance: Advance | None = None
-        self.policy = policy_mod.from_text(claimed.policy)
-        self.gave_up = False  # its last failed attempt was its last (max_attempts)
-        self.creator = claimed.creator  # whose notifications its runs are (dispatch.py)
-        # Why a SCHED_LATER was refused and the occurrence given up (later_limit), or None.
-        self.later_refused: str | None = None
-
-    @property
-    def schedule_key(self) -> str:
-        """The key of the schedule this run belongs to: KEY for an extra run or an
-        allow/replace occurrence (key KEY@run-...), else the key itself.  Exec jobs get
-        it as PERFECTSCHED_SCHEDULE_KEY."""
-        return schedule_key(self.key)
-
-    @property
-    def group(self) -> str | None:
-        """The schedule whose runs must not overlap this one's, when that may happen: its
-        own key if it has had extra runs, the schedule's key for an extra run (or an
-        occurrence on a row of its own); None under `concurrency: allow`."""
-        if self.policy.concurrency == "allow":
-            return None
-        if RUN_NOW_MARK in self.key:
-            return schedule_key(self.key)
-        return self.key if self.has_extra else None
-
-    def group_turn(self, now: float | None = None) -> str:
-        """Whether this run may start now in its group (store.group_turn: TURN_START,
-        TURN_WAIT, TURN_LOST); under `replace`, the group's other running rows are stopped
-        first.  Only for a task with a group."""
-        group = self.group
-        assert group is not None
-        now_s = int(time.time() if now is None else now)
-        return self._collection.store.group_turn(
-            self.key, group, now_s, fence=self.fence,
-            replace=self.policy.concurrency == "replace")
-
-    def split_off(self, owner: str, alive_time: int) -> bool:
-        """An occurrence of an allow or replace schedule, just claimed, moves to a row of
-        its own (KEY@run-TIME-HEX, a one-off holding this lease), and the schedule's row
-        moves on to its next occurrence at once, so that the next one can come due while
-        this one runs.  This task then stands for the new row.  False when the lease was
-        lost (nothing to run); True when split, or when nothing is to split (an extra run,
-        a one-shot, a schedule with no next occurrence, a key too long to mark)."""
-        if not self.policy.overlaps or self.cron is None or cron.is_once(self.cron) \
-                or RUN_NOW_MARK in self.key:
-            return True
-        run_key = f"{self.key}{RUN_NOW_MARK}{self.scheduled_time}-{os.urandom(4).hex()}"
-        advance = self.next_advance()
-        if advance.pause_reason is not None or len(run_key) > KEY_MAX:
-            self._advance = None
-            return True
-        self._advance = None  # computed for the schedule's row; the run's is its own
-        run = Row(key=run_key, type=self.type, cron=None, delay=self.delay,
-                  timezone=self.timezone, data=self._data_text,
-                  next_time=self.scheduled_time,
-                  next_run_time=lease_until(self.claimed_at, alive_time), paused=False,
-                  fence=1, attempt=self.attempt, owner=owner, claimed_at=self.claimed_at,
-                  policy=self.policy.to_text())
-        if not self._collection.store.split_occurrence(advance, run, self.due_time):
-            return False
-        self.key, self.cron, self.fence, self.has_extra = run_key, None, 1, False
-        return True
-
-    @property
-    def data(self) -> dict[str, Any]:
-        if self._data is None:
-            self._data = json.loads(self._data_text)
-        return self._data
-
-    def __repr__(self) -> str:
-        return (f"Task(key={self.key!r}, type={self.type!r}, "
-                f"scheduled_time={self.scheduled_time}, attempt={self.attempt})")
-
-    def _end(self) -> None:
-        if self.done:
-            raise AlreadyFinishedError(f"task {self.key!r} was already finished")
-        self.done = True
-
-    def next_advance(self) -> Advance:
-        """The holder-side write that finishing this occurrence means (computed once)."""
-        if self._advance is None:
-            self._advance = self._compute_advance()
-        return self._advance
-
-    @property
-    def exhausted(self) -> str | None:
-        """Why finishing did not move the schedule on (it has no next occurrence and is
-        paused), once finished; else None."""
-        return self._advance.pause_reason if self._advance is not None else None
-
-    def _compute_advance(self) -> Advance:
-        if self.cron is None or cron.is_once(self.cron):
-            return Advance(self.key, self.fence, None, None)  # removed once it ran
-        try:
-            nxt = cron.next_after(self.cron, self.timezone, self.scheduled_time)
-        except cron.NoNextOccurrence as exc:
-            return Advance(self.key, self.fence, None, None,
-                           pause_reason=f"paused by perfectschedd: {exc}")
-        return self.advance_to(nxt)
-
-    def advance_to(self, next_time: int) -> Advance:
-        """The write that moves the schedule on to its occurrence at `next_time`."""
-        return Advance(self.key, self.fence, next_time, self.due_of(next_time))
-
-    def due_of(self, occurrence: int) -> int:
-        """When an occurrence of this schedule is due: its time, the delay, the jitter."""
-        return occurrence + self.delay + self.policy.offset(self.key)
-
-    def finish(self) -> None:
-        """Mark the occurrence done; the schedule moves to its next cron time."""
-        self._end()
-        if self._collection.store.advance([self.next_advance()]):
-            raise PreemptedError(f"task {self.key!r} lost its lease before finish")
-
-    def retry(self, wait: float | None = None, now: float | None = None, *,
-              later: bool = False) -> None:
-        """Run the same occurrence again after `wait` seconds (default: the schedule's
-        back-off: retry_wait, doubled per attempt up to retry_wait_max).  After the
-        schedule's max_attempts the occurrence is given up instead: the schedule moves
-        on to its next one (`gave_up` says so).  `later`: the job asked to run again
-        (SCHED_LATER), which is not a failure: the attempt does not count, and the
-        occurrence is given up instead only when the run asked for would start more than
-        the config's later_limit after the occurrence was due (`later_refused` says so)."""
-        now = time.time() if now is None else now
-        if wait is None:
-            wait = self.backoff()
-        run_at = _retry_at(now, wait)
-        if later:
-            self.later_refused = self._past_later_limit(wait, run_at)
-        if self.later_refused is not None or (not later and self.policy.gives_up(
-                self.attempt, self._collection.config.max_attempts)):
-            self._end()
-            self.gave_up = True
-            if self._collection.store.advance([self.next_advance()]):
-                raise PreemptedError(f"task {self.key!r} lost its lease before giving up")
-            return
-        self._end()
-        if not self._collection.store.reschedule(self.key, self.fence, run_at,
-                                                 count_attempt=not later):
-            raise PreemptedError(f"task {self.key!r} lost its lease before retry")
-
-    def _past_later_limit(self, wait: float, run_at: int) -> str | None:
-        """Why running again at `run_at` (SCHED_LATER `wait`) is refused: later_limit;
-        else None."""
-        limit = self._collection.config.later_limit
-        due = self.due_of(self.scheduled_time)
-        if limit <= 0 or run_at <= due + limit:
-            return None
-        return (f"SCHED_LATER {wait:g} refused: the occurrence of {self.scheduled_time} "
-                f"would run {int(run_at - due)} s after it was due, more than later_limit "
-                f"({limit} s); given up, the schedule moves on")
-
-    def backoff(self) -> float:
-        config = self._collection.config
-        return self.policy.backoff(self.attempt, config.retry_wait, config.retry_wait_max)
-
-    def release(self, now: float | None = None) -> None:
-        """The application gives the occurrence back, to run again on any worker.
-
-        The first release of an occurrence (attempt 1) runs again at once, as in the
-        original; a repeated one counts as an attempt and waits like a retry, so an
-        application that always releases cannot spin (hundreds of runs a second).
-        """
-        self._end()
-        now = time.time() if now is None else now
-        at = _run_at(now, 0) if self.attempt <= 1 else _retry_at(now, self.policy.backoff(
-            self.attempt - 1, self._collection.config.retry_wait,
-            self._collection.config.retry_wait_max))
-        if not self._collection.store.reschedule(self.key, self.fence, at,
-                                                 count_attempt=True):
-            raise PreemptedError(f"task {self.key!r} lost its lease before release")
-
-    def refuse(self, reason: str) -> None:
-        """The daemon refuses to run this occurrence (fields.foreign_exec_row): its row is
-        paused with `reason`, its lease ended, and nothing runs."""
-        self._end()
-        if self._collection.store.pause_exhausted([Advance(self.key, self.fence, None, None,
-                                                           pause_reason=reason)]):
-            raise PreemptedError(f"task {self.key!r} lost its lease before it was refused")
-
-    def give_back(self, now: float | None = None, wait: float = 0) -> None:
-        """The daemon gives the occurrence back untried (it stops, or cannot run it): it
-        runs again after `wait` seconds, on any worker, and this attempt does not count."""
-        self._end()
-        now = time.time() if now is None else now
-        if not self._collection.store.reschedule(self.key, self.fence, _run_at(now, wait),
-                                                 count_attempt=False):
-            raise PreemptedError(f"task {self.key!r} lost its lease before it was given back")
-
-    def heartbeat(self, now: float | None = None) -> None:
-        """Renew the lease for another alive_time seconds."""
-        if self.done:
-            raise AlreadyFinishedError(f"task {self.key!r} was already finished")
-        now = time.time() if now is None else now
-        lease = lease_until(now, self._collection.config.alive_time)
-        if self._collection.store.heartbeat([(self.key, self.fence)], lease):
-            raise PreemptedError(f"task {self.key!r} lost its lease")
 
 
 # -- schedules ----------------------------------------------------------------------------
@@ -413,10 +171,10 @@ class Schedule:
 
         A task of this schedule running now loses its lease (PreemptedError on finish).
         """
-        unknown = set(policies) - set(policy_mod.OPTIONS)
+        unknown = set(policies) - set(OPTIONS)
         if unknown:
             raise InvalidInputError(sorted(unknown)[0], "unknown option")
-        policy_changes = policy_mod.check(policies)
+        policy_changes = check(policies)
         values: dict[str, Any] = {}
         if type is not _UNSET:
             values["type"] = check_type(type, exec_key=self.key if file_entry else None)
@@ -439,17 +197,17 @@ class Schedule:
         new_tz = values.get("timezone", current.timezone)
         new_delay = values.get("delay", current.delay)
         next_time = current.next_time
-        if "cron" in values and cron_mod.period(values["cron"]) is not None:
+        if "cron" in values and period(values["cron"]) is not None:
             self._collection.refuse_on_older_hosts(INTERVAL_FEATURE, now)
         if ("cron" in values or "timezone" in values) and new_cron is not None \
-                and not cron_mod.is_once(new_cron):
+                and not is_once(new_cron):
             now_s = int(time.time() if now is None else now)
             next_time = cron_first(new_cron, new_tz, now_s)
-        if at is not None and cron_mod.is_once(new_cron):
+        if at is not None and is_once(new_cron):
             next_time = at  # a one-shot's occurrence is its run
         values.update(next_time=next_time,
                       next_run_time=at if at is not None else
-                      next_time + new_delay + new_policy.offset(self.key),
+                      due_time(next_time, self.key, new_delay, new_policy.jitter),
                       attempt=0)
         if source is not _UNSET:
             values["source"] = source
@@ -492,20 +250,20 @@ def waits_its_turn(key: str, concurrency: str, holder: str | None) -> bool:
     return RUN_NOW_MARK in key and key != holder and concurrency != "allow"
 
 
-def extra_run_policy(schedule: policy_mod.Policy) -> policy_mod.Policy:
+def extra_run_policy(schedule: Policy) -> Policy:
     """What an extra run (`run KEY`) keeps of its schedule's policy: how it runs and
     ends (timeout, max_attempts, retry_wait, notify) and its concurrency (under allow it
     runs beside a running occurrence, under replace it stops it).  Not the misfire,
     grace and jitter of the schedule's cron times: it was asked for now, and runs now
     however long it waited its turn."""
-    return policy_mod.Policy(timeout=schedule.timeout, max_attempts=schedule.max_attempts,
+    return Policy(timeout=schedule.timeout, max_attempts=schedule.max_attempts,
                              retry_wait=schedule.retry_wait, notify=schedule.notify,
                              concurrency=schedule.concurrency)
 
 
 def cron_first(expr: str, tz: str, start: int) -> int:
     try:
-        return cron.first_at_or_after(expr, tz, start)
+        return first_at_or_after(expr, tz, start)
     except OverflowError:
         raise InvalidInputError("start", f"out of range: {start}") from None
 
@@ -553,11 +311,11 @@ class ScheduleCollection:
         policy options (policy.OPTIONS); `creator`: the uid recorded as its maker
         (default: this process's); `file_entry`: the schedules files' convergence adds its
         entry (check_type)."""
-        unknown = set(policies) - set(policy_mod.OPTIONS)
+        unknown = set(policies) - set(OPTIONS)
         if unknown:
             raise InvalidInputError(sorted(unknown)[0], "unknown option")
         # Most adds set no option: the defaults, stored as no text, without rebuilding them.
-        chosen = policy_mod.DEFAULT.changed(policies) if policies else policy_mod.DEFAULT
+        chosen = DEFAULT.changed(policies) if policies else DEFAULT
         check_key(key)
         check_type(type, exec_key=key if file_entry else None)
         tz = check_timezone(timezone if timezone is not None else self.config.timezone)
@@ -571,11 +329,11 @@ class ScheduleCollection:
             raise InvalidInputError("cron", "required")
         expr = check_cron(cron)
         at = check_int("at", at) if at is not None else None
-        if cron_mod.is_once(expr):  # one run, at --at (default: now)
+        if is_once(expr):  # one run, at --at (default: now)
             first = at if at is not None else start
         else:
             first = cron_first(expr, tz, start)
-        run_at = at if at is not None else first + delay + chosen.offset(key)
+        run_at = at if at is not None else due_time(first, key, delay, chosen.jitter)
         return Row(key=key, type=type, cron=expr, delay=delay, timezone=tz, data=data_text,
                    next_time=first, next_run_time=run_at, paused=False, fence=0, attempt=0,
                    owner=None, claimed_at=None,
@@ -635,7 +393,7 @@ class ScheduleCollection:
                                          ) -> None:
         """A release before 0.2.0 cannot read `@every`: a host of one would stop at such
         a schedule's first run (SPEC "Upgrades")."""
-        if any(r.cron is not None and cron_mod.period(r.cron) is not None for r in rows):
+        if any(r.cron is not None and period(r.cron) is not None for r in rows):
             self.refuse_on_older_hosts(INTERVAL_FEATURE, now)
 
     def list(self, *, prefix: str | None = None, limit: int | None = None,
@@ -660,7 +418,7 @@ class ScheduleCollection:
         """Lease up to `limit` due occurrences (oldest first) to this process."""
         now = time.time() if now is None else now
         claimed = self.store.claim(now, self.config.alive_time, self.owner, limit)
-        return [Task(self, c, now) for c in claimed]
+        return [Task(self.store, self.config, c, now) for c in claimed]
 
     def finish_many(self, tasks: list[Task]) -> set[str]:
         """Finish several tasks in one transaction; returns the keys that were preempted."""
@@ -676,7 +434,7 @@ class ScheduleCollection:
         lost, claimed = self.store.finish_and_claim(
             [t.next_advance() for t in finished], now, self.config.alive_time, self.owner,
             limit)
-        return lost, [Task(self, c, now) for c in claimed]
+        return lost, [Task(self.store, self.config, c, now) for c in claimed]
 
     def heartbeat_many(self, tasks: list[Task], now: float | None = None) -> set[str]:
         now = time.time() if now is None else now
@@ -713,7 +471,7 @@ class ScheduleCollection:
         if row is None or row.owner is not None or row.paused or row.attempt \
                 or row.next_run_time <= now_s:
             return
-        due = row.next_time + row.delay + policy_mod.from_text(row.policy).offset(key)
+        due = due_time(row.next_time, key, row.delay, from_text(row.policy).jitter)
         # One that waits because its run asked to (SCHED_LATER: its attempt did not
         # count) is left alone too.
         if due <= now_s and self.store.last_outcome(key, now_s + 1, RUN_ENDS) != Outcome.LATER:
@@ -822,9 +580,9 @@ class ScheduleCollection:
                                               "next_run_time": plan.next_run_time,
                                               "attempt": 0})
             runs[row.key] = (len(plan.skipped), [
-                {"key": row.key, "type": row.type, "scheduled_time": t, "attempt": 0,
-                 "started_at": now, "finished_at": now, "outcome": "skipped",
-                 "worker": self.owner, "error": missed.SKIPPED_WHY}
+                history_row(key=row.key, type=row.type, scheduled_time=t, attempt=0,
+                            started_at=now, finished_at=now, outcome=Outcome.SKIPPED,
+                            worker=self.owner, error=missed.SKIPPED_WHY)
                 for t in reversed(plan.skipped[:self.config.history_limit])])
         return moves, runs
 

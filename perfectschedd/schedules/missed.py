@@ -36,7 +36,7 @@ def skip(row: Row, now: float) -> Skip | None:
     if row.cron is None or cron.is_once(row.cron) or row.owner is not None \
             or row.next_run_time > now:
         return None
-    shift = row.delay + policy.from_text(row.policy).offset(row.key)
+    shift = policy.due_shift(row.key, row.delay, policy.from_text(row.policy).jitter)
     try:
         # An interval's grid runs through its stored occurrence: without the anchor,
         # first_at_or_after starts a new grid at `now`.

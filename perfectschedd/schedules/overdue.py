@@ -41,8 +41,8 @@ def due_of(row: Row) -> int:
     """When the schedule's current occurrence was due: a retried one's own due time (its
     time, delay and jitter), else when the row may run."""
     if row.attempt > 0:
-        occurrence = row.next_time + row.delay + \
-            policy.from_text(row.policy).offset(row.key)
+        occurrence = policy.due_time(row.next_time, row.key, row.delay,
+                                     policy.from_text(row.policy).jitter)
         return min(occurrence, row.next_run_time)
     return row.next_run_time
 

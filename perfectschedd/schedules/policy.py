@@ -131,6 +131,21 @@ def jitter_offset(key: str, jitter: int) -> int:
     return int.from_bytes(digest, "big") % jitter
 
 
+# -- the due time: the one rule of when an occurrence may run -----------------------------
+
+def due_shift(key: str, delay: int, jitter: int) -> int:
+    """How long after its occurrence (the cron time, PERFECTSCHED_SCHEDULED_TIME) an
+    occurrence of the schedule `key` is due: its delay, then the key's jitter offset."""
+    return delay + jitter_offset(key, jitter)
+
+
+def due_time(occurrence: int, key: str, delay: int, jitter: int) -> int:
+    """When the occurrence `occurrence` of the schedule `key` is due: its time, the
+    delay, the key's jitter offset.  Every reader of a due time (the claim's next_run_time,
+    catch-up, resume --skip-missed, overdue, `next`) takes it from here."""
+    return occurrence + due_shift(key, delay, jitter)
+
+
 def check(options: Mapping[str, Any]) -> dict[str, Any]:
     """Validate policy options (any subset; None, or the word "default" as a command line
     gives it, means "the default"), naming the bad one; returns them normalised."""

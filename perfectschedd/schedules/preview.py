@@ -13,7 +13,7 @@ from typing import Any
 
 from perfectschedd.errors import InvalidInputError
 from perfectschedd.schedules import cron
-from perfectschedd.schedules.policy import jitter_offset
+from perfectschedd.schedules.policy import due_shift
 from perfectschedd.vocabulary.fields import PREVIEW_COUNT, PREVIEW_MAX
 
 
@@ -64,8 +64,8 @@ def of_schedule(info: Mapping[str, Any], count: int = PREVIEW_COUNT) -> list[Fir
     check_count(count)
     expr, tz_name = info["cron"], info["timezone"]
     next_time, next_run = int(info["next_time"]), int(info["next_run_time"])
-    shift = int(info.get("delay") or 0) + jitter_offset(str(info["key"]),
-                                                        int(info.get("jitter") or 0))
+    shift = due_shift(str(info["key"]), int(info.get("delay") or 0),
+                      int(info.get("jitter") or 0))
     if expr is None or cron.is_once(expr):
         return [Fire(next_time, next_run, None)] if info.get("owner") is None else []
     if info.get("owner") is not None:  # this occurrence runs now: the next ones follow

@@ -21,7 +21,7 @@ from perfectschedd.vocabulary.history import history_row
 from perfectschedd.vocabulary.outcomes import Outcome
 
 if TYPE_CHECKING:
-    from perfectschedd.schedules.collection import Task
+    from perfectschedd.schedules.task import Task
     from perfectschedd.worker.leases import LeasePipeline
 
 log = logging.getLogger("perfectschedd.worker")

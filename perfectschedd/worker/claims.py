@@ -14,7 +14,8 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from perfectschedd.errors import ConfigError, SchemaError
 from perfectschedd.executors.base import REASON_TEXT, StopReason
 from perfectschedd.metrics import counters
-from perfectschedd.schedules.collection import ScheduleCollection, Task
+from perfectschedd.schedules.collection import ScheduleCollection
+from perfectschedd.schedules.task import Task
 from perfectschedd.worker import admission
 from perfectschedd.worker.heartbeat import why_lost
 from perfectschedd.worker.leases import LeasePipeline

@@ -19,7 +19,7 @@ from perfectschedd.executors.base import Log, RunResult, lease_lost_while_runnin
 from perfectschedd.vocabulary.outcomes import Outcome
 
 if TYPE_CHECKING:
-    from perfectschedd.schedules.collection import Task
+    from perfectschedd.schedules.task import Task
     from perfectschedd.worker.leases import LeasePipeline
 
 log = logging.getLogger("perfectschedd.worker")

@@ -16,7 +16,7 @@ from perfectschedd.store.schema import lease_until
 from perfectschedd.vocabulary.fields import schedule_key
 
 if TYPE_CHECKING:
-    from perfectschedd.schedules.collection import Task
+    from perfectschedd.schedules.task import Task
     from perfectschedd.worker.leases import LeasePipeline
 
 log = logging.getLogger("perfectschedd.worker")

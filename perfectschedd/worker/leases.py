@@ -37,7 +37,8 @@ from perfectschedd.executors import reaper
 from perfectschedd.executors.base import RunControl
 from perfectschedd.executors.router import Router
 from perfectschedd.metrics import counters
-from perfectschedd.schedules.collection import ScheduleCollection, Task
+from perfectschedd.schedules.collection import ScheduleCollection
+from perfectschedd.schedules.task import Task
 from perfectschedd.settings import unit_props
 from perfectschedd.store.sql import Store
 from perfectschedd.vocabulary.fields import EXEC_TYPE

@@ -42,7 +42,7 @@ from perfectschedd.executors import command, reaper, runmarks
 from perfectschedd.executors.base import StopReason
 from perfectschedd.metrics import counters
 from perfectschedd.notify.dispatch import STATE_OUTCOMES, Dispatcher
-from perfectschedd.schedules.collection import Task
+from perfectschedd.schedules.task import Task
 from perfectschedd.store.sql import Store
 from perfectschedd.worker import claims, pipe, runs, stopping
 from perfectschedd.worker.heartbeat import heartbeat_loop

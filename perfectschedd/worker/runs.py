@@ -38,7 +38,7 @@ from perfectschedd.worker import pipe
 from perfectschedd.worker.ending import BatchedTask, run_and_end
 
 if TYPE_CHECKING:
-    from perfectschedd.schedules.collection import Task
+    from perfectschedd.schedules.task import Task
     from perfectschedd.worker.leases import LeasePipeline
 
 log = logging.getLogger("perfectschedd.worker")

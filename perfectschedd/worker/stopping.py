@@ -14,7 +14,7 @@ from perfectschedd.errors import PreemptedError
 from perfectschedd.executors.base import StopReason
 
 if TYPE_CHECKING:
-    from perfectschedd.schedules.collection import Task
+    from perfectschedd.schedules.task import Task
     from perfectschedd.worker.leases import LeasePipeline
 
 log = logging.getLogger("perfectschedd.worker")

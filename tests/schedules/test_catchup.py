@@ -11,7 +11,8 @@ import pytest
 import perfectschedd
 from perfectschedd.schedules import catchup
 from perfectschedd.schedules.catchup import COUNT_CAP, CatchUp, plan
-from perfectschedd.schedules.collection import ScheduleCollection, Task
+from perfectschedd.schedules.collection import ScheduleCollection
+from perfectschedd.schedules.task import Task
 
 T0 = 1_700_002_800  # a whole hour (UTC)
 MIN = 60

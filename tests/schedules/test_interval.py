@@ -13,8 +13,9 @@ import pytest
 
 from perfectschedd import InvalidInputError
 from perfectschedd.schedules import catchup, cron, interval
-from perfectschedd.schedules.collection import ScheduleCollection, Task
+from perfectschedd.schedules.collection import ScheduleCollection
 from perfectschedd.schedules.collection import open as open_schedules
+from perfectschedd.schedules.task import Task
 
 T0 = 1_700_000_000
 

@@ -1,16 +1,21 @@
 """schedules/policy.py: validation of every option (bad values name the option), the
-stored form (to_text/from_text), and the arithmetic (jitter offsets, back-off, give-up)."""
+stored form (to_text/from_text), and the arithmetic (jitter offsets, the due time,
+back-off, give-up)."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import math
 from typing import Any
 
 import pytest
 
+import perfectschedd
 from perfectschedd.errors import InvalidInputError
-from perfectschedd.schedules import policy
+from perfectschedd.schedules import missed, overdue, policy, preview
+from perfectschedd.schedules.collection import ScheduleInfo
 from perfectschedd.schedules.policy import DEFAULT, OPTIONS, Policy, check, from_text
 
 
@@ -151,6 +156,38 @@ def test_jitter_offset_is_fixed_per_key_and_within_bounds() -> None:
     assert Policy(jitter=0).offset("key-1") == 0
     assert Policy(jitter=1).offset("key-1") == 0
     assert policy.jitter_offset("k\udcff", 60) in range(60)  # a lone surrogate still hashes
+
+
+def test_the_due_time_is_the_occurrence_then_the_delay_then_the_keys_jitter() -> None:
+    """The one rule every reader of a due time calls (add, modify, finish, catch-up,
+    resume --skip-missed, overdue, `next`)."""
+    assert policy.due_time(1_000, "k", 0, 0) == 1_000
+    assert policy.due_time(1_000, "k", 30, 0) == 1_030
+    assert policy.due_time(1_000, "k", 30, 1) == 1_030  # a jitter of 1 s moves nothing
+    # The key's offset is fixed: every host and every release computes the same one.
+    assert policy.jitter_offset("k", 600) == 75
+    assert policy.jitter_offset("nightly", 600) == 572
+    assert policy.due_time(1_000, "k", 30, 600) == 1_000 + 30 + 75
+    assert policy.due_time(1_000, "nightly", 0, 600) == 1_572
+    assert policy.due_shift("k", 30, 600) == 105
+    assert Policy(jitter=600).offset("k") == 75  # the policy's own view agrees
+
+
+def test_every_reader_of_a_due_time_takes_the_rule(sqlite_url: str) -> None:
+    """add, resume --skip-missed, overdue and `next` agree with policy.due_time for a
+    schedule with a delay and a jitter (finish: test_task.py; catch-up: test_catchup.py)."""
+    t0 = 1_700_002_800  # a whole hour (UTC)
+    due = functools.partial(policy.due_time, key="nightly", delay=30, jitter=600)
+    with perfectschedd.open({"type": "rdb_compat", "url": sqlite_url}) as sc:
+        row = sc.build_row("nightly", "t", "0 * * * *", delay=30, jitter=600, now=t0 + 1)
+    assert (row.next_time, row.next_run_time) == (t0 + 3600, due(t0 + 3600))
+    skip = missed.skip(row, t0 + 4 * 3600 + 600)  # 10 min past the hour: not yet due
+    assert skip is not None and skip.next_run_time == due(skip.next_time)
+    assert skip.next_time == t0 + 4 * 3600
+    retried = dataclasses.replace(row, attempt=1, next_run_time=t0 + 86400)
+    assert overdue.due_of(retried) == due(t0 + 3600)
+    shown = preview.of_schedule({**ScheduleInfo.from_row(row).as_dict(), "owner": None}, 3)
+    assert [f.run_time for f in shown[1:]] == [due(f.scheduled_time) for f in shown[1:]]
 
 
 def test_backoff_doubles_up_to_the_cap() -> None:

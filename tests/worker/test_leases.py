@@ -16,7 +16,8 @@ import pytest
 from perfectschedd import config
 from perfectschedd.executors.application import Application
 from perfectschedd.executors.base import StopReason
-from perfectschedd.schedules.collection import ScheduleCollection, Task
+from perfectschedd.schedules.collection import ScheduleCollection
+from perfectschedd.schedules.task import Task
 from perfectschedd.worker import claims
 from perfectschedd.worker.claims import close, drain_step, step
 from perfectschedd.worker.heartbeat import renew

@@ -1,5 +1,5 @@
-"""schedules.py: the public API's validation.  Every bad input of SPEC is refused with a
-message naming the field, and nothing already stored changes."""
+"""schedules/collection.py: the public API's validation.  Every bad input of SPEC is
+refused with a message naming the field, and nothing already stored changes."""
 
 from __future__ import annotations
 
@@ -200,14 +200,6 @@ def test_open_from_yaml_path(tmp_path: pathlib.Path) -> None:
         assert sc["k"].info().timezone == "Asia/Tokyo"  # the config's default zone
         # 09:00 JST = 00:00 UTC; T0 is 23:00 UTC
         assert sc["k"].info().next_time == T0 + 3600
-
-
-def test_task_data_is_a_copy_per_task(sc: ScheduleCollection) -> None:
-    task = sc.poll(now=T0 + 3600)
-    assert task is not None
-    task.data["keep"] = False  # a handler mutating its data changes nothing stored
-    task.finish()
-    assert sc["existing"].info().data == {"keep": True}
 
 
 def _raises(fn: Callable[[], object]) -> BaseException:
