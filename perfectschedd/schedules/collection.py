@@ -1,5 +1,5 @@
-"""Public API: open(), ScheduleCollection, Schedule, ScheduleInfo (a leased occurrence,
-Task, is task.py's).
+"""The library API: open(), ScheduleCollection, Schedule and ScheduleInfo.  The leased
+occurrence a poll returns, Task, is task.py's.
 
 Validation of user input happens here, before anything reaches the store, so a refused
 request never changes what is stored.
