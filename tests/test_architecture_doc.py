@@ -59,6 +59,9 @@ def test_the_folder_table_names_every_module_and_only_real_ones() -> None:
                 if p.name != "__init__.py"}
         subfolders = {f"{folder}/{p.name}/" for p in (base / folder).iterdir()
                       if p.is_dir() and p.name != "__pycache__"}
+        # A `sub/` named of a real subfolder lists it whole; another folder's name is a
+        # reference (`web/` in the control row), not a claim about this one.
+        named = {n for n in named if not n.endswith("/") or n in subfolders}
         listed_whole = {m for m in real for s in named if s.endswith("/") and m.startswith(s)}
         wrong += [f"gone: {m}" for m in sorted(named - real - subfolders)]
         wrong += [f"not named: {m}" for m in sorted(real - named - listed_whole)]
