@@ -158,7 +158,10 @@ def check_int(field: str, value: Any, *, minimum: int = 0,
               maximum: int = LAST_INSTANT) -> int:
     """A whole number in [minimum, maximum]; the default maximum, the last second of year
     9999, bounds every time and duration we store (and keeps them inside 64 bits)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    # isfinite only of a float: an int beyond a float's range (JSON allows it) would raise
+    # OverflowError there, an internal error instead of this field's refusal.
+    if isinstance(value, bool) or not isinstance(value, int | float) or (
+            isinstance(value, float) and not math.isfinite(value)):
         raise InvalidInputError(field, f"must be a whole number, got {describe(value)}")
     if int(value) != value or not minimum <= value <= maximum:
         raise InvalidInputError(field, f"must be a whole number from {minimum} to {maximum}, "
