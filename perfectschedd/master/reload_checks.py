@@ -14,7 +14,8 @@ import threading
 from perfectschedd.config import Config, load, notify_refusal, schedules_dir_refusal
 from perfectschedd.errors import ConfigError, NotSupportedError
 from perfectschedd.master.database import PAGE_CACHE_KIB
-from perfectschedd.store.sql import Store, check_url
+from perfectschedd.store.sql import Store
+from perfectschedd.store.urls import check_url
 
 # How long a reload that moves to another database waits to learn whether this version
 # may use it (the master's loop waits meanwhile).

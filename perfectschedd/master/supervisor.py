@@ -55,7 +55,7 @@ from perfectschedd.master.status import healthy, status_line, status_reply
 from perfectschedd.master.workertable import DRAIN_ROOM, WorkerProc, WorkerTable
 from perfectschedd.metrics import exposition
 from perfectschedd.metrics.type_labels import exact_types, set_route_types
-from perfectschedd.store.sql import engine_url
+from perfectschedd.store.urls import engine_url
 from perfectschedd.worker import pipe
 
 log = logging.getLogger("perfectschedd")

@@ -33,7 +33,7 @@ from perfectschedd.schedules.validate import (
     check_type,
 )
 from perfectschedd.store import deadline
-from perfectschedd.store.sql import engine_url
+from perfectschedd.store.urls import engine_url
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 LEGACY_COLUMNS = ("id", "timeout", "next_time", "cron", "delay", "data", "timezone")

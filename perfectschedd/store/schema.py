@@ -46,8 +46,8 @@ def lease_until(now: float, seconds: int) -> int:
     return math.ceil(now) + seconds
 
 
-# Row and Claimed are made from the one list of a schedule's fields (fields.py), which
-# says what each holds.
+# Row and Claimed are made from the one list of a schedule's fields (vocabulary/fields.py),
+# which says what each holds.
 
 Row = dataclasses.make_dataclass(
     "Row", [(n, SCHEDULE_FIELDS[n]) if n not in ROW_OPTIONAL
@@ -107,7 +107,7 @@ def schedules_table(metadata: sa.MetaData, name: str, data_type: sa.types.TypeEn
         sa.Column("has_extra", sa.SmallInteger, nullable=True),
         # Why the daemon paused the schedule (no next occurrence); NULL when a user did.
         sa.Column("paused_reason", sa.String(PAUSED_REASON_MAX), nullable=True),
-        # Policies other than the defaults, as JSON (policy.py); NULL: all defaults.
+        # Policies other than the defaults, as JSON (schedules/policy.py); NULL: all defaults.
         sa.Column("policy", sa.String(POLICY_MAX), nullable=True),
         # The member of this schedule's group (itself, or an extra run KEY@run-...) that
         # runs now, or ran last: the others wait while it holds a live lease.
@@ -171,7 +171,7 @@ def history_table(metadata: sa.MetaData, name: str,
 
 def meta_table(metadata: sa.MetaData, name: str) -> sa.Table:
     """Facts about the database itself, as name/value rows: its schema version
-    (schemaversion.py), a cluster-wide pause (PAUSED_ALL_META), the markers of forced
+    (version.py), a cluster-wide pause (PAUSED_ALL_META), the markers of forced
     deletes of schedules files' schedules (DELETED_META)."""
     return sa.Table(
         f"{name}_meta", metadata,

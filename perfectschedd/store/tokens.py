@@ -1,6 +1,6 @@
-"""The API tokens table's SQL (schema.tokens_table): what Store's token methods run, each
-in the transaction the Store gives it, so that its write rules (retries, deadlines,
-SQLite's writer lock, durable commits) apply to tokens as to schedules.
+"""The API tokens table's SQL (schema.tokens_table), and the Store's token methods
+(ApiTokens) that run it, each in a Store transaction, so that its write rules (retries,
+deadlines, SQLite's writer lock, durable commits) apply to tokens as to schedules.
 
 A token's secret holds its row's id, so a new row is inserted first and its hash set in
 the same transaction: no row is ever seen without its hash.  Names are unique forever: a
@@ -13,8 +13,10 @@ from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import IntegrityError
 
 from perfectschedd.errors import AlreadyExistsError, InvalidInputError, NotFoundError, describe
+from perfectschedd.store.base import StoreBase, retried
 from perfectschedd.vocabulary import tokens
 
 
@@ -81,3 +83,39 @@ def revoke(conn: Connection, t: sa.Table, name: str, now: float) -> bool:
     if found is None:
         raise NotFoundError(f"no token named {describe(name)}")
     raise InvalidInputError("name", f"token {name} was revoked already")
+
+
+class ApiTokens(StoreBase):
+    """The Store's API token methods: the functions above, in its transactions."""
+
+    @retried
+    def add_token(self, name: str, role: str, created_by: str, expires_at: float | None,
+                  now: float) -> tuple[int, str]:
+        """Make an API token: (its id, its secret; shown once, only its hash is kept).
+        AlreadyExistsError for a name any token has or had (revoked names too)."""
+        try:
+            with self._tx(durable=True) as conn:
+                return add(conn, self.backend.tokens, name, role, created_by,
+                                     expires_at, now)
+        except IntegrityError:  # another host made one of that name meanwhile
+            raise exists_error(name, revoked=False) from None
+
+    @retried
+    def tokens(self) -> list[TokenRow]:
+        """Every API token, revoked and expired ones too, by name."""
+        with self._tx(readonly=True) as conn:
+            return listed(conn, self.backend.tokens)
+
+    @retried
+    def revoke_token(self, name: str, now: float) -> bool:
+        """Revoke the token `name` at `now` (its row stays): True.  NotFoundError for a
+        name no token has; InvalidInputError for one revoked already."""
+        with self._tx(durable=True) as conn:
+            return revoke(conn, self.backend.tokens, name, now)
+
+    @retried
+    def token_by_id(self, token_id: int) -> TokenRow | None:
+        """The token with this id (the one a secret names: tokens.token_id_of), or None."""
+        with self._tx(readonly=True) as conn:
+            return by_id(conn, self.backend.tokens, token_id)
+

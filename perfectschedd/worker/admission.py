@@ -14,8 +14,8 @@ from perfectschedd.errors import InvalidInputError, PreemptedError
 from perfectschedd.executors.base import RunControl, error_line
 from perfectschedd.metrics import counters
 from perfectschedd.schedules import catchup
+from perfectschedd.store.groups import TURN_LOST, TURN_START
 from perfectschedd.store.schema import lease_until
-from perfectschedd.store.sql import TURN_LOST, TURN_START
 from perfectschedd.vocabulary.fields import RUN_NOW_MARK
 from perfectschedd.vocabulary.history import history_row
 from perfectschedd.vocabulary.outcomes import Outcome

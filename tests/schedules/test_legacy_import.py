@@ -17,7 +17,7 @@ import sqlalchemy as sa
 import yaml
 from daemon_harness import Daemon
 
-from perfectschedd.store.sql import engine_url
+from perfectschedd.store.urls import engine_url
 
 CTL = [sys.executable, "-m", "perfectschedctl"]
 

@@ -27,7 +27,8 @@ from perfectschedd import (
     ScheduleCollection,
     ScheduleError,
 )
-from perfectschedd.store.sql import TURN_LOST, TURN_START, TURN_WAIT, Store
+from perfectschedd.store.groups import TURN_LOST, TURN_START, TURN_WAIT
+from perfectschedd.store.sql import Store
 
 T0 = 1_700_002_800  # 2023-11-14 23:00:00 UTC, a round hour
 H = 3600

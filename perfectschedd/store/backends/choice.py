@@ -9,7 +9,7 @@ from perfectschedd.store.backends.base import Backend
 
 
 def open_backend(url: URL, table: str, deadline: float = 10.0) -> Backend:
-    """The backend for `url` (already mapped by store.engine_url).  Each module is
+    """The backend for `url` (already mapped by urls.engine_url).  Each module is
     imported only when used: the other databases' drivers are never loaded.  `deadline`:
     seconds a statement to a server may go unanswered (store/deadline.py)."""
     name = url.get_backend_name()
