@@ -15,7 +15,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 
 import perfectschedd
 from perfectschedd import ScheduleCollection
-from perfectschedd.store.backends.sqlite import CLAIMED_COLUMNS, SQLiteBackend
+from perfectschedd.store.backends.sqlite import SQLiteBackend
 from perfectschedd.store.schema import Advance, Claimed
 
 T0 = 1_700_002_800
@@ -45,7 +45,9 @@ def row(db: Path, key: str) -> tuple[int, int, str | None]:
 
 def test_the_hot_path_is_what_sqlite_stores_use(sc: ScheduleCollection) -> None:
     assert isinstance(sc.store.backend, SQLiteBackend)
-    assert Claimed._fields == CLAIMED_COLUMNS  # its rows become Claimed(*row)
+    # Its rows become Claimed(*row): the claim returns Claimed's fields, in their order.
+    returned = sc.store.backend.sql.returned.split(", ")
+    assert [c.strip('"') for c in returned] == list(Claimed._fields)
 
 
 def test_finish_and_claim_is_one_transaction(sc: ScheduleCollection, db: Path) -> None:

@@ -163,6 +163,27 @@ def test_claims_and_next_due_see_only_the_routed_types(sc: ScheduleCollection) -
     assert sorted(t.type for t in sc.poll_many(10, now=T0 + 100)) == ["beta", "reporter"]
 
 
+def test_a_claim_records_the_due_time_it_leased(sc: ScheduleCollection) -> None:
+    """The claimed row's due_time is the next_run_time it had when claimed (the lateness
+    the worker reports), in the row itself too, on every database: MySQL's claim, written
+    apart, once left it unwritten (and its SET, which assigns left to right, would read
+    the lease's end after next_run_time was set)."""
+    sc.add("k", "t", cron="0 * * * *", delay=30, next_time=T0, now=T0)
+    (claimed,) = sc.store.claim(T0 + 40, ALIVE, "w1", 1)
+    assert claimed.due_time == T0 + 30
+    t = sc.store.t
+    with sc.store.engine.connect() as conn:
+        stored = conn.execute(sa.select(t.c.due_time, t.c.next_run_time)
+                              .where(t.c.key == "k")).one()
+    assert tuple(stored) == (T0 + 30, T0 + 40 + ALIVE)
+    # Given back to run again later: the next claim records that time, not the first.
+    assert sc.store.reschedule("k", claimed.fence, T0 + 100, count_attempt=True)
+    (again,) = sc.store.claim(T0 + 120, ALIVE, "w1", 1)
+    with sc.store.engine.connect() as conn:
+        due = conn.execute(sa.select(t.c.due_time).where(t.c.key == "k")).scalar()
+    assert again.due_time == due == T0 + 100
+
+
 def test_finish_many_writes_only_rows_still_held(sc: ScheduleCollection) -> None:
     """A batch finish with cron and one-off rows, where some leases were lost by a delete
     or a modify (the row is still there with a newer fence): exactly the held rows move."""

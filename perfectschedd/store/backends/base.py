@@ -2,10 +2,10 @@
 hot path (finish a batch and claim the next, "when is the next one due", run history).
 
 Everything else the store does (adds, lists, leases' other writes, history reads) is
-portable SQLAlchemy Core and lives in store.py.  What differs between databases lives in
-one subclass each (sqlite.py, postgresql.py, mysql.py), so a rule of the claim or the
-finish is written once per backend and tested once per backend, never as a dialect
-branch inside shared code.
+portable SQLAlchemy Core and lives in the Store's modules (store/sql.py and its mixins).
+The hot path's SQL is written once (hot_sql.py); what differs between databases lives in
+one subclass each (sqlite.py, postgresql.py, mysql.py), never as a dialect branch inside
+shared code.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from sqlalchemy.exc import DBAPIError
 
 from perfectschedd.metrics import counters
 from perfectschedd.store import schema
+from perfectschedd.store.backends.hot_sql import HotPathSQL
 from perfectschedd.store.deadline import DEADLINE_MAX, StatementWatch
 from perfectschedd.store.schema import Advance, Claimed
 from perfectschedd.store.writelock import HostWriteLock
@@ -72,6 +73,10 @@ class Backend(ABC):
     name: ClassVar[str]
     # Where the leased rows have an index of their own (None: no partial indexes).
     partial_index_dialect: ClassVar[str | None] = None
+    # The operator of the database's own regular expressions (routed_sql).
+    regexp_operator: ClassVar[str] = "REGEXP"
+    # The driver reads "%" as a parameter's start (psycopg's and PyMySQL's pyformat).
+    pyformat: ClassVar[bool] = True
     # KiB of pages each connection may cache, where the database caches in the client
     # (SQLite); None: the database's default.  Set before the first connection.
     page_cache_kib: int | None = None
@@ -91,15 +96,8 @@ class Backend(ABC):
         self.meta = schema.meta_table(self.metadata, table)
         self.hosts = schema.hosts_table(self.metadata, table)
         self.tokens = schema.tokens_table(self.metadata, table)
-        t = self.t
-        # Every holder-side write names the fence it was given: a row that moved on (lease
-        # lost, modified, deleted) matches nothing, and rowcount says so.
-        self.advance_stmt = t.update().where(
-            t.c.key == sa.bindparam("k"), t.c.fence == sa.bindparam("f")).values(
-            next_time=sa.bindparam("nt"), next_run_time=sa.bindparam("nrt"), attempt=0,
-            owner=None, claimed_at=None, fence=t.c.fence + 1)
-        self.delete_fenced_stmt = t.delete().where(
-            t.c.key == sa.bindparam("k"), t.c.fence == sa.bindparam("f"))
+        self.sql = HotPathSQL(self.engine.dialect.identifier_preparer, self.t, self.param,
+                              self.pyformat)
         self.history_many = DriverStatement(self.h.insert().inline(), self.engine.dialect,
                                             HISTORY_COLUMNS)
         self.restrict_types((), (), None)
@@ -109,6 +107,10 @@ class Backend(ABC):
     @abstractmethod
     def create_engine(self) -> Engine:
         """The engine, with this database's connection options."""
+
+    def param(self, name: str, sql_type: str | None) -> str:
+        """How the driver's SQL writes the parameter `name` (hot_sql.Param): pyformat."""
+        return f"%({name})s"
 
     def data_type(self) -> sa.types.TypeEngine[Any]:
         """The column type of `data` (JSON text up to DATA_MAX bytes) and of history's
@@ -170,20 +172,23 @@ class Backend(ABC):
 
     # -- the worker's hot path ------------------------------------------------------------
 
-    def routed_condition(self, exact: Sequence[str], patterns: Sequence[str],
-                         routed: Callable[[str], bool] | None) -> Any:
-        """The SQL condition "a type this process routes" (true: every type).  Patterns
-        are the database's own regular expressions (`~`, REGEXP), which agree with
-        Python's on everyday patterns: a type one matches that Python does not is given
-        back by the worker untried (see worker/runs.py)."""
+    def routed_sql(self, exact: Sequence[str], patterns: Sequence[str],
+                   routed: Callable[[str], bool] | None) -> tuple[str, dict[str, Any]]:
+        """The SQL condition "a type this process routes" (TRUE: every type) and its
+        parameters: exact names an IN list, patterns the database's own regular
+        expressions (`regexp_operator`), which agree with Python's on everyday patterns:
+        a type one matches that Python does not is given back by the worker untried
+        (see worker/runs.py)."""
         if routed is None:
-            return sa.true()
-        t = self.t
-        conds: list[Any] = []
-        if exact:
-            conds.append(t.c.type.in_(list(exact)))
-        conds.extend(t.c.type.regexp_match(p) for p in patterns)
-        return sa.or_(*conds) if conds else sa.false()
+            return "TRUE", {}
+        column = self.engine.dialect.identifier_preparer.quote("type")
+        params: dict[str, Any] = {f"route_{i}": name for i, name in enumerate(exact)}
+        conds = [f"{column} IN ({', '.join(self.param(n, None) for n in params)})"
+                 ] if exact else []
+        for i, pattern in enumerate(patterns):
+            params[f"pattern_{i}"] = pattern
+            conds.append(f"{column} {self.regexp_operator} {self.param(f'pattern_{i}', None)}")
+        return (f"({' OR '.join(conds)})" if conds else "FALSE"), params
 
     def restrict_types(self, exact: Sequence[str], patterns: Sequence[str],
                        routed: Callable[[str], bool] | None) -> None:
@@ -191,15 +196,14 @@ class Backend(ABC):
         or `patterns` (Python regular expressions searched in the type), `routed` being
         the exact predicate (None: every type).  The statements are built here, once:
         building them per claim cost more Python time than the database spent on them."""
-        cond = self.routed_condition(exact, patterns, routed)
-        t = self.t
-        self.earliest_stmt = (sa.select(t.c.next_run_time).where(t.c.paused == 0, cond)
-                              .order_by(t.c.next_run_time).limit(1))
-        self.build_claim(cond)
+        routed_sql, self.routed_params = self.routed_sql(exact, patterns, routed)
+        self.earliest_sql = self.sql.earliest(routed_sql)
+        self.build_claim(routed_sql)
 
     @abstractmethod
-    def build_claim(self, routed: Any) -> None:
-        """Build the claim statement(s) for rows matching the SQL condition `routed`."""
+    def build_claim(self, routed: str) -> None:
+        """Build the claim statement(s) for rows matching the SQL condition `routed`
+        (whose parameters are `routed_params`)."""
 
     @abstractmethod
     def finish_and_claim(self, finished: Sequence[Advance], now: float, lease_seconds: int,
@@ -210,10 +214,9 @@ class Backend(ABC):
         no longer matched (nothing was written for them) and the leased rows in cron
         order."""
 
+    @abstractmethod
     def earliest_due(self) -> int | None:
         """Smallest next_run_time of an unpaused routed row: one index probe."""
-        with self.transaction(readonly=True) as conn:
-            return conn.execute(self.earliest_stmt).scalar()
 
     def warm_up(self) -> None:
         """Run the hot path once on nothing, so it is compiled or prepared before the
@@ -227,15 +230,18 @@ class Backend(ABC):
 
 
 class ServerBackend(Backend):
-    """A database server (PostgreSQL, MySQL): the hot path is statements on a SQLAlchemy
-    connection, each backend writing its own finish and claim.  A server may hang or stop
-    being the primary: every statement runs under a deadline (`watch`, where the driver
-    has no socket timeout of its own), and a connection that missed it or reached a
-    server that is not the primary is abandoned (deadline.py)."""
+    """A database server (PostgreSQL, MySQL): the hot path is statements on the driver's
+    cursor inside a SQLAlchemy transaction (`execute`), each backend writing how it
+    leases and finishes.  A server may hang or stop being the primary: every statement
+    runs under a deadline (`watch`, where the driver has no socket timeout of its own),
+    and a connection that missed it or reached a server that is not the primary is
+    abandoned (deadline.py)."""
 
     def __init__(self, url: URL, table: str, deadline: float = DEADLINE_MAX) -> None:
         self.watch: StatementWatch | None = None
         super().__init__(url, table, deadline)
+        dialect = self.engine.dialect
+        self._driver_error = (getattr(dialect, "loaded_dbapi", None) or dialect.dbapi).Error
         self._listen()
 
     def socket_of(self, dbapi_conn: Any) -> int:
@@ -294,6 +300,32 @@ class ServerBackend(Backend):
         if self.watch is not None:
             self.watch.close()
         super().close()
+
+    def execute(self, conn: Connection, sql: str, params: dict[str, Any]
+                ) -> list[tuple[Any, ...]]:
+        """One statement of the hot path on the driver's cursor, in `conn`'s transaction;
+        its rows (no look at `description`, which psycopg 3 builds anew, a Column per
+        column, at each look).  Through SQLAlchemy (compiled-cache look-up, execution
+        context, a Row and a fetchone() per row) the claim of a batch cost more client CPU
+        than the driver's round trip.  The transaction, the pool and the deadline
+        watchdog are still SQLAlchemy's; a driver error goes through SQLAlchemy's own
+        handling of a failed statement (the handle_error listeners: deadline, not the
+        primary; invalidation on disconnect) and leaves as its DBAPIError, as before."""
+        cur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+        try:
+            cur.execute(sql, params)
+            return list(cur.fetchall())
+        except self._driver_error as exc:
+            # Private, but the same in SQLAlchemy 1.4 and 2.x; it raises.
+            conn._handle_dbapi_exception(exc, sql, params, cur, None)  # type: ignore[attr-defined]
+            raise
+        finally:
+            cur.close()
+
+    def earliest_due(self) -> int | None:
+        with self.transaction(readonly=True) as conn:
+            rows = self.execute(conn, self.earliest_sql, self.routed_params)
+        return None if not rows else int(rows[0][0])
 
     def finish_and_claim(self, finished: Sequence[Advance], now: float, lease_seconds: int,
                          owner: str, limit: int) -> tuple[set[str], list[Claimed]]:

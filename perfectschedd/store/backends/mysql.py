@@ -2,8 +2,8 @@
 
 No UPDATE ... RETURNING: the claim reads the due rows and leases them in one transaction
 that holds them (SELECT ... FOR UPDATE SKIP LOCKED, READ COMMITTED), and a finish first
-reads (and locks) which rows still carry the caller's fence.  Batches go to the driver as
-executemany of SQL compiled once.
+reads (and locks) which rows still carry the caller's fence.  The statements' text is
+hot_sql.py's; batches of finishes go to the driver as executemany.
 """
 
 from __future__ import annotations
@@ -16,15 +16,19 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from perfectschedd.store.backends.base import DriverStatement, ServerBackend
+from perfectschedd.store.backends.base import ServerBackend
 from perfectschedd.store.deadline import CONNECT_TIMEOUT
 from perfectschedd.store.schema import Advance, Claimed
+from perfectschedd.vocabulary.fields import CLAIMED_FIELDS
 
 # Deadlock found / lock wait timeout: the transaction was rolled back, run it again.
 _TRY_AGAIN_ERRORS = frozenset({1213, 1205})
 # The server runs read-only (--read-only, a replica; MariaDB's and MySQL's codes): not the
 # primary, the connection is left for one to the primary.
 _NOT_PRIMARY_ERRORS = frozenset({1290, 1836})
+# What the claim reads of each due row, in Claimed's order: due_time is the next_run_time
+# read (the UPDATE writes the same; the read is the row as it was).
+_CLAIM_READ = tuple("next_run_time" if c == "due_time" else c for c in CLAIMED_FIELDS)
 
 
 class MySQLBackend(ServerBackend):
@@ -36,8 +40,8 @@ class MySQLBackend(ServerBackend):
         self._fences_stmt = (sa.select(t.c.key, t.c.fence)
                              .where(t.c.key.in_(sa.bindparam("keys", expanding=True)))
                              .with_for_update())
-        self._advance_many = DriverStatement(self.advance_stmt, self.engine.dialect)
-        self._delete_many = DriverStatement(self.delete_fenced_stmt, self.engine.dialect)
+        self._advance_one = self.sql.advance_one()
+        self._delete_one = self.sql.delete_one()
 
     def create_engine(self) -> Engine:
         # No pre-ping (see postgresql.py).  PyMySQL's own socket timeouts are the
@@ -73,27 +77,23 @@ class MySQLBackend(ServerBackend):
         args = getattr(exc.orig, "args", ())
         return bool(args) and isinstance(args[0], int) and args[0] in _TRY_AGAIN_ERRORS
 
-    def build_claim(self, routed: Any) -> None:
-        t = self.t
-        batch = sa.bindparam("batch", type_=sa.Integer)
-        # MySQL assigns SET values left to right, so due_time comes from the read.
-        self._claim_select = (
-            sa.select(t.c.key, t.c.type, t.c.cron, t.c.delay, t.c.timezone, t.c.data,
-                      t.c.next_time, t.c.fence, t.c.attempt, t.c.next_run_time,
-                      t.c.has_extra, t.c.policy, t.c.creator)
-            .where(t.c.paused == 0, t.c.next_run_time <= sa.bindparam("due_by"), routed)
-            .order_by(t.c.next_run_time).limit(batch).with_for_update(skip_locked=True))
-        self._claim_update = (
-            t.update().where(t.c.key.in_(sa.bindparam("keys", expanding=True)))
-            .values(next_run_time=sa.bindparam("lease_until"), fence=t.c.fence + 1,
-                    attempt=t.c.attempt + 1, owner=sa.bindparam("holder"),
-                    claimed_at=sa.bindparam("claim_ts")))
+    def build_claim(self, routed: str) -> None:
+        """A locking read of the due rows (SKIP LOCKED: rows another host is leasing are
+        passed over), then one UPDATE of the keys it read: no RETURNING on MySQL."""
+        sql = self.sql
+        quote = self.engine.dialect.identifier_preparer
+        self._claim_select = (sql.due(", ".join(quote.quote(c) for c in _CLAIM_READ), routed)
+                              + " FOR UPDATE SKIP LOCKED")
+        # PyMySQL writes a tuple parameter as a parenthesised list of values.
+        self._claim_update = (f"UPDATE {sql.table} SET {sql.claim_set()}"
+                              f" WHERE {sql.key} IN %(keys)s")
 
     def claim_in(self, conn: Connection, params: dict[str, Any]) -> list[Claimed]:
-        found = conn.execute(self._claim_select, params).all()
+        found = self.execute(conn, self._claim_select, {**self.routed_params, **params})
         if not found:
             return []
-        conn.execute(self._claim_update, {**params, "keys": [r[0] for r in found]})
+        self.execute(conn, self._claim_update,
+                     {**params, "keys": tuple(r[0] for r in found)})
         # Already in cron order (the read's ORDER BY); the values as they are after it.
         return [Claimed(*r[:7], fence=r[7] + 1, attempt=r[8] + 1, due_time=r[9],
                         has_extra=r[10], policy=r[11], creator=r[12]) for r in found]
@@ -109,9 +109,9 @@ class MySQLBackend(ServerBackend):
         oneoffs = [{"k": a.key, "f": a.fence} for a in items
                    if a.key in held and a.next_time is None]
         if moves:
-            self._advance_many.executemany(conn, moves)
+            conn.exec_driver_sql(self._advance_one, moves)
         if oneoffs:
-            self._delete_many.executemany(conn, oneoffs)
+            conn.exec_driver_sql(self._delete_one, oneoffs)
         return set(fences) - held
 
     def warm_up(self) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -28,7 +28,6 @@ from perfectschedd.store.deadline import (
     pg_sqlstate,
 )
 from perfectschedd.store.schema import Advance, Claimed
-from perfectschedd.vocabulary.fields import CLAIMED_FIELDS
 from perfectschedd.vocabulary.history import HISTORY_COLUMNS
 
 # A transaction the server rolled back to break a deadlock or a serialization conflict:
@@ -40,17 +39,18 @@ _TRY_AGAIN_STATES = frozenset({"40P01", "40001"})
 class PostgreSQLBackend(ServerBackend):
     name = "postgresql"
     partial_index_dialect = "postgresql"
+    regexp_operator = "~"
 
     def __init__(self, url: Any, table: str, deadline: float = 10.0) -> None:
         super().__init__(url, table, deadline)
-        dialect = self.engine.dialect
-        self._driver_error = (getattr(dialect, "loaded_dbapi", None) or dialect.dbapi).Error
         # The driver's own SQL ("%" escaped for its paramstyle).
         quote = self.engine.dialect.identifier_preparer
-        t = quote.format_table(self.t).replace("%", "%%")
+        t = self.sql.table
+        # A batch of finishes is one statement (a JSON text of the rows), not one per row
+        # as on SQLite and MySQL: a round trip per row to a server is what a batch saves.
+        moved = self.sql.advance_set(lambda name, _type: f"adv.{name}")
         self._advance_sql = (
-            f"UPDATE {t} AS t SET next_time = adv.nt, next_run_time = adv.nrt,"
-            " attempt = 0, owner = NULL, claimed_at = NULL, fence = t.fence + 1"
+            f"UPDATE {t} AS t SET {moved}"
             " FROM json_to_recordset(%(rows)s::json) AS adv(k text, f bigint, nt bigint,"
             " nrt bigint) WHERE t.key = adv.k AND t.fence = adv.f RETURNING t.key")
         self._delete_sql = (
@@ -131,73 +131,22 @@ class PostgreSQLBackend(ServerBackend):
 
     # -- the hot path, on the driver's cursor --------------------------------------------
 
-    def restrict_types(self, exact: Sequence[str], patterns: Sequence[str],
-                       routed: Callable[[str], bool] | None) -> None:
-        """The claim and the "next due" probe in PostgreSQL's SQL, types as parameters:
-        exact names an IN list, patterns `~` (as SQLAlchemy's regexp_match writes it)."""
-        if routed is None:
-            self.build_claim("true", {})
-            return
-        quote = self.engine.dialect.identifier_preparer
-        column = quote.quote("type")
-        conds = []
-        params: dict[str, Any] = {}
-        if exact:
-            params.update({f"route_{i}": name for i, name in enumerate(exact)})
-            conds.append(f"{column} IN ({', '.join(f'%(route_{i})s' for i in range(len(exact)))})")
-        for i, pattern in enumerate(patterns):
-            params[f"pattern_{i}"] = pattern
-            conds.append(f"{column} ~ %(pattern_{i})s")
-        self.build_claim(f"({' OR '.join(conds)})" if conds else "false", params)
+    def param(self, name: str, sql_type: str | None) -> str:
+        """psycopg's pyformat, cast to the SQL type the statement gives (as the claim's
+        text always said: the server takes each parameter as that type)."""
+        return f"%({name})s::{sql_type}" if sql_type else f"%({name})s"
 
-    def build_claim(self, routed: Any, params: dict[str, Any] | None = None) -> None:
-        quote = self.engine.dialect.identifier_preparer
-        t = quote.format_table(self.t).replace("%", "%%")
-        key = quote.quote("key")
-        returned = ", ".join(quote.quote(c) for c in CLAIMED_FIELDS)
-        self._routed_params = params or {}
-        # due_time = next_run_time: SET reads the row as it was before the UPDATE.
+    def build_claim(self, routed: str) -> None:
+        """One UPDATE ... RETURNING that leases the rows its sub-select picked; SKIP
+        LOCKED: rows another host is leasing are passed over, not waited for."""
+        sql = self.sql
         self._claim_sql = (
-            f"UPDATE {t} SET next_run_time = %(lease_until)s::bigint, fence = fence + 1,"
-            " attempt = attempt + 1, owner = %(holder)s::varchar,"
-            " claimed_at = %(claim_ts)s::double precision, due_time = next_run_time"
-            f" WHERE {key} IN (SELECT {key} FROM {t} WHERE paused = 0"
-            f" AND next_run_time <= %(due_by)s::bigint AND {routed}"
-            " ORDER BY next_run_time LIMIT %(batch)s::integer FOR UPDATE SKIP LOCKED)"
-            f" RETURNING {returned}")
-        self._earliest_sql = (f"SELECT next_run_time FROM {t} WHERE paused = 0 AND {routed}"
-                              " ORDER BY next_run_time LIMIT 1")
-
-    def _execute(self, conn: Connection, sql: str, params: dict[str, Any]
-                 ) -> list[tuple[Any, ...]]:
-        """One statement of the hot path on the driver's cursor, in `conn`'s transaction;
-        its rows (each of these statements returns rows: no look at `description`, which
-        psycopg 3 builds anew, a Column per column, at each look).  Through SQLAlchemy
-        (compiled-cache look-up, execution context, a Row and a fetchone() per row) the
-        claim of a batch cost more client CPU than the driver's round trip.  The
-        transaction, the pool and the deadline watchdog are still SQLAlchemy's; a driver
-        error goes through SQLAlchemy's own handling of a failed statement (the
-        handle_error listeners: deadline, not the primary; invalidation on disconnect) and
-        leaves as its DBAPIError, as before."""
-        cur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
-        try:
-            cur.execute(sql, params)
-            return cur.fetchall()
-        except self._driver_error as exc:
-            # Private, but the same in SQLAlchemy 1.4 and 2.x; it raises.
-            conn._handle_dbapi_exception(exc, sql, params, cur, None)  # type: ignore[attr-defined]
-            raise
-        finally:
-            cur.close()
-
-    def earliest_due(self) -> int | None:
-        with self.transaction(readonly=True) as conn:
-            rows = self._execute(conn, self._earliest_sql, self._routed_params)
-        return None if not rows else int(rows[0][0])
+            f"UPDATE {sql.table} SET {sql.claim_set()} WHERE {sql.key} IN"
+            f" ({sql.due(sql.key, routed)} FOR UPDATE SKIP LOCKED) RETURNING {sql.returned}")
 
     def claim_in(self, conn: Connection, params: dict[str, Any]) -> list[Claimed]:
-        return in_cron_order(self._execute(conn, self._claim_sql,
-                                           {**self._routed_params, **params}))
+        return in_cron_order(self.execute(conn, self._claim_sql,
+                                          {**self.routed_params, **params}))
 
     def advance_in(self, conn: Connection, items: Sequence[Advance]) -> set[str]:
         """One statement for all advances, one for all one-offs, whatever the batch size."""
@@ -206,11 +155,11 @@ class PostgreSQLBackend(ServerBackend):
         moves = sorted(({"k": a.key, "f": a.fence, "nt": a.next_time, "nrt": a.next_run_time}
                         for a in items if a.next_time is not None), key=operator.itemgetter("k"))
         if moves:
-            done.update(r[0] for r in self._execute(
+            done.update(r[0] for r in self.execute(
                 conn, self._advance_sql, {"rows": json.dumps(moves)}))
         oneoffs = [{"k": a.key, "f": a.fence} for a in items if a.next_time is None]
         if oneoffs:
-            done.update(r[0] for r in self._execute(
+            done.update(r[0] for r in self.execute(
                 conn, self._delete_sql, {"rows": json.dumps(oneoffs)}))
         return {a.key for a in items} - done
 

@@ -30,13 +30,9 @@ from perfectschedd.errors import ConfigError
 from perfectschedd.store.backends.base import Backend, in_cron_order
 from perfectschedd.store.schema import TRY_AGAIN_FOR, Advance, Claimed, lease_until
 from perfectschedd.store.writelock import HostWriteLock
-from perfectschedd.vocabulary.fields import CLAIMED_FIELDS
 
 # RETURNING: the claim is one statement that leases the rows and hands them back.
 MIN_SQLITE = (3, 35, 0)
-
-# The order of Claimed's fields.
-CLAIMED_COLUMNS = CLAIMED_FIELDS
 
 
 def missing_directory(url: URL) -> str | None:
@@ -61,6 +57,7 @@ def missing_directory(url: URL) -> str | None:
 class SQLiteBackend(Backend):
     name = "sqlite"
     partial_index_dialect = "sqlite"
+    pyformat = False
 
     def __init__(self, url: URL, table: str) -> None:
         db = url.database or ""
@@ -80,12 +77,8 @@ class SQLiteBackend(Backend):
         self._local = threading.local()
         super().__init__(url, table)
         self.write_lock = HostWriteLock(db, TRY_AGAIN_FOR)
-        quote = self.engine.dialect.identifier_preparer
-        t, key = self._table, quote.quote("key")
-        self._advance_sql = (
-            f"UPDATE {t} SET next_time = ?, next_run_time = ?, attempt = 0, owner = NULL,"
-            f" claimed_at = NULL, fence = fence + 1 WHERE {key} = ? AND fence = ?")
-        self._delete_sql = f"DELETE FROM {t} WHERE {key} = ? AND fence = ?"
+        self._advance_one = self.sql.advance_one()
+        self._delete_one = self.sql.delete_one()
 
     def create_engine(self) -> Engine:
         engine = sa.create_engine(
@@ -121,10 +114,6 @@ class SQLiteBackend(Backend):
             conn.exec_driver_sql(mode)
 
         return engine
-
-    @property
-    def _table(self) -> str:
-        return self.engine.dialect.identifier_preparer.format_table(self.t)
 
     @contextmanager
     def transaction(self, readonly: bool = False, durable: bool = False
@@ -174,33 +163,25 @@ class SQLiteBackend(Backend):
 
     # -- the hot path, on the driver's connection ----------------------------------------
 
-    def restrict_types(self, exact: Sequence[str], patterns: Sequence[str],
-                       routed: Callable[[str], bool] | None) -> None:
-        """Types are asked of `routed` itself, a function on each connection, when there
-        are patterns; exact names are a plain IN list."""
-        self._routed = routed
-        if routed is None:
-            self.build_claim("1", ())
-        elif patterns:
-            self.build_claim("perfectsched_routed(type)", ())
-        else:
-            self.build_claim(f"type IN ({', '.join('?' * len(exact))})" if exact else "0",
-                             tuple(exact))
+    def param(self, name: str, sql_type: str | None) -> str:
+        """sqlite3's named style."""
+        return f":{name}"
 
-    def build_claim(self, routed: Any, params: tuple[str, ...] = ()) -> None:
-        t = self._table
-        quote = self.engine.dialect.identifier_preparer
-        returned = ", ".join(quote.quote(c) for c in CLAIMED_COLUMNS)
-        self._routed_params = params
-        # due_time = next_run_time: SQLite's SET reads the row as it was before the UPDATE.
-        # The sub-select walks the due index, which holds the rowid (no key look-up).
-        self._claim_sql = (
-            f"UPDATE {t} SET next_run_time = ?, fence = fence + 1, attempt = attempt + 1,"
-            f" owner = ?, claimed_at = ?, due_time = next_run_time"
-            f" WHERE rowid IN (SELECT rowid FROM {t} WHERE paused = 0 AND next_run_time <= ?"
-            f" AND {routed} ORDER BY next_run_time LIMIT ?) RETURNING {returned}")
-        self._earliest_sql = (f"SELECT next_run_time FROM {t} WHERE paused = 0 AND {routed}"
-                              " ORDER BY next_run_time LIMIT 1")
+    def routed_sql(self, exact: Sequence[str], patterns: Sequence[str],
+                   routed: Callable[[str], bool] | None) -> tuple[str, dict[str, Any]]:
+        """SQLite has no regular expressions of its own: with patterns, types are asked
+        of `routed` itself, a function on each connection (see create_engine)."""
+        self._routed = routed
+        if routed is not None and patterns:
+            return "perfectsched_routed(type)", {}
+        return super().routed_sql(exact, patterns, routed)
+
+    def build_claim(self, routed: str) -> None:
+        """One UPDATE ... RETURNING; no lock to skip: a writer holds the whole file.  The
+        sub-select walks the due index, which holds the rowid (no key look-up)."""
+        sql = self.sql
+        self._claim_sql = (f"UPDATE {sql.table} SET {sql.claim_set()} WHERE rowid IN"
+                           f" ({sql.due('rowid', routed)}) RETURNING {sql.returned}")
 
     def keep_connection(self) -> None:
         """The calling thread keeps one pooled connection instead of checking one out
@@ -261,19 +242,21 @@ class SQLiteBackend(Backend):
             cur = con.cursor()
             for key, fence, next_time, next_run_time, *_ in finished:
                 if next_time is None:
-                    cur.execute(self._delete_sql, (key, fence))
+                    cur.execute(self._delete_one, {"k": key, "f": fence})
                 else:
-                    cur.execute(self._advance_sql, (next_time, next_run_time, key, fence))
+                    cur.execute(self._advance_one, {"nt": next_time, "nrt": next_run_time,
+                                                    "k": key, "f": fence})
                 if cur.rowcount != 1:
                     lost.add(key)
             if limit > 0:
-                claimed = cur.execute(self._claim_sql, (
-                    lease_until(now, lease_seconds), owner, now, int(now),
-                    *self._routed_params, limit)).fetchall()
+                claimed = cur.execute(self._claim_sql, {
+                    "lease_until": lease_until(now, lease_seconds), "holder": owner,
+                    "claim_ts": now, "due_by": int(now), "batch": limit,
+                    **self.routed_params}).fetchall()
         return lost, in_cron_order(claimed) if claimed else []
 
     def earliest_due(self) -> int | None:
         """One index probe, no write lock."""
         with self._connection(write=False) as con:
-            row = con.execute(self._earliest_sql, self._routed_params).fetchone()
+            row = con.execute(self.earliest_sql, self.routed_params).fetchone()
         return None if row is None else int(row[0])
