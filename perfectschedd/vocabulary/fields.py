@@ -67,7 +67,7 @@ def foreign_exec_row(key: str, task_type: str, schedule: tuple[str, str | None] 
     """Why a stored row must not run, or None: its type exec:K runs entry K's command,
     as K's user, and it is not entry K's own row.  The one rule (SPEC "Privilege model":
     a row is trusted no more than its writer, whatever version wrote it), used by the
-    upgrade (store/sql.py), the daemon's start and reloads (schedules/converge.py) and
+    upgrade (store/upgrade.py), the daemon's start and reloads (schedules/converge.py) and
     the worker before each run (worker/runs.py).
 
     Entry K's own: key K or one of K's extra runs (K@run-...), whose schedule, the row
@@ -171,7 +171,7 @@ def dumps_data(data: Any) -> str:
 
 # A schedule's fields, each once: its name, the Python type of its value as stored, and
 # what it holds.  In the schedules table's column order (store/schema.py makes the
-# columns; tests/store/test_fields.py holds them to this list).  Row and Claimed
+# columns; tests/vocabulary/test_fields.py holds them to this list).  Row and Claimed
 # (store/schema.py) and ScheduleInfo (schedules/collection.py) are made from it.
 SCHEDULE_FIELDS: dict[str, Any] = {
     "key": str,

@@ -349,7 +349,7 @@ def test_a_worker_that_died_before_writing_a_value_is_folded_quietly(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A worker stopped as it started leaves an empty metric file: it holds nothing to
     fold, and must not be reported as an error (a failed start's one line is the
-    database's, tests/store/test_schema_version.py)."""
+    database's, tests/store/test_version.py)."""
     from perfectschedd.metrics import archive
 
     (tmp_path / "counter_4242.db").write_bytes(b"")

@@ -1,8 +1,9 @@
-"""The database's schema version (schemaversion.py), on every backend: recorded on a new
-database, brought up from 0.1.0's (no version record), refused in one line when newer
-than this version may use or not one of ours, changing nothing then; several hosts
-updating at once; a daemon that cannot use its database fails its start (no READY=1);
-each host records itself and status lists the hosts.
+"""The database's schema version (version.py; opening a database: upgrade.py), on
+every backend: recorded on a new database, brought up from 0.1.0's (no version
+record), refused in one line when newer than this version may use or not one of ours,
+changing nothing then; several hosts updating at once; a daemon that cannot use its
+database fails its start (no READY=1); each host records itself and status lists the
+hosts.
 
 Databases made by the real 0.1.0 are tests/daemon/test_upgrade_db.py's.
 """
