@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from pathlib import Path
@@ -224,6 +225,20 @@ async def _status(address: str) -> str:
         bus.disconnect()
 
 
+def _packaged_policy() -> str:
+    """The packaged policy, with its user (the owner) and group renamed to ones that exist."""
+    return POLICY.read_text().replace('user="perfectsched"', 'user="root"') \
+        .replace('group="perfectsched"', 'group="nogroup"')
+
+
+def _bus_and_daemon(open_dir: Path) -> tuple[Bus, Daemon]:
+    """A system-like bus reading open_dir/policy.conf, and a daemon (not started) on it
+    whose control group is nogroup."""
+    bus = Bus(open_dir, SYSTEM_POLICY)
+    return bus, Daemon(open_dir, {"dbus": True, "dbus_address": bus.address,
+                                  "control_group": "nogroup"})
+
+
 def _client_as(user: list[str], address: str) -> list[str]:
     res = subprocess.run([*user, *foreign_python(), "-c", CLIENT, address, BUS_NAME,
                           OBJECT_PATH, INTERFACE], capture_output=True, text=True, timeout=60,
@@ -270,13 +285,8 @@ def test_policy_file_says_who_may_own_and_call() -> None:
 
 @needs_root
 def test_policy_file_on_a_system_like_bus(open_dir: Path) -> None:
-    # The packaged policy, with its user (the owner) and group renamed to ones that exist.
-    text = POLICY.read_text().replace('user="perfectsched"', 'user="root"') \
-        .replace('group="perfectsched"', 'group="nogroup"')
-    (open_dir / "policy.conf").write_text(text)
-    bus = Bus(open_dir, SYSTEM_POLICY)
-    d = Daemon(open_dir, {"dbus": True, "dbus_address": bus.address,
-                          "control_group": "nogroup"})
+    (open_dir / "policy.conf").write_text(_packaged_policy())
+    bus, d = _bus_and_daemon(open_dir)
     try:
         d.start()
         d.wait_log("D-Bus interface org.perfectsched1")  # root may own the name
@@ -293,16 +303,12 @@ def test_the_name_is_owned_once_the_bus_reads_the_policy(open_dir: Path) -> None
     """Right after `apt install`, the system bus has not read the package's policy yet:
     the daemon keeps trying, and owns the name once the bus reloads its configuration."""
     (open_dir / "policy.conf").write_text(f"{DOCTYPE}<busconfig/>\n")
-    bus = Bus(open_dir, SYSTEM_POLICY)
-    d = Daemon(open_dir, {"dbus": True, "dbus_address": bus.address,
-                          "control_group": "nogroup"})
+    bus, d = _bus_and_daemon(open_dir)
     try:
         d.start()
         d.wait_log("D-Bus interface not available")
         assert "trying again with back-off" in d.log()
-        text = POLICY.read_text().replace('user="perfectsched"', 'user="root"') \
-            .replace('group="perfectsched"', 'group="nogroup"')
-        (open_dir / "policy.conf").write_text(text)
+        (open_dir / "policy.conf").write_text(_packaged_policy())
         subprocess.run(["dbus-send", f"--bus={bus.address}", "--print-reply",
                         "--dest=org.freedesktop.DBus", "/org/freedesktop/DBus",
                         "org.freedesktop.DBus.ReloadConfig"], check=True, timeout=10,
@@ -347,6 +353,8 @@ def test_hostile_requests_over_dbus(daemon_factory: Any, open_bus: Bus) -> None:
     assert "k" not in {s["key"] for s in d.ctl_json("list")}
 
 
+# Counts ScheduleChanged signals; prints the count once it has `expected` of them, or
+# when the test closes its stdin (an outsider, who must get none, is asked then).
 LISTENER = """
 import asyncio, sys
 from dbus_next.aio import MessageBus
@@ -354,23 +362,35 @@ from dbus_next import Message
 
 async def main():
     bus = await MessageBus(bus_address=sys.argv[1]).connect()
+    expected = int(sys.argv[2])
     got = []
-    bus.add_message_handler(lambda m: got.append(m.body) if m.member == "ScheduleChanged"
-                            else None)
+    enough = asyncio.Event()
+
+    def on_message(m):
+        if m.member == "ScheduleChanged":
+            got.append(m.body)
+            if len(got) >= expected:
+                enough.set()
+
+    bus.add_message_handler(on_message)
     await bus.call(Message(destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
                            interface="org.freedesktop.DBus", member="AddMatch", signature="s",
                            body=["type='signal',interface='org.perfectsched1.Manager'"]))
     print("READY", flush=True)
-    await asyncio.sleep(float(sys.argv[2]))
+    loop = asyncio.get_running_loop()
+    stdin_closed = loop.run_in_executor(None, sys.stdin.read)
+    await asyncio.wait([asyncio.ensure_future(enough.wait()), stdin_closed], timeout=60,
+                       return_when=asyncio.FIRST_COMPLETED)
     print(len(got), flush=True)
 
 asyncio.run(main())
 """
 
 
-def _listen_as(user: list[str], address: str, seconds: float) -> subprocess.Popen[str]:
-    proc = subprocess.Popen([*user, *foreign_python(), "-c", LISTENER, address, str(seconds)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+def _listen_as(user: list[str], address: str, expected: int) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([*user, *foreign_python(), "-c", LISTENER, address, str(expected)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd="/")
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "READY", proc.stderr.read() if proc.stderr else ""
     return proc
@@ -380,20 +400,20 @@ def _listen_as(user: list[str], address: str, seconds: float) -> subprocess.Pope
 def test_signals_reach_only_root_and_the_group(open_dir: Path) -> None:
     """With the packaged policy, ScheduleChanged (every key added, paused, deleted) is not
     broadcast to every local user."""
-    text = POLICY.read_text().replace('user="perfectsched"', 'user="root"') \
-        .replace('group="perfectsched"', 'group="nogroup"')
-    (open_dir / "policy.conf").write_text(text)
-    bus = Bus(open_dir, SYSTEM_POLICY)
-    d = Daemon(open_dir, {"dbus": True, "dbus_address": bus.address,
-                          "control_group": "nogroup"})
+    (open_dir / "policy.conf").write_text(_packaged_policy())
+    bus, d = _bus_and_daemon(open_dir)
     try:
         d.start()
-        member = _listen_as(AS_NOBODY, bus.address, 4)
-        outsider = _listen_as(AS_DAEMON, bus.address, 4)
+        # The bus is joined after the socket answers: signals before that go nowhere.
+        d.wait_log("D-Bus interface org.perfectsched1 on")
+        member = _listen_as(AS_NOBODY, bus.address, 3)
+        outsider = _listen_as(AS_DAEMON, bus.address, 1)
         for i in range(3):
             d.ctl("add", f"secret-{i}", "t", "@daily")
-        assert member.communicate(timeout=30)[0].split()[-1] == "3"
-        assert outsider.communicate(timeout=30)[0].split()[-1] == "0"
+        assert member.communicate(timeout=70)[0].split()[-1] == "3"
+        # The bus has routed all three to every match by the time the member has them.
+        time.sleep(0.5)
+        assert outsider.communicate("", timeout=30)[0].split()[-1] == "0"
     finally:
         d.kill()
         bus.stop()
