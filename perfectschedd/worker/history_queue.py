@@ -49,8 +49,9 @@ class HistoryQueue:
             return None
         return max(0.0, HISTORY_FLUSH - (time.monotonic() - self.last_flush))
 
-    def flush(self, store: Store, force: bool = False) -> None:
-        """Write the rows queued, at most every HISTORY_FLUSH unless `force`."""
+    def flush(self, store: Store | None, force: bool = False) -> None:
+        """Write the rows queued, at most every HISTORY_FLUSH unless `force`; with no
+        store (no history kept), drop them, still handed to on_recorded."""
         now = time.monotonic()
         if not force and now - self.last_flush < HISTORY_FLUSH:
             return
@@ -60,6 +61,9 @@ class HistoryQueue:
         batch = self.rows[:]
         del self.rows[:len(batch)]
         if not batch:
+            return
+        if store is None:
+            self._recorded(batch)
             return
         try:
             store.record_runs(batch)

@@ -159,8 +159,10 @@ class LeasePipeline:
             pass  # the waiting occurrence runs when its give-back ends (alive_time)
 
     def flush_history(self, force: bool = False) -> None:
-        """Write the history rows queued (HistoryQueue.flush), unless none is kept."""
-        if self.sc is None or self.config.history_limit == 0:
+        """Write the history rows queued (HistoryQueue.flush).  With history_limit 0 none
+        is kept: the rows are dropped unwritten, but still told to on_recorded (a failure
+        is notified whatever history keeps), and never pile up in the worker."""
+        if self.sc is None:
             return
-        self.history.flush(self.store, force)
+        self.history.flush(self.store if self.config.history_limit else None, force)
 

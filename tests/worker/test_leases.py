@@ -407,3 +407,25 @@ def test_runs_ending_while_finishes_gather_do_not_wake_the_loop_until_threads_ru
     step(p, submitted.append)  # writes the three finishes, defers nothing
     assert p.deferred_until == 0.0 and not p.finished
     close(p)
+
+
+def test_with_history_limit_0_rows_are_told_and_dropped_never_kept(tmp_path: Path) -> None:
+    """history_limit 0 keeps no history: each run's row still reaches on_recorded (its
+    failure is notified), then goes; the queue does not grow with every run (it did: the
+    rows were never written nor dropped) nor wake the loop every half second."""
+    recorded: list[dict[str, Any]] = []
+    p, _ = pipeline(tmp_path, on_recorded=recorded.extend, history_limit=0)
+    submitted: list[Task] = []
+    for i in range(3):
+        add(p, f"f{i}", "fails")
+    step(p, submitted.append)
+    assert len(submitted) == 3
+    for task in submitted:
+        run_one(p, task)
+    p.flush_history(force=True)
+    assert p.history.rows == []
+    assert p.history.wait() is None
+    assert sorted((r["key"], r["outcome"]) for r in recorded) == [
+        ("f0", "failed"), ("f1", "failed"), ("f2", "failed")]
+    assert p.sc is not None and p.sc.store.history("f0", 10) == []
+    close(p)
