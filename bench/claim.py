@@ -41,7 +41,7 @@ from perfectschedd.schedules.collection import ScheduleCollection  # noqa: E402
 from perfectschedd.schedules.task import Task  # noqa: E402
 from perfectschedd.store.schema import Row  # noqa: E402
 from perfectschedd.store.sql import Store  # noqa: E402
-from perfectschedd.worker.leases import HISTORY_FLUSH  # noqa: E402
+from perfectschedd.worker.history_queue import HISTORY_FLUSH  # noqa: E402
 
 T0 = 1_500_000_000 - 1_500_000_000 % 60  # minute-aligned
 NOW = T0 + 10**8  # every schedule has a huge backlog: each claim finds due rows
