@@ -26,6 +26,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -213,6 +214,16 @@ class Env:
                 Path(str(path) + suffix).unlink(missing_ok=True)
 
 
+def takes_route_user(pythonpath: str | None) -> bool:
+    """Whether the perfectschedd of `pythonpath` (this tree's when None) is 0.3.0 or
+    later: the release whose root daemon needs `user:` on a python route."""
+    if pythonpath is None:
+        return True
+    text = (Path(pythonpath) / "perfectschedd" / "__init__.py").read_text()
+    found = re.search(r'__version__ = "(\d+)\.(\d+)', text)
+    return found is None or (int(found[1]), int(found[2])) >= (0, 3)
+
+
 @dataclass
 class PS:
     """PerfectSched: the real daemon in a subprocess, schedules added with add_many."""
@@ -240,7 +251,7 @@ class PS:
             # user: a root daemon refuses a route without one (a tree before 0.3.0 takes
             # no user: on a python route, and needs none).
             "routes": [{"type": "bench", "python": "benchapp:Fire",
-                        **({} if self.pythonpath else {"user": RUNNER})}],
+                        **({"user": RUNNER} if takes_route_user(self.pythonpath) else {})}],
             **self.extra,
         }
         (self.dir / "perfectsched.yml").write_text(yaml.safe_dump(self.config))
