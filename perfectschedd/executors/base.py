@@ -72,12 +72,16 @@ class TaskLike(Protocol):
 Log = logging.Logger | logging.LoggerAdapter  # type: ignore[type-arg]
 
 
-@dataclass(frozen=True, slots=True)
+# RunResult and RunOptions are made on every run (three times for a python run): not
+# frozen, since a frozen dataclass sets each field through object.__setattr__, about
+# 0.85 us more per object of 8 fields here, 2.5 us a run (docs/performance.md, #41).
+# Nobody changes them once made; nothing hashes them.
+@dataclass(slots=True)
 class RunResult:
     """How a run ended, as its history row records it and as the worker ends its task
     (worker/ending.py: the outcome says finish, retry, release, give back or nothing).  A
     handler's ``run`` returns one with duration 0; ``run_task`` sets the duration it
-    measured."""
+    measured.  Read only, by convention (see above)."""
 
     outcome: Outcome
     duration: float              # seconds, monotonic
@@ -308,9 +312,10 @@ def lease_lost_while_running(key: str, duration: float, log: Log) -> RunResult:
         "result was discarded"))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RunOptions:
-    """How to run, besides the task and its handler (``run_task``'s keywords)."""
+    """How to run, besides the task and its handler (``run_task``'s keywords).  Not
+    frozen, as RunResult is not (made on every run)."""
 
     log: Log
     stop_event: Stop | None = None

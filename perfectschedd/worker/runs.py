@@ -167,7 +167,10 @@ def _settle(p: LeasePipeline, task: Task, result: RunResult, run: _Run) -> None:
     schedule (no next occurrence), a retry that gave the occurrence up (max_attempts)
     or a SCHED_LATER refused (later_limit) say so; logged, counted."""
     run.result = result
-    run.outcome, run.duration, run.error = result.outcome, result.duration, result.error
+    # A plain str from here (the counters' labels, the log line, the history row): an
+    # enum member formats and converts in Python code, several times a run.
+    run.outcome = str(result.outcome)
+    run.duration, run.error = result.duration, result.error
     if task.exhausted:
         run.outcome = Outcome.FAILED
         run.error = run.error or error_line(task.exhausted)

@@ -81,7 +81,10 @@ def test_the_error_is_one_bounded_line() -> None:
 # -- exec ---------------------------------------------------------------------------------
 
 def test_exec_success_keeps_stdout_and_stderr_in_order() -> None:
-    result = run(FakeTask(), sh("echo out1; sleep 0.1; echo err1 >&2; sleep 0.1; echo out2"))
+    # Two pipes: their chunks are kept in the order they are read, so each pause must
+    # outlast the reader's longest wait for a core (0.1 s did not, once, on a machine
+    # running make check beside it).
+    result = run(FakeTask(), sh("echo out1; sleep 0.5; echo err1 >&2; sleep 0.5; echo out2"))
     assert result.outcome == Outcome.SUCCESS
     assert (result.status, result.signal, result.error) == (0, None, None)
     assert result.output == "out1\nerr1\nout2\n"
@@ -89,8 +92,8 @@ def test_exec_success_keeps_stdout_and_stderr_in_order() -> None:
 
 def test_exec_failure_says_the_status_and_the_last_line() -> None:
     # The pauses: two pipes, read in the order their chunks come.
-    result = run(FakeTask(), sh("echo connecting; sleep 0.1; echo 'cannot reach db' >&2; "
-                                "sleep 0.1; echo; exit 3"))
+    result = run(FakeTask(), sh("echo connecting; sleep 0.5; echo 'cannot reach db' >&2; "
+                                "sleep 0.5; echo; exit 3"))
     assert result.outcome == Outcome.FAILED
     assert (result.status, result.signal) == (3, None)
     assert result.error == "exit status 3: cannot reach db"
